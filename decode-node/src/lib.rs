@@ -1,0 +1,1 @@
+//! decode-node: placeholder until its issue lands.

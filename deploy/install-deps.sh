@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what building, running and testing Fission need on a fresh Debian machine.
+# Idempotent: each step is skipped when its tool is already there.
+set -euo pipefail
+
+need_apt=()
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-venv)
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "installing with apt: ${need_apt[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  if [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+  else
+    echo "installing the Rust toolchain with rustup" >&2
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component rustfmt
+    export PATH="$HOME/.cargo/bin:$PATH"
+  fi
+fi

@@ -1,0 +1,168 @@
+//! `fission bench engine`: prefill and decode throughput of the local engine, in the same
+//! workload shapes that `engine/benches/peers/` measures for transformers and llama.cpp.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use engine::engine::{Engine, EngineConfig, Request};
+use engine::ids::SeqId;
+use engine::loader::ModelSource;
+use engine::model::{parse_dtype, LoadedModel};
+use engine::sampling::SamplingParams;
+use engine::stopping::StoppingCriteria;
+use serde_json::json;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Prefill tokens/s and decode throughput of the engine.
+    Engine(EngineBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct EngineBenchArgs {
+    #[arg(long)]
+    pub model: String,
+    #[arg(long)]
+    pub dtype: Option<String>,
+    #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
+    pub prefill: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    pub batch: Vec<usize>,
+    /// Repeats per figure; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Write the figures as JSON here (the schema the peer scripts use).
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Engine(args) => engine_bench(args),
+    }
+}
+
+/// Prompt ids shared with the peer scripts: `3 + ((i * 7919 + 13 + b * 104729) % (vocab - 3))`.
+pub fn bench_prompt(len: usize, b: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| (3 + ((i * 7919 + 13 + b * 104_729) % (vocab - 3))) as u32)
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn request(id: u64, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Request {
+    Request {
+        seq_id: SeqId(id),
+        prompt_ids,
+        sampling: SamplingParams::greedy(),
+        stopping: StoppingCriteria {
+            max_new_tokens,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: true,
+        },
+    }
+}
+
+fn new_engine(model: &LoadedModel, num_blocks: usize, max_prefill: usize) -> anyhow::Result<Engine> {
+    Ok(Engine::new(
+        model.clone(),
+        EngineConfig {
+            num_kv_blocks: Some(num_blocks),
+            max_batch_prefill_tokens: max_prefill,
+            max_prefill_chunk_tokens: max_prefill,
+            // Every run must compute its prompt: a prefix hit would flatter the figures.
+            enable_prefix_caching: false,
+            ..Default::default()
+        },
+    )?)
+}
+
+/// Prefill tokens/s for one prompt of `len` tokens (time to the first token).
+fn prefill_once(model: &LoadedModel, len: usize) -> anyhow::Result<f64> {
+    let vocab = model.config().vocab_size;
+    let mut e = new_engine(model, len.div_ceil(16) + 2, len.max(16))?;
+    e.add_request(request(0, bench_prompt(len, 0, vocab), 1))?;
+    let t = Instant::now();
+    while e.has_work() {
+        e.step()?;
+    }
+    Ok(len as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Decode-only tokens/s for `batch` sequences of 32-token prompts generating `new_tokens`
+/// each: the clock starts once every sequence has its first token.
+fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::Result<f64> {
+    let vocab = model.config().vocab_size;
+    let blocks = batch * (32 + new_tokens).div_ceil(16) + 2;
+    let mut e = new_engine(model, blocks, 32 * batch)?;
+    for b in 0..batch {
+        e.add_request(request(b as u64, bench_prompt(32, b, vocab), new_tokens))?;
+    }
+    let mut first = 0;
+    while first < batch {
+        first += e.step()?.iter().filter(|ev| ev.index == 0).count();
+    }
+    let t = Instant::now();
+    let mut tokens = 0usize;
+    while e.has_work() {
+        tokens += e.step()?.len();
+    }
+    Ok(tokens as f64 / t.elapsed().as_secs_f64())
+}
+
+fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
+    let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    let model = LoadedModel::load(&ModelSource::parse(&args.model), dtype, &candle_core::Device::Cpu)
+        .with_context(|| format!("loading {}", args.model))?;
+    let max_ctx = model.config().max_context;
+    let repeats = args.repeats.max(1);
+    // Warm-up: first-touch page faults and thread-pool start-up are not throughput.
+    prefill_once(&model, 32.min(max_ctx - 1))?;
+
+    let mut prefill = serde_json::Map::new();
+    for &len in &args.prefill {
+        if len + 1 > max_ctx {
+            eprintln!("prefill {len}: skipped (model context is {max_ctx})");
+            continue;
+        }
+        let tps = median((0..repeats).map(|_| prefill_once(&model, len)).collect::<anyhow::Result<_>>()?);
+        eprintln!("prefill {len:>5} tokens: {tps:>9.1} tok/s");
+        prefill.insert(len.to_string(), json!(tps));
+    }
+    let single = median((0..repeats).map(|_| decode_once(&model, 1, 128)).collect::<anyhow::Result<_>>()?);
+    eprintln!("decode single stream (32 prompt, 128 new): {single:>9.1} tok/s");
+    let mut batched = serde_json::Map::new();
+    for &b in &args.batch {
+        let tps = median((0..repeats).map(|_| decode_once(&model, b, 64)).collect::<anyhow::Result<_>>()?);
+        eprintln!("decode batch {b:>3} (32 prompt, 64 new each): {tps:>9.1} tok/s");
+        batched.insert(b.to_string(), json!(tps));
+    }
+    let name = std::path::Path::new(&args.model)
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| args.model.clone());
+    let report = json!({
+        "engine": "fission",
+        "model": name,
+        "prefill_tok_s": prefill,
+        "decode_single_tok_s": single,
+        "decode_batch_tok_s": batched,
+        "notes": format!("median of {repeats}; {} threads", rayon_threads()),
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(out) = args.out {
+        std::fs::write(&out, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}

@@ -1,0 +1,3 @@
+pub mod bench;
+pub mod generate;
+pub mod random_model;

@@ -1,0 +1,38 @@
+//! `fission`: the command-line entry point. Subcommands live in `cmd/`, one file each.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "fission", version, about = "Fission: disaggregated LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text for one prompt with the local engine.
+    Generate(cmd::generate::GenerateArgs),
+    /// Write a random-weight model with a known shape (for benchmarks).
+    MakeRandomModel(cmd::random_model::RandomModelArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(cmd::bench::BenchCommand),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::MakeRandomModel(args) => cmd::random_model::run(args),
+        Command::Bench(c) => cmd::bench::run(c),
+    }
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs every test of the workspace: installs what they need, checks formatting, builds and tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source deploy/install-deps.sh
+export PATH="$HOME/.cargo/bin:$PATH"
+
+if cargo fmt --version >/dev/null 2>&1; then
+  cargo fmt --all -- --check
+fi
+# Tests run in release: the engine tests execute real model forwards.
+cargo build --workspace --release --all-targets
+cargo test --workspace --release

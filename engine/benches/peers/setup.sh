@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Sets up the peer engines for the engine benchmark, under <repo>/.peers (git-ignored):
+#   .peers/venv                  python venv: torch, transformers, safetensors, tokenizers, numpy,
+#                                gguf, sentencepiece, protobuf (+ cmake, ninja when the system lacks them)
+#   .peers/sdist/                the llama-cpp-python sdist (source only, no wheel)
+#   .peers/llama.cpp/            the llama.cpp tree vendored in that sdist (convert_hf_to_gguf.py lives here)
+#   .peers/llama.cpp/build/bin/  llama-bench, llama-batched-bench
+#
+# Idempotent: every step is skipped when its output already exists. Safe to re-run after a failure.
+# Environment knobs:
+#   PEERS_DIR            (default <repo>/.peers)
+#   LLAMA_CPP_PY_VERSION (default: latest on PyPI; BASELINES.md used 0.3.36)
+#   JOBS                 (default 2: the build machine is shared)
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(cd "$SCRIPT_DIR/../../.." && pwd)"
+PEERS_DIR="${PEERS_DIR:-$REPO_ROOT/.peers}"
+VENV="$PEERS_DIR/venv"
+SDIST_DIR="$PEERS_DIR/sdist"
+LLAMA_DIR="$PEERS_DIR/llama.cpp"
+BUILD_DIR="$LLAMA_DIR/build"
+JOBS="${JOBS:-2}"
+PY="${PYTHON:-python3}"
+
+log() { printf '[peers-setup] %s\n' "$*" >&2; }
+
+mkdir -p "$PEERS_DIR"
+
+# 1. venv ---------------------------------------------------------------------------------------
+if [[ ! -x "$VENV/bin/python" ]]; then
+    log "creating venv at $VENV"
+    "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+if [[ ! -f "$VENV/.deps-ok" ]]; then
+    log "installing python packages (torch from PyPI is ~5 GB; takes a few minutes)"
+    "${PIP[@]}" install -q --upgrade pip
+    "${PIP[@]}" install -q torch transformers safetensors tokenizers numpy gguf sentencepiece protobuf
+    "$VENV/bin/python" -c 'import torch, transformers, safetensors, tokenizers, numpy, gguf, sentencepiece'
+    touch "$VENV/.deps-ok"
+else
+    log "python packages already installed"
+fi
+
+# 2. build tools --------------------------------------------------------------------------------
+# Prefer the system's cmake/ninja; otherwise take them from PyPI into the venv (no root needed).
+export PATH="$VENV/bin:$PATH"
+if ! command -v cmake >/dev/null 2>&1 || ! command -v ninja >/dev/null 2>&1; then
+    log "installing cmake and ninja from PyPI into the venv"
+    "${PIP[@]}" install -q cmake ninja
+fi
+log "cmake: $(command -v cmake) ($(cmake --version | head -1)); ninja: $(command -v ninja)"
+
+# 3. llama-cpp-python sdist -> vendored llama.cpp -----------------------------------------------
+shopt -s nullglob
+sdists=("$SDIST_DIR"/llama_cpp_python-*.tar.gz)
+if (( ${#sdists[@]} == 0 )); then
+    log "downloading the llama-cpp-python sdist"
+    mkdir -p "$SDIST_DIR"
+    spec="llama-cpp-python${LLAMA_CPP_PY_VERSION:+==$LLAMA_CPP_PY_VERSION}"
+    "${PIP[@]}" download -q --no-deps --no-binary :all: "$spec" -d "$SDIST_DIR"
+    sdists=("$SDIST_DIR"/llama_cpp_python-*.tar.gz)
+fi
+SDIST="${sdists[-1]}"
+log "sdist: $(basename "$SDIST")"
+
+if [[ ! -f "$LLAMA_DIR/convert_hf_to_gguf.py" ]]; then
+    log "extracting vendored llama.cpp to $LLAMA_DIR"
+    tmp="$(mktemp -d "$PEERS_DIR/extract.XXXXXX")"
+    tar -xzf "$SDIST" -C "$tmp"
+    src=("$tmp"/llama_cpp_python-*/vendor/llama.cpp)
+    if [[ ! -d "${src[0]:-}" ]]; then
+        log "error: no vendor/llama.cpp in $SDIST"; rm -rf "$tmp"; exit 1
+    fi
+    rm -rf "$LLAMA_DIR"
+    mv "${src[0]}" "$LLAMA_DIR"
+    basename "$SDIST" > "$LLAMA_DIR/.from-sdist"
+    rm -rf "$tmp"
+fi
+
+# 4. build llama-bench and llama-batched-bench --------------------------------------------------
+if [[ -x "$BUILD_DIR/bin/llama-bench" && -x "$BUILD_DIR/bin/llama-batched-bench" ]]; then
+    log "llama.cpp tools already built in $BUILD_DIR/bin"
+else
+    log "building llama.cpp (Release, GGML_NATIVE=ON, -j$JOBS); this takes several minutes"
+    (
+        cd "$LLAMA_DIR"
+        if [[ ! -f build/build.ninja ]]; then
+            cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+        fi
+        nice -n 10 cmake --build build --target llama-batched-bench llama-bench -j"$JOBS"
+    )
+fi
+
+log "done"
+log "  python:  $VENV/bin/python"
+log "  llama.cpp: $LLAMA_DIR ($(cat "$LLAMA_DIR/.from-sdist" 2>/dev/null || echo '?'))"
+log "  tools:   $BUILD_DIR/bin/llama-bench $BUILD_DIR/bin/llama-batched-bench"

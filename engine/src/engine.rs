@@ -1,0 +1,408 @@
+//! The synchronous engine: admits requests, runs one continuous-batching step at a time, samples,
+//! detokenizes and applies stop conditions. Services drive it from their own thread.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kernels::{KvDtype, KvLayout};
+
+use crate::detokenize::{IncrementalDetokenizer, StopStringStream};
+use crate::error::{EngineError, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::kv::allocator::BlockAllocator;
+use crate::kv::cache::KvCache;
+use crate::model::{ForwardBatch, LoadedModel};
+use crate::sampling::{sample, SampledToken, SamplingParams};
+use crate::scheduler::{Batch, NewSequence, Scheduler, SchedulerConfig};
+use crate::stopping::{FinishReason, StoppingCriteria};
+
+/// Sizing and batching limits of one engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks; when `None`, `kv_memory_fraction` of available memory is used.
+    pub num_kv_blocks: Option<usize>,
+    pub kv_memory_fraction: f64,
+    pub max_batch_prefill_tokens: usize,
+    /// Defaults to every token the cache can hold.
+    pub max_batch_total_tokens: Option<usize>,
+    pub max_num_seqs: usize,
+    /// Chunked prefill: the most prompt tokens of one sequence computed in one step.
+    pub max_prefill_chunk_tokens: usize,
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            num_kv_blocks: None,
+            kv_memory_fraction: 0.2,
+            max_batch_prefill_tokens: 4096,
+            max_batch_total_tokens: None,
+            max_num_seqs: 256,
+            max_prefill_chunk_tokens: 4096,
+            enable_prefix_caching: true,
+        }
+    }
+}
+
+/// One generation request, already tokenized and validated by the caller's limits.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub seq_id: SeqId,
+    pub prompt_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stopping: StoppingCriteria,
+}
+
+/// One generated token of one sequence.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub seq_id: SeqId,
+    pub token: SampledToken,
+    /// Text this token completes (may be empty while a character or stop string is pending).
+    pub text: String,
+    /// Set on the sequence's last token.
+    pub finish: Option<FinishReason>,
+    /// Index of this token among the sequence's generated tokens.
+    pub index: usize,
+}
+
+/// Occupancy figures for metrics and routing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub num_blocks_total: usize,
+    pub num_blocks_used: usize,
+    pub num_blocks_free: usize,
+    pub num_blocks_cached: usize,
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub prefix_hit_blocks: u64,
+    pub prefix_query_blocks: u64,
+    /// Sequences preempted (blocks taken back, recomputed later) since start.
+    pub preemptions: u64,
+}
+
+struct SeqState {
+    sampling: SamplingParams,
+    stopping: StoppingCriteria,
+    text: StopStringStream,
+    num_generated: usize,
+}
+
+pub struct Engine {
+    model: LoadedModel,
+    cache: KvCache,
+    scheduler: Scheduler,
+    states: HashMap<SeqId, SeqState>,
+    block_size: usize,
+    preemptions: u64,
+}
+
+impl Engine {
+    pub fn new(model: LoadedModel, cfg: EngineConfig) -> Result<Self> {
+        let mc = model.config().clone();
+        let dtype = kv_dtype(model.model.dtype())?;
+        if cfg.block_size == 0 {
+            return Err(EngineError::InvalidParameter {
+                field: "block_size",
+                reason: "must be > 0".into(),
+                given: "0".into(),
+            });
+        }
+        let num_blocks = match cfg.num_kv_blocks {
+            Some(n) => n,
+            None => {
+                let bytes = (available_memory_bytes() as f64 * cfg.kv_memory_fraction) as usize;
+                KvCache::blocks_for_bytes(bytes, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+            }
+        };
+        let max_seq_blocks = mc.max_context.div_ceil(cfg.block_size);
+        if num_blocks < max_seq_blocks.min(2) {
+            return Err(EngineError::InvalidParameter {
+                field: "num_kv_blocks",
+                reason: "must hold at least one sequence".into(),
+                given: num_blocks.to_string(),
+            });
+        }
+        let layout = KvLayout {
+            num_blocks,
+            block_size: cfg.block_size,
+            num_kv_heads: mc.num_kv_heads,
+            head_dim: mc.head_dim,
+        };
+        let cache = KvCache::new(mc.num_layers, layout, dtype);
+        let sched_cfg = SchedulerConfig {
+            max_batch_prefill_tokens: cfg.max_batch_prefill_tokens,
+            max_batch_total_tokens: cfg
+                .max_batch_total_tokens
+                .unwrap_or(num_blocks * cfg.block_size),
+            max_num_seqs: cfg.max_num_seqs,
+            max_prefill_chunk_tokens: cfg.max_prefill_chunk_tokens,
+            enable_prefix_caching: cfg.enable_prefix_caching,
+        };
+        let scheduler = Scheduler::new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size));
+        tracing::info!(
+            num_blocks,
+            block_size = cfg.block_size,
+            kv_bytes = cache.kv_bytes(),
+            "kv cache allocated"
+        );
+        Ok(Engine {
+            model,
+            cache,
+            scheduler,
+            states: HashMap::new(),
+            block_size: cfg.block_size,
+            preemptions: 0,
+        })
+    }
+
+    pub fn model(&self) -> &LoadedModel {
+        &self.model
+    }
+
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// Checks a request against the model's limits and queues it.
+    pub fn add_request(&mut self, req: Request) -> Result<()> {
+        if self.states.contains_key(&req.seq_id) {
+            return Err(EngineError::DuplicateSequence { seq_id: req.seq_id });
+        }
+        if req.prompt_ids.is_empty() {
+            return Err(EngineError::InvalidParameter {
+                field: "inputs",
+                reason: "must contain at least one token".into(),
+                given: "0 tokens".into(),
+            });
+        }
+        let max_context = self.model.config().max_context;
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidParameter {
+                field: "inputs",
+                reason: format!("token ids must be < vocab size {vocab}"),
+                given: bad.to_string(),
+            });
+        }
+        if req.prompt_ids.len() + req.stopping.max_new_tokens > max_context {
+            return Err(EngineError::PromptTooLong {
+                num_tokens: req.prompt_ids.len() + req.stopping.max_new_tokens,
+                limit: max_context,
+            });
+        }
+        req.sampling.validate()?;
+        req.stopping.validate()?;
+        self.scheduler.add(NewSequence {
+            seq_id: req.seq_id,
+            prompt_ids: req.prompt_ids.clone(),
+            max_new_tokens: req.stopping.max_new_tokens,
+        })?;
+        let detok = IncrementalDetokenizer::new(Arc::clone(&self.model.tokenizer), &req.prompt_ids, true);
+        let text = StopStringStream::new(detok, req.stopping.stop_strings.clone());
+        self.states.insert(
+            req.seq_id,
+            SeqState {
+                sampling: req.sampling,
+                stopping: req.stopping,
+                text,
+                num_generated: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Cancels a sequence in any state and frees its blocks at once.
+    pub fn cancel(&mut self, seq_id: SeqId) -> bool {
+        let known = self.states.remove(&seq_id).is_some();
+        if known {
+            if let Err(e) = self.scheduler.finish(seq_id) {
+                tracing::warn!(%seq_id, error = %e, "cancel of an unscheduled sequence");
+            }
+        }
+        known
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let a = self.scheduler.allocator();
+        let (hit, queried) = a.prefix_stats();
+        EngineStats {
+            num_blocks_total: a.num_total(),
+            num_blocks_used: a.num_used(),
+            num_blocks_free: a.num_free(),
+            num_blocks_cached: a.num_cached(),
+            num_running: self.scheduler.num_running(),
+            num_waiting: self.scheduler.num_waiting(),
+            prefix_hit_blocks: hit,
+            prefix_query_blocks: queried,
+            preemptions: self.preemptions,
+        }
+    }
+
+    /// Runs one forward step over the scheduled batch and returns the tokens it produced.
+    pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
+        let plan = self.scheduler.schedule();
+        self.preemptions += plan.preempted.len() as u64;
+        if plan.items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let fb = self.forward_batch(&plan);
+        let logits = self.model.model.forward(&fb, &mut self.cache)?;
+        let vocab = self.model.config().vocab_size;
+        let sampled = crate::model::logits_rows(&logits, |rows| {
+            let mut out = Vec::with_capacity(fb.logits_rows.len());
+            let mut row = 0;
+            for item in plan.items.iter().filter(|i| i.sample) {
+                let logits = &rows[row * vocab..(row + 1) * vocab];
+                row += 1;
+                let Some(state) = self.states.get(&item.seq_id) else {
+                    continue; // cancelled between schedule and now
+                };
+                let context = self.penalty_context(item.seq_id, &state.sampling);
+                let tok = sample(logits, &state.sampling, &context, item.context_len as u64);
+                out.push((item.seq_id, tok));
+            }
+            out
+        })?;
+        let ids: Vec<(SeqId, u32)> = sampled.iter().map(|(s, t)| (*s, t.token_id)).collect();
+        self.scheduler.commit(&plan, &ids);
+        let mut events = Vec::with_capacity(sampled.len());
+        for (seq_id, token) in sampled {
+            events.push(self.emit(seq_id, token)?);
+        }
+        Ok(events)
+    }
+
+    fn forward_batch(&self, plan: &Batch) -> ForwardBatch {
+        let mut fb = ForwardBatch::default();
+        for item in &plan.items {
+            let table: Vec<u32> = item.block_table.iter().map(|b: &BlockId| b.0).collect();
+            fb.push_seq(&item.token_ids, item.start_pos, table, self.block_size, item.sample);
+        }
+        fb
+    }
+
+    /// Prompt and output ids, only when a repetition penalty needs them.
+    fn penalty_context(&self, seq_id: SeqId, sampling: &SamplingParams) -> Vec<u32> {
+        if sampling.repetition_penalty == 1.0 {
+            return Vec::new();
+        }
+        self.scheduler
+            .sequence(seq_id)
+            .map(|s| s.prompt_ids.iter().chain(&s.output_ids).copied().collect())
+            .unwrap_or_default()
+    }
+
+    fn emit(&mut self, seq_id: SeqId, token: SampledToken) -> Result<TokenEvent> {
+        let state = self
+            .states
+            .get_mut(&seq_id)
+            .expect("sampled sequences have state");
+        state.num_generated += 1;
+        let index = state.num_generated - 1;
+        let mut finish = state.stopping.check_token(token.token_id, state.num_generated);
+        let mut text = String::new();
+        // The eos token itself contributes no text.
+        if finish != Some(FinishReason::Eos) {
+            let delta = state.text.push(token.token_id)?;
+            text = delta.text;
+            if delta.stopped {
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if let Some(reason) = finish {
+            if reason != FinishReason::Stop {
+                text.push_str(&state.text.flush()?);
+            }
+            self.states.remove(&seq_id);
+            self.scheduler.finish(seq_id)?;
+        }
+        Ok(TokenEvent {
+            seq_id,
+            token,
+            text,
+            finish,
+            index,
+        })
+    }
+
+    /// Runs the given requests to completion and returns each one's output, in request order.
+    pub fn generate(&mut self, requests: Vec<Request>) -> Result<Vec<Completion>> {
+        let order: Vec<SeqId> = requests.iter().map(|r| r.seq_id).collect();
+        let mut done: HashMap<SeqId, Completion> = HashMap::new();
+        for r in requests {
+            done.insert(
+                r.seq_id,
+                Completion {
+                    prompt_ids: r.prompt_ids.clone(),
+                    ..Default::default()
+                },
+            );
+            self.add_request(r)?;
+        }
+        while self.has_work() {
+            for ev in self.step()? {
+                let c = done.get_mut(&ev.seq_id).expect("events belong to added requests");
+                c.output_ids.push(ev.token.token_id);
+                c.text.push_str(&ev.text);
+                c.tokens.push(ev.token);
+                c.finish_reason = ev.finish;
+            }
+        }
+        Ok(order
+            .into_iter()
+            .map(|id| done.remove(&id).expect("every request has a completion"))
+            .collect())
+    }
+}
+
+/// The result of [`Engine::generate`].
+#[derive(Debug, Clone, Default)]
+pub struct Completion {
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub tokens: Vec<SampledToken>,
+    pub text: String,
+    pub finish_reason: Option<FinishReason>,
+}
+
+fn kv_dtype(d: candle_core::DType) -> Result<KvDtype> {
+    match d {
+        candle_core::DType::F32 => Ok(KvDtype::F32),
+        candle_core::DType::BF16 => Ok(KvDtype::BF16),
+        candle_core::DType::F16 => Ok(KvDtype::F16),
+        other => Err(EngineError::UnsupportedDtype {
+            dtype: format!("{other:?}"),
+        }),
+    }
+}
+
+/// MemAvailable from /proc/meminfo, or 4 GiB where it cannot be read.
+fn available_memory_bytes() -> usize {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<usize>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(4 << 30)
+}

@@ -1,0 +1,83 @@
+//! `generation_config.json` and `tokenizer_config.json` defaults the engine applies to requests.
+
+use crate::config::{ids, ModelConfig};
+use crate::error::{EngineError, Result};
+use crate::loader::ModelFiles;
+
+/// Request defaults that come with the model.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationConfig {
+    /// Token ids that end generation (eos_token_id may be a list).
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    /// The chat template from tokenizer_config.json, if any.
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl GenerationConfig {
+    pub fn load(files: &ModelFiles, cfg: &ModelConfig) -> Result<Self> {
+        let mut out = GenerationConfig {
+            eos_token_ids: cfg.eos_token_ids.clone(),
+            bos_token_id: cfg.bos_token_id,
+            ..Default::default()
+        };
+        if let Some(path) = &files.generation_config {
+            let v = read_json(path)?;
+            if let Some(e) = v.get("eos_token_id") {
+                let from_gen = ids(e);
+                if !from_gen.is_empty() {
+                    out.eos_token_ids = from_gen;
+                }
+            }
+            if let Some(b) = v.get("bos_token_id").and_then(|b| b.as_u64()) {
+                out.bos_token_id = Some(b as u32);
+            }
+        }
+        if let Some(path) = &files.tokenizer_config {
+            let v = read_json(path)?;
+            out.chat_template = v
+                .get("chat_template")
+                .and_then(|t| t.as_str())
+                .map(str::to_string);
+            out.bos_token = token_text(v.get("bos_token"));
+            out.eos_token = token_text(v.get("eos_token"));
+        }
+        Ok(out)
+    }
+}
+
+fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| EngineError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Special tokens appear either as a string or as `{"content": "..."}`.
+fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl GenerationConfig {
+    /// Token ids that end a sequence by default: the eos ids, and the bos id, since a model
+    /// that emits bos has started a new document (llama2.c story models end stories that way).
+    pub fn stop_token_ids(&self) -> Vec<u32> {
+        let mut ids = self.eos_token_ids.clone();
+        if let Some(b) = self.bos_token_id {
+            if !ids.contains(&b) {
+                ids.push(b);
+            }
+        }
+        ids
+    }
+}

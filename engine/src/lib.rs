@@ -1,0 +1,11 @@
+//! The inference engine: Llama-family models on candle, a paged KV cache with prefix caching,
+//! a continuous-batching scheduler with chunked prefill, sampling and detokenization.
+//!
+//! The core is synchronous and does no networking (hub downloads at load time aside): services
+//! drive [`Engine::step`] from their own thread. It must not depend on tonic, quinn or axum.
+
+pub mod config;
+pub mod error;
+pub mod generation;
+pub mod ids;
+pub mod loader;

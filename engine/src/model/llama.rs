@@ -1,0 +1,209 @@
+//! The Llama family forward pass (Llama, Mistral, Qwen2), over a paged KV cache.
+//!
+//! Weights are immutable and the KV cache lives outside them, so one `Llama` can be shared.
+//! Q/K/V and gate/up projections are fused at load time to halve the matmul launches per layer.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+
+use super::batch::ForwardBatch;
+use super::ops::{self, AttnDims};
+use super::rope::Rope;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv::cache::KvCache;
+
+#[derive(Debug, Clone)]
+struct Linear {
+    /// `[out, in]`, as checkpoints store it.
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.weight.t()?)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(vb: VarBuilder, size: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: vb.get(size, "weight")?,
+            eps: eps as f32,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    input_norm: RmsNorm,
+    qkv: Linear,
+    o_proj: Linear,
+    post_norm: RmsNorm,
+    gate_up: Linear,
+    down: Linear,
+}
+
+impl Layer {
+    fn load(vb: VarBuilder, cfg: &ModelConfig) -> Result<Self> {
+        let (h, hkv, d, hid) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size);
+        let att = vb.pp("self_attn");
+        let q = att.pp("q_proj");
+        let k = att.pp("k_proj");
+        let v = att.pp("v_proj");
+        let weight = Tensor::cat(
+            &[
+                q.get((h * d, hid), "weight")?,
+                k.get((hkv * d, hid), "weight")?,
+                v.get((hkv * d, hid), "weight")?,
+            ],
+            0,
+        )?;
+        let bias = if cfg.attention_bias {
+            Some(Tensor::cat(
+                &[
+                    q.get(h * d, "bias")?,
+                    k.get(hkv * d, "bias")?,
+                    v.get(hkv * d, "bias")?,
+                ],
+                0,
+            )?)
+        } else {
+            None
+        };
+        let mlp = vb.pp("mlp");
+        let f = cfg.intermediate_size;
+        let gate_up = Tensor::cat(
+            &[
+                mlp.pp("gate_proj").get((f, hid), "weight")?,
+                mlp.pp("up_proj").get((f, hid), "weight")?,
+            ],
+            0,
+        )?;
+        Ok(Layer {
+            input_norm: RmsNorm::load(vb.pp("input_layernorm"), hid, cfg.rms_norm_eps)?,
+            qkv: Linear { weight, bias },
+            o_proj: Linear {
+                weight: att.pp("o_proj").get((hid, h * d), "weight")?,
+                bias: None,
+            },
+            post_norm: RmsNorm::load(vb.pp("post_attention_layernorm"), hid, cfg.rms_norm_eps)?,
+            gate_up: Linear {
+                weight: gate_up,
+                bias: None,
+            },
+            down: Linear {
+                weight: mlp.pp("down_proj").get((hid, f), "weight")?,
+                bias: None,
+            },
+        })
+    }
+}
+
+/// A loaded Llama-family model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    cfg: ModelConfig,
+    embed: candle_nn::Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rope: Rope,
+    dtype: DType,
+    device: Device,
+}
+
+impl Llama {
+    pub fn load(vb: VarBuilder, cfg: &ModelConfig) -> Result<Self> {
+        let embed_w = vb
+            .pp("model.embed_tokens")
+            .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
+        let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            embed_w.clone()
+        } else {
+            vb.pp("lm_head").get((cfg.vocab_size, cfg.hidden_size), "weight")?
+        };
+        let layers = (0..cfg.num_layers)
+            .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embed: candle_nn::Embedding::new(embed_w, cfg.hidden_size),
+            layers,
+            norm: RmsNorm::load(vb.pp("model.norm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            lm_head,
+            rope: Rope::new(cfg),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Runs one step and returns f32 logits `[batch.logits_rows.len(), vocab]`.
+    pub fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_with_layer_hook(batch, cache, &mut |_, _| Ok(()))
+    }
+
+    /// Like [`forward`](Self::forward), calling `on_layer` after each layer's KV is in the
+    /// cache, so a prefill node can start pushing that layer while the next one computes.
+    pub fn forward_with_layer_hook(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        on_layer: &mut dyn FnMut(usize, &mut KvCache) -> Result<()>,
+    ) -> Result<Tensor> {
+        let t = batch.num_tokens();
+        let ids = Tensor::from_slice(&batch.token_ids, t, &self.device)?;
+        let mut x = self.embed.forward(&ids)?;
+        let rope = self.rope.tables(&batch.positions);
+        let dims = AttnDims {
+            num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        };
+        let layout = *cache.layout();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let h = layer.input_norm.forward(&x)?;
+            let qkv = layer.qkv.forward(&h)?;
+            let attn = ops::attention(&qkv, batch, &rope, &layout, cache.layer_mut(i), dims)?;
+            x = (x + layer.o_proj.forward(&attn)?)?;
+            let h = layer.post_norm.forward(&x)?;
+            let act = ops::silu_mul(&layer.gate_up.forward(&h)?)?;
+            x = (x + layer.down.forward(&act)?)?;
+            on_layer(i, cache)?;
+        }
+        if batch.logits_rows.is_empty() {
+            return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
+        }
+        let rows = Tensor::from_slice(&batch.logits_rows, batch.logits_rows.len(), &self.device)?;
+        let last = self.norm.forward(&x.index_select(&rows, 0)?)?;
+        let logits = last.matmul(&self.lm_head.t()?)?;
+        Ok(logits.to_dtype(DType::F32)?.contiguous()?)
+    }
+}

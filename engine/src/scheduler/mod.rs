@@ -1,0 +1,448 @@
+//! Continuous-batching scheduler with chunked prefill, recompute preemption and prefix
+//! caching. It plans each forward step ([`Scheduler::schedule`]) and records its outcome
+//! ([`Scheduler::commit`]); it never runs a model itself.
+//!
+//! Each step takes, in this order and within every budget of [`SchedulerConfig`]:
+//! 1. running sequences that decode (one token: the last known one), oldest first;
+//! 2. running sequences still prefilling, oldest first, each cut to a chunk that fits;
+//! 3. waiting sequences, first in first out, while they fit without preempting anyone, and
+//!    only when every running sequence got its turn and nothing was preempted this step.
+//!
+//! Blocks are allocated as the context grows. When a running sequence needs a block and none
+//! is free, the youngest running sequence (by arrival; possibly the one asking) is preempted:
+//! its blocks are freed, it goes to the front of the waiting queue and is later recomputed by
+//! prefilling `prompt ++ output` before sampling resumes. A sequence that has already
+//! generated `max_new_tokens` (and merely awaits [`Scheduler::finish`]) is preempted first.
+
+mod batch;
+#[cfg(test)]
+mod proptests;
+mod sequence;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+pub use batch::{Batch, BatchItem};
+pub use sequence::{NewSequence, Sequence, SequenceStatus};
+
+use batch::Budget;
+
+use crate::error::{EngineError, Result};
+use crate::ids::SeqId;
+use crate::kv::allocator::BlockAllocator;
+
+/// Per-step budgets and features of the scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most prompt (prefill) tokens computed in one step.
+    pub max_batch_prefill_tokens: usize,
+    /// Most KV tokens the batch touches in one step: the sum of the items' context lengths.
+    /// Also the longest sequence (prompt plus `max_new_tokens`) that [`Scheduler::add`] takes.
+    pub max_batch_total_tokens: usize,
+    /// Most sequences in one step.
+    pub max_num_seqs: usize,
+    /// Most tokens of one sequence's prefill chunk in one step.
+    pub max_prefill_chunk_tokens: usize,
+    /// Share full blocks between sequences with equal prefixes.
+    pub enable_prefix_caching: bool,
+}
+
+impl SchedulerConfig {
+    /// Every budget must allow at least one token or sequence per step, or nothing would run.
+    pub fn validate(&self) -> Result<()> {
+        let budgets = [
+            ("max_batch_prefill_tokens", self.max_batch_prefill_tokens),
+            ("max_batch_total_tokens", self.max_batch_total_tokens),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_prefill_chunk_tokens", self.max_prefill_chunk_tokens),
+        ];
+        for (field, value) in budgets {
+            if value == 0 {
+                return Err(EngineError::InvalidParameter {
+                    field,
+                    reason: "must be at least 1".to_owned(),
+                    given: value.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counters for the engine's metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_waiting: usize,
+    pub num_running: usize,
+    pub num_blocks_total: usize,
+    pub num_blocks_used: usize,
+    pub num_blocks_free: usize,
+    pub num_blocks_cached: usize,
+    pub prefix_hit_blocks: u64,
+    pub prefix_queried_blocks: u64,
+}
+
+/// Plans forward steps over the sequences it tracks; owns the block allocator.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    allocator: BlockAllocator,
+    seqs: HashMap<SeqId, Sequence>,
+    /// Admission order; preempted sequences go to the front.
+    waiting: VecDeque<SeqId>,
+    /// Running sequences by arrival: the last entry is the youngest.
+    running: BTreeMap<u64, SeqId>,
+    next_arrival: u64,
+}
+
+impl Scheduler {
+    /// Fails when a budget in `cfg` is 0.
+    pub fn new(cfg: SchedulerConfig, allocator: BlockAllocator) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            cfg,
+            allocator,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: BTreeMap::new(),
+            next_arrival: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The longest sequence, prompt plus `max_new_tokens`, that can ever run: it must fit in
+    /// the whole cache and in one step's `max_batch_total_tokens`.
+    pub fn max_sequence_tokens(&self) -> usize {
+        let cache_tokens = self.allocator.num_total() * self.allocator.block_size();
+        cache_tokens.min(self.cfg.max_batch_total_tokens)
+    }
+
+    /// Queues a sequence for admission.
+    pub fn add(&mut self, seq: NewSequence) -> Result<()> {
+        if self.seqs.contains_key(&seq.seq_id) {
+            return Err(EngineError::DuplicateSequence { seq_id: seq.seq_id });
+        }
+        if seq.prompt_ids.is_empty() {
+            return Err(EngineError::InvalidParameter {
+                field: "prompt_ids",
+                reason: "must hold at least one token".to_owned(),
+                given: "0 tokens".to_owned(),
+            });
+        }
+        if seq.max_new_tokens == 0 {
+            return Err(EngineError::InvalidParameter {
+                field: "max_new_tokens",
+                reason: "must be at least 1".to_owned(),
+                given: "0".to_owned(),
+            });
+        }
+        let num_tokens = seq.prompt_ids.len().saturating_add(seq.max_new_tokens);
+        let limit = self.max_sequence_tokens();
+        if num_tokens > limit {
+            return Err(EngineError::PromptTooLong { num_tokens, limit });
+        }
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        self.waiting.push_back(seq.seq_id);
+        self.seqs.insert(seq.seq_id, Sequence::new(seq, arrival));
+        Ok(())
+    }
+
+    /// Plans one forward step, allocating the blocks it needs and preempting when it must.
+    pub fn schedule(&mut self) -> Batch {
+        let mut batch = Batch::default();
+        let mut budget = Budget::new(&self.cfg);
+        // Some running sequence that still needs compute got no turn this step.
+        let mut any_running_left_out = false;
+
+        let (decodes, prefills): (Vec<SeqId>, Vec<SeqId>) =
+            self.running.values().copied().partition(|id| {
+                let seq = &self.seqs[id];
+                seq.num_computed_tokens >= seq.prompt_ids.len()
+                    && seq.num_computed_tokens + 1 == seq.num_tokens()
+            });
+        for seq_id in decodes.into_iter().chain(prefills) {
+            let Some(seq) = self.seqs.get(&seq_id) else {
+                continue;
+            };
+            if seq.status != SequenceStatus::Running || seq.is_done() {
+                // Preempted earlier in this step, or awaiting finish().
+                continue;
+            }
+            let start_pos = seq.num_computed_tokens;
+            let n = budget.chunk_len(start_pos, seq.num_tokens(), seq.prompt_ids.len());
+            if n == 0 {
+                any_running_left_out = true;
+                continue;
+            }
+            if !self.grow_blocks(seq_id, start_pos + n, &mut batch, &mut budget) {
+                continue;
+            }
+            let item = self.make_item(seq_id, n);
+            budget.charge(&item);
+            batch.items.push(item);
+        }
+
+        if batch.preempted.is_empty() && !any_running_left_out {
+            self.admit_waiting(&mut batch, &mut budget);
+        }
+        batch
+    }
+
+    /// Records the outcome of `batch`: every item's tokens now have KV, and items with
+    /// `sample` get their token from `sampled`. Items of sequences finished or preempted since
+    /// the batch was planned are ignored.
+    pub fn commit(&mut self, batch: &Batch, sampled: &[(SeqId, u32)]) {
+        let sampled: HashMap<SeqId, u32> = sampled.iter().copied().collect();
+        let block_size = self.allocator.block_size();
+        for item in &batch.items {
+            let Some(seq) = self.seqs.get_mut(&item.seq_id) else {
+                continue;
+            };
+            if seq.status != SequenceStatus::Running
+                || seq.num_computed_tokens != item.start_pos
+                || seq.block_table.len() * block_size < item.context_len
+            {
+                tracing::debug!(seq_id = %item.seq_id, "commit skips a stale batch item");
+                continue;
+            }
+            seq.num_computed_tokens = item.context_len;
+            if item.sample {
+                match sampled.get(&item.seq_id) {
+                    Some(&token_id) => seq.output_ids.push(token_id),
+                    None => {
+                        // Without a token the last position must be fed again to sample.
+                        tracing::warn!(seq_id = %item.seq_id, "no sampled token for a sampling item");
+                        seq.num_computed_tokens -= 1;
+                    }
+                }
+            }
+            if self.cfg.enable_prefix_caching {
+                seq.update_block_hashes(block_size);
+                let num_full = seq.num_computed_tokens / block_size;
+                for index in seq.num_registered_blocks..num_full {
+                    self.allocator
+                        .register_hash(seq.block_table[index], seq.block_hashes[index]);
+                }
+                seq.num_registered_blocks = seq.num_registered_blocks.max(num_full);
+            }
+        }
+    }
+
+    /// Forgets a finished or cancelled sequence in any state and frees its blocks at once.
+    pub fn finish(&mut self, seq_id: SeqId) -> Result<()> {
+        let seq = self
+            .seqs
+            .remove(&seq_id)
+            .ok_or(EngineError::UnknownSequence(seq_id))?;
+        match seq.status {
+            SequenceStatus::Running => {
+                self.running.remove(&seq.arrival);
+            }
+            SequenceStatus::Waiting => self.waiting.retain(|&id| id != seq_id),
+        }
+        for block_id in seq.block_table {
+            self.allocator
+                .free(block_id)
+                .expect("a sequence holds one reference to each block of its table");
+        }
+        Ok(())
+    }
+
+    pub fn sequence(&self, seq_id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&seq_id)
+    }
+
+    /// Some tracked sequence still needs compute.
+    pub fn has_work(&self) -> bool {
+        self.waiting
+            .iter()
+            .chain(self.running.values())
+            .any(|id| !self.seqs[id].is_done())
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.allocator
+    }
+
+    pub fn allocator_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.allocator
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let (prefix_hit_blocks, prefix_queried_blocks) = self.allocator.prefix_stats();
+        SchedulerStats {
+            num_waiting: self.num_waiting(),
+            num_running: self.num_running(),
+            num_blocks_total: self.allocator.num_total(),
+            num_blocks_used: self.allocator.num_used(),
+            num_blocks_free: self.allocator.num_free(),
+            num_blocks_cached: self.allocator.num_cached(),
+            prefix_hit_blocks,
+            prefix_queried_blocks,
+        }
+    }
+
+    /// Admits waiting sequences in order until one does not fit.
+    fn admit_waiting(&mut self, batch: &mut Batch, budget: &mut Budget) {
+        let mut index = 0;
+        while index < self.waiting.len() {
+            let seq_id = self.waiting[index];
+            if self.seqs[&seq_id].is_done() {
+                // Preempted after its last token; it only awaits finish().
+                index += 1;
+                continue;
+            }
+            let Some(item) = self.try_admit(seq_id, budget) else {
+                break;
+            };
+            self.waiting.remove(index);
+            budget.charge(&item);
+            batch.items.push(item);
+        }
+    }
+
+    /// Admits `seq_id` with its first chunk when that fits in `budget` and the free blocks,
+    /// reusing its cached prefix.
+    fn try_admit(&mut self, seq_id: SeqId, budget: &Budget) -> Option<BatchItem> {
+        let block_size = self.allocator.block_size();
+        let seq = self
+            .seqs
+            .get_mut(&seq_id)
+            .expect("waiting ids are tracked");
+        let num_tokens = seq.num_tokens();
+        // Reuse at most (len - 1) / block_size blocks, so at least one token is computed.
+        let num_reusable = if self.cfg.enable_prefix_caching {
+            seq.update_block_hashes(block_size);
+            (num_tokens - 1) / block_size
+        } else {
+            0
+        };
+        let reusable = &seq.block_hashes[..num_reusable];
+        let mut num_hits = 0;
+        let mut num_revived = 0;
+        for &hash in reusable {
+            let Some(block_id) = self.allocator.lookup(hash) else {
+                break;
+            };
+            num_hits += 1;
+            num_revived += usize::from(self.allocator.ref_count(block_id) == 0);
+        }
+
+        let start_pos = num_hits * block_size;
+        let n = budget.chunk_len(start_pos, num_tokens, seq.prompt_ids.len());
+        if n == 0 {
+            return None;
+        }
+        let num_new_blocks = (start_pos + n).div_ceil(block_size) - num_hits;
+        // Reviving cached blocks takes them out of the free count too.
+        if num_new_blocks + num_revived > self.allocator.num_free() {
+            return None;
+        }
+        let mut block_table = self.allocator.acquire_cached_prefix(reusable);
+        debug_assert_eq!(block_table.len(), num_hits);
+        block_table.extend(
+            self.allocator
+                .allocate_n(num_new_blocks)
+                .expect("checked against num_free"),
+        );
+        seq.block_table = block_table;
+        seq.num_computed_tokens = start_pos;
+        seq.num_registered_blocks = num_hits;
+        seq.status = SequenceStatus::Running;
+        self.running.insert(seq.arrival, seq_id);
+        Some(self.make_item(seq_id, n))
+    }
+
+    /// Makes the block table of running `seq_id` cover `context_len` tokens, preempting the
+    /// youngest running sequences while blocks are short. False when `seq_id` itself was
+    /// preempted.
+    fn grow_blocks(
+        &mut self,
+        seq_id: SeqId,
+        context_len: usize,
+        batch: &mut Batch,
+        budget: &mut Budget,
+    ) -> bool {
+        let num_blocks = context_len.div_ceil(self.allocator.block_size());
+        loop {
+            let seq = &self.seqs[&seq_id];
+            let needed = num_blocks.saturating_sub(seq.block_table.len());
+            if needed <= self.allocator.num_free() {
+                let new_blocks = self
+                    .allocator
+                    .allocate_n(needed)
+                    .expect("checked against num_free");
+                self.seqs
+                    .get_mut(&seq_id)
+                    .expect("running ids are tracked")
+                    .block_table
+                    .extend(new_blocks);
+                return true;
+            }
+            let victim = self.pick_victim();
+            self.preempt(victim, batch, budget);
+            if victim == seq_id {
+                return false;
+            }
+        }
+    }
+
+    /// A running sequence that only awaits finish(), else the youngest running one.
+    fn pick_victim(&self) -> SeqId {
+        self.running
+            .values()
+            .rev()
+            .find(|id| self.seqs[id].is_done())
+            .or_else(|| self.running.values().next_back())
+            .copied()
+            .expect("the sequence asking for blocks is running")
+    }
+
+    /// Frees every block of running `seq_id` and queues it first for recompute.
+    fn preempt(&mut self, seq_id: SeqId, batch: &mut Batch, budget: &mut Budget) {
+        if let Some(pos) = batch.items.iter().position(|item| item.seq_id == seq_id) {
+            let item = batch.items.remove(pos);
+            budget.refund(&item);
+        }
+        let seq = self.seqs.get_mut(&seq_id).expect("running ids are tracked");
+        for block_id in seq.block_table.drain(..) {
+            self.allocator
+                .free(block_id)
+                .expect("a sequence holds one reference to each block of its table");
+        }
+        seq.num_computed_tokens = 0;
+        seq.num_registered_blocks = 0;
+        seq.num_preemptions += 1;
+        seq.status = SequenceStatus::Waiting;
+        self.running.remove(&seq.arrival);
+        self.waiting.push_front(seq_id);
+        batch.preempted.push(seq_id);
+        tracing::debug!(seq_id = %seq_id, num_preemptions = seq.num_preemptions, "preempted sequence");
+    }
+
+    fn make_item(&self, seq_id: SeqId, n: usize) -> BatchItem {
+        let seq = &self.seqs[&seq_id];
+        let start_pos = seq.num_computed_tokens;
+        let context_len = start_pos + n;
+        BatchItem {
+            seq_id,
+            token_ids: seq.tokens(start_pos..context_len),
+            start_pos,
+            context_len,
+            block_table: seq.block_table.clone(),
+            sample: context_len == seq.num_tokens(),
+            is_prefill: n > 1 || start_pos < seq.prompt_ids.len(),
+        }
+    }
+}

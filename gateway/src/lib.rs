@@ -1,0 +1,1 @@
+//! gateway: placeholder until its issue lands.

@@ -1,0 +1,1 @@
+//! kvtransfer: placeholder until its issue lands.

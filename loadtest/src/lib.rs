@@ -1,0 +1,1 @@
+//! loadtest: placeholder until its issue lands.

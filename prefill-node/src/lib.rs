@@ -1,0 +1,1 @@
+//! prefill-node: placeholder until its issue lands.
