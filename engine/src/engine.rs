@@ -143,7 +143,7 @@ impl Engine {
             max_prefill_chunk_tokens: cfg.max_prefill_chunk_tokens,
             enable_prefix_caching: cfg.enable_prefix_caching,
         };
-        let scheduler = Scheduler::new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size));
+        let scheduler = Scheduler::try_new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size))?;
         tracing::info!(
             num_blocks,
             block_size = cfg.block_size,

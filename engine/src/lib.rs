@@ -5,7 +5,16 @@
 //! drive [`Engine::step`] from their own thread. It must not depend on tonic, quinn or axum.
 
 pub mod config;
+pub mod detokenize;
+pub mod engine;
 pub mod error;
 pub mod generation;
 pub mod ids;
+pub mod kv;
 pub mod loader;
+pub mod model;
+pub mod sampling;
+pub mod scheduler;
+pub mod stopping;
+
+pub use engine::{Completion, Engine, EngineConfig, EngineStats, Request, TokenEvent};

@@ -146,3 +146,159 @@ fn check_transfer(
     }
     check_len(what, 2 * block_ids.len() * layout.block_elems(), buf_len)
 }
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            num_blocks: 6,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 3,
+        }
+    }
+
+    /// A cache whose every element is distinct, so any misplaced copy shows.
+    fn numbered<T: KvElem>(layout: &KvLayout, base: f32) -> Vec<T> {
+        (0..layout.layer_elems())
+            .map(|i| T::from_f32(base + i as f32))
+            .collect()
+    }
+
+    #[test]
+    fn reshape_and_cache_writes_rows_at_slots() {
+        let l = layout();
+        let mut kc = vec![0.0f32; l.layer_elems()];
+        let mut vc = vec![0.0f32; l.layer_elems()];
+        let row = l.row_elems();
+        let k: Vec<f32> = (0..2 * row).map(|i| i as f32 + 1.0).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        reshape_and_cache(&l, &mut kc, &mut vc, &k, &v, &[9, 2]).expect("valid");
+        assert_eq!(&kc[9 * row..10 * row], &k[..row]);
+        assert_eq!(&kc[2 * row..3 * row], &k[row..]);
+        assert_eq!(&vc[9 * row..10 * row], &v[..row]);
+        assert_eq!(kc.iter().filter(|&&x| x != 0.0).count(), 2 * row);
+    }
+
+    proptest! {
+        #[test]
+        fn cache_gather_scatter_round_trip_is_bit_exact(
+            slots in prop::collection::vec(0u32..24, 0..24),
+            ids in prop::collection::vec(0u32..6, 0..6),
+        ) {
+            let l = layout();
+            let row = l.row_elems();
+            let mut kc: Vec<bf16> = numbered(&l, 0.0);
+            let mut vc: Vec<bf16> = numbered(&l, 0.5);
+            let k: Vec<bf16> = (0..slots.len() * row).map(|i| bf16::from_f32(-(i as f32))).collect();
+            let v: Vec<bf16> = k.iter().map(|x| bf16::from_f32(x.to_f32() - 0.25)).collect();
+            reshape_and_cache(&l, &mut kc, &mut vc, &k, &v, &slots).expect("valid");
+
+            let mut buf = vec![bf16::ZERO; 2 * ids.len() * l.block_elems()];
+            gather_blocks(&l, &kc, &vc, &ids, &mut buf).expect("valid");
+            let n = ids.len() * l.block_elems();
+            for (i, &id) in ids.iter().enumerate() {
+                let at = id as usize * l.block_elems();
+                let block = i * l.block_elems()..(i + 1) * l.block_elems();
+                prop_assert_eq!(&buf[block.clone()], &kc[at..at + l.block_elems()]);
+                prop_assert_eq!(&buf[n + block.start..n + block.end], &vc[at..at + l.block_elems()]);
+            }
+
+            // Scatter into a fresh cache and gather again: the same bits come back.
+            let mut k2 = vec![bf16::ZERO; l.layer_elems()];
+            let mut v2 = vec![bf16::ZERO; l.layer_elems()];
+            scatter_blocks(&l, &mut k2, &mut v2, &ids, &buf).expect("valid");
+            let mut again = vec![bf16::ZERO; buf.len()];
+            gather_blocks(&l, &k2, &v2, &ids, &mut again).expect("valid");
+            let bits = |b: &[bf16]| b.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&again), bits(&buf));
+        }
+    }
+
+    #[test]
+    fn large_gathers_take_the_parallel_path_and_agree() {
+        let l = KvLayout {
+            num_blocks: 64,
+            block_size: 16,
+            num_kv_heads: 4,
+            head_dim: 64,
+        };
+        let kc: Vec<f32> = numbered(&l, 0.0);
+        let vc: Vec<f32> = numbered(&l, 0.5);
+        let ids: Vec<u32> = (0..64).rev().collect();
+        let mut buf = vec![0.0f32; 2 * ids.len() * l.block_elems()];
+        assert!(buf.len() >= PARALLEL_COPY_MIN_ELEMS);
+        gather_blocks(&l, &kc, &vc, &ids, &mut buf).expect("valid");
+        let mut k2 = vec![0.0f32; l.layer_elems()];
+        let mut v2 = vec![0.0f32; l.layer_elems()];
+        scatter_blocks(&l, &mut k2, &mut v2, &ids, &buf).expect("valid");
+        assert_eq!(k2, kc);
+        assert_eq!(v2, vc);
+    }
+
+    #[test]
+    fn copy_blocks_applies_pairs_in_order() {
+        let l = layout();
+        let mut kc: Vec<f32> = numbered(&l, 0.0);
+        let mut vc: Vec<f32> = numbered(&l, 1000.0);
+        let orig_k = kc.clone();
+        let orig_v = vc.clone();
+        let b = l.block_elems();
+        // 1 -> 4, then 4 -> 5: block 5 ends up with block 1's original contents.
+        copy_blocks(&l, &mut kc, &mut vc, &[(1, 4), (4, 5)]).expect("valid");
+        assert_eq!(&kc[4 * b..5 * b], &orig_k[b..2 * b]);
+        assert_eq!(&kc[5 * b..6 * b], &orig_k[b..2 * b]);
+        assert_eq!(&vc[5 * b..6 * b], &orig_v[b..2 * b]);
+        assert_eq!(&kc[..4 * b], &orig_k[..4 * b]);
+        copy_blocks(&l, &mut kc, &mut vc, &[(2, 2)]).expect("a self copy is a no-op");
+        assert_eq!(&kc[..4 * b], &orig_k[..4 * b]);
+    }
+
+    #[test]
+    fn bad_arguments_are_rejected_and_leave_the_cache_alone() {
+        let l = layout();
+        let row = l.row_elems();
+        let mut kc = vec![0.0f32; l.layer_elems()];
+        let mut vc = vec![0.0f32; l.layer_elems()];
+        let rows = vec![1.0f32; 2 * row];
+
+        let r = reshape_and_cache(&l, &mut kc, &mut vc, &rows, &rows, &[0, 24]);
+        assert!(matches!(r, Err(KernelError::SlotOutOfRange { slot: 24, num_slots: 24 })));
+        assert!(kc.iter().all(|&x| x == 0.0), "nothing written before the bad slot");
+        let r = reshape_and_cache(&l, &mut kc, &mut vc, &rows[1..], &rows, &[0, 1]);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "k", .. })));
+        let r = reshape_and_cache(&l, &mut kc, &mut vc, &rows, &rows[1..], &[0, 1]);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "v", .. })));
+        let r = reshape_and_cache(&l, &mut kc[1..], &mut vc, &rows, &rows, &[0, 1]);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "k_cache", .. })));
+        let zero = KvLayout { block_size: 0, ..l };
+        let r = reshape_and_cache(&zero, &mut kc, &mut vc, &rows, &rows, &[0, 1]);
+        assert!(matches!(r, Err(KernelError::Invalid(_))));
+
+        let mut buf = vec![0.0f32; 2 * 2 * l.block_elems()];
+        let r = gather_blocks(&l, &kc, &vc, &[0, 6], &mut buf);
+        assert!(matches!(r, Err(KernelError::BlockOutOfRange { block_id: 6, num_blocks: 6 })));
+        let r = gather_blocks(&l, &kc, &vc, &[0], &mut buf);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "dst", .. })));
+        let r = gather_blocks(&l, &kc, &vc[1..], &[0, 1], &mut buf);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "v_cache", .. })));
+        buf.fill(7.0);
+        let r = scatter_blocks(&l, &mut kc, &mut vc, &[1, 6], &buf);
+        assert!(matches!(r, Err(KernelError::BlockOutOfRange { block_id: 6, .. })));
+        let r = scatter_blocks(&l, &mut kc, &mut vc, &[1, 2, 3], &buf);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "src", .. })));
+        assert!(kc.iter().all(|&x| x == 0.0), "failed scatters write nothing");
+
+        let r = copy_blocks(&l, &mut kc, &mut vc, &[(0, 1), (7, 0)]);
+        assert!(matches!(r, Err(KernelError::BlockOutOfRange { block_id: 7, .. })));
+        let r = copy_blocks(&l, &mut kc, &mut vc, &[(0, 6)]);
+        assert!(matches!(r, Err(KernelError::BlockOutOfRange { block_id: 6, .. })));
+        let r = copy_blocks(&l, &mut kc, &mut vc[2..], &[(0, 1)]);
+        assert!(matches!(r, Err(KernelError::BadLength { what: "v_cache", .. })));
+    }
+}

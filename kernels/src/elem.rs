@@ -116,7 +116,7 @@ mod tests {
         let values = [0.0, -0.0, 1.0, -2.5, 0.375, 1024.0, -65504.0];
         assert_eq!(round_trip::<f32>(&values), values);
         assert_eq!(round_trip::<f16>(&values), values);
-        let bf_values = [0.0, 1.0, -2.5, 0.375, 1024.0, 3.0e38];
+        let bf_values = [0.0, 1.0, -2.5, 0.375, 1024.0, 1.5 * 2f32.powi(100)];
         assert_eq!(round_trip::<bf16>(&bf_values), bf_values);
     }
 

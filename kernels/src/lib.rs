@@ -1,9 +1,27 @@
 //! Paged attention and KV block copies, in portable Rust for CPU (CUDA comes behind the `cuda` feature).
 //!
 //! This crate knows byte layouts and block ids only: it must not depend on models, tokenizers or networking.
+//!
+//! The CPU attention kernel is written once as generic code and instantiated for AVX-512,
+//! AVX2+FMA and the compile target's baseline; the best one is picked at run time, since the
+//! crate is built for baseline x86-64. [`reference::paged_attention_reference`] is the slow
+//! yardstick every fast kernel is tested against.
 
+mod attention;
+mod copy;
+mod elem;
 mod error;
 mod layout;
+mod narrow;
+pub mod reference;
+mod simd;
+#[cfg(target_arch = "x86_64")]
+mod simd_x86;
+mod tile;
+mod wide;
 
+pub use attention::{paged_attention, SeqAttn, MAX_CONTEXT_LEN};
+pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
+pub use elem::KvElem;
 pub use error::KernelError;
 pub use layout::{KvDtype, KvLayout};

@@ -30,6 +30,7 @@ Each figure is the median of --repeats runs (default 3) after one warm-up run of
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -147,15 +148,12 @@ def main() -> int:
     def decode_once(batch: int, prompt_len: int, new_tokens: int) -> tuple[float, dict]:
         ids = torch.tensor(batch_prompt_ids(batch, prompt_len, vocab), dtype=torch.long)
         mask = torch.ones_like(ids)
+        cfg = copy.deepcopy(gen_cfg)
+        cfg.max_new_tokens = new_tokens
+        cfg.min_new_tokens = new_tokens
         timer.reset()
         with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                generation_config=gen_cfg,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-            )
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
         generated = out.shape[1] - prompt_len
         if generated != new_tokens:
             raise RuntimeError(f"generated {generated} tokens, wanted {new_tokens}")

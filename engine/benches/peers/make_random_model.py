@@ -136,7 +136,7 @@ def write_tokenizer(out: Path, src: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     for extra in ("special_tokens_map.json",):
         if (src / extra).exists():
-            shutil.copy2(src / extra, out / extra)
+            shutil.copyfile(src / extra, out / extra)
 
 
 def main() -> int:

@@ -60,7 +60,10 @@ if (( ${#sdists[@]} == 0 )); then
     log "downloading the llama-cpp-python sdist"
     mkdir -p "$SDIST_DIR"
     spec="llama-cpp-python${LLAMA_CPP_PY_VERSION:+==$LLAMA_CPP_PY_VERSION}"
-    "${PIP[@]}" download -q --no-deps --no-binary :all: "$spec" -d "$SDIST_DIR"
+    # --no-binary for this one package only: with `--no-binary :all:` pip also builds the sdist's
+    # build requirements (scikit-build-core -> cmake) from source just to read its metadata, which
+    # bootstraps CMake from scratch (tens of minutes on 2 cores). The downloaded file is the same.
+    "${PIP[@]}" download -q --no-deps --no-binary llama-cpp-python "$spec" -d "$SDIST_DIR"
     sdists=("$SDIST_DIR"/llama_cpp_python-*.tar.gz)
 fi
 SDIST="${sdists[-1]}"

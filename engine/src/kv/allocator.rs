@@ -267,7 +267,10 @@ impl BlockAllocator {
             let cached = meta.lru_tick.is_some();
             match meta.ref_count {
                 0 => {
-                    assert!(free ^ cached, "{id} is unreferenced but neither free nor cached");
+                    assert!(
+                        free ^ cached,
+                        "{id} is unreferenced but neither free nor cached"
+                    );
                     assert_eq!(cached, meta.hash.is_some(), "{id} cached iff hashed");
                 }
                 _ => {

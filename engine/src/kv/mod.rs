@@ -1,3 +1,5 @@
 //! The paged KV cache: storage, the block allocator with its prefix cache, and prefix hashing.
 
+pub mod allocator;
 pub mod cache;
+pub mod prefix;

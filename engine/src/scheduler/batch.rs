@@ -78,7 +78,12 @@ impl Budget {
 
     /// The largest number of tokens starting at `start_pos` (of `num_tokens` known, of which
     /// the first `num_prompt` are prompt) that fits; 0 when none does.
-    pub(super) fn chunk_len(&self, start_pos: usize, num_tokens: usize, num_prompt: usize) -> usize {
+    pub(super) fn chunk_len(
+        &self,
+        start_pos: usize,
+        num_tokens: usize,
+        num_prompt: usize,
+    ) -> usize {
         if self.num_seqs == 0 {
             return 0;
         }
@@ -165,6 +170,9 @@ mod tests {
         b.charge(&item);
         assert_eq!((b.prefill_tokens, b.context_tokens, b.num_seqs), (7, 95, 3));
         b.refund(&item);
-        assert_eq!((b.prefill_tokens, b.context_tokens, b.num_seqs), (10, 100, 4));
+        assert_eq!(
+            (b.prefill_tokens, b.context_tokens, b.num_seqs),
+            (10, 100, 4)
+        );
     }
 }

@@ -91,7 +91,9 @@ impl Sequence {
             out.extend_from_slice(&self.prompt_ids[start..end.min(num_prompt)]);
         }
         if end > num_prompt {
-            out.extend_from_slice(&self.output_ids[start.max(num_prompt) - num_prompt..end - num_prompt]);
+            out.extend_from_slice(
+                &self.output_ids[start.max(num_prompt) - num_prompt..end - num_prompt],
+            );
         }
         out
     }

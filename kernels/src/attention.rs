@@ -1,0 +1,549 @@
+//! Paged attention over a ragged batch: validation, work planning and the parallel driver.
+//!
+//! The batch is cut into tiles of (sequence, kv head, run of query rows) and rayon runs the
+//! tiles. Tiles are what make both shapes of load use every core: a decode batch has one tile
+//! per sequence and kv head, and a long prefill is additionally cut along its query rows.
+//! The arithmetic lives in [`crate::tile`].
+
+use rayon::prelude::*;
+
+use crate::layout::check_len;
+use crate::simd::Isa;
+use crate::tile::{attend_tile, AttnInputs, Scratch, SharedOut, Tile};
+use crate::{KernelError, KvElem, KvLayout};
+
+/// Query vectors (query rows times the kv head's group of query heads) in one prefill tile.
+/// Large enough that each K/V row read is reused many times, small enough that a 512-token
+/// prompt still gives every core several tiles and the causal mask wastes little.
+const TILE_QUERY_VECTORS: usize = 96;
+
+/// Longest context the kernels accept: positions are compared as f32 inside SIMD lanes,
+/// which is exact up to 2^24.
+pub const MAX_CONTEXT_LEN: usize = 1 << 24;
+
+/// One sequence of a ragged attention batch.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqAttn<'a> {
+    /// First row of this sequence in `q` and `out`.
+    pub q_start: usize,
+    /// Query rows of this sequence: the prompt chunk in prefill, 1 in decode.
+    pub q_len: usize,
+    /// Keys visible to the last query row, including the query rows themselves.
+    pub context_len: usize,
+    /// Cache block of positions `j * block_size..(j + 1) * block_size`, for every `j` that
+    /// `context_len` reaches.
+    pub block_table: &'a [u32],
+}
+
+/// Paged attention for a ragged batch (prefill chunks and decode rows mixed, no padding).
+///
+/// `q` and `out` are `[num_tokens, num_heads, head_dim]`, where `num_tokens` is the sum of the
+/// `q_len`s and sequence `s` owns rows `q_start..q_start + q_len`. Query row `i` of a sequence
+/// sits at absolute position `p = context_len - q_len + i` and attends causally to keys
+/// `0..=p`, read from `k_cache`/`v_cache` through the sequence's block table. Query head `h`
+/// uses kv head `h / (num_heads / num_kv_heads)`. Softmax runs in f32 with scale `scale`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention<T: KvElem>(
+    layout: &KvLayout,
+    k_cache: &[T],
+    v_cache: &[T],
+    q: &[T],
+    out: &mut [T],
+    num_heads: usize,
+    seqs: &[SeqAttn<'_>],
+    scale: f32,
+) -> Result<(), KernelError> {
+    let args = AttentionArgs {
+        layout,
+        k_cache,
+        v_cache,
+        q,
+        num_heads,
+        seqs,
+        scale,
+    };
+    args.validate(out.len())?;
+    args.run(Isa::detect(), out);
+    Ok(())
+}
+
+/// The read-only arguments of one attention call, shared by the kernel and the reference.
+pub(crate) struct AttentionArgs<'a, T> {
+    pub layout: &'a KvLayout,
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
+    pub q: &'a [T],
+    pub num_heads: usize,
+    pub seqs: &'a [SeqAttn<'a>],
+    pub scale: f32,
+}
+
+impl<T: KvElem> AttentionArgs<'_, T> {
+    /// Checks every argument against the layout and against each other, so that the kernels
+    /// can index without any check failing.
+    pub(crate) fn validate(&self, out_len: usize) -> Result<(), KernelError> {
+        let (layout, num_heads) = (self.layout, self.num_heads);
+        layout.validate()?;
+        layout.check_cache("k_cache", self.k_cache.len())?;
+        layout.check_cache("v_cache", self.v_cache.len())?;
+        if num_heads == 0 || num_heads % layout.num_kv_heads != 0 {
+            return Err(KernelError::HeadsNotDivisible {
+                num_heads,
+                num_kv_heads: layout.num_kv_heads,
+            });
+        }
+        if !self.scale.is_finite() {
+            return Err(KernelError::Invalid(format!(
+                "scale {} is not finite",
+                self.scale
+            )));
+        }
+        let num_tokens: usize = self.seqs.iter().map(|s| s.q_len).sum();
+        let token_elems = num_heads * layout.head_dim;
+        check_len("q", num_tokens * token_elems, self.q.len())?;
+        check_len("out", num_tokens * token_elems, out_len)?;
+        for (i, s) in self.seqs.iter().enumerate() {
+            validate_seq(layout, i, s, num_tokens)?;
+        }
+
+        // Tiles of different sequences write `out` concurrently, so rows must not overlap.
+        let seqs = self.seqs;
+        let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].q_len > 0).collect();
+        order.sort_unstable_by_key(|&i| seqs[i].q_start);
+        for pair in order.windows(2) {
+            let (a, b) = (&seqs[pair[0]], &seqs[pair[1]]);
+            if a.q_start + a.q_len > b.q_start {
+                return Err(KernelError::OverlappingQueryRows {
+                    first: pair[0].min(pair[1]),
+                    second: pair[0].max(pair[1]),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs validated attention on `isa`, which must be one this CPU supports.
+    pub(crate) fn run(&self, isa: Isa, out: &mut [T]) {
+        let layout = *self.layout;
+        let inputs = AttnInputs {
+            layout,
+            k_cache: self.k_cache,
+            v_cache: self.v_cache,
+            q: self.q,
+            num_heads: self.num_heads,
+            group: self.num_heads / layout.num_kv_heads,
+            scale_log2: self.scale * std::f32::consts::LOG2_E,
+        };
+        let tiles = plan_tiles(layout.num_kv_heads, inputs.group, self.seqs);
+        let out = SharedOut::new(out);
+        tiles
+            .par_iter()
+            .for_each_init(Scratch::default, |scratch, tile| {
+                // SAFETY: validation made the sequences' rows disjoint and the tiles partition
+                // each sequence's (rows, kv head) pairs, so no two tiles write the same part of
+                // `out`; `isa` is supported by the caller's contract.
+                unsafe { attend_tile(isa, &inputs, tile, scratch, &out) };
+            });
+    }
+}
+
+/// Checks one sequence: causal shape, its rows inside the batch, its block table.
+fn validate_seq(
+    layout: &KvLayout,
+    i: usize,
+    s: &SeqAttn<'_>,
+    num_tokens: usize,
+) -> Result<(), KernelError> {
+    if s.q_len > s.context_len {
+        return Err(KernelError::QueryLongerThanContext {
+            seq: i,
+            q_len: s.q_len,
+            context_len: s.context_len,
+        });
+    }
+    if s.context_len > MAX_CONTEXT_LEN {
+        return Err(KernelError::Invalid(format!(
+            "sequence {i}: context_len {} exceeds {MAX_CONTEXT_LEN}",
+            s.context_len
+        )));
+    }
+    if s.q_start > num_tokens || s.q_len > num_tokens - s.q_start {
+        return Err(KernelError::QueryRowsOutOfRange {
+            seq: i,
+            q_start: s.q_start,
+            q_end: s.q_start.saturating_add(s.q_len),
+            num_tokens,
+        });
+    }
+    let needed = layout.blocks_for(s.context_len);
+    if s.block_table.len() < needed {
+        return Err(KernelError::BlockTableTooShort {
+            seq: i,
+            context_len: s.context_len,
+            needed,
+            given: s.block_table.len(),
+        });
+    }
+    for &block_id in &s.block_table[..needed] {
+        layout.check_block(block_id)?;
+    }
+    Ok(())
+}
+
+/// Cuts every sequence into tiles: one per kv head and run of at most
+/// `TILE_QUERY_VECTORS / group` query rows.
+fn plan_tiles<'a>(num_kv_heads: usize, group: usize, seqs: &[SeqAttn<'a>]) -> Vec<Tile<'a>> {
+    let rows_per_tile = (TILE_QUERY_VECTORS / group).max(1);
+    let mut tiles = Vec::new();
+    for s in seqs {
+        for row_begin in (0..s.q_len).step_by(rows_per_tile) {
+            for kv_head in 0..num_kv_heads {
+                tiles.push(Tile {
+                    block_table: s.block_table,
+                    context_len: s.context_len,
+                    q_len: s.q_len,
+                    q_start: s.q_start,
+                    kv_head,
+                    row_begin,
+                    row_end: (row_begin + rows_per_tile).min(s.q_len),
+                });
+            }
+        }
+    }
+    // Longest tiles first, so the last tiles handed out are short and the cores finish together.
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.first_pos() + t.row_end));
+    tiles
+}
+
+#[cfg(test)]
+mod tests {
+    use half::{bf16, f16};
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+    use crate::reference::paged_attention_reference;
+
+    /// A random batch: caches, queries and non-contiguous block tables.
+    struct Batch<T> {
+        layout: KvLayout,
+        num_heads: usize,
+        k: Vec<T>,
+        v: Vec<T>,
+        q: Vec<T>,
+        /// (q_start, q_len, context_len, block table) per sequence.
+        seqs: Vec<(usize, usize, usize, Vec<u32>)>,
+        scale: f32,
+    }
+
+    impl<T: KvElem> Batch<T> {
+        /// `shapes` holds (q_len, context_len) per sequence.
+        fn new(
+            seed: u64,
+            group: usize,
+            head_dim: usize,
+            block_size: usize,
+            shapes: &[(usize, usize)],
+        ) -> Self {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let num_kv_heads = rng.random_range(1..=2);
+            let needed: usize = shapes.iter().map(|s| s.1.div_ceil(block_size)).sum();
+            let layout = KvLayout {
+                num_blocks: needed + 3,
+                block_size,
+                num_kv_heads,
+                head_dim,
+            };
+            let mut ids: Vec<u32> = (0..layout.num_blocks as u32).collect();
+            ids.shuffle(&mut rng);
+            let mut ids = ids.into_iter();
+            let num_heads = group * num_kv_heads;
+            let mut seqs = Vec::new();
+            let mut q_start = 0;
+            for &(q_len, context_len) in shapes {
+                let table = ids.by_ref().take(context_len.div_ceil(block_size)).collect();
+                seqs.push((q_start, q_len, context_len, table));
+                q_start += q_len;
+            }
+            // Sequences need not appear in row order.
+            seqs.shuffle(&mut rng);
+            let mut fill = |n: usize| -> Vec<T> {
+                (0..n)
+                    .map(|_| T::from_f32(rng.random_range(-1.0..1.0)))
+                    .collect()
+            };
+            let k = fill(layout.layer_elems());
+            let v = fill(layout.layer_elems());
+            let q = fill(q_start * num_heads * head_dim);
+            // Sometimes a large scale, so the softmax is peaked and the running max moves.
+            let scale = if seed % 3 == 0 { 1.5 } else { 1.0 / (head_dim as f32).sqrt() };
+            Batch {
+                layout,
+                num_heads,
+                k,
+                v,
+                q,
+                seqs,
+                scale,
+            }
+        }
+
+        fn seq_attn(&self) -> Vec<SeqAttn<'_>> {
+            self.seqs
+                .iter()
+                .map(|(q_start, q_len, context_len, table)| SeqAttn {
+                    q_start: *q_start,
+                    q_len: *q_len,
+                    context_len: *context_len,
+                    block_table: table,
+                })
+                .collect()
+        }
+
+        fn reference(&self) -> Vec<f32> {
+            let mut out = vec![T::default(); self.q.len()];
+            paged_attention_reference(
+                &self.layout,
+                &self.k,
+                &self.v,
+                &self.q,
+                &mut out,
+                self.num_heads,
+                &self.seq_attn(),
+                self.scale,
+            )
+            .expect("valid batch");
+            out.iter().map(|x| x.to_f32()).collect()
+        }
+
+        fn fast(&self, isa: Isa) -> Vec<f32> {
+            let seqs = self.seq_attn();
+            let args = AttentionArgs {
+                layout: &self.layout,
+                k_cache: &self.k,
+                v_cache: &self.v,
+                q: &self.q,
+                num_heads: self.num_heads,
+                seqs: &seqs,
+                scale: self.scale,
+            };
+            let mut out = vec![T::default(); self.q.len()];
+            args.validate(out.len()).expect("valid batch");
+            args.run(isa, &mut out);
+            out.iter().map(|x| x.to_f32()).collect()
+        }
+
+        /// Every ISA this CPU has, against the reference.
+        fn check(&self, tolerance: f32) {
+            let want = self.reference();
+            for isa in Isa::available() {
+                let got = self.fast(isa);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= tolerance * (1.0 + w.abs()),
+                        "{isa:?} element {i}: got {g}, want {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    fn check_all_dtypes(
+        seed: u64,
+        group: usize,
+        head_dim: usize,
+        block_size: usize,
+        shapes: &[(usize, usize)],
+    ) {
+        Batch::<f32>::new(seed, group, head_dim, block_size, shapes).check(1e-5);
+        Batch::<bf16>::new(seed, group, head_dim, block_size, shapes).check(1.6e-2);
+        Batch::<f16>::new(seed, group, head_dim, block_size, shapes).check(2e-3);
+    }
+
+    #[test]
+    fn decode_batch_matches_reference() {
+        let shapes: Vec<(usize, usize)> = (0..9).map(|i| (1, 1 + i * 23)).collect();
+        for group in 1..=4 {
+            check_all_dtypes(group as u64, group, 64, 16, &shapes);
+        }
+    }
+
+    #[test]
+    fn long_prefill_spans_many_tiles() {
+        for group in [1, 3] {
+            check_all_dtypes(7 + group as u64, group, 64, 16, &[(300, 300)]);
+        }
+    }
+
+    #[test]
+    fn prefill_after_cached_prefix_matches_reference() {
+        check_all_dtypes(11, 2, 64, 16, &[(70, 200), (5, 40), (33, 33)]);
+        check_all_dtypes(12, 3, 8, 4, &[(40, 41), (1, 90), (17, 64)]);
+    }
+
+    #[test]
+    fn odd_head_dims_and_block_sizes_match_reference() {
+        for (i, (head_dim, block_size)) in [(24, 5), (40, 1), (8, 32), (72, 3)].into_iter().enumerate() {
+            check_all_dtypes(20 + i as u64, 2, head_dim, block_size, &[(1, 37), (19, 50), (3, 3)]);
+        }
+    }
+
+    #[test]
+    fn empty_batch_and_empty_sequences_are_fine() {
+        check_all_dtypes(30, 2, 8, 4, &[]);
+        check_all_dtypes(31, 2, 8, 4, &[(0, 0), (0, 9), (2, 2)]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn mixed_batches_match_reference(
+            seed in any::<u64>(),
+            group in 1usize..=4,
+            head_dim in prop::sample::select(vec![8usize, 16, 64]),
+            block_size in prop::sample::select(vec![1usize, 4, 16, 7]),
+            shapes in prop::collection::vec((1usize..40, 0usize..60), 1..6),
+        ) {
+            // (q_len, extra prefix) into (q_len, context_len); about half the rows decode.
+            let shapes: Vec<(usize, usize)> = shapes
+                .into_iter()
+                .enumerate()
+                .map(|(i, (q, prefix))| if i % 2 == 0 { (1, 1 + prefix) } else { (q, q + prefix) })
+                .collect();
+            Batch::<f32>::new(seed, group, head_dim, block_size, &shapes).check(1e-5);
+            Batch::<bf16>::new(seed, group, head_dim, block_size, &shapes).check(1.6e-2);
+        }
+    }
+
+    /// A small valid call whose pieces the error tests break one at a time.
+    struct Call {
+        layout: KvLayout,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        q: Vec<f32>,
+        out: Vec<f32>,
+        num_heads: usize,
+        table: Vec<u32>,
+    }
+
+    impl Call {
+        fn new() -> Self {
+            let layout = KvLayout {
+                num_blocks: 4,
+                block_size: 2,
+                num_kv_heads: 2,
+                head_dim: 4,
+            };
+            Call {
+                layout,
+                k: vec![0.5; layout.layer_elems()],
+                v: vec![0.5; layout.layer_elems()],
+                q: vec![1.0; 3 * 4 * 4],
+                out: vec![0.0; 3 * 4 * 4],
+                num_heads: 4,
+                table: vec![3, 1],
+            }
+        }
+
+        fn run(&mut self, seqs: &[SeqAttn<'_>]) -> Result<(), KernelError> {
+            paged_attention(
+                &self.layout,
+                &self.k,
+                &self.v,
+                &self.q,
+                &mut self.out,
+                self.num_heads,
+                seqs,
+                0.5,
+            )
+        }
+
+        fn seq(&self, q_start: usize, q_len: usize, context_len: usize) -> SeqAttn<'static> {
+            SeqAttn {
+                q_start,
+                q_len,
+                context_len,
+                block_table: Vec::leak(self.table.clone()),
+            }
+        }
+    }
+
+    #[test]
+    fn valid_small_call_succeeds() {
+        let mut call = Call::new();
+        let seqs = [call.seq(0, 2, 4), call.seq(2, 1, 3)];
+        call.run(&seqs).expect("valid call");
+        // Every V element is 0.5, so every output is 0.5.
+        assert!(call.out.iter().all(|&x| (x - 0.5).abs() < 1e-6));
+    }
+
+    #[test]
+    fn bad_arguments_are_rejected() {
+        let mut call = Call::new();
+        let ok = [call.seq(0, 2, 4), call.seq(2, 1, 3)];
+
+        let mut c = Call::new();
+        c.k.pop();
+        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "k_cache", .. })));
+        let mut c = Call::new();
+        c.v.push(0.0);
+        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "v_cache", .. })));
+        let mut c = Call::new();
+        c.q.pop();
+        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "q", .. })));
+        let mut c = Call::new();
+        c.out.pop();
+        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "out", .. })));
+        let mut c = Call::new();
+        c.num_heads = 3;
+        assert!(matches!(
+            c.run(&ok),
+            Err(KernelError::HeadsNotDivisible { num_heads: 3, num_kv_heads: 2 })
+        ));
+        let mut c = Call::new();
+        c.layout.head_dim = 0;
+        assert!(matches!(c.run(&ok), Err(KernelError::Invalid(_))));
+
+        let long_q = [call.seq(0, 2, 1), call.seq(2, 1, 3)];
+        assert!(matches!(
+            call.run(&long_q),
+            Err(KernelError::QueryLongerThanContext { seq: 0, q_len: 2, context_len: 1 })
+        ));
+        let short_table = [call.seq(0, 2, 5), call.seq(2, 1, 3)];
+        assert!(matches!(
+            call.run(&short_table),
+            Err(KernelError::BlockTableTooShort { seq: 0, needed: 3, given: 2, .. })
+        ));
+        let outside = [call.seq(0, 2, 4), call.seq(5, 1, 3)];
+        assert!(matches!(
+            call.run(&outside),
+            Err(KernelError::QueryRowsOutOfRange { seq: 1, q_start: 5, .. })
+        ));
+        let overlap = [call.seq(0, 2, 4), call.seq(1, 1, 3)];
+        assert!(matches!(
+            call.run(&overlap),
+            Err(KernelError::OverlappingQueryRows { first: 0, second: 1 })
+        ));
+        let mut bad_block = call.seq(0, 2, 4);
+        bad_block.block_table = &[3, 9];
+        assert!(matches!(
+            call.run(&[bad_block, call.seq(2, 1, 3)]),
+            Err(KernelError::BlockOutOfRange { block_id: 9, num_blocks: 4 })
+        ));
+        let huge = [call.seq(0, 2, MAX_CONTEXT_LEN + 1), call.seq(2, 1, 3)];
+        assert!(matches!(call.run(&huge), Err(KernelError::BlockTableTooShort { .. }) | Err(KernelError::Invalid(_))));
+        let nan_scale = paged_attention(
+            &call.layout, &call.k, &call.v, &call.q, &mut call.out, 4, &ok, f32::NAN,
+        );
+        assert!(matches!(nan_scale, Err(KernelError::Invalid(_))));
+        // The reference validates identically.
+        let mut out = vec![0.0f32; call.q.len()];
+        let r = paged_attention_reference(
+            &call.layout, &call.k, &call.v, &call.q, &mut out, 4, &overlap, 0.5,
+        );
+        assert!(matches!(r, Err(KernelError::OverlappingQueryRows { .. })));
+    }
+}

@@ -1,0 +1,276 @@
+//! [`Simd`] for x86-64: AVX-512F (one zmm per vector) and AVX2+FMA (two ymm per vector).
+//!
+//! Every method is `#[inline(always)]` so that it lands inside the `#[target_feature]`
+//! wrapper that instantiates the kernels and compiles to the single instruction it names.
+//! The tokens can only be made by `unsafe fn new_unchecked`, whose contract is that the CPU
+//! has the features; that is the invariant every `unsafe` block below relies on.
+
+use std::arch::x86_64::*;
+
+use crate::simd::{Simd, EXP2_ROUND, LANES};
+
+/// AVX-512F + AVX2 + FMA token.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx512 {
+    _detected: (),
+}
+
+impl Avx512 {
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[inline(always)]
+    pub(crate) unsafe fn new_unchecked() -> Self {
+        Avx512 { _detected: () }
+    }
+}
+
+// SAFETY (for every `unsafe` block in this impl): an `Avx512` exists only on a CPU with
+// AVX-512F, AVX2 and FMA (`new_unchecked`'s contract); loads and stores are bounds-checked
+// against `LANES` first.
+impl Simd for Avx512 {
+    type V = __m512;
+
+    // 16 score accumulators + 1 query vector, or 16 probability vectors + 8 output
+    // accumulators, fit the 32 zmm registers.
+    const KEYS: usize = 16;
+    const WIDE_DIMS: usize = 8;
+    const NARROW_ROWS: usize = 8;
+
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn load(self, src: &[f32]) -> __m512 {
+        let src = &src[..LANES];
+        unsafe { _mm512_loadu_ps(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32], v: __m512) {
+        let dst = &mut dst[..LANES];
+        unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn select_le(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LE_OQ>(a, b), y, x) }
+    }
+    #[inline(always)]
+    fn reduce_add(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    fn reduce_max(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_max_ps(v) }
+    }
+    #[inline(always)]
+    fn pow2_rounded(self, rounded: __m512) -> __m512 {
+        let bias = 127i32.wrapping_sub(EXP2_ROUND.to_bits() as i32);
+        unsafe {
+            let bits = _mm512_add_epi32(_mm512_castps_si512(rounded), _mm512_set1_epi32(bias));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits))
+        }
+    }
+    #[inline(always)]
+    fn mul_add_f32(self, a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+}
+
+/// AVX2 + FMA token.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx2Fma {
+    _detected: (),
+}
+
+impl Avx2Fma {
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline(always)]
+    pub(crate) unsafe fn new_unchecked() -> Self {
+        Avx2Fma { _detected: () }
+    }
+}
+
+/// Applies a two-operand ymm intrinsic to both halves.
+macro_rules! halves {
+    ($f:ident, $a:expr, $b:expr) => {{
+        let (a, b) = ($a, $b);
+        unsafe { [$f(a[0], b[0]), $f(a[1], b[1])] }
+    }};
+}
+
+// SAFETY (for every `unsafe` block in this impl): an `Avx2Fma` exists only on a CPU with AVX2
+// and FMA (`new_unchecked`'s contract); loads and stores are bounds-checked first.
+impl Simd for Avx2Fma {
+    type V = [__m256; 2];
+
+    // With two ymm per vector, 4 keys (8 ymm of scores) and 2 dims x 4 keys of P·V leave
+    // room in the 16 ymm registers.
+    const KEYS: usize = 4;
+    const WIDE_DIMS: usize = 2;
+    const NARROW_ROWS: usize = 4;
+
+    #[inline(always)]
+    fn splat(self, x: f32) -> Self::V {
+        let v = unsafe { _mm256_set1_ps(x) };
+        [v, v]
+    }
+    #[inline(always)]
+    fn load(self, src: &[f32]) -> Self::V {
+        let src = &src[..LANES];
+        unsafe { [_mm256_loadu_ps(src.as_ptr()), _mm256_loadu_ps(src[8..].as_ptr())] }
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32], v: Self::V) {
+        let dst = &mut dst[..LANES];
+        unsafe {
+            _mm256_storeu_ps(dst.as_mut_ptr(), v[0]);
+            _mm256_storeu_ps(dst[8..].as_mut_ptr(), v[1]);
+        }
+    }
+    #[inline(always)]
+    fn add(self, a: Self::V, b: Self::V) -> Self::V {
+        halves!(_mm256_add_ps, a, b)
+    }
+    #[inline(always)]
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V {
+        halves!(_mm256_sub_ps, a, b)
+    }
+    #[inline(always)]
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V {
+        halves!(_mm256_mul_ps, a, b)
+    }
+    #[inline(always)]
+    fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        unsafe { [_mm256_fmadd_ps(a[0], b[0], c[0]), _mm256_fmadd_ps(a[1], b[1], c[1])] }
+    }
+    #[inline(always)]
+    fn max(self, a: Self::V, b: Self::V) -> Self::V {
+        halves!(_mm256_max_ps, a, b)
+    }
+    #[inline(always)]
+    fn select_le(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V {
+        unsafe {
+            let lo = _mm256_cmp_ps::<_CMP_LE_OQ>(a[0], b[0]);
+            let hi = _mm256_cmp_ps::<_CMP_LE_OQ>(a[1], b[1]);
+            [_mm256_blendv_ps(y[0], x[0], lo), _mm256_blendv_ps(y[1], x[1], hi)]
+        }
+    }
+    #[inline(always)]
+    fn reduce_add(self, v: Self::V) -> f32 {
+        unsafe {
+            let v = _mm256_add_ps(v[0], v[1]);
+            let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps::<0b01>(d, d)))
+        }
+    }
+    #[inline(always)]
+    fn reduce_max(self, v: Self::V) -> f32 {
+        unsafe {
+            let v = _mm256_max_ps(v[0], v[1]);
+            let q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let d = _mm_max_ps(q, _mm_movehl_ps(q, q));
+            _mm_cvtss_f32(_mm_max_ss(d, _mm_shuffle_ps::<0b01>(d, d)))
+        }
+    }
+    #[inline(always)]
+    fn pow2_rounded(self, rounded: Self::V) -> Self::V {
+        let bias = 127i32.wrapping_sub(EXP2_ROUND.to_bits() as i32);
+        unsafe {
+            let bias = _mm256_set1_epi32(bias);
+            let one = |r: __m256| {
+                let bits = _mm256_add_epi32(_mm256_castps_si256(r), bias);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits))
+            };
+            [one(rounded[0]), one(rounded[1])]
+        }
+    }
+    #[inline(always)]
+    fn mul_add_f32(self, a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simd::{exp2, pow2_rounded_f32, Isa, Portable, IOTA};
+
+    /// Every operation of `s` against the portable implementation, lane by lane.
+    fn matches_portable<S: Simd>(s: S) {
+        let a: [f32; LANES] = std::array::from_fn(|i| (i as f32 * 0.9).sin() * 3.0);
+        let b: [f32; LANES] = std::array::from_fn(|i| (i as f32 * 0.4).cos() * 3.0);
+        let c: [f32; LANES] = std::array::from_fn(|i| i as f32 - 7.5);
+        let p = Portable;
+        let unload = |v: S::V| {
+            let mut out = [0.0f32; LANES];
+            s.store(&mut out, v);
+            out
+        };
+        let (va, vb, vc) = (s.load(&a), s.load(&b), s.load(&c));
+        assert_eq!(unload(s.add(va, vb)), p.add(a, b));
+        assert_eq!(unload(s.sub(va, vb)), p.sub(a, b));
+        assert_eq!(unload(s.mul(va, vb)), p.mul(a, b));
+        assert_eq!(unload(s.max(va, vb)), p.max(a, b));
+        assert_eq!(unload(s.splat(2.5)), [2.5; LANES]);
+        assert_eq!(unload(s.select_le(s.load(&IOTA), s.splat(6.0), va, vb)), p.select_le(IOTA, [6.0; LANES], a, b));
+        let fused: [f32; LANES] = std::array::from_fn(|l| a[l].mul_add(b[l], c[l]));
+        assert_eq!(unload(s.mul_add(va, vb, vc)), fused);
+        assert!((s.reduce_add(va) - p.reduce_add(a)).abs() < 1e-5);
+        assert_eq!(s.reduce_max(va), p.reduce_max(a));
+        let x: [f32; LANES] = std::array::from_fn(|i| -(i as f32) * 7.3 - 0.3);
+        let got = unload(exp2(s, s.load(&x)));
+        let want = exp2(p, x);
+        for l in 0..LANES {
+            assert!((got[l] - want[l]).abs() <= 1e-6 * want[l], "lane {l}: {} vs {}", got[l], want[l]);
+        }
+    }
+
+    #[test]
+    fn avx512_matches_portable() {
+        if Isa::available().contains(&Isa::Avx512) {
+            // SAFETY: detected above.
+            matches_portable(unsafe { Avx512::new_unchecked() });
+        } else {
+            eprintln!("skipping: this CPU has no AVX-512F");
+        }
+    }
+
+    #[test]
+    fn avx2_matches_portable() {
+        if Isa::available().contains(&Isa::Avx2Fma) {
+            // SAFETY: detected above.
+            matches_portable(unsafe { Avx2Fma::new_unchecked() });
+        } else {
+            eprintln!("skipping: this CPU has no AVX2+FMA");
+        }
+    }
+
+    #[test]
+    fn pow2_encoding_is_exact() {
+        for n in -126..=0 {
+            assert_eq!(pow2_rounded_f32(n as f32 + EXP2_ROUND), 2f32.powi(n));
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! One work item of paged attention: a tile of query rows of one sequence against one kv head.
+//!
+//! A tile holds every query head of its kv head's group for each of its query rows, so each
+//! K/V row it reads from the cache is reused by the whole group and the whole tile. Keys are
+//! walked in chunks of at most [`LANES`] positions straight through the block table; nothing
+//! is gathered beyond the one chunk being worked on (and that only to convert bf16/f16).
+//!
+//! Two layouts of the same online-softmax algorithm sit behind [`attend_tile`]:
+//! [`crate::wide`] puts query rows across SIMD lanes, which needs no horizontal reductions and
+//! wins once a tile has a few lanes' worth of rows (prefill); [`crate::narrow`] keeps each
+//! query row whole and reduces dot products, which wins for the handful of rows of a decode
+//! step.
+
+use std::marker::PhantomData;
+
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Avx2Fma, Avx512};
+use crate::simd::{Isa, Portable, Simd, LANES};
+use crate::{KvElem, KvLayout};
+
+/// A score no key can have, standing in for minus infinity. Being finite, it keeps
+/// `score - max` finite for masked keys and for rows that have seen no key yet.
+pub(crate) const MASKED: f32 = -1.0e30;
+
+/// Below this many query vectors (rows times group heads) a tile takes the narrow path:
+/// the wide path pays for a full vector of lanes per key whether or not it fills them.
+const WIDE_MIN_VECTORS: usize = 8;
+
+/// What every tile of one call shares.
+pub(crate) struct AttnInputs<'a, T> {
+    pub layout: KvLayout,
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
+    pub q: &'a [T],
+    pub num_heads: usize,
+    /// Query heads per kv head.
+    pub group: usize,
+    /// The softmax scale times log2(e): scores come out in base 2, so the kernels use exp2.
+    pub scale_log2: f32,
+}
+
+/// One work item: query rows `row_begin..row_end` of one sequence, for one kv head.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tile<'a> {
+    pub block_table: &'a [u32],
+    pub context_len: usize,
+    pub q_len: usize,
+    /// Absolute index (in `q` and `out`) of the sequence's first query row.
+    pub q_start: usize,
+    pub kv_head: usize,
+    pub row_begin: usize,
+    pub row_end: usize,
+}
+
+impl Tile<'_> {
+    /// Absolute position of the sequence's first query row; row `i` sits at `first_pos() + i`.
+    #[inline(always)]
+    pub(crate) fn first_pos(&self) -> usize {
+        self.context_len - self.q_len
+    }
+
+    /// One past the last key any row of this tile may see.
+    #[inline(always)]
+    pub(crate) fn key_end(&self) -> usize {
+        self.first_pos() + self.row_end
+    }
+
+    /// The first row (relative to the sequence) that can still see keys at `c0` or later:
+    /// rows before it are causally finished.
+    #[inline(always)]
+    pub(crate) fn first_live_row(&self, c0: usize) -> usize {
+        self.row_begin.max(c0.saturating_sub(self.first_pos()))
+    }
+
+    /// Offset in `q` (and `out`) of the group's first head for sequence row `i`.
+    #[inline(always)]
+    pub(crate) fn group_offset(&self, i: usize, num_heads: usize, group: usize, d: usize) -> usize {
+        ((self.q_start + i) * num_heads + self.kv_head * group) * d
+    }
+}
+
+/// Reusable per-thread buffers, so a call allocates once per rayon job rather than per tile.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Scaled queries (layout depends on the path).
+    pub q: Vec<f32>,
+    /// Output accumulators (layout depends on the path).
+    pub o: Vec<f32>,
+    /// Running max of each query vector, in base-2 score units.
+    pub row_max: Vec<f32>,
+    /// Running softmax denominator of each query vector.
+    pub row_sum: Vec<f32>,
+    /// Per query vector: its position as f32, exact below 2^24 (wide path; padding lanes
+    /// hold -1 so they see no key).
+    pub pos: Vec<f32>,
+    /// Probabilities of the current chunk (narrow path), one vector per query vector.
+    pub p: Vec<f32>,
+    /// Per query vector: the rescale factor of the current chunk (narrow path).
+    pub alpha: Vec<f32>,
+    /// f32 copies of the current chunk's K and V rows when the cache is not f32.
+    pub k_stage: Vec<f32>,
+    pub v_stage: Vec<f32>,
+}
+
+/// Resizes `v` to `n` elements, all `value`, reusing its allocation.
+pub(crate) fn refill<X: Copy>(v: &mut Vec<X>, n: usize, value: X) {
+    v.clear();
+    v.resize(n, value);
+}
+
+/// The f32 K and V rows (`head_dim` each) of keys `c0..c0 + n` for one kv head. Entries at
+/// `n` and beyond repeat the first row, so kernels may read a full chunk and mask the rest.
+pub(crate) struct KeyChunk<'c> {
+    pub k: [&'c [f32]; LANES],
+    pub v: [&'c [f32]; LANES],
+}
+
+/// Finds the rows of keys `c0..c0 + n` through the block table and borrows them as f32,
+/// in place for an f32 cache, converted into the stage buffers otherwise.
+#[inline(always)]
+pub(crate) fn load_chunk<'c, T: KvElem>(
+    inp: &'c AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    c0: usize,
+    n: usize,
+    k_stage: &'c mut Vec<f32>,
+    v_stage: &'c mut Vec<f32>,
+) -> KeyChunk<'c> {
+    let layout = &inp.layout;
+    let (bs, d) = (layout.block_size, layout.head_dim);
+    let (row, head) = (layout.row_elems(), tile.kv_head * layout.head_dim);
+    // Walk the table incrementally: one division per chunk, not one per key.
+    let mut starts = [0usize; LANES];
+    let (mut blk, mut off) = (c0 / bs, c0 % bs);
+    for st in starts.iter_mut().take(n) {
+        *st = (tile.block_table[blk] as usize * bs + off) * row + head;
+        off += 1;
+        if off == bs {
+            off = 0;
+            blk += 1;
+        }
+    }
+    let first = starts[0];
+    starts[n..].fill(first);
+    KeyChunk {
+        k: chunk_rows(inp.k_cache, &starts, n, d, k_stage),
+        v: chunk_rows(inp.v_cache, &starts, n, d, v_stage),
+    }
+}
+
+#[inline(always)]
+fn chunk_rows<'c, T: KvElem>(
+    cache: &'c [T],
+    starts: &[usize; LANES],
+    n: usize,
+    d: usize,
+    stage: &'c mut Vec<f32>,
+) -> [&'c [f32]; LANES] {
+    if let Some(cache) = T::as_f32_slice(cache) {
+        return std::array::from_fn(|j| &cache[starts[j]..starts[j] + d]);
+    }
+    if stage.len() < LANES * d {
+        stage.resize(LANES * d, 0.0);
+    }
+    for (&st, dst) in starts.iter().zip(stage.chunks_exact_mut(d)).take(n) {
+        T::to_f32_slice(&cache[st..st + d], dst);
+    }
+    let stage: &'c [f32] = stage;
+    std::array::from_fn(|j| &stage[j.min(n - 1) * d..][..d])
+}
+
+/// Calls `f(start, count)` over `begin..end` in runs of `max` (a power of two), then in
+/// halving runs for the remainder, so micro-kernels can take `count` as a const generic.
+#[inline(always)]
+pub(crate) fn for_runs(begin: usize, end: usize, max: usize, mut f: impl FnMut(usize, usize)) {
+    let mut at = begin;
+    let mut run = max;
+    while at < end {
+        while run > end - at {
+            run /= 2;
+        }
+        f(at, run);
+        at += run;
+    }
+}
+
+/// `out` shared between tiles that each write a disjoint part of it.
+pub(crate) struct SharedOut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _borrow: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: a SharedOut is a `&mut [T]` whose disjoint pieces are handed to different threads;
+// sending `&mut T` between threads needs exactly `T: Send`.
+unsafe impl<T: Send> Send for SharedOut<'_, T> {}
+// SAFETY: as above; shared access only ever hands out disjoint `&mut` ranges.
+unsafe impl<T: Send> Sync for SharedOut<'_, T> {}
+
+impl<'a, T> SharedOut<'a, T> {
+    pub(crate) fn new(out: &'a mut [T]) -> Self {
+        SharedOut {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Elements `start..start + len`.
+    ///
+    /// # Safety
+    /// No other reference into this range may be live while the returned one is.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn range_mut(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "output range {start}+{len} past {} elements",
+            self.len
+        );
+        // SAFETY: in bounds by the assert; exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
+/// Computes one tile and writes its rows of `out`.
+///
+/// # Safety
+/// No other thread may be writing this tile's part of `out` (its rows, its kv head's
+/// columns), and `isa` must be supported by this CPU ([`Isa::detect`] or one it lists).
+pub(crate) unsafe fn attend_tile<T: KvElem>(
+    isa: Isa,
+    inp: &AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    scratch: &mut Scratch,
+    out: &SharedOut<'_, T>,
+) {
+    match isa {
+        // SAFETY: the caller promises the CPU has these features.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { attend_avx512(inp, tile, scratch, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { attend_avx2(inp, tile, scratch, out) },
+        _ => attend(Portable, inp, tile, scratch, out),
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn attend_avx512<T: KvElem>(
+    inp: &AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    scratch: &mut Scratch,
+    out: &SharedOut<'_, T>,
+) {
+    // SAFETY: this function's own contract.
+    let simd = unsafe { Avx512::new_unchecked() };
+    attend(simd, inp, tile, scratch, out);
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2<T: KvElem>(
+    inp: &AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    scratch: &mut Scratch,
+    out: &SharedOut<'_, T>,
+) {
+    // SAFETY: this function's own contract.
+    let simd = unsafe { Avx2Fma::new_unchecked() };
+    attend(simd, inp, tile, scratch, out);
+}
+
+/// The ISA-generic body; always inlined into the `#[target_feature]` wrappers above.
+#[inline(always)]
+fn attend<T: KvElem, S: Simd>(
+    simd: S,
+    inp: &AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    scratch: &mut Scratch,
+    out: &SharedOut<'_, T>,
+) {
+    let vectors = (tile.row_end - tile.row_begin) * inp.group;
+    if vectors >= WIDE_MIN_VECTORS {
+        match S::KEYS {
+            16 => crate::wide::attend_wide::<T, S, 16>(simd, inp, tile, scratch, out),
+            8 => crate::wide::attend_wide::<T, S, 8>(simd, inp, tile, scratch, out),
+            _ => crate::wide::attend_wide::<T, S, 4>(simd, inp, tile, scratch, out),
+        }
+    } else {
+        crate::narrow::attend_narrow(simd, inp, tile, scratch, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_cover_the_range_in_powers_of_two() {
+        let mut seen = Vec::new();
+        for_runs(3, 3 + 8 + 8 + 4 + 1, 8, |at, n| seen.push((at, n)));
+        assert_eq!(seen, vec![(3, 8), (11, 8), (19, 4), (23, 1)]);
+        seen.clear();
+        for_runs(0, 7, 4, |at, n| seen.push((at, n)));
+        assert_eq!(seen, vec![(0, 4), (4, 2), (6, 1)]);
+        seen.clear();
+        for_runs(5, 5, 4, |at, n| seen.push((at, n)));
+        assert!(seen.is_empty());
+    }
+
+    #[test]
+    fn shared_out_hands_out_ranges() {
+        let mut buf = vec![0u32; 8];
+        let shared = SharedOut::new(&mut buf);
+        // SAFETY: the two ranges do not overlap and nothing else borrows `buf`.
+        unsafe {
+            shared.range_mut(0, 4).fill(1);
+            shared.range_mut(4, 4).fill(2);
+        }
+        assert_eq!(buf, [1, 1, 1, 1, 2, 2, 2, 2]);
+    }
+}
