@@ -5,7 +5,11 @@ mod cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "fission", version, about = "Fission: disaggregated LLM serving")]
+#[command(
+    name = "fission",
+    version,
+    about = "Fission: disaggregated LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -23,6 +27,12 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // candle asks num_cpus (which parses /proc/cpuinfo) on every op unless this is set; set it
+    // once, before any thread exists.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -332,7 +332,9 @@ mod tests {
 
     #[test]
     fn unsupported_architecture_is_named() {
-        let c = parse(&format!(r#"{{"architectures": ["GPT2LMHeadModel"], {BASE}}}"#));
+        let c = parse(&format!(
+            r#"{{"architectures": ["GPT2LMHeadModel"], {BASE}}}"#
+        ));
         let err = c.resolve().expect_err("gpt2 is not llama");
         assert!(err.to_string().contains("GPT2LMHeadModel"), "{err}");
     }

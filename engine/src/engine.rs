@@ -116,7 +116,14 @@ impl Engine {
             Some(n) => n,
             None => {
                 let bytes = (available_memory_bytes() as f64 * cfg.kv_memory_fraction) as usize;
-                KvCache::blocks_for_bytes(bytes, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+                KvCache::blocks_for_bytes(
+                    bytes,
+                    mc.num_layers,
+                    cfg.block_size,
+                    mc.num_kv_heads,
+                    mc.head_dim,
+                    dtype,
+                )
             }
         };
         let max_seq_blocks = mc.max_context.div_ceil(cfg.block_size);
@@ -143,7 +150,8 @@ impl Engine {
             max_prefill_chunk_tokens: cfg.max_prefill_chunk_tokens,
             enable_prefix_caching: cfg.enable_prefix_caching,
         };
-        let scheduler = Scheduler::try_new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size))?;
+        let scheduler =
+            Scheduler::try_new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size))?;
         tracing::info!(
             num_blocks,
             block_size = cfg.block_size,
@@ -210,7 +218,8 @@ impl Engine {
             prompt_ids: req.prompt_ids.clone(),
             max_new_tokens: req.stopping.max_new_tokens,
         })?;
-        let detok = IncrementalDetokenizer::new(Arc::clone(&self.model.tokenizer), &req.prompt_ids, true);
+        let detok =
+            IncrementalDetokenizer::new(Arc::clone(&self.model.tokenizer), &req.prompt_ids, true);
         let text = StopStringStream::new(detok, req.stopping.stop_strings.clone());
         self.states.insert(
             req.seq_id,
@@ -293,7 +302,13 @@ impl Engine {
         let mut fb = ForwardBatch::default();
         for item in &plan.items {
             let table: Vec<u32> = item.block_table.iter().map(|b: &BlockId| b.0).collect();
-            fb.push_seq(&item.token_ids, item.start_pos, table, self.block_size, item.sample);
+            fb.push_seq(
+                &item.token_ids,
+                item.start_pos,
+                table,
+                self.block_size,
+                item.sample,
+            );
         }
         fb
     }
@@ -316,7 +331,9 @@ impl Engine {
             .expect("sampled sequences have state");
         state.num_generated += 1;
         let index = state.num_generated - 1;
-        let mut finish = state.stopping.check_token(token.token_id, state.num_generated);
+        let mut finish = state
+            .stopping
+            .check_token(token.token_id, state.num_generated);
         let mut text = String::new();
         // The eos token itself contributes no text.
         if finish != Some(FinishReason::Eos) {
@@ -329,6 +346,10 @@ impl Engine {
         if let Some(reason) = finish {
             if reason != FinishReason::Stop {
                 text.push_str(&state.text.flush()?);
+                // Held-back text may complete a stop string only at the flush.
+                if state.text.stopped() {
+                    finish = Some(FinishReason::Stop);
+                }
             }
             self.states.remove(&seq_id);
             self.scheduler.finish(seq_id)?;
@@ -358,7 +379,9 @@ impl Engine {
         }
         while self.has_work() {
             for ev in self.step()? {
-                let c = done.get_mut(&ev.seq_id).expect("events belong to added requests");
+                let c = done
+                    .get_mut(&ev.seq_id)
+                    .expect("events belong to added requests");
                 c.output_ids.push(ev.token.token_id);
                 c.text.push_str(&ev.text);
                 c.tokens.push(ev.token);

@@ -11,7 +11,9 @@ pub enum EngineError {
     MissingFile { path: PathBuf },
     #[error("unsupported architecture {architecture:?}: supported are LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")]
     UnsupportedArchitecture { architecture: String },
-    #[error("unsupported rope_scaling type {rope_type:?}: supported are llama3, linear and default")]
+    #[error(
+        "unsupported rope_scaling type {rope_type:?}: supported are llama3, linear and default"
+    )]
     UnsupportedRopeScaling { rope_type: String },
     #[error("unsupported dtype {dtype:?}: supported are f32, bf16 and f16")]
     UnsupportedDtype { dtype: String },

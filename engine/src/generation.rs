@@ -63,7 +63,10 @@ fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
 fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
         serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        serde_json::Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }

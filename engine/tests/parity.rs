@@ -18,8 +18,16 @@ fn small(cfg: EngineConfig) -> EngineConfig {
 fn each_prompt_alone_matches_reference() {
     let model = stories();
     for r in references() {
-        let enc = model.tokenizer.encode(r.prompt.as_str(), true).expect("encodes");
-        assert_eq!(enc.get_ids(), r.input_ids.as_slice(), "tokenization of {:?}", r.prompt);
+        let enc = model
+            .tokenizer
+            .encode(r.prompt.as_str(), true)
+            .expect("encodes");
+        assert_eq!(
+            enc.get_ids(),
+            r.input_ids.as_slice(),
+            "tokenization of {:?}",
+            r.prompt
+        );
         let mut e = engine(&model, small(EngineConfig::default()));
         let out = e
             .generate(vec![greedy(0, r.input_ids.clone(), r.output_ids.len())])
@@ -39,14 +47,24 @@ fn batched_with_other_lengths_matches_reference() {
     }
     // Unrelated sequences of other prompt and output lengths share every step.
     for (j, len) in [1usize, 3, 17, 40, 9].into_iter().enumerate() {
-        let ids: Vec<u32> = std::iter::once(1).chain((0..len).map(|k| 260 + ((k * 7 + j) % 200) as u32)).collect();
+        let ids: Vec<u32> = std::iter::once(1)
+            .chain((0..len).map(|k| 260 + ((k * 7 + j) % 200) as u32))
+            .collect();
         reqs.push(greedy(100 + j as u64, ids, 5 + 9 * j));
     }
     let out = e.generate(reqs).expect("generates");
     for (i, r) in refs.iter().enumerate() {
-        assert_eq!(out[i].output_ids, r.output_ids, "prompt {:?} in a batch", r.prompt);
+        assert_eq!(
+            out[i].output_ids, r.output_ids,
+            "prompt {:?} in a batch",
+            r.prompt
+        );
     }
-    assert_eq!(e.stats().num_blocks_used, 0, "every block is freed after completion");
+    assert_eq!(
+        e.stats().num_blocks_used,
+        0,
+        "every block is freed after completion"
+    );
 }
 
 #[test]
@@ -69,7 +87,11 @@ fn chunked_prefill_of_four_tokens_matches_reference() {
         .collect();
     let out = e.generate(reqs).expect("generates");
     for (i, r) in refs.iter().enumerate() {
-        assert_eq!(out[i].output_ids, r.output_ids, "prompt {:?} chunked", r.prompt);
+        assert_eq!(
+            out[i].output_ids, r.output_ids,
+            "prompt {:?} chunked",
+            r.prompt
+        );
     }
 }
 
@@ -92,14 +114,28 @@ fn prefix_cache_hits_give_the_same_tokens() {
         let second = e
             .generate(vec![greedy(2, r.input_ids.clone(), r.output_ids.len())])
             .expect("second run");
-        assert!(e.stats().prefix_hit_blocks > before, "the second run reused cached blocks");
+        assert!(
+            e.stats().prefix_hit_blocks > before,
+            "the second run reused cached blocks"
+        );
         assert_eq!(first[0].output_ids, r.output_ids);
-        assert_eq!(second[0].output_ids, r.output_ids, "prompt {:?} from cache", r.prompt);
+        assert_eq!(
+            second[0].output_ids, r.output_ids,
+            "prompt {:?} from cache",
+            r.prompt
+        );
     }
     // A prompt that extends a cached one (prompt + its own output) hits and stays consistent.
     let r = &refs[0];
-    let extended: Vec<u32> = r.input_ids.iter().chain(&r.output_ids[..10]).copied().collect();
-    let out = e.generate(vec![greedy(3, extended, 5)]).expect("extended run");
+    let extended: Vec<u32> = r
+        .input_ids
+        .iter()
+        .chain(&r.output_ids[..10])
+        .copied()
+        .collect();
+    let out = e
+        .generate(vec![greedy(3, extended, 5)])
+        .expect("extended run");
     assert_eq!(out[0].output_ids, r.output_ids[10..15]);
 }
 
@@ -110,9 +146,19 @@ fn first_position_logits_match_reference_top5() {
         let mut e = engine(&model, small(EngineConfig::default()));
         let mut fb = ForwardBatch::default();
         let n = r.input_ids.len();
-        fb.push_seq(&r.input_ids, 0, (0..n.div_ceil(16) as u32).collect(), 16, true);
+        fb.push_seq(
+            &r.input_ids,
+            0,
+            (0..n.div_ceil(16) as u32).collect(),
+            16,
+            true,
+        );
         let logits = model.model.forward(&fb, e.cache_mut()).expect("forward");
-        let row: Vec<f32> = logits.flatten_all().expect("flat").to_vec1().expect("f32 logits");
+        let row: Vec<f32> = logits
+            .flatten_all()
+            .expect("flat")
+            .to_vec1()
+            .expect("f32 logits");
         for t in &r.first_position_top5 {
             let got = row[t.id as usize];
             assert!(
@@ -145,9 +191,16 @@ fn preemption_and_recompute_keep_reference_tokens() {
         .map(|(i, r)| greedy(i as u64, r.input_ids.clone(), r.output_ids.len()))
         .collect();
     let out = e.generate(reqs).expect("generates");
-    assert!(e.stats().preemptions > 0, "the cache was small enough to preempt");
+    assert!(
+        e.stats().preemptions > 0,
+        "the cache was small enough to preempt"
+    );
     for (i, r) in refs.iter().enumerate() {
-        assert_eq!(out[i].output_ids, r.output_ids, "prompt {:?} after preemption", r.prompt);
+        assert_eq!(
+            out[i].output_ids, r.output_ids,
+            "prompt {:?} after preemption",
+            r.prompt
+        );
     }
     assert_eq!(e.stats().num_blocks_used, 0);
 }

@@ -31,6 +31,18 @@ fn median(min_runs: usize, budget: Duration, mut f: impl FnMut()) -> Duration {
     times[times.len() / 2]
 }
 
+/// The signature shared by `paged_attention` and `paged_attention_reference`.
+type Kernel = fn(
+    &KvLayout,
+    &[f32],
+    &[f32],
+    &[f32],
+    &mut [f32],
+    usize,
+    &[SeqAttn<'_>],
+    f32,
+) -> Result<(), KernelError>;
+
 /// A cache with random contents and `(q_len, context_len)` sequences on shuffled blocks.
 struct Workload {
     layout: KvLayout,
@@ -101,20 +113,7 @@ impl Workload {
             .sum()
     }
 
-    fn run(
-        &self,
-        out: &mut [f32],
-        kernel: fn(
-            &KvLayout,
-            &[f32],
-            &[f32],
-            &[f32],
-            &mut [f32],
-            usize,
-            &[SeqAttn<'_>],
-            f32,
-        ) -> Result<(), KernelError>,
-    ) {
+    fn run(&self, out: &mut [f32], kernel: Kernel) {
         let seqs = self.seqs();
         let scale = 1.0 / (HEAD_DIM as f32).sqrt();
         let r = kernel(
@@ -146,7 +145,9 @@ struct Row {
 fn attention_row(name: &str, shapes: Vec<(usize, usize)>, slow_runs: usize) -> Row {
     let w = Workload::new(shapes);
     let mut out = vec![0.0f32; w.q.len()];
-    let fast = median(10, Duration::from_secs(2), || w.run(&mut out, paged_attention));
+    let fast = median(10, Duration::from_secs(2), || {
+        w.run(&mut out, paged_attention)
+    });
     let mut reference_out = vec![0.0f32; w.q.len()];
     let slow = median(slow_runs, Duration::ZERO, || {
         w.run(&mut reference_out, paged_attention_reference)
@@ -156,7 +157,10 @@ fn attention_row(name: &str, shapes: Vec<(usize, usize)>, slow_runs: usize) -> R
         .zip(&reference_out)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
-    assert!(max_err < 1e-4, "{name}: fast and reference differ by {max_err}");
+    assert!(
+        max_err < 1e-4,
+        "{name}: fast and reference differ by {max_err}"
+    );
     let gflops = |t: Duration| w.flops() / t.as_secs_f64() / 1e9;
     Row {
         name: name.to_string(),
@@ -201,7 +205,10 @@ fn gather_row(num_blocks: usize) -> Row {
     assert_eq!(dst, naive, "gather and naive gather differ");
     let gbps = |t: Duration| (dst.len() * 4) as f64 / t.as_secs_f64() / 1e9;
     Row {
-        name: format!("gather_blocks {num_blocks} blocks ({} KiB)", dst.len() * 4 / 1024),
+        name: format!(
+            "gather_blocks {num_blocks} blocks ({} KiB)",
+            dst.len() * 4 / 1024
+        ),
         fast,
         slow,
         unit: "GB/s",
@@ -224,20 +231,22 @@ fn main() {
         gather_row(64),
     ];
     println!(
-        "{:<36} {:>11} {:>10} {:>12} {:>10} {:>8}",
-        "workload", "kernel", "rate", "baseline", "rate", "speedup"
+        "{:<34} {:>10} {:>14} {:>10} {:>14} {:>8}",
+        "workload", "kernel", "kernel rate", "baseline", "baseline rate", "speedup"
     );
     for r in rows {
         println!(
-            "{:<36} {:>11} {:>10} {:>12} {:>10} {:>7.1}x",
+            "{:<34} {:>10} {:>14} {:>10} {:>14} {:>7.1}x",
             r.name,
-            format!("{:.1?}", r.fast),
-            format!("{:.1} {}", r.fast_rate, r.unit.split('/').next().unwrap_or("")),
-            format!("{:.1?}", r.slow),
-            format!("{:.2} {}", r.slow_rate, r.unit.split('/').next().unwrap_or("")),
+            format!("{:.2?}", r.fast),
+            format!("{:.1} {}", r.fast_rate, r.unit),
+            format!("{:.2?}", r.slow),
+            format!("{:.2} {}", r.slow_rate, r.unit),
             r.slow.as_secs_f64() / r.fast.as_secs_f64()
         );
     }
     println!("rates: GFLOP/s for attention (QK^T and PV, causal), GB/s of dst written for gather");
-    println!("baseline: paged_attention_reference for attention, an element-by-element loop for gather");
+    println!(
+        "baseline: paged_attention_reference for attention, an element-by-element loop for gather"
+    );
 }

@@ -193,7 +193,11 @@ fn validate_seq(
 /// Cuts every sequence into tiles: one per kv head and run of at most
 /// `TILE_QUERY_VECTORS / group` query rows.
 fn plan_tiles<'a>(num_kv_heads: usize, group: usize, seqs: &[SeqAttn<'a>]) -> Vec<Tile<'a>> {
-    let rows_per_tile = (TILE_QUERY_VECTORS / group).max(1);
+    let tqv: usize = std::env::var("TQV")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(TILE_QUERY_VECTORS);
+    let rows_per_tile = (tqv / group).max(1);
     let mut tiles = Vec::new();
     for s in seqs {
         for row_begin in (0..s.q_len).step_by(rows_per_tile) {
@@ -263,7 +267,10 @@ mod tests {
             let mut seqs = Vec::new();
             let mut q_start = 0;
             for &(q_len, context_len) in shapes {
-                let table = ids.by_ref().take(context_len.div_ceil(block_size)).collect();
+                let table = ids
+                    .by_ref()
+                    .take(context_len.div_ceil(block_size))
+                    .collect();
                 seqs.push((q_start, q_len, context_len, table));
                 q_start += q_len;
             }
@@ -278,7 +285,11 @@ mod tests {
             let v = fill(layout.layer_elems());
             let q = fill(q_start * num_heads * head_dim);
             // Sometimes a large scale, so the softmax is peaked and the running max moves.
-            let scale = if seed % 3 == 0 { 1.5 } else { 1.0 / (head_dim as f32).sqrt() };
+            let scale = if seed.is_multiple_of(3) {
+                1.5
+            } else {
+                1.0 / (head_dim as f32).sqrt()
+            };
             Batch {
                 layout,
                 num_heads,
@@ -381,12 +392,34 @@ mod tests {
     fn prefill_after_cached_prefix_matches_reference() {
         check_all_dtypes(11, 2, 64, 16, &[(70, 200), (5, 40), (33, 33)]);
         check_all_dtypes(12, 3, 8, 4, &[(40, 41), (1, 90), (17, 64)]);
+        // A few query rows per sequence: the narrow path with a causal mask inside a step.
+        check_all_dtypes(13, 1, 64, 16, &[(2, 70), (3, 3), (7, 100), (5, 130)]);
+        check_all_dtypes(14, 2, 64, 16, &[(3, 67), (2, 2)]);
     }
 
     #[test]
     fn odd_head_dims_and_block_sizes_match_reference() {
-        for (i, (head_dim, block_size)) in [(24, 5), (40, 1), (8, 32), (72, 3)].into_iter().enumerate() {
-            check_all_dtypes(20 + i as u64, 2, head_dim, block_size, &[(1, 37), (19, 50), (3, 3)]);
+        for (i, (head_dim, block_size)) in [
+            (24, 5),
+            (40, 1),
+            (8, 32),
+            (72, 3),
+            (20, 16),
+            (9, 2),
+            (80, 16),
+            (128, 8),
+            (264, 16),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            check_all_dtypes(
+                20 + i as u64,
+                2,
+                head_dim,
+                block_size,
+                &[(1, 37), (19, 50), (3, 3)],
+            );
         }
     }
 
@@ -403,7 +436,7 @@ mod tests {
         fn mixed_batches_match_reference(
             seed in any::<u64>(),
             group in 1usize..=4,
-            head_dim in prop::sample::select(vec![8usize, 16, 64]),
+            head_dim in prop::sample::select(vec![8usize, 20, 64]),
             block_size in prop::sample::select(vec![1usize, 4, 16, 7]),
             shapes in prop::collection::vec((1usize..40, 0usize..60), 1..6),
         ) {
@@ -487,21 +520,42 @@ mod tests {
 
         let mut c = Call::new();
         c.k.pop();
-        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "k_cache", .. })));
+        assert!(matches!(
+            c.run(&ok),
+            Err(KernelError::BadLength {
+                what: "k_cache",
+                ..
+            })
+        ));
         let mut c = Call::new();
         c.v.push(0.0);
-        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "v_cache", .. })));
+        assert!(matches!(
+            c.run(&ok),
+            Err(KernelError::BadLength {
+                what: "v_cache",
+                ..
+            })
+        ));
         let mut c = Call::new();
         c.q.pop();
-        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "q", .. })));
+        assert!(matches!(
+            c.run(&ok),
+            Err(KernelError::BadLength { what: "q", .. })
+        ));
         let mut c = Call::new();
         c.out.pop();
-        assert!(matches!(c.run(&ok), Err(KernelError::BadLength { what: "out", .. })));
+        assert!(matches!(
+            c.run(&ok),
+            Err(KernelError::BadLength { what: "out", .. })
+        ));
         let mut c = Call::new();
         c.num_heads = 3;
         assert!(matches!(
             c.run(&ok),
-            Err(KernelError::HeadsNotDivisible { num_heads: 3, num_kv_heads: 2 })
+            Err(KernelError::HeadsNotDivisible {
+                num_heads: 3,
+                num_kv_heads: 2
+            })
         ));
         let mut c = Call::new();
         c.layout.head_dim = 0;
@@ -510,39 +564,75 @@ mod tests {
         let long_q = [call.seq(0, 2, 1), call.seq(2, 1, 3)];
         assert!(matches!(
             call.run(&long_q),
-            Err(KernelError::QueryLongerThanContext { seq: 0, q_len: 2, context_len: 1 })
+            Err(KernelError::QueryLongerThanContext {
+                seq: 0,
+                q_len: 2,
+                context_len: 1
+            })
         ));
         let short_table = [call.seq(0, 2, 5), call.seq(2, 1, 3)];
         assert!(matches!(
             call.run(&short_table),
-            Err(KernelError::BlockTableTooShort { seq: 0, needed: 3, given: 2, .. })
+            Err(KernelError::BlockTableTooShort {
+                seq: 0,
+                needed: 3,
+                given: 2,
+                ..
+            })
         ));
         let outside = [call.seq(0, 2, 4), call.seq(5, 1, 3)];
         assert!(matches!(
             call.run(&outside),
-            Err(KernelError::QueryRowsOutOfRange { seq: 1, q_start: 5, .. })
+            Err(KernelError::QueryRowsOutOfRange {
+                seq: 1,
+                q_start: 5,
+                ..
+            })
         ));
         let overlap = [call.seq(0, 2, 4), call.seq(1, 1, 3)];
         assert!(matches!(
             call.run(&overlap),
-            Err(KernelError::OverlappingQueryRows { first: 0, second: 1 })
+            Err(KernelError::OverlappingQueryRows {
+                first: 0,
+                second: 1
+            })
         ));
         let mut bad_block = call.seq(0, 2, 4);
         bad_block.block_table = &[3, 9];
         assert!(matches!(
             call.run(&[bad_block, call.seq(2, 1, 3)]),
-            Err(KernelError::BlockOutOfRange { block_id: 9, num_blocks: 4 })
+            Err(KernelError::BlockOutOfRange {
+                block_id: 9,
+                num_blocks: 4
+            })
         ));
         let huge = [call.seq(0, 2, MAX_CONTEXT_LEN + 1), call.seq(2, 1, 3)];
-        assert!(matches!(call.run(&huge), Err(KernelError::BlockTableTooShort { .. }) | Err(KernelError::Invalid(_))));
+        assert!(matches!(
+            call.run(&huge),
+            Err(KernelError::BlockTableTooShort { .. }) | Err(KernelError::Invalid(_))
+        ));
         let nan_scale = paged_attention(
-            &call.layout, &call.k, &call.v, &call.q, &mut call.out, 4, &ok, f32::NAN,
+            &call.layout,
+            &call.k,
+            &call.v,
+            &call.q,
+            &mut call.out,
+            4,
+            &ok,
+            f32::NAN,
         );
         assert!(matches!(nan_scale, Err(KernelError::Invalid(_))));
         // The reference validates identically.
         let mut out = vec![0.0f32; call.q.len()];
         let r = paged_attention_reference(
-            &call.layout, &call.k, &call.v, &call.q, &mut out, 4, &overlap, 0.5,
+            &call.layout,
+            &call.k,
+            &call.v,
+            &call.q,
+            &mut out,
+            4,
+            &overlap,
+            0.5,
         );
         assert!(matches!(r, Err(KernelError::OverlappingQueryRows { .. })));
     }

@@ -98,10 +98,7 @@ mod tests {
     use super::*;
 
     fn round_trip<T: KvElem>(values: &[f32]) -> Vec<f32> {
-        values
-            .iter()
-            .map(|&v| T::from_f32(v).to_f32())
-            .collect()
+        values.iter().map(|&v| T::from_f32(v).to_f32()).collect()
     }
 
     #[test]

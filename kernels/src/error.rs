@@ -26,14 +26,18 @@ pub enum KernelError {
         q_len: usize,
         context_len: usize,
     },
-    #[error("sequence {seq}: block_table has {given} blocks, context_len {context_len} needs {needed}")]
+    #[error(
+        "sequence {seq}: block_table has {given} blocks, context_len {context_len} needs {needed}"
+    )]
     BlockTableTooShort {
         seq: usize,
         context_len: usize,
         needed: usize,
         given: usize,
     },
-    #[error("sequence {seq}: query rows {q_start}..{q_end} fall outside the {num_tokens} query tokens")]
+    #[error(
+        "sequence {seq}: query rows {q_start}..{q_end} fall outside the {num_tokens} query tokens"
+    )]
     QueryRowsOutOfRange {
         seq: usize,
         q_start: usize,

@@ -93,7 +93,11 @@ impl KvLayout {
 }
 
 /// Returns `BadLength` unless `given == expected`.
-pub(crate) fn check_len(what: &'static str, expected: usize, given: usize) -> Result<(), KernelError> {
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    given: usize,
+) -> Result<(), KernelError> {
     if given != expected {
         return Err(KernelError::BadLength {
             what,

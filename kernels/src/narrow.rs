@@ -1,16 +1,30 @@
 //! The narrow path: each query vector kept whole, for decode-sized tiles.
 //!
 //! A decode step has one query row per sequence, so a tile holds only the group's few query
-//! vectors; spreading them across lanes would leave most lanes idle. Here each score is a dot
-//! product along `head_dim` with a tree reduction, the online softmax is per query vector, and
-//! P·V accumulates natural-layout output rows from contiguous V rows.
+//! vectors; spreading them across lanes would leave most lanes idle. Here the scores of 16
+//! keys come out as one vector (16 dot-product accumulators, then one transpose-and-add), the
+//! online softmax is per query vector, and P·V accumulates natural-layout output rows from
+//! contiguous V rows. Keys go in steps of [`STEP_KEYS`], so the serial part of the softmax
+//! (max, rescale factor) is paid once per 64 keys rather than once per 16.
 //!
-//! Layouts in [`Scratch`]: `q` and `o` are `[vector][head_dim]`, `p` is `[vector][LANES]`,
-//! `row_max`, `row_sum` and `alpha` are `[vector]`.
+//! Layouts in [`Scratch`]: `q` and `o` are `[vector][head_dim]`, `p` is
+//! `[vector][STEP_KEYS]`, `row_max`, `row_sum` and `alpha` are `[vector]`.
 
-use crate::simd::{dot, exp2, exp2_f32, Simd, IOTA, LANES};
-use crate::tile::{for_runs, load_chunk, refill, AttnInputs, Scratch, SharedOut, Tile, MASKED};
+use crate::simd::{exp2, exp2_f32, Simd, IOTA, LANES};
+use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Scratch, SharedOut, Tile, MASKED};
 use crate::KvElem;
+
+/// Score vectors per step.
+const STEP_VECTORS: usize = 4;
+
+/// Keys per step.
+const STEP_KEYS: usize = STEP_VECTORS * LANES;
+
+/// The f32 K and V rows (`head_dim` each) of one step's keys.
+struct StepRows<'c> {
+    k: [&'c [f32]; STEP_KEYS],
+    v: [&'c [f32]; STEP_KEYS],
+}
 
 /// Runs one tile on the narrow path and writes its output rows.
 #[inline(always)]
@@ -38,7 +52,7 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     refill(o, vectors * d, 0.0);
     refill(row_max, vectors, MASKED);
     refill(row_sum, vectors, 0.0);
-    refill(p, vectors * LANES, 0.0);
+    refill(p, vectors * STEP_KEYS, 0.0);
     refill(alpha, vectors, 1.0);
 
     for (i, dst) in (tile.row_begin..tile.row_end).zip(q.chunks_exact_mut(g * d)) {
@@ -53,40 +67,58 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     let key_end = tile.key_end();
     let mut c0 = 0;
     while c0 < key_end {
-        let n = LANES.min(key_end - c0);
-        let chunk = load_chunk(inp, tile, c0, n, k_stage, v_stage);
+        let n = STEP_KEYS.min(key_end - c0);
+        let rows = step_rows(inp, tile, c0, n, k_stage, v_stage);
         let m_start = (tile.first_live_row(c0) - tile.row_begin) * g;
         for m in m_start..vectors {
             let pos = tile.first_pos() + tile.row_begin + m / g;
             let valid = n.min(pos + 1 - c0);
             let qm = &q[m * d..][..d];
-            let mut scores = [MASKED; LANES];
-            for (sj, k) in scores.iter_mut().zip(&chunk.k).take(valid) {
-                *sj = dot(simd, qm, k);
+            // Scores of the visible keys, 16 at a time; lane l of vector v is key 16v + l, and
+            // keys at or past `valid` are masked.
+            let mut s = [simd.splat(MASKED); STEP_VECTORS];
+            let mut last = [simd.splat(-1.0); STEP_VECTORS];
+            for (v, (s, last)) in s.iter_mut().zip(&mut last).enumerate() {
+                if v * LANES >= valid {
+                    break;
+                }
+                let k = rows.k[v * LANES..][..LANES]
+                    .try_into()
+                    .expect("a step holds STEP_VECTORS runs of LANES rows");
+                *last = simd.splat((valid - v * LANES) as f32 - 1.0);
+                let scores = chunk_scores(simd, qm, k, d);
+                *s = simd.select_le(iota, *last, scores, simd.splat(MASKED));
             }
-            let s = simd.load(&scores);
-            let new_max = row_max[m].max(simd.reduce_max(s));
+            let mut step_max = s[0];
+            for s in &s[1..] {
+                step_max = simd.max(step_max, *s);
+            }
+            let new_max = row_max[m].max(simd.reduce_max(step_max));
             let a = exp2_f32(simd, row_max[m] - new_max);
-            let e = exp2(simd, simd.sub(s, simd.splat(new_max)));
-            // Lanes at or past `valid` are masked keys: probability zero.
-            let pm = simd.select_le(iota, simd.splat(valid as f32 - 1.0), e, simd.splat(0.0));
-            row_sum[m] = row_sum[m] * a + simd.reduce_add(pm);
+            let mut sum = simd.splat(0.0);
+            let pm = &mut p[m * STEP_KEYS..][..STEP_KEYS];
+            for (v, (s, last)) in s.iter().zip(&last).enumerate() {
+                let e = exp2(simd, simd.sub(*s, simd.splat(new_max)));
+                let pv = simd.select_le(iota, *last, e, simd.splat(0.0));
+                sum = simd.add(sum, pv);
+                simd.store(&mut pm[v * LANES..], pv);
+            }
+            row_sum[m] = row_sum[m] * a + simd.reduce_add(sum);
             row_max[m] = new_max;
             alpha[m] = a;
-            simd.store(&mut p[m * LANES..], pm);
         }
-        for_runs(m_start, vectors, S::NARROW_ROWS, |m0, r| {
+        for_runs!(m_start, vectors, S::NARROW_ROWS, |m0, r| {
             let rows = PvRows {
                 o: &mut o[m0 * d..],
-                p: &p[m0 * LANES..],
+                p: &p[m0 * STEP_KEYS..],
                 alpha: &alpha[m0..],
-                v: &chunk.v,
+                v: &rows.v,
                 n,
                 d,
             };
             match r {
-                8 => pv_rows::<S, 8>(simd, rows),
                 4 => pv_rows::<S, 4>(simd, rows),
+                3 => pv_rows::<S, 3>(simd, rows),
                 2 => pv_rows::<S, 2>(simd, rows),
                 _ => pv_rows::<S, 1>(simd, rows),
             }
@@ -107,21 +139,128 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     }
 }
 
-/// A run of query vectors' output rows, probabilities and rescale factors, and the chunk's
+/// Borrows the rows of keys `c0..c0 + n` as f32: in place for an f32 cache, converted into
+/// the stage buffers otherwise. Rows at `n` and beyond repeat the first.
+#[inline(always)]
+fn step_rows<'c, T: KvElem>(
+    inp: &'c AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    c0: usize,
+    n: usize,
+    k_stage: &'c mut Vec<f32>,
+    v_stage: &'c mut Vec<f32>,
+) -> StepRows<'c> {
+    let d = inp.layout.head_dim;
+    let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
+    StepRows {
+        k: cache_rows(inp.k_cache, &starts, n, d, k_stage),
+        v: cache_rows(inp.v_cache, &starts, n, d, v_stage),
+    }
+}
+
+#[inline(always)]
+fn cache_rows<'c, T: KvElem>(
+    cache: &'c [T],
+    starts: &[usize; STEP_KEYS],
+    n: usize,
+    d: usize,
+    stage: &'c mut Vec<f32>,
+) -> [&'c [f32]; STEP_KEYS] {
+    // Loops rather than `array::from_fn`, whose closures do not inline into the kernels.
+    let mut rows: [&[f32]; STEP_KEYS] = [&[]; STEP_KEYS];
+    if let Some(cache) = T::as_f32_slice(cache) {
+        for (row, &st) in rows.iter_mut().zip(starts) {
+            *row = &cache[st..st + d];
+        }
+        return rows;
+    }
+    if stage.len() < n * d {
+        stage.resize(n * d, 0.0);
+    }
+    for (&st, dst) in starts.iter().zip(stage.chunks_exact_mut(d)).take(n) {
+        T::to_f32_slice(&cache[st..st + d], dst);
+    }
+    let stage: &'c [f32] = stage;
+    for (j, row) in rows.iter_mut().enumerate() {
+        *row = &stage[j.min(n - 1) * d..][..d];
+    }
+    rows
+}
+
+/// The scores of one query vector against 16 K rows, one key per lane: one accumulator per
+/// key along `head_dim`, then a single 16-way transpose-and-add.
+#[inline(always)]
+fn chunk_scores<S: Simd>(simd: S, q: &[f32], k: &[&[f32]; LANES], d: usize) -> S::V {
+    let full = d / LANES;
+    let mut acc = [simd.splat(0.0); LANES];
+    for_runs!(0, full, S::NARROW_CHUNKS, |c0, c| match c {
+        4 => score_pass::<S, 4>(simd, q, k, c0 * LANES, &mut acc),
+        3 => score_pass::<S, 3>(simd, q, k, c0 * LANES, &mut acc),
+        2 => score_pass::<S, 2>(simd, q, k, c0 * LANES, &mut acc),
+        _ => score_pass::<S, 1>(simd, q, k, c0 * LANES, &mut acc),
+    });
+    let s = simd.reduce_add_16(&acc);
+    let full = full * LANES;
+    if full == d {
+        return s;
+    }
+    let mut tail = [0.0f32; LANES];
+    for (t, row) in tail.iter_mut().zip(k) {
+        for (x, y) in q[full..d].iter().zip(&row[full..d]) {
+            *t = simd.mul_add_f32(*x, *y, *t);
+        }
+    }
+    simd.add(s, simd.load(&tail))
+}
+
+/// Adds `C` vectors of `head_dim`, from element `off`, to every key's score accumulator. The
+/// query vectors stay in registers and each row is sliced once to a constant length, so the
+/// loads carry no bounds checks.
+#[inline(always)]
+fn score_pass<S: Simd, const C: usize>(
+    simd: S,
+    q: &[f32],
+    k: &[&[f32]; LANES],
+    off: usize,
+    acc: &mut [S::V; LANES],
+) {
+    let q = &q[off..off + C * LANES];
+    let mut qv = [simd.splat(0.0); C];
+    for (c, qv) in qv.iter_mut().enumerate() {
+        *qv = simd.load(&q[c * LANES..]);
+    }
+    for (acc, row) in acc.iter_mut().zip(k) {
+        let row = &row[off..off + C * LANES];
+        // A local accumulator: the array may live in memory, this stays in a register.
+        let mut a = *acc;
+        for (c, qv) in qv.iter().enumerate() {
+            a = simd.mul_add(*qv, simd.load(&row[c * LANES..]), a);
+        }
+        *acc = a;
+    }
+}
+
+/// A run of query vectors' output rows, probabilities and rescale factors, and the step's
 /// `n` V rows of `d` elements.
 struct PvRows<'s> {
     o: &'s mut [f32],
     p: &'s [f32],
     alpha: &'s [f32],
-    v: &'s [&'s [f32]; LANES],
+    v: &'s [&'s [f32]; STEP_KEYS],
     n: usize,
     d: usize,
 }
 
-/// `o[r] = o[r] * alpha[r] + sum_j p[r][j] * V[j]` for `R` query vectors at once: each V
-/// vector loaded feeds `R` independent FMA chains.
+/// `o[r] = o[r] * alpha[r] + sum_j p[r][j] * V[j]` for `R` query vectors at once.
 #[inline(always)]
-fn pv_rows<S: Simd, const R: usize>(simd: S, rows: PvRows<'_>) {
+fn pv_rows<S: Simd, const R: usize>(simd: S, mut rows: PvRows<'_>) {
+    let full = rows.d / LANES;
+    for_runs!(0, full, S::NARROW_CHUNKS, |c0, c| match c {
+        4 => pv_pass::<S, R, 4>(simd, &mut rows, c0 * LANES),
+        3 => pv_pass::<S, R, 3>(simd, &mut rows, c0 * LANES),
+        2 => pv_pass::<S, R, 2>(simd, &mut rows, c0 * LANES),
+        _ => pv_pass::<S, R, 1>(simd, &mut rows, c0 * LANES),
+    });
     let PvRows {
         o,
         p,
@@ -130,23 +269,7 @@ fn pv_rows<S: Simd, const R: usize>(simd: S, rows: PvRows<'_>) {
         n,
         d,
     } = rows;
-    let full = d - d % LANES;
-    for c in (0..full).step_by(LANES) {
-        // A loop, not `array::from_fn`: see `wide::pv_lanes`.
-        let mut acc = [simd.splat(0.0); R];
-        for (r, acc) in acc.iter_mut().enumerate() {
-            *acc = simd.mul(simd.load(&o[r * d + c..]), simd.splat(alpha[r]));
-        }
-        for (j, vj) in v.iter().enumerate().take(n) {
-            let vj = simd.load(&vj[c..]);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                *acc = simd.mul_add(simd.splat(p[r * LANES + j]), vj, *acc);
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            simd.store(&mut o[r * d + c..], *acc);
-        }
-    }
+    let full = full * LANES;
     if full < d {
         for r in 0..R {
             let row = &mut o[r * d + full..(r + 1) * d];
@@ -154,11 +277,49 @@ fn pv_rows<S: Simd, const R: usize>(simd: S, rows: PvRows<'_>) {
                 *x *= alpha[r];
             }
             for (j, vj) in v.iter().enumerate().take(n) {
-                let pj = p[r * LANES + j];
+                let pj = p[r * STEP_KEYS + j];
                 for (x, &y) in row.iter_mut().zip(&vj[full..]) {
                     *x = simd.mul_add_f32(pj, y, *x);
                 }
             }
+        }
+    }
+}
+
+/// `C` vectors of `head_dim` (from element `off`) of `R` output rows, kept in `R * C`
+/// registers across the step's keys: each V vector loaded feeds `R` independent FMA chains.
+#[inline(always)]
+fn pv_pass<S: Simd, const R: usize, const C: usize>(simd: S, rows: &mut PvRows<'_>, off: usize) {
+    let (d, width) = (rows.d, C * LANES);
+    let mut acc = [[simd.splat(0.0); C]; R];
+    let mut p = [&[0.0f32; STEP_KEYS]; R];
+    for (r, (acc, p)) in acc.iter_mut().zip(&mut p).enumerate() {
+        let o = &rows.o[r * d + off..][..width];
+        let alpha = simd.splat(rows.alpha[r]);
+        for (c, acc) in acc.iter_mut().enumerate() {
+            *acc = simd.mul(simd.load(&o[c * LANES..]), alpha);
+        }
+        *p = rows.p[r * STEP_KEYS..][..STEP_KEYS]
+            .try_into()
+            .expect("a probability row holds STEP_KEYS entries");
+    }
+    for (j, vj) in rows.v.iter().enumerate().take(rows.n.min(STEP_KEYS)) {
+        let vj = &vj[off..off + width];
+        let mut vv = [simd.splat(0.0); C];
+        for (c, vv) in vv.iter_mut().enumerate() {
+            *vv = simd.load(&vj[c * LANES..]);
+        }
+        for (acc, p) in acc.iter_mut().zip(&p) {
+            let pj = simd.splat(p[j]);
+            for (acc, vv) in acc.iter_mut().zip(&vv) {
+                *acc = simd.mul_add(pj, *vv, *acc);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let o = &mut rows.o[r * d + off..][..width];
+        for (c, acc) in acc.iter().enumerate() {
+            simd.store(&mut o[c * LANES..], *acc);
         }
     }
 }

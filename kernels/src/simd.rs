@@ -40,8 +40,7 @@ impl Isa {
         *ISA.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                let avx2_fma =
-                    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+                let avx2_fma = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
                 if avx2_fma && is_x86_feature_detected!("avx512f") {
                     return Isa::Avx512;
                 }
@@ -70,8 +69,10 @@ pub(crate) trait Simd: Copy {
     const KEYS: usize;
     /// Output dims the wide path's P·V updates at once (independent FMA chains per key).
     const WIDE_DIMS: usize;
-    /// Query vectors the narrow path's P·V updates at once.
+    /// Query vectors the narrow path's P·V updates at once (at most 4).
     const NARROW_ROWS: usize;
+    /// Vectors of `head_dim` the narrow path keeps per query vector at once (at most 4).
+    const NARROW_CHUNKS: usize;
 
     fn splat(self, x: f32) -> Self::V;
     /// The first `LANES` elements of `src` (which must hold that many).
@@ -89,6 +90,9 @@ pub(crate) trait Simd: Copy {
     fn select_le(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
     fn reduce_add(self, v: Self::V) -> f32;
     fn reduce_max(self, v: Self::V) -> f32;
+    /// Lane `j` of the result is the sum of the lanes of `v[j]`: sixteen horizontal sums for
+    /// the price of about three shuffles and adds each.
+    fn reduce_add_16(self, v: &[Self::V; LANES]) -> Self::V;
     /// `2^n` for lanes holding `n + EXP2_ROUND` (see [`exp2`]).
     fn pow2_rounded(self, rounded: Self::V) -> Self::V;
     /// Scalar `a * b + c` with the same fusing as [`Simd::mul_add`].
@@ -104,7 +108,8 @@ impl Simd for Portable {
 
     const KEYS: usize = 4;
     const WIDE_DIMS: usize = 4;
-    const NARROW_ROWS: usize = 4;
+    const NARROW_ROWS: usize = 2;
+    const NARROW_CHUNKS: usize = 2;
 
     #[inline(always)]
     fn splat(self, x: f32) -> Self::V {
@@ -152,7 +157,16 @@ impl Simd for Portable {
     }
     #[inline(always)]
     fn reduce_max(self, v: Self::V) -> f32 {
-        v.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+        v.iter()
+            .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+    }
+    #[inline(always)]
+    fn reduce_add_16(self, v: &[Self::V; LANES]) -> Self::V {
+        let mut out = [0.0; LANES];
+        for (o, x) in out.iter_mut().zip(v) {
+            *o = self.reduce_add(*x);
+        }
+        out
     }
     #[inline(always)]
     fn pow2_rounded(self, rounded: Self::V) -> Self::V {
@@ -231,46 +245,9 @@ pub(crate) const IOTA: [f32; LANES] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
 ];
 
-/// Dot product of two equally long slices with two vector accumulators.
-#[inline(always)]
-pub(crate) fn dot<S: Simd>(s: S, a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (mut acc0, mut acc1) = (s.splat(0.0), s.splat(0.0));
-    let mut i = 0;
-    while i + 2 * LANES <= n {
-        acc0 = s.mul_add(s.load(&a[i..]), s.load(&b[i..]), acc0);
-        acc1 = s.mul_add(s.load(&a[i + LANES..]), s.load(&b[i + LANES..]), acc1);
-        i += 2 * LANES;
-    }
-    if i + LANES <= n {
-        acc0 = s.mul_add(s.load(&a[i..]), s.load(&b[i..]), acc0);
-        i += LANES;
-    }
-    let mut sum = s.reduce_add(s.add(acc0, acc1));
-    for (x, y) in a[i..n].iter().zip(&b[i..n]) {
-        sum = s.mul_add_f32(*x, *y, sum);
-    }
-    sum
-}
-
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// Runs `check` with every token this CPU can make.
-    pub(crate) fn for_each_simd(mut check: impl FnMut(&dyn Fn(&[f32], &[f32]) -> f32, Isa)) {
-        for isa in Isa::available() {
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `available` lists only detected ISAs.
-                Isa::Avx512 => check(&|a, b| dot(unsafe { Avx512::new_unchecked() }, a, b), isa),
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                Isa::Avx2Fma => check(&|a, b| dot(unsafe { Avx2Fma::new_unchecked() }, a, b), isa),
-                _ => check(&|a, b| dot(Portable, a, b), isa),
-            }
-        }
-    }
 
     #[test]
     fn exp2_is_accurate_on_its_domain() {
@@ -307,16 +284,13 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn dot_matches_scalar_for_every_tail_and_isa() {
-        for_each_simd(|dot, isa| {
-            for n in 0..100 {
-                let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.3).cos()).collect();
-                let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin()).collect();
-                let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-                let got = dot(&a, &b);
-                assert!((got - want).abs() < 1e-4, "{isa:?} n {n}: {got} vs {want}");
-            }
-        });
+    fn reduce_add_16_sums_each_vector() {
+        let v: [[f32; LANES]; LANES] =
+            std::array::from_fn(|j| std::array::from_fn(|l| (j * 100 + l) as f32));
+        let got = Portable.reduce_add_16(&v);
+        for (j, g) in got.iter().enumerate() {
+            assert_eq!(*g, (0..LANES).map(|l| (j * 100 + l) as f32).sum::<f32>());
+        }
     }
 
     #[test]

@@ -30,11 +30,12 @@ impl Avx512 {
 impl Simd for Avx512 {
     type V = __m512;
 
-    // 16 score accumulators + 1 query vector, or 16 probability vectors + 8 output
-    // accumulators, fit the 32 zmm registers.
+    // 16 score accumulators + 1 query vector, 16 probability vectors + 8 output
+    // accumulators, or 4 x 4 output accumulators + 4 V vectors fit the 32 zmm registers.
     const KEYS: usize = 16;
     const WIDE_DIMS: usize = 8;
-    const NARROW_ROWS: usize = 8;
+    const NARROW_ROWS: usize = 4;
+    const NARROW_CHUNKS: usize = 4;
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {
@@ -83,6 +84,29 @@ impl Simd for Avx512 {
         unsafe { _mm512_reduce_max_ps(v) }
     }
     #[inline(always)]
+    fn reduce_add_16(self, v: &[__m512; LANES]) -> __m512 {
+        unsafe {
+            // Pairs: each 128-bit lane of r[k] holds [a0+a2, b0+b2, a1+a3, b1+b3] of that
+            // lane of a = v[2k], b = v[2k+1].
+            let mut r = [_mm512_setzero_ps(); 8];
+            for (k, r) in r.iter_mut().enumerate() {
+                let (a, b) = (v[2 * k], v[2 * k + 1]);
+                *r = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            }
+            // Quads: each 128-bit lane of s[k] holds that lane's sums of v[4k..4k + 4].
+            let mut s = [_mm512_setzero_ps(); 4];
+            for (k, s) in s.iter_mut().enumerate() {
+                let (c, d) = (r[2 * k], r[2 * k + 1]);
+                let lo = _mm512_shuffle_ps::<0b01_00_01_00>(c, d);
+                let hi = _mm512_shuffle_ps::<0b11_10_11_10>(c, d);
+                *s = _mm512_add_ps(lo, hi);
+            }
+            // Fold the four 128-bit lanes: twice, pairing lanes (0, 1) and (2, 3).
+            let (a, b) = (fold_lanes_512(s[0], s[1]), fold_lanes_512(s[2], s[3]));
+            fold_lanes_512(a, b)
+        }
+    }
+    #[inline(always)]
     fn pow2_rounded(self, rounded: __m512) -> __m512 {
         let bias = 127i32.wrapping_sub(EXP2_ROUND.to_bits() as i32);
         unsafe {
@@ -124,11 +148,12 @@ macro_rules! halves {
 impl Simd for Avx2Fma {
     type V = [__m256; 2];
 
-    // With two ymm per vector, 4 keys (8 ymm of scores) and 2 dims x 4 keys of P·V leave
-    // room in the 16 ymm registers.
+    // With two ymm per vector, 4 keys (8 ymm of scores), 2 dims x 4 keys of P·V, or 2 x 2
+    // output accumulators + 2 V vectors leave room in the 16 ymm registers.
     const KEYS: usize = 4;
     const WIDE_DIMS: usize = 2;
-    const NARROW_ROWS: usize = 4;
+    const NARROW_ROWS: usize = 2;
+    const NARROW_CHUNKS: usize = 2;
 
     #[inline(always)]
     fn splat(self, x: f32) -> Self::V {
@@ -138,7 +163,12 @@ impl Simd for Avx2Fma {
     #[inline(always)]
     fn load(self, src: &[f32]) -> Self::V {
         let src = &src[..LANES];
-        unsafe { [_mm256_loadu_ps(src.as_ptr()), _mm256_loadu_ps(src[8..].as_ptr())] }
+        unsafe {
+            [
+                _mm256_loadu_ps(src.as_ptr()),
+                _mm256_loadu_ps(src[8..].as_ptr()),
+            ]
+        }
     }
     #[inline(always)]
     fn store(self, dst: &mut [f32], v: Self::V) {
@@ -162,7 +192,12 @@ impl Simd for Avx2Fma {
     }
     #[inline(always)]
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V {
-        unsafe { [_mm256_fmadd_ps(a[0], b[0], c[0]), _mm256_fmadd_ps(a[1], b[1], c[1])] }
+        unsafe {
+            [
+                _mm256_fmadd_ps(a[0], b[0], c[0]),
+                _mm256_fmadd_ps(a[1], b[1], c[1]),
+            ]
+        }
     }
     #[inline(always)]
     fn max(self, a: Self::V, b: Self::V) -> Self::V {
@@ -173,7 +208,10 @@ impl Simd for Avx2Fma {
         unsafe {
             let lo = _mm256_cmp_ps::<_CMP_LE_OQ>(a[0], b[0]);
             let hi = _mm256_cmp_ps::<_CMP_LE_OQ>(a[1], b[1]);
-            [_mm256_blendv_ps(y[0], x[0], lo), _mm256_blendv_ps(y[1], x[1], hi)]
+            [
+                _mm256_blendv_ps(y[0], x[0], lo),
+                _mm256_blendv_ps(y[1], x[1], hi),
+            ]
         }
     }
     #[inline(always)]
@@ -183,6 +221,31 @@ impl Simd for Avx2Fma {
             let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
             let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
             _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps::<0b01>(d, d)))
+        }
+    }
+    #[inline(always)]
+    fn reduce_add_16(self, v: &[Self::V; LANES]) -> Self::V {
+        unsafe {
+            // Sum the halves, then reduce eight ymm vectors to one, twice.
+            let h: [__m256; LANES] = [
+                _mm256_add_ps(v[0][0], v[0][1]),
+                _mm256_add_ps(v[1][0], v[1][1]),
+                _mm256_add_ps(v[2][0], v[2][1]),
+                _mm256_add_ps(v[3][0], v[3][1]),
+                _mm256_add_ps(v[4][0], v[4][1]),
+                _mm256_add_ps(v[5][0], v[5][1]),
+                _mm256_add_ps(v[6][0], v[6][1]),
+                _mm256_add_ps(v[7][0], v[7][1]),
+                _mm256_add_ps(v[8][0], v[8][1]),
+                _mm256_add_ps(v[9][0], v[9][1]),
+                _mm256_add_ps(v[10][0], v[10][1]),
+                _mm256_add_ps(v[11][0], v[11][1]),
+                _mm256_add_ps(v[12][0], v[12][1]),
+                _mm256_add_ps(v[13][0], v[13][1]),
+                _mm256_add_ps(v[14][0], v[14][1]),
+                _mm256_add_ps(v[15][0], v[15][1]),
+            ];
+            [reduce_add_8_256(&h[..8]), reduce_add_8_256(&h[8..])]
         }
     }
     #[inline(always)]
@@ -199,16 +262,50 @@ impl Simd for Avx2Fma {
         let bias = 127i32.wrapping_sub(EXP2_ROUND.to_bits() as i32);
         unsafe {
             let bias = _mm256_set1_epi32(bias);
-            let one = |r: __m256| {
-                let bits = _mm256_add_epi32(_mm256_castps_si256(r), bias);
-                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits))
-            };
-            [one(rounded[0]), one(rounded[1])]
+            let lo = _mm256_add_epi32(_mm256_castps_si256(rounded[0]), bias);
+            let hi = _mm256_add_epi32(_mm256_castps_si256(rounded[1]), bias);
+            [
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(lo)),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(hi)),
+            ]
         }
     }
     #[inline(always)]
     fn mul_add_f32(self, a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
+    }
+}
+
+/// Lanes `[a0 + a1, a2 + a3, b0 + b1, b2 + b3]` of 128-bit lanes `a0..a3` of `a` and
+/// `b0..b3` of `b`.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline(always)]
+unsafe fn fold_lanes_512(a: __m512, b: __m512) -> __m512 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    }
+}
+
+/// Lane `j` of the result is the sum of the lanes of `h[j]`, for eight ymm vectors.
+///
+/// # Safety
+/// The CPU must support AVX; `h` must hold eight vectors.
+#[inline(always)]
+unsafe fn reduce_add_8_256(h: &[__m256]) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let u0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        let u1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(u0, u1),
+            _mm256_permute2f128_ps::<0x31>(u0, u1),
+        )
     }
 }
 
@@ -234,16 +331,28 @@ mod tests {
         assert_eq!(unload(s.mul(va, vb)), p.mul(a, b));
         assert_eq!(unload(s.max(va, vb)), p.max(a, b));
         assert_eq!(unload(s.splat(2.5)), [2.5; LANES]);
-        assert_eq!(unload(s.select_le(s.load(&IOTA), s.splat(6.0), va, vb)), p.select_le(IOTA, [6.0; LANES], a, b));
+        assert_eq!(
+            unload(s.select_le(s.load(&IOTA), s.splat(6.0), va, vb)),
+            p.select_le(IOTA, [6.0; LANES], a, b)
+        );
         let fused: [f32; LANES] = std::array::from_fn(|l| a[l].mul_add(b[l], c[l]));
         assert_eq!(unload(s.mul_add(va, vb, vc)), fused);
         assert!((s.reduce_add(va) - p.reduce_add(a)).abs() < 1e-5);
         assert_eq!(s.reduce_max(va), p.reduce_max(a));
+        let many: [[f32; LANES]; LANES] =
+            std::array::from_fn(|j| std::array::from_fn(|l| ((j * 37 + l * 11) % 23) as f32));
+        let vs: [S::V; LANES] = std::array::from_fn(|j| s.load(&many[j]));
+        assert_eq!(unload(s.reduce_add_16(&vs)), p.reduce_add_16(&many));
         let x: [f32; LANES] = std::array::from_fn(|i| -(i as f32) * 7.3 - 0.3);
         let got = unload(exp2(s, s.load(&x)));
         let want = exp2(p, x);
         for l in 0..LANES {
-            assert!((got[l] - want[l]).abs() <= 1e-6 * want[l], "lane {l}: {} vs {}", got[l], want[l]);
+            assert!(
+                (got[l] - want[l]).abs() <= 1e-6 * want[l],
+                "lane {l}: {} vs {}",
+                got[l],
+                want[l]
+            );
         }
     }
 

@@ -15,7 +15,8 @@ use std::marker::PhantomData;
 
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2Fma, Avx512};
-use crate::simd::{Isa, Portable, Simd, LANES};
+use crate::simd::{Isa, Portable, Simd};
+use crate::wide::{STAGE_STRIDE, WIDE_MAX_HEAD_DIM};
 use crate::{KvElem, KvLayout};
 
 /// A score no key can have, standing in for minus infinity. Being finite, it keeps
@@ -93,10 +94,13 @@ pub(crate) struct Scratch {
     /// Per query vector: its position as f32, exact below 2^24 (wide path; padding lanes
     /// hold -1 so they see no key).
     pub pos: Vec<f32>,
-    /// Probabilities of the current chunk (narrow path), one vector per query vector.
+    /// Probabilities of the current step's keys, per query vector (narrow path).
     pub p: Vec<f32>,
     /// Per query vector: the rescale factor of the current chunk (narrow path).
     pub alpha: Vec<f32>,
+    /// The current chunk's K and V rows at a fixed stride (wide path).
+    pub k_rows: Vec<[f32; STAGE_STRIDE]>,
+    pub v_rows: Vec<[f32; STAGE_STRIDE]>,
     /// f32 copies of the current chunk's K and V rows when the cache is not f32.
     pub k_stage: Vec<f32>,
     pub v_stage: Vec<f32>,
@@ -108,29 +112,21 @@ pub(crate) fn refill<X: Copy>(v: &mut Vec<X>, n: usize, value: X) {
     v.resize(n, value);
 }
 
-/// The f32 K and V rows (`head_dim` each) of keys `c0..c0 + n` for one kv head. Entries at
-/// `n` and beyond repeat the first row, so kernels may read a full chunk and mask the rest.
-pub(crate) struct KeyChunk<'c> {
-    pub k: [&'c [f32]; LANES],
-    pub v: [&'c [f32]; LANES],
-}
-
-/// Finds the rows of keys `c0..c0 + n` through the block table and borrows them as f32,
-/// in place for an f32 cache, converted into the stage buffers otherwise.
+/// Element offsets (in the cache) of the rows of keys `c0..c0 + n` for the tile's kv head,
+/// found through the block table. Entries at `n` and beyond repeat the first, so kernels
+/// may read a full chunk and mask the rest.
 #[inline(always)]
-pub(crate) fn load_chunk<'c, T: KvElem>(
-    inp: &'c AttnInputs<'_, T>,
+pub(crate) fn chunk_starts<T, const N: usize>(
+    inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     c0: usize,
     n: usize,
-    k_stage: &'c mut Vec<f32>,
-    v_stage: &'c mut Vec<f32>,
-) -> KeyChunk<'c> {
+) -> [usize; N] {
     let layout = &inp.layout;
-    let (bs, d) = (layout.block_size, layout.head_dim);
+    let bs = layout.block_size;
     let (row, head) = (layout.row_elems(), tile.kv_head * layout.head_dim);
     // Walk the table incrementally: one division per chunk, not one per key.
-    let mut starts = [0usize; LANES];
+    let mut starts = [0usize; N];
     let (mut blk, mut off) = (c0 / bs, c0 % bs);
     for st in starts.iter_mut().take(n) {
         *st = (tile.block_table[blk] as usize * bs + off) * row + head;
@@ -142,47 +138,27 @@ pub(crate) fn load_chunk<'c, T: KvElem>(
     }
     let first = starts[0];
     starts[n..].fill(first);
-    KeyChunk {
-        k: chunk_rows(inp.k_cache, &starts, n, d, k_stage),
-        v: chunk_rows(inp.v_cache, &starts, n, d, v_stage),
-    }
+    starts
 }
 
-#[inline(always)]
-fn chunk_rows<'c, T: KvElem>(
-    cache: &'c [T],
-    starts: &[usize; LANES],
-    n: usize,
-    d: usize,
-    stage: &'c mut Vec<f32>,
-) -> [&'c [f32]; LANES] {
-    if let Some(cache) = T::as_f32_slice(cache) {
-        return std::array::from_fn(|j| &cache[starts[j]..starts[j] + d]);
-    }
-    if stage.len() < LANES * d {
-        stage.resize(LANES * d, 0.0);
-    }
-    for (&st, dst) in starts.iter().zip(stage.chunks_exact_mut(d)).take(n) {
-        T::to_f32_slice(&cache[st..st + d], dst);
-    }
-    let stage: &'c [f32] = stage;
-    std::array::from_fn(|j| &stage[j.min(n - 1) * d..][..d])
-}
-
-/// Calls `f(start, count)` over `begin..end` in runs of `max` (a power of two), then in
-/// halving runs for the remainder, so micro-kernels can take `count` as a const generic.
-#[inline(always)]
-pub(crate) fn for_runs(begin: usize, end: usize, max: usize, mut f: impl FnMut(usize, usize)) {
-    let mut at = begin;
-    let mut run = max;
-    while at < end {
-        while run > end - at {
-            run /= 2;
+/// Runs `$body` for `($at, $n)` over `$begin..$end` in runs of `$max`, the last run shorter,
+/// so micro-kernels can take `$n` as a const generic (the body matches on it).
+///
+/// A macro rather than a function taking a closure: closures are compiled without the
+/// `#[target_feature]`s of the kernel they sit in, and when LLVM declines to inline one, every
+/// SIMD intrinsic inside it becomes an out-of-line call (measured: 5x slower).
+macro_rules! for_runs {
+    ($begin:expr, $end:expr, $max:expr, |$at:ident, $n:ident| $body:expr) => {{
+        let (end, max) = ($end, $max);
+        let mut $at = $begin;
+        while $at < end {
+            let $n = max.min(end - $at);
+            $body;
+            $at += $n;
         }
-        f(at, run);
-        at += run;
-    }
+    }};
 }
+pub(crate) use for_runs;
 
 /// `out` shared between tiles that each write a disjoint part of it.
 pub(crate) struct SharedOut<'a, T> {
@@ -285,7 +261,7 @@ fn attend<T: KvElem, S: Simd>(
     out: &SharedOut<'_, T>,
 ) {
     let vectors = (tile.row_end - tile.row_begin) * inp.group;
-    if vectors >= WIDE_MIN_VECTORS {
+    if vectors >= WIDE_MIN_VECTORS && inp.layout.head_dim <= WIDE_MAX_HEAD_DIM {
         match S::KEYS {
             16 => crate::wide::attend_wide::<T, S, 16>(simd, inp, tile, scratch, out),
             8 => crate::wide::attend_wide::<T, S, 8>(simd, inp, tile, scratch, out),
@@ -301,15 +277,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn runs_cover_the_range_in_powers_of_two() {
+    fn runs_cover_the_range() {
         let mut seen = Vec::new();
-        for_runs(3, 3 + 8 + 8 + 4 + 1, 8, |at, n| seen.push((at, n)));
-        assert_eq!(seen, vec![(3, 8), (11, 8), (19, 4), (23, 1)]);
+        for_runs!(3, 3 + 8 + 8 + 5, 8, |at, n| seen.push((at, n)));
+        assert_eq!(seen, vec![(3, 8), (11, 8), (19, 5)]);
         seen.clear();
-        for_runs(0, 7, 4, |at, n| seen.push((at, n)));
-        assert_eq!(seen, vec![(0, 4), (4, 2), (6, 1)]);
-        seen.clear();
-        for_runs(5, 5, 4, |at, n| seen.push((at, n)));
+        for_runs!(5, 5, 4, |at, n| seen.push((at, n)));
         assert!(seen.is_empty());
     }
 

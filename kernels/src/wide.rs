@@ -8,12 +8,22 @@
 //! same way, `Ot[d] += V[j][d] * p[j]`, and is transposed back once per tile.
 //!
 //! Layouts in [`Scratch`]: `q` and `o` are `[block][head_dim][LANES]`; `row_max`, `row_sum`
-//! and `pos` are `[block][LANES]`, with padding lanes at position -1 so they see no key.
+//! and `pos` are `[block][LANES]`, with padding lanes at position -1 so they see no key;
+//! `k_rows` and `v_rows` hold the chunk's rows at a fixed stride, so that every broadcast in
+//! the hot loops is one instruction with a constant offset.
 
 use crate::simd::{exp2, Simd, LANES};
-use crate::tile::{
-    for_runs, load_chunk, refill, AttnInputs, KeyChunk, Scratch, SharedOut, Tile, MASKED,
-};
+use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Scratch, SharedOut, Tile, MASKED};
+
+/// Widest head the wide path stages; wider heads take the narrow path.
+pub(crate) const WIDE_MAX_HEAD_DIM: usize = 256;
+
+/// Row stride of the staged K and V rows: room for the widest head, plus 16 floats so the
+/// rows of a chunk do not all fall into the same L1 sets.
+pub(crate) const STAGE_STRIDE: usize = WIDE_MAX_HEAD_DIM + 16;
+
+/// A chunk's staged rows, one fixed-stride row per key.
+type Staged<const KC: usize> = [[f32; STAGE_STRIDE]; KC];
 use crate::KvElem;
 
 /// One block of lanes' running state, borrowed from the tile's scratch.
@@ -43,10 +53,12 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
         row_max,
         row_sum,
         pos,
-        k_stage,
-        v_stage,
+        k_rows,
+        v_rows,
         ..
     } = scratch;
+    refill(k_rows, KC, [0.0; STAGE_STRIDE]);
+    refill(v_rows, KC, [0.0; STAGE_STRIDE]);
     refill(qt, blocks * d * LANES, 0.0);
     refill(ot, blocks * d * LANES, 0.0);
     refill(row_max, blocks * LANES, MASKED);
@@ -72,7 +84,14 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
     let mut c0 = 0;
     while c0 < key_end {
         let n = KC.min(key_end - c0);
-        let chunk = load_chunk(inp, tile, c0, n, k_stage, v_stage);
+        // Stage the chunk once for every block (a copy for f32, a conversion otherwise).
+        let starts: [usize; KC] = chunk_starts(inp, tile, c0, n);
+        let ks: &mut Staged<KC> = (&mut k_rows[..KC]).try_into().expect("KC staged rows");
+        let vs: &mut Staged<KC> = (&mut v_rows[..KC]).try_into().expect("KC staged rows");
+        for ((k, v), &st) in ks.iter_mut().zip(vs.iter_mut()).zip(&starts) {
+            T::to_f32_slice(&inp.k_cache[st..st + d], &mut k[..d]);
+            T::to_f32_slice(&inp.v_cache[st..st + d], &mut v[..d]);
+        }
         // Blocks whose every lane is causally finished skip the chunk.
         let b_first = (tile.first_live_row(c0) - tile.row_begin) * g / LANES;
         for b in b_first..blocks {
@@ -83,7 +102,7 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
                 row_sum: &mut row_sum[b * LANES..][..LANES],
                 pos: &pos[b * LANES..][..LANES],
             };
-            block_chunk::<S, KC>(simd, block, &chunk, c0, d);
+            block_chunk::<S, KC>(simd, block, ks, vs, c0);
         }
         c0 += n;
     }
@@ -108,9 +127,9 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
 fn block_chunk<S: Simd, const KC: usize>(
     simd: S,
     block: LaneBlock<'_>,
-    chunk: &KeyChunk<'_>,
+    ks: &Staged<KC>,
+    vs: &Staged<KC>,
     c0: usize,
-    d: usize,
 ) {
     let LaneBlock {
         qt,
@@ -119,13 +138,17 @@ fn block_chunk<S: Simd, const KC: usize>(
         row_sum,
         pos,
     } = block;
+    // The wide path only runs for heads up to WIDE_MAX_HEAD_DIM; saying so lets LLVM drop
+    // the bounds checks on the staged rows.
+    let d = (qt.len() / LANES).min(WIDE_MAX_HEAD_DIM);
 
     // Scores: KC independent accumulators, each FMA a broadcast K element times a Q vector.
-    let k: [&[f32]; KC] = std::array::from_fn(|j| &chunk.k[j][..d]);
+    // The dd loop stays a run-time loop on purpose: fully unrolled, LLVM hoists all d * KC
+    // broadcasts out of the block loop and spills them.
     let mut s = [simd.splat(0.0); KC];
     for dd in 0..d {
         let q = simd.load(&qt[dd * LANES..]);
-        for (acc, row) in s.iter_mut().zip(&k) {
+        for (acc, row) in s.iter_mut().zip(ks) {
             *acc = simd.mul_add(simd.splat(row[dd]), q, *acc);
         }
     }
@@ -156,17 +179,20 @@ fn block_chunk<S: Simd, const KC: usize>(
     simd.store(row_max, new_max);
 
     // P·V into the transposed output, rescaling by alpha on the way.
-    let v: [&[f32]; KC] = std::array::from_fn(|j| &chunk.v[j][..d]);
     let pv = WidePv {
         p: &s,
         alpha,
-        v: &v,
+        v: vs,
     };
-    for_runs(0, d, S::WIDE_DIMS, |d0, r| match r {
+    for_runs!(0, d, S::WIDE_DIMS, |d0, r| match r {
         8 => pv_lanes::<S, KC, 8>(simd, &pv, ot, d0),
         4 => pv_lanes::<S, KC, 4>(simd, &pv, ot, d0),
         2 => pv_lanes::<S, KC, 2>(simd, &pv, ot, d0),
-        _ => pv_lanes::<S, KC, 1>(simd, &pv, ot, d0),
+        _ => {
+            for d0 in d0..d0 + r {
+                pv_lanes::<S, KC, 1>(simd, &pv, ot, d0);
+            }
+        }
     });
 }
 
@@ -174,7 +200,7 @@ fn block_chunk<S: Simd, const KC: usize>(
 struct WidePv<'a, S: Simd, const KC: usize> {
     p: &'a [S::V; KC],
     alpha: S::V,
-    v: &'a [&'a [f32]; KC],
+    v: &'a Staged<KC>,
 }
 
 /// `Ot[d0 + r] = Ot[d0 + r] * alpha + sum_j V[j][d0 + r] * p[j]` for `R` output dims at once,

@@ -69,7 +69,11 @@ fn request(id: u64, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Request {
     }
 }
 
-fn new_engine(model: &LoadedModel, num_blocks: usize, max_prefill: usize) -> anyhow::Result<Engine> {
+fn new_engine(
+    model: &LoadedModel,
+    num_blocks: usize,
+    max_prefill: usize,
+) -> anyhow::Result<Engine> {
     Ok(Engine::new(
         model.clone(),
         EngineConfig {
@@ -118,8 +122,12 @@ fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::
 
 fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let model = LoadedModel::load(&ModelSource::parse(&args.model), dtype, &candle_core::Device::Cpu)
-        .with_context(|| format!("loading {}", args.model))?;
+    let model = LoadedModel::load(
+        &ModelSource::parse(&args.model),
+        dtype,
+        &candle_core::Device::Cpu,
+    )
+    .with_context(|| format!("loading {}", args.model))?;
     let max_ctx = model.config().max_context;
     let repeats = args.repeats.max(1);
     // Warm-up: first-touch page faults and thread-pool start-up are not throughput.
@@ -131,15 +139,27 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
             eprintln!("prefill {len}: skipped (model context is {max_ctx})");
             continue;
         }
-        let tps = median((0..repeats).map(|_| prefill_once(&model, len)).collect::<anyhow::Result<_>>()?);
+        let tps = median(
+            (0..repeats)
+                .map(|_| prefill_once(&model, len))
+                .collect::<anyhow::Result<_>>()?,
+        );
         eprintln!("prefill {len:>5} tokens: {tps:>9.1} tok/s");
         prefill.insert(len.to_string(), json!(tps));
     }
-    let single = median((0..repeats).map(|_| decode_once(&model, 1, 128)).collect::<anyhow::Result<_>>()?);
+    let single = median(
+        (0..repeats)
+            .map(|_| decode_once(&model, 1, 128))
+            .collect::<anyhow::Result<_>>()?,
+    );
     eprintln!("decode single stream (32 prompt, 128 new): {single:>9.1} tok/s");
     let mut batched = serde_json::Map::new();
     for &b in &args.batch {
-        let tps = median((0..repeats).map(|_| decode_once(&model, b, 64)).collect::<anyhow::Result<_>>()?);
+        let tps = median(
+            (0..repeats)
+                .map(|_| decode_once(&model, b, 64))
+                .collect::<anyhow::Result<_>>()?,
+        );
         eprintln!("decode batch {b:>3} (32 prompt, 64 new each): {tps:>9.1} tok/s");
         batched.insert(b.to_string(), json!(tps));
     }
@@ -164,5 +184,7 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
 }
 
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }

@@ -45,8 +45,12 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let model = LoadedModel::load(&ModelSource::parse(&args.model), dtype, &candle_core::Device::Cpu)
-        .with_context(|| format!("loading model {}", args.model))?;
+    let model = LoadedModel::load(
+        &ModelSource::parse(&args.model),
+        dtype,
+        &candle_core::Device::Cpu,
+    )
+    .with_context(|| format!("loading model {}", args.model))?;
     let enc = model
         .tokenizer
         .encode(args.prompt.as_str(), true)

@@ -29,7 +29,11 @@ pub struct RandomModelArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Directory whose tokenizer is copied and padded to the model's vocab.
-    #[arg(long, env = "FISSION_TOKENIZER_FROM", default_value = "../shared/models/stories260K")]
+    #[arg(
+        long,
+        env = "FISSION_TOKENIZER_FROM",
+        default_value = "../shared/models/stories260K"
+    )]
     pub tokenizer_from: PathBuf,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -87,7 +91,8 @@ fn dims(shape: Shape) -> Dims {
 
 pub fn run(args: RandomModelArgs) -> anyhow::Result<()> {
     let d = dims(args.shape);
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     write_config(&args.out, &d)?;
     write_weights(&args.out, &d, args.seed)?;
     pad_tokenizer(&args.tokenizer_from, &args.out, d.vocab)?;
@@ -121,7 +126,9 @@ fn write_config(out: &Path, d: &Dims) -> anyhow::Result<()> {
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
     std::fs::write(
         out.join("generation_config.json"),
-        serde_json::to_string_pretty(&json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}))?,
+        serde_json::to_string_pretty(
+            &json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}),
+        )?,
     )?;
     Ok(())
 }
@@ -166,19 +173,43 @@ fn write_weights(out: &Path, d: &Dims, seed: u64) -> anyhow::Result<()> {
         Ok(Tensor::ones(n, candle_core::DType::F32, &Device::Cpu)?.to_dtype(dtype)?)
     };
     let hd = d.hidden / d.heads;
-    tensors.insert("model.embed_tokens.weight".into(), randn((d.vocab, d.hidden))?);
+    tensors.insert(
+        "model.embed_tokens.weight".into(),
+        randn((d.vocab, d.hidden))?,
+    );
     tensors.insert("model.norm.weight".into(), ones(d.hidden)?);
     for i in 0..d.layers {
         let p = format!("model.layers.{i}");
         tensors.insert(format!("{p}.input_layernorm.weight"), ones(d.hidden)?);
-        tensors.insert(format!("{p}.post_attention_layernorm.weight"), ones(d.hidden)?);
-        tensors.insert(format!("{p}.self_attn.q_proj.weight"), randn((d.heads * hd, d.hidden))?);
-        tensors.insert(format!("{p}.self_attn.k_proj.weight"), randn((d.kv_heads * hd, d.hidden))?);
-        tensors.insert(format!("{p}.self_attn.v_proj.weight"), randn((d.kv_heads * hd, d.hidden))?);
-        tensors.insert(format!("{p}.self_attn.o_proj.weight"), randn((d.hidden, d.heads * hd))?);
-        tensors.insert(format!("{p}.mlp.gate_proj.weight"), randn((d.ffn, d.hidden))?);
+        tensors.insert(
+            format!("{p}.post_attention_layernorm.weight"),
+            ones(d.hidden)?,
+        );
+        tensors.insert(
+            format!("{p}.self_attn.q_proj.weight"),
+            randn((d.heads * hd, d.hidden))?,
+        );
+        tensors.insert(
+            format!("{p}.self_attn.k_proj.weight"),
+            randn((d.kv_heads * hd, d.hidden))?,
+        );
+        tensors.insert(
+            format!("{p}.self_attn.v_proj.weight"),
+            randn((d.kv_heads * hd, d.hidden))?,
+        );
+        tensors.insert(
+            format!("{p}.self_attn.o_proj.weight"),
+            randn((d.hidden, d.heads * hd))?,
+        );
+        tensors.insert(
+            format!("{p}.mlp.gate_proj.weight"),
+            randn((d.ffn, d.hidden))?,
+        );
         tensors.insert(format!("{p}.mlp.up_proj.weight"), randn((d.ffn, d.hidden))?);
-        tensors.insert(format!("{p}.mlp.down_proj.weight"), randn((d.hidden, d.ffn))?);
+        tensors.insert(
+            format!("{p}.mlp.down_proj.weight"),
+            randn((d.hidden, d.ffn))?,
+        );
     }
     candle_core::safetensors::save(&tensors, out.join("model.safetensors"))?;
     Ok(())
@@ -187,7 +218,8 @@ fn write_weights(out: &Path, d: &Dims, seed: u64) -> anyhow::Result<()> {
 /// Copies the source tokenizer and adds `<extra_N>` tokens up to `vocab`, so any id decodes.
 fn pad_tokenizer(from: &Path, out: &Path, vocab: usize) -> anyhow::Result<()> {
     let src = from.join("tokenizer.json");
-    let text = std::fs::read_to_string(&src).with_context(|| format!("reading {}", src.display()))?;
+    let text =
+        std::fs::read_to_string(&src).with_context(|| format!("reading {}", src.display()))?;
     let mut tok: serde_json::Value = serde_json::from_str(&text)?;
     let base = tok["model"]["vocab"]
         .as_object()
@@ -196,7 +228,13 @@ fn pad_tokenizer(from: &Path, out: &Path, vocab: usize) -> anyhow::Result<()> {
     let added = tok["added_tokens"]
         .as_array_mut()
         .context("tokenizer.json has no added_tokens")?;
-    let mut next = base.max(added.iter().filter_map(|t| t["id"].as_u64()).max().map_or(0, |m| m as usize + 1));
+    let mut next = base.max(
+        added
+            .iter()
+            .filter_map(|t| t["id"].as_u64())
+            .max()
+            .map_or(0, |m| m as usize + 1),
+    );
     while next < vocab {
         added.push(json!({
             "id": next, "content": format!("<extra_{next}>"), "single_word": false,
@@ -205,7 +243,11 @@ fn pad_tokenizer(from: &Path, out: &Path, vocab: usize) -> anyhow::Result<()> {
         next += 1;
     }
     std::fs::write(out.join("tokenizer.json"), serde_json::to_string(&tok)?)?;
-    for f in ["tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"] {
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+    ] {
         if from.join(f).is_file() {
             std::fs::copy(from.join(f), out.join(f))?;
         }

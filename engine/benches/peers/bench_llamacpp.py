@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -94,27 +93,14 @@ def median_ts(entry: dict) -> float:
     return statistics.median(samples)
 
 
-def parse_batched_bench(text: str) -> dict[int, dict[str, float]]:
-    """Parses llama-batched-bench's markdown table into {B: {column: value}}."""
-    header: list[str] | None = None
-    rows: dict[int, dict[str, float]] = {}
+def parse_batched_bench(text: str) -> dict[int, dict]:
+    """Parses llama-batched-bench --output-format jsonl into {B: row}; S_TG is row["speed_tg"]."""
+    rows: dict[int, dict] = {}
     for line in text.splitlines():
         line = line.strip()
-        if not line.startswith("|"):
-            continue
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if header is None:
-            if "S_TG t/s" in cells or "S_TG" in cells:
-                header = [re.sub(r"\s+t/s$", "", c) for c in cells]
-            continue
-        if all(set(c) <= set("-: ") for c in cells):
-            continue
-        try:
-            vals = [float(c) for c in cells]
-        except ValueError:
-            continue
-        row = dict(zip(header, vals))
-        rows[int(row["B"])] = row
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[int(row["pl"])] = row
     if not rows:
         raise RuntimeError("no rows in llama-batched-bench output:\n" + text[-2000:])
     return rows
@@ -193,11 +179,11 @@ def main() -> int:
     for i in range(batched_runs):
         text = run_cmd([str(batched_bin), "-m", str(gguf), "-t", t, "-tb", t, "-c", str(ctx),
                         "-npp", str(BATCH_PROMPT_LEN), "-ntg", str(batch_new),
-                        "-npl", ",".join(map(str, batch_sizes))])
+                        "-npl", ",".join(map(str, batch_sizes)), "--output-format", "jsonl"])
         rows = parse_batched_bench(text)
         for b in batch_sizes:
-            per_b[b].append(rows[b]["S_TG"])
-        log(f"batched run {i + 1}/{batched_runs}: " + ", ".join(f"B={b}: {rows[b]['S_TG']:.1f}" for b in batch_sizes))
+            per_b[b].append(round(rows[b]["speed_tg"], 2))
+        log(f"batched run {i + 1}/{batched_runs}: " + ", ".join(f"B={b}: {rows[b]['speed_tg']:.1f}" for b in batch_sizes))
     decode_batch: dict[str, float | None] = {str(b): None for b in BATCH_SIZES}
     for b in batch_sizes:
         decode_batch[str(b)] = round(statistics.median(per_b[b]), 2)

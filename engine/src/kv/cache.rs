@@ -172,7 +172,12 @@ impl KvCache {
 
     /// Copies the given blocks of one layer into `dst` as `[K blocks..., V blocks...]` in
     /// `block_ids` order, native-endian elements of the cache dtype.
-    pub fn export_blocks(&mut self, layer: usize, block_ids: &[BlockId], dst: &mut [u8]) -> Result<()> {
+    pub fn export_blocks(
+        &mut self,
+        layer: usize,
+        block_ids: &[BlockId],
+        dst: &mut [u8],
+    ) -> Result<()> {
         self.check_layer(layer)?;
         let ids = raw_ids(block_ids);
         let expected = self.export_len(ids.len());

@@ -45,11 +45,13 @@ impl ForwardBatch {
             let pos = start_pos + i;
             self.token_ids.push(t);
             self.positions.push(pos as u32);
-            self.slots
-                .push(block_table[pos / block_size] * block_size as u32 + (pos % block_size) as u32);
+            self.slots.push(
+                block_table[pos / block_size] * block_size as u32 + (pos % block_size) as u32,
+            );
         }
         if want_logits {
-            self.logits_rows.push((q_start + token_ids.len() - 1) as u32);
+            self.logits_rows
+                .push((q_start + token_ids.len() - 1) as u32);
         }
         self.seqs.push(SeqSlice {
             q_start,

@@ -15,14 +15,23 @@ use crate::kv::cache::KvCache;
 
 #[derive(Debug, Clone)]
 struct Linear {
-    /// `[out, in]`, as checkpoints store it.
-    weight: Tensor,
+    /// `[in, out]`, contiguous: the transpose of what checkpoints store. gemm packs a row-major
+    /// `[in, out]` operand cheaply, while a transposed view costs more than the multiply itself.
+    weight_t: Tensor,
     bias: Option<Tensor>,
 }
 
 impl Linear {
+    /// From a checkpoint's `[out, in]` weight.
+    fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Ok(Linear {
+            weight_t: weight.t()?.contiguous()?,
+            bias,
+        })
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
+        let y = super::matmul::matmul(x, &self.weight_t)?;
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -61,7 +70,12 @@ struct Layer {
 
 impl Layer {
     fn load(vb: VarBuilder, cfg: &ModelConfig) -> Result<Self> {
-        let (h, hkv, d, hid) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size);
+        let (h, hkv, d, hid) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        );
         let att = vb.pp("self_attn");
         let q = att.pp("q_proj");
         let k = att.pp("k_proj");
@@ -97,20 +111,11 @@ impl Layer {
         )?;
         Ok(Layer {
             input_norm: RmsNorm::load(vb.pp("input_layernorm"), hid, cfg.rms_norm_eps)?,
-            qkv: Linear { weight, bias },
-            o_proj: Linear {
-                weight: att.pp("o_proj").get((hid, h * d), "weight")?,
-                bias: None,
-            },
+            qkv: Linear::new(weight, bias)?,
+            o_proj: Linear::new(att.pp("o_proj").get((hid, h * d), "weight")?, None)?,
             post_norm: RmsNorm::load(vb.pp("post_attention_layernorm"), hid, cfg.rms_norm_eps)?,
-            gate_up: Linear {
-                weight: gate_up,
-                bias: None,
-            },
-            down: Linear {
-                weight: mlp.pp("down_proj").get((hid, f), "weight")?,
-                bias: None,
-            },
+            gate_up: Linear::new(gate_up, None)?,
+            down: Linear::new(mlp.pp("down_proj").get((hid, f), "weight")?, None)?,
         })
     }
 }
@@ -122,7 +127,7 @@ pub struct Llama {
     embed: candle_nn::Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    lm_head: Tensor,
+    lm_head: Linear,
     rope: Rope,
     dtype: DType,
     device: Device,
@@ -136,7 +141,8 @@ impl Llama {
         let lm_head = if cfg.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
             embed_w.clone()
         } else {
-            vb.pp("lm_head").get((cfg.vocab_size, cfg.hidden_size), "weight")?
+            vb.pp("lm_head")
+                .get((cfg.vocab_size, cfg.hidden_size), "weight")?
         };
         let layers = (0..cfg.num_layers)
             .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg))
@@ -146,7 +152,7 @@ impl Llama {
             embed: candle_nn::Embedding::new(embed_w, cfg.hidden_size),
             layers,
             norm: RmsNorm::load(vb.pp("model.norm"), cfg.hidden_size, cfg.rms_norm_eps)?,
-            lm_head,
+            lm_head: Linear::new(lm_head, None)?,
             rope: Rope::new(cfg),
             dtype: vb.dtype(),
             device: vb.device().clone(),
@@ -199,11 +205,15 @@ impl Llama {
             on_layer(i, cache)?;
         }
         if batch.logits_rows.is_empty() {
-            return Ok(Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device)?);
+            return Ok(Tensor::zeros(
+                (0, self.cfg.vocab_size),
+                DType::F32,
+                &self.device,
+            )?);
         }
         let rows = Tensor::from_slice(&batch.logits_rows, batch.logits_rows.len(), &self.device)?;
         let last = self.norm.forward(&x.index_select(&rows, 0)?)?;
-        let logits = last.matmul(&self.lm_head.t()?)?;
+        let logits = self.lm_head.forward(&last)?;
         Ok(logits.to_dtype(DType::F32)?.contiguous()?)
     }
 }

@@ -2,6 +2,7 @@
 
 pub mod batch;
 pub mod llama;
+mod matmul;
 mod ops;
 pub mod rope;
 
@@ -67,7 +68,12 @@ impl LoadedModel {
     }
 }
 
-fn load_weights(files: &ModelFiles, cfg: &ModelConfig, dtype: DType, device: &Device) -> Result<Llama> {
+fn load_weights(
+    files: &ModelFiles,
+    cfg: &ModelConfig,
+    dtype: DType,
+    device: &Device,
+) -> Result<Llama> {
     for p in &files.weights {
         if !p.is_file() {
             return Err(EngineError::MissingFile { path: p.clone() });

@@ -79,11 +79,23 @@ fn attention_typed<T: KvElem + WithDType>(
             let s = &src[tok * row..(tok + 1) * row];
             let mut buf = vec![0f32; d];
             for head in 0..h {
-                rope_head(rope, tok, &s[head * d..(head + 1) * d], &mut qr[head * d..(head + 1) * d], &mut buf);
+                rope_head(
+                    rope,
+                    tok,
+                    &s[head * d..(head + 1) * d],
+                    &mut qr[head * d..(head + 1) * d],
+                    &mut buf,
+                );
             }
             let ks = &s[h * d..(h + hkv) * d];
             for head in 0..hkv {
-                rope_head(rope, tok, &ks[head * d..(head + 1) * d], &mut kr[head * d..(head + 1) * d], &mut buf);
+                rope_head(
+                    rope,
+                    tok,
+                    &ks[head * d..(head + 1) * d],
+                    &mut kr[head * d..(head + 1) * d],
+                    &mut buf,
+                );
             }
             vr.copy_from_slice(&s[(h + hkv) * d..]);
         };
@@ -92,7 +104,9 @@ fn attention_typed<T: KvElem + WithDType>(
             .zip(k.chunks_mut(hkv * d).zip(v.chunks_mut(hkv * d)));
         // Rope is cheap per token; only spread it over threads for long prefill chunks.
         if t >= 64 {
-            rows.enumerate().par_bridge().for_each(|(tok, r)| split(tok, r));
+            rows.enumerate()
+                .par_bridge()
+                .for_each(|(tok, r)| split(tok, r));
         } else {
             rows.enumerate().for_each(|(tok, r)| split(tok, r));
         }

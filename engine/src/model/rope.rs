@@ -32,12 +32,20 @@ impl Rope {
             } => {
                 // transformers' _compute_llama3_parameters.
                 let old = original_max_position_embeddings as f32;
-                let (factor, low, high) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+                let (factor, low, high) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                );
                 let low_wavelen = old / low;
                 let high_wavelen = old / high;
                 for f in &mut inv_freq {
                     let wavelen = 2.0 * std::f32::consts::PI / *f;
-                    let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                    let scaled = if wavelen > low_wavelen {
+                        *f / factor
+                    } else {
+                        *f
+                    };
                     let smooth = (old / wavelen - low) / (high - low);
                     let is_medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
                     *f = if is_medium {
@@ -68,7 +76,11 @@ impl Rope {
                 sin.push(angle.sin());
             }
         }
-        RopeTables { cos, sin, half_dim: h }
+        RopeTables {
+            cos,
+            sin,
+            half_dim: h,
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use std::cmp::Ordering;
 
 /// Values per block of the one-pass loops: small enough to stay in L1, large enough to amortise
 /// the per-block bookkeeping.
-pub(crate) const BLOCK: usize = 64;
+const BLOCK: usize = 64;
 /// Independent accumulators per reduction.
 const LANES: usize = 8;
 
@@ -27,7 +27,7 @@ const WEIGHT_ONE: f64 = (1u64 << 52) as f64;
 ///
 /// Borrows `logits` untouched when the penalty is off. Penalised values are computed from the
 /// original logits, so an id that occurs many times is penalised exactly once.
-pub fn apply_repetition_penalty<'a>(
+pub(crate) fn apply_repetition_penalty<'a>(
     logits: &'a [f32],
     context_ids: &[u32],
     penalty: f32,
@@ -92,7 +92,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e_r = p * r * r + r + 1.0;
     let scale = f32::from_bits((n_bits.wrapping_add(127) as u32) << 23);
     if underflow {
@@ -103,15 +103,18 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 }
 
 /// The fixed-point weight of a processed value `x` in a distribution whose maximum is `max`:
-/// `e^(x - max) * 2^52`, truncated. Probabilities below `2^-52` of the top token's become 0.
+/// `e^(x - max) * 2^52`, rounded. Probabilities below `2^-53` of the top token's become 0.
 #[inline(always)]
 pub(crate) fn weight(x: f32, max: f32) -> u64 {
     fixed_point(exp_f32(x - max))
 }
 
+/// `e * 2^52` rounded to the nearest integer, for `e` in `[0, 1]`: adding `2^52` to a double in
+/// `[0, 2^52]` leaves that integer in the low mantissa bits. Plain IEEE arithmetic, the same
+/// everywhere, and unlike a float-to-integer cast it vectorises.
 #[inline(always)]
 fn fixed_point(e: f32) -> u64 {
-    (f64::from(e) * WEIGHT_ONE) as u64
+    (f64::from(e) * WEIGHT_ONE + WEIGHT_ONE).to_bits() - WEIGHT_ONE.to_bits()
 }
 
 /// Processes one block of logits into `out`, padding a short block with `-inf`, and returns its
@@ -258,35 +261,50 @@ impl TopN {
     }
 }
 
-/// Weights of all candidates, and the candidates above `floor`, in one pass: the total weight of
-/// the whole distribution (the top-p denominator when top-k is off) and the candidates the
-/// nucleus can come from. Candidates of weight 0 cannot be drawn and are left out.
+/// One pass computing the weight of every token: their total (the top-p denominator when top-k
+/// is off), and the `(weight, id)` candidates of weight at least `min_weight` (and above 0). Those
+/// form a prefix of the [`by_probability`] order.
 pub(crate) fn weigh_and_collect(
     logits: &[f32],
     inv_temperature: f32,
     max: f32,
-    floor: f32,
-) -> (u128, Vec<(f32, u32)>) {
+    min_weight: u64,
+) -> (u128, Vec<(u64, u32)>) {
+    let min_weight = min_weight.max(1);
     let mut total = 0u128;
     let mut candidates = Vec::new();
     let mut xs = [0.0f32; BLOCK];
     let mut es = [0.0f32; BLOCK];
+    let mut ws = [0u64; BLOCK];
     for (block_index, block) in logits.chunks(BLOCK).enumerate() {
-        let base = (block_index * BLOCK) as u32;
         let block_max = process_block(block, inv_temperature, &mut xs);
         if block_max == f32::NEG_INFINITY {
             continue;
         }
         exp_block(&xs, max, &mut es);
-        for (offset, (&x, &e)) in xs.iter().zip(&es).take(block.len()).enumerate() {
-            let w = fixed_point(e);
-            total += u128::from(w);
-            if w > 0 && x >= floor {
-                candidates.push((x, base + offset as u32));
+        for (w, &e) in ws.iter_mut().zip(&es) {
+            *w = fixed_point(e);
+        }
+        // At most 64 * 2^52: no overflow.
+        total += u128::from(ws.iter().sum::<u64>());
+        if ws.iter().all(|&w| w < min_weight) {
+            continue;
+        }
+        let base = (block_index * BLOCK) as u32;
+        for (offset, &w) in ws[..block.len()].iter().enumerate() {
+            if w >= min_weight {
+                candidates.push((w, base + offset as u32));
             }
         }
     }
     (total, candidates)
+}
+
+/// The draw order: higher weight (probability) first, then lower id. Total, so selection and
+/// sorting give one result on every platform.
+#[inline]
+pub(crate) fn by_probability(a: &(u64, u32), b: &(u64, u32)) -> Ordering {
+    b.0.cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
 /// The `k` best candidates in canonical order (unsorted), keeping at most `2k` in memory: when the
@@ -423,13 +441,31 @@ mod tests {
     fn weights_sum_exactly() {
         let logits: Vec<f32> = (0..300).map(|i| (i % 17) as f32 * 0.3).collect();
         let stats = logit_stats(&logits, 1.0, 0);
-        let (total, candidates) = weigh_and_collect(&logits, 1.0, stats.max, f32::NEG_INFINITY);
+        let (total, candidates) = weigh_and_collect(&logits, 1.0, stats.max, 0);
         assert_eq!(candidates.len(), 300);
-        let summed: u128 = candidates
-            .iter()
-            .rev()
-            .map(|&(x, _)| u128::from(weight(x, stats.max)))
-            .sum();
+        let summed: u128 = candidates.iter().rev().map(|&(w, _)| u128::from(w)).sum();
         assert_eq!(summed, total);
+        for &(w, id) in &candidates {
+            assert_eq!(w, weight(logits[id as usize], stats.max));
+        }
+        // The most likely token weighs exactly 2^52.
+        assert_eq!(candidates.iter().map(|&(w, _)| w).max(), Some(1 << 52));
+        let (same_total, heavy) = weigh_and_collect(&logits, 1.0, stats.max, 1 << 51);
+        assert_eq!(same_total, total);
+        assert!(heavy.iter().all(|&(w, _)| w >= 1 << 51));
+        assert_eq!(
+            heavy.len(),
+            candidates.iter().filter(|&&(w, _)| w >= 1 << 51).count()
+        );
+    }
+
+    #[test]
+    fn fixed_point_rounds_exactly() {
+        assert_eq!(fixed_point(1.0), 1 << 52);
+        assert_eq!(fixed_point(0.5), 1 << 51);
+        assert_eq!(fixed_point(0.0), 0);
+        assert_eq!(fixed_point(2.0f32.powi(-53)), 0);
+        assert_eq!(fixed_point(2.0f32.powi(-52)), 1);
+        assert_eq!(fixed_point(3.0 * 2.0f32.powi(-53)), 2);
     }
 }

@@ -13,9 +13,11 @@
 //! token when the logits move by a rounding error (as they do between batch shapes on a GPU), unless
 //! it sits right on a boundary.
 //!
-//! Cost. Greedy decoding is one pass over the logits. Sampling adds a second pass and then works
-//! only on the few candidates that can matter, found with partial selection rather than a sort of
-//! the vocabulary.
+//! Cost. Greedy decoding is one pass over the logits (two with a repetition penalty, which copies
+//! them). Sampling adds a second pass (two more, rarely, for a flat distribution without top-k)
+//! and then works only on the candidates that can matter, found with partial selection rather
+//! than a sort of the vocabulary. Nothing is allocated beyond the candidates and, with a
+//! repetition penalty, one copy of the logits.
 
 mod logits;
 mod params;
@@ -24,8 +26,8 @@ mod rng;
 pub use params::{SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_TOP_N_LOGPROBS};
 
 use logits::{
-    apply_repetition_penalty, canonical, collect_top_k, logit_stats, process, weigh_and_collect,
-    weight, LogitStats,
+    apply_repetition_penalty, by_probability, collect_top_k, logit_stats, process,
+    weigh_and_collect, weight, LogitStats,
 };
 
 /// The chosen token and its log-probabilities.
@@ -91,80 +93,76 @@ fn choose(
 ) -> u32 {
     let top_p = (params.top_p < 1.0).then_some(params.top_p);
     if params.top_k > 0 && params.top_k < values.len() {
-        let mut candidates = collect_top_k(values, inv_temperature, params.top_k);
-        let total = candidates
-            .iter()
-            .map(|&(x, _)| u128::from(weight(x, stats.max)))
-            .sum();
-        return draw_from(&mut candidates, total, top_p, stats.max, draw).unwrap_or(stats.argmax);
+        let mut candidates: Vec<(u64, u32)> = collect_top_k(values, inv_temperature, params.top_k)
+            .into_iter()
+            .map(|(x, id)| (weight(x, stats.max), id))
+            .collect();
+        let total = candidates.iter().map(|&(w, _)| u128::from(w)).sum();
+        return draw_from(&mut candidates, total, top_p, draw).unwrap_or(stats.argmax);
     }
     // Without top-k, the nucleus and the draw only ever reach the most likely candidates: the
     // nucleus ends once it holds `top_p` of the mass, and the draw once the mass passed exceeds
-    // the draw. Collect only the candidates above a floor that provably holds them.
+    // the draw. So only candidates above a weight floor are collected. The first floor assumes
+    // that at most `LIKELY_TAIL` candidates' worth of mass lies below it, which holds for peaked
+    // distributions; `draw_from` checks the collected mass exactly and declines when it falls
+    // short. The second floor holds for any distribution; the last takes everything.
     let needed = match top_p {
         Some(p) => f64::from(p),
         None => rng::unit_interval(draw),
     };
-    let floor = mass_floor(stats.log_sum_exp, needed, values.len());
-    let (total, mut candidates) = weigh_and_collect(values, inv_temperature, stats.max, floor);
-    if let Some(id) = draw_from(&mut candidates, total, top_p, stats.max, draw) {
-        return id;
+    let vocab_size = values.len() as f64;
+    let floors = [
+        weight_floor(stats, needed, LIKELY_TAIL.min(vocab_size)),
+        weight_floor(stats, needed, vocab_size),
+        0,
+    ];
+    for min_weight in floors {
+        let (total, mut candidates) =
+            weigh_and_collect(values, inv_temperature, stats.max, min_weight);
+        if let Some(id) = draw_from(&mut candidates, total, top_p, draw) {
+            return id;
+        }
     }
-    // Only reachable through rounding far beyond the floor's margin: take every candidate.
-    let (total, mut candidates) =
-        weigh_and_collect(values, inv_temperature, stats.max, f32::NEG_INFINITY);
-    draw_from(&mut candidates, total, top_p, stats.max, draw).unwrap_or(stats.argmax)
+    stats.argmax
 }
 
-/// A value below which all candidates together hold less than half of the probability beyond
-/// `needed` (each holds under `(1 - needed) / 2V`), so the candidates at or above it hold more than
-/// `needed`. Candidates above it form a prefix of the canonical order.
-fn mass_floor(log_sum_exp: f32, needed: f64, vocab_size: usize) -> f32 {
-    let per_candidate = (1.0 - needed) / (2.0 * vocab_size as f64);
-    (f64::from(log_sum_exp) + per_candidate.ln()) as f32
+/// How many candidates' worth of probability the first floor of [`choose`] assumes below it.
+const LIKELY_TAIL: f64 = 1024.0;
+
+/// A weight such that, if at most `tail_count` candidates weigh less, they hold less than half of
+/// the probability beyond `needed` (each holds under `(1 - needed) / (2 * tail_count)`), so the
+/// candidates at or above it hold more than `needed`. With `tail_count` the vocabulary size this
+/// always holds.
+fn weight_floor(stats: &LogitStats, needed: f64, tail_count: f64) -> u64 {
+    let per_candidate = (1.0 - needed) / (2.0 * tail_count);
+    // Probability p is weight p * e^(lse - max) * 2^52.
+    let scale = (f64::from(stats.log_sum_exp) - f64::from(stats.max)).exp() * (1u64 << 52) as f64;
+    (per_candidate * scale).min((1u64 << 52) as f64) as u64
 }
 
-/// Inverse-CDF draw over `candidates` in canonical order, after cutting them to the top-p nucleus
-/// of `total` (the weight of the whole filtered distribution). `None` when the candidates do not
-/// reach far enough: a floor cut them too short.
+/// Inverse-CDF draw over `(weight, id)` candidates in [`by_probability`] order, after cutting them
+/// to the top-p nucleus of `total` (the weight of the whole filtered distribution). `None` when
+/// the candidates do not reach far enough: a floor cut them too short.
 fn draw_from(
-    candidates: &mut [(f32, u32)],
+    candidates: &mut [(u64, u32)],
     total: u128,
     top_p: Option<f32>,
-    max: f32,
     draw: u64,
 ) -> Option<u32> {
-    let mut sorted = LazySorted::new(candidates);
-    let (len, mass) = match top_p {
+    let mass = match top_p {
         Some(p) => {
-            // As HF: keep a candidate while the mass before it is below top_p, and at least one.
+            // As HF: keep a candidate while the weight before it is below the bar, and at least
+            // one. The last one kept is the first whose running weight reaches the bar.
             let bar = (f64::from(p) * total as f64) as u128;
-            let mut mass = 0u128;
-            let mut len = 0;
-            while len < sorted.len() && (len == 0 || mass < bar) {
-                mass += u128::from(weight(sorted.get(len).0, max));
-                len += 1;
-            }
-            if mass < bar {
-                return None;
-            }
-            (len, mass)
+            let last = first_exceeding(candidates, bar.max(1) - 1)?;
+            last.weight_before + u128::from(last.weight)
         }
-        None => (sorted.len(), total),
+        None => total,
     };
     if mass == 0 {
         return None;
     }
-    let target = scale(draw, mass);
-    let mut passed = 0u128;
-    for i in 0..len {
-        let (x, id) = sorted.get(i);
-        passed += u128::from(weight(x, max));
-        if passed > target {
-            return Some(id);
-        }
-    }
-    None
+    first_exceeding(candidates, scale(draw, mass)).map(|found| found.id)
 }
 
 /// `floor(draw * mass / 2^53)`, exactly: a uniform point in `[0, mass)`.
@@ -175,45 +173,58 @@ fn scale(draw: u64, mass: u128) -> u128 {
     ((draw * high) << 11) + ((draw * low) >> 53)
 }
 
-/// Candidates sorted into canonical order on demand, a chunk at a time: partial selection moves
-/// the best of the rest to the front and only those are sorted. Draws usually stop within the
-/// first chunk, so the full sort is almost never paid. The result is unique because the order is
-/// total.
-struct LazySorted<'a> {
-    items: &'a mut [(f32, u32)],
-    sorted: usize,
-    next_chunk: usize,
+/// A candidate found by [`first_exceeding`].
+#[derive(Debug, Clone, Copy)]
+struct Found {
+    id: u32,
+    weight: u64,
+    /// The weight of all candidates before it.
+    weight_before: u128,
 }
 
-impl<'a> LazySorted<'a> {
-    const FIRST_CHUNK: usize = 32;
-
-    fn new(items: &'a mut [(f32, u32)]) -> Self {
-        Self {
-            items,
-            sorted: 0,
-            next_chunk: Self::FIRST_CHUNK,
+/// The first candidate in [`by_probability`] order at which the running weight exceeds `target`;
+/// `None` when the candidates' total weight does not.
+///
+/// A weighted quickselect rather than a sort: partial selection splits the candidates around a
+/// pivot, the side holding the answer is kept, and only the last few are sorted. The first pivot is
+/// the 32nd most likely, since the answer usually lies among the most likely candidates. Expected
+/// linear time. The answer is unique because the order is total, however selection moves things.
+fn first_exceeding(candidates: &mut [(u64, u32)], target: u128) -> Option<Found> {
+    const SORT_BELOW: usize = 32;
+    let mass = |items: &[(u64, u32)]| -> u128 { items.iter().map(|&(w, _)| u128::from(w)).sum() };
+    let mut items = candidates;
+    let mut weight_before = 0u128;
+    let mut pivot_index = SORT_BELOW - 1;
+    while items.len() > SORT_BELOW {
+        let (better, &mut (weight, id), worse) =
+            items.select_nth_unstable_by(pivot_index, by_probability);
+        let better_mass = mass(better);
+        if weight_before + better_mass > target {
+            items = better;
+        } else if weight_before + better_mass + u128::from(weight) > target {
+            return Some(Found {
+                id,
+                weight,
+                weight_before: weight_before + better_mass,
+            });
+        } else {
+            weight_before += better_mass + u128::from(weight);
+            items = worse;
         }
+        pivot_index = items.len() / 2;
     }
-
-    fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    /// The `i`-th candidate in canonical order; `i < len()`.
-    fn get(&mut self, i: usize) -> (f32, u32) {
-        while self.sorted <= i && self.sorted < self.items.len() {
-            let rest = &mut self.items[self.sorted..];
-            let n = self.next_chunk.min(rest.len());
-            if n < rest.len() {
-                rest.select_nth_unstable_by(n - 1, canonical);
-            }
-            rest[..n].sort_unstable_by(canonical);
-            self.sorted += n;
-            self.next_chunk = self.next_chunk.saturating_mul(4);
+    items.sort_unstable_by(by_probability);
+    for &(weight, id) in items.iter() {
+        if weight_before + u128::from(weight) > target {
+            return Some(Found {
+                id,
+                weight,
+                weight_before,
+            });
         }
-        self.items[i]
+        weight_before += u128::from(weight);
     }
+    None
 }
 
 #[cfg(test)]
@@ -237,41 +248,42 @@ mod tests {
         xs.iter().map(|&x| x as f64 - lse).collect()
     }
 
-    /// The straightforward version of `choose`: full sort, truncate, nucleus, draw. Same weights.
+    /// The straightforward version of `choose`: full sorts, truncate, nucleus, draw.
     fn reference_choice(logits: &[f32], params: &SamplingParams, draw: u64) -> u32 {
         let inv_t = 1.0 / params.temperature;
-        let mut all: Vec<(f32, u32)> = logits
+        let mut by_value: Vec<(f32, u32)> = logits
             .iter()
             .enumerate()
             .map(|(i, &l)| (process(l, inv_t), i as u32))
             .collect();
-        all.sort_by(canonical);
-        let max = all[0].0;
+        by_value.sort_by(logits::canonical);
+        let max = by_value[0].0;
         if params.top_k > 0 {
-            all.truncate(params.top_k);
+            by_value.truncate(params.top_k);
         }
-        let weights: Vec<u128> = all
+        let mut all: Vec<(u64, u32)> = by_value
             .iter()
-            .map(|&(x, _)| u128::from(weight(x, max)))
+            .map(|&(x, id)| (weight(x, max), id))
             .collect();
-        let total: u128 = weights.iter().sum();
+        all.sort_by(by_probability);
+        let total: u128 = all.iter().map(|&(w, _)| u128::from(w)).sum();
         let mut len = all.len();
         if params.top_p < 1.0 {
             let bar = (f64::from(params.top_p) * total as f64) as u128;
             let mut before = 0u128;
             len = 0;
             while len < all.len() && (len == 0 || before < bar) {
-                before += weights[len];
+                before += u128::from(all[len].0);
                 len += 1;
             }
         }
-        let mass: u128 = weights[..len].iter().sum();
+        let mass: u128 = all[..len].iter().map(|&(w, _)| u128::from(w)).sum();
         let target = scale(draw, mass);
         let mut passed = 0u128;
-        for (i, w) in weights[..len].iter().enumerate() {
-            passed += w;
+        for &(w, id) in &all[..len] {
+            passed += u128::from(w);
             if passed > target {
-                return all[i].1;
+                return id;
             }
         }
         unreachable!("passed reaches mass > target")
@@ -481,6 +493,40 @@ mod tests {
             (observed - head_mass).abs() <= tolerance,
             "head drawn {observed}, mass {head_mass}"
         );
+    }
+
+    #[test]
+    fn flat_distributions_fall_back_to_the_safe_floor() {
+        // Every token equally likely: the first floor collects nothing and the safe one all.
+        let logits = vec![0.25f32; 20_000];
+        for (top_p, position) in [(1.0, 0), (1.0, 1), (0.5, 2), (0.999, 3)] {
+            let sampling = params(1.0, 0, top_p, 4);
+            let draw = rng::random_u53(4, position, 0);
+            assert_eq!(
+                sample(&logits, &sampling, &[], position).token_id,
+                reference_choice(&logits, &sampling, draw)
+            );
+        }
+    }
+
+    #[test]
+    fn a_heavy_tail_beyond_the_first_floor_is_still_drawn() {
+        // 10 tokens at 10 and 4990 at 5: the tail holds 77% of the mass, in tokens too unlikely
+        // for the first floor, which then collects the head only.
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| if i % 500 == 0 { 10.0 } else { 5.0 })
+            .collect();
+        let mut tail_draws = 0;
+        for position in 0..300 {
+            for top_p in [1.0, 0.9] {
+                let sampling = params(1.0, 0, top_p, 6);
+                let draw = rng::random_u53(6, position, 0);
+                let token = sample(&logits, &sampling, &[], position).token_id;
+                assert_eq!(token, reference_choice(&logits, &sampling, draw));
+                tail_draws += usize::from(logits[token as usize] < 10.0);
+            }
+        }
+        assert!(tail_draws > 300, "{tail_draws}");
     }
 
     #[test]

@@ -1,4 +1,6 @@
 //! Helpers shared by the engine's integration tests.
+// Each test binary uses a different subset of these helpers.
+#![allow(dead_code)]
 
 use std::path::PathBuf;
 

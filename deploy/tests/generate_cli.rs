@@ -1,0 +1,93 @@
+//! `fission generate --json` reproduces transformers' greedy output for every reference prompt,
+//! run as a real process.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn stories_dir() -> PathBuf {
+    let root = std::env::var_os("FISSION_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
+    root.join("models/stories260K")
+}
+
+#[test]
+fn generate_json_matches_reference_greedy() {
+    let dir = stories_dir();
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("reference_greedy.json")).expect("reference readable"),
+    )
+    .expect("reference parses");
+    for r in refs["references"].as_array().expect("references") {
+        let out = Command::new(env!("CARGO_BIN_EXE_fission"))
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args(["--prompt", r["prompt"].as_str().expect("prompt")])
+            .args(["--max-new-tokens", "32", "--ignore-eos", "--json"])
+            .output()
+            .expect("fission runs");
+        assert!(
+            out.status.success(),
+            "stderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(got["input_ids"], r["input_ids"]);
+        assert_eq!(got["output_ids"], r["output_ids"]);
+        assert_eq!(got["finish_reason"], "length");
+        let text = format!(
+            "{}{}",
+            r["prompt"].as_str().expect("prompt"),
+            got["text"].as_str().expect("text")
+        );
+        assert_eq!(text, r["text"].as_str().expect("text"));
+    }
+}
+
+#[test]
+fn missing_model_is_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_fission"))
+        .args(["generate", "--model", "./no/such/dir", "--prompt", "hi"])
+        .output()
+        .expect("fission runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no/such/dir"), "{err}");
+}
+
+#[test]
+fn random_model_generation_loads_and_decodes_every_id() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_fission"))
+        .args(["make-random-model", "--shape", "tiny", "--out"])
+        .arg(dir.path())
+        .arg("--tokenizer-from")
+        .arg(stories_dir())
+        .output()
+        .expect("fission runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_fission"))
+        .args(["generate", "--model"])
+        .arg(dir.path())
+        .args([
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ])
+        .output()
+        .expect("fission runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(got["output_ids"].as_array().expect("ids").len(), 8);
+}
