@@ -1,1 +1,16 @@
-//! proto: placeholder until its issue lands.
+//! Fission's gRPC contracts and its one error-code table.
+//!
+//! This crate holds wire types only: no service logic, no engine, no networking beyond what
+//! tonic generates.
+
+mod error_code;
+
+pub use error_code::ErrorCode;
+
+/// Generated messages and clients/servers of `fission.v1`.
+pub mod v1 {
+    tonic::include_proto!("fission.v1");
+}
+
+/// The W3C trace-context key carried in gRPC metadata and KV frame headers.
+pub const TRACEPARENT: &str = "traceparent";
