@@ -16,6 +16,9 @@ use crate::sampling::{sample, SampledToken, SamplingParams};
 use crate::scheduler::{Batch, NewSequence, Scheduler, SchedulerConfig};
 use crate::stopping::{FinishReason, StoppingCriteria};
 
+mod disagg;
+pub use disagg::{LayerDone, LayerHook};
+
 /// Sizing and batching limits of one engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -31,6 +34,9 @@ pub struct EngineConfig {
     /// Chunked prefill: the most prompt tokens of one sequence computed in one step.
     pub max_prefill_chunk_tokens: usize,
     pub enable_prefix_caching: bool,
+    /// Decode node: the share of KV blocks that reservations for incoming transfers may hold,
+    /// so pushes in flight never starve the running batch.
+    pub reservation_fraction: f64,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +50,7 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             max_prefill_chunk_tokens: 4096,
             enable_prefix_caching: true,
+            reservation_fraction: 0.5,
         }
     }
 }
@@ -90,6 +97,9 @@ struct SeqState {
     stopping: StoppingCriteria,
     text: StopStringStream,
     num_generated: usize,
+    /// Prefill node: the sequence leaves the engine after its first token, whatever its
+    /// stopping criteria say; the decode node generates the rest.
+    prefill_only: bool,
 }
 
 pub struct Engine {
@@ -99,6 +109,10 @@ pub struct Engine {
     states: HashMap<SeqId, SeqState>,
     block_size: usize,
     preemptions: u64,
+    /// Decode node: requests whose blocks are reserved while a prefill node pushes their KV.
+    reserved: HashMap<SeqId, disagg::Reservation>,
+    /// The most blocks reservations may hold at once.
+    max_reserved_blocks: usize,
 }
 
 impl Engine {
@@ -165,6 +179,8 @@ impl Engine {
             states: HashMap::new(),
             block_size: cfg.block_size,
             preemptions: 0,
+            reserved: HashMap::new(),
+            max_reserved_blocks: (num_blocks as f64 * cfg.reservation_fraction) as usize,
         })
     }
 
@@ -186,7 +202,18 @@ impl Engine {
 
     /// Checks a request against the model's limits and queues it.
     pub fn add_request(&mut self, req: Request) -> Result<()> {
-        if self.states.contains_key(&req.seq_id) {
+        self.validate(&req)?;
+        self.scheduler.add(NewSequence {
+            seq_id: req.seq_id,
+            prompt_ids: req.prompt_ids.clone(),
+            max_new_tokens: req.stopping.max_new_tokens,
+        })?;
+        self.track(req, false);
+        Ok(())
+    }
+
+    fn validate(&self, req: &Request) -> Result<()> {
+        if self.states.contains_key(&req.seq_id) || self.reserved.contains_key(&req.seq_id) {
             return Err(EngineError::DuplicateSequence { seq_id: req.seq_id });
         }
         if req.prompt_ids.is_empty() {
@@ -212,12 +239,11 @@ impl Engine {
             });
         }
         req.sampling.validate()?;
-        req.stopping.validate()?;
-        self.scheduler.add(NewSequence {
-            seq_id: req.seq_id,
-            prompt_ids: req.prompt_ids.clone(),
-            max_new_tokens: req.stopping.max_new_tokens,
-        })?;
+        req.stopping.validate()
+    }
+
+    /// Starts tracking the sampling, stopping and text state of an admitted request.
+    fn track(&mut self, req: Request, prefill_only: bool) {
         let detok =
             IncrementalDetokenizer::new(Arc::clone(&self.model.tokenizer), &req.prompt_ids, true);
         let text = StopStringStream::new(detok, req.stopping.stop_strings.clone());
@@ -228,13 +254,16 @@ impl Engine {
                 stopping: req.stopping,
                 text,
                 num_generated: 0,
+                prefill_only,
             },
         );
-        Ok(())
     }
 
     /// Cancels a sequence in any state and frees its blocks at once.
     pub fn cancel(&mut self, seq_id: SeqId) -> bool {
+        if self.release_reservation(seq_id) {
+            return true;
+        }
         let known = self.states.remove(&seq_id).is_some();
         if known {
             if let Err(e) = self.scheduler.finish(seq_id) {
@@ -266,13 +295,35 @@ impl Engine {
 
     /// Runs one forward step over the scheduled batch and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
+        self.step_with_layer_hook(&mut |_| Ok(()))
+    }
+
+    /// Like [`step`](Self::step), calling `hook` after each layer with the sequences whose
+    /// prompt completes in this step, so a prefill node can push that layer's KV while the
+    /// next layer computes.
+    pub fn step_with_layer_hook(&mut self, hook: &mut LayerHook<'_>) -> Result<Vec<TokenEvent>> {
         let plan = self.scheduler.schedule();
         self.preemptions += plan.preempted.len() as u64;
         if plan.items.is_empty() {
             return Ok(Vec::new());
         }
         let fb = self.forward_batch(&plan);
-        let logits = self.model.model.forward(&fb, &mut self.cache)?;
+        let completing = self.completing_prompts(&plan);
+        let logits = if completing.is_empty() {
+            self.model.model.forward(&fb, &mut self.cache)?
+        } else {
+            self.model.model.forward_with_layer_hook(
+                &fb,
+                &mut self.cache,
+                &mut |layer, cache| {
+                    hook(LayerDone {
+                        layer,
+                        cache,
+                        completing: &completing,
+                    })
+                },
+            )?
+        };
         let vocab = self.model.config().vocab_size;
         let sampled = crate::model::logits_rows(&logits, |rows| {
             let mut out = Vec::with_capacity(fb.logits_rows.len());
@@ -335,6 +386,7 @@ impl Engine {
             .stopping
             .check_token(token.token_id, state.num_generated);
         let mut text = String::new();
+        let prefill_only = state.prefill_only;
         // The eos token itself contributes no text.
         if finish != Some(FinishReason::Eos) {
             let delta = state.text.push(token.token_id)?;
@@ -342,6 +394,18 @@ impl Engine {
             if delta.stopped {
                 finish = Some(FinishReason::Stop);
             }
+        }
+        if finish.is_none() && prefill_only {
+            // The decode node carries on; this node is done with the sequence.
+            self.states.remove(&seq_id);
+            self.scheduler.finish(seq_id)?;
+            return Ok(TokenEvent {
+                seq_id,
+                token,
+                text,
+                finish,
+                index,
+            });
         }
         if let Some(reason) = finish {
             if reason != FinishReason::Stop {

@@ -1,1 +1,83 @@
-//! gateway: placeholder until its issue lands.
+//! gateway: Fission's HTTP front door. It takes TGI- and OpenAI-shaped requests, validates and
+//! tokenizes them into a [`ValidRequest`], admits them under a concurrency limit, hands them to a
+//! [`Backend`], and streams the tokens back as JSON or SSE.
+//!
+//! It must not touch models, KV caches or GPUs: it never depends on `engine` or `kernels`, and it
+//! knows nodes only through the [`Backend`] trait. Its errors are one [`GatewayError`], mapped to
+//! HTTP and SSE through `proto::ErrorCode`.
+
+mod chat_template;
+mod generation;
+mod json;
+mod openai;
+mod state;
+mod tgi;
+mod validation;
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod fake;
+pub mod metrics;
+pub mod request;
+pub mod server;
+
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use backend::Backend;
+pub use chat_template::ChatMessage;
+pub use config::GatewayConfig;
+pub use error::GatewayError;
+pub use request::{
+    FinishReason, GeneratedToken, RequestId, SamplingParams, StoppingParams, TokenStream,
+    ValidRequest,
+};
+pub use server::app;
+pub use state::AppState;
+
+/// How long shutdown waits, after ending the requests left at the drain deadline, for their last
+/// events to be written.
+pub const ABORT_WRITE_MS: u64 = 2_000;
+
+/// Serves the gateway on `listener` until `shutdown` is cancelled.
+///
+/// Installs the Prometheus recorder (once per process). On shutdown it stops accepting, lets
+/// in-flight requests and streams finish for up to `config.shutdown_grace_ms`, then ends what is
+/// left with an `unavailable` error (cancelling those requests upstream) and returns once their
+/// responses are written, or after [`ABORT_WRITE_MS`] more.
+pub async fn run(
+    config: GatewayConfig,
+    listener: TcpListener,
+    backend: Arc<dyn Backend>,
+    shutdown: CancellationToken,
+) -> Result<(), GatewayError> {
+    let grace = Duration::from_millis(config.shutdown_grace_ms);
+    let state = AppState::new(config, backend, metrics::install_recorder())?;
+    let local_addr = listener.local_addr().map_err(GatewayError::Serve)?;
+    tracing::info!(%local_addr, model_id = %state.config().model_id, "gateway listening");
+
+    let serve = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+        .into_future();
+    let drain_deadline = async {
+        shutdown.cancelled().await;
+        tracing::info!(
+            grace_ms = grace.as_millis() as u64,
+            "shutting down; draining in-flight requests"
+        );
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        result = serve => result.map_err(GatewayError::Serve)?,
+        () = drain_deadline => {
+            tracing::warn!("drain deadline passed; dropping in-flight requests");
+        }
+    }
+    tracing::info!("gateway stopped");
+    Ok(())
+}

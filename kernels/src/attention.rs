@@ -2,14 +2,16 @@
 //!
 //! The batch is cut into tiles of (sequence, kv head, run of query rows) and rayon runs the
 //! tiles. Tiles are what make both shapes of load use every core: a decode batch has one tile
-//! per sequence and kv head, and a long prefill is additionally cut along its query rows.
+//! per sequence and kv head, a long prefill is additionally cut along its query rows, and a
+//! small decode batch with long contexts is cut along its keys ([`crate::split`]).
 //! The arithmetic lives in [`crate::tile`].
 
 use rayon::prelude::*;
 
 use crate::layout::check_len;
 use crate::simd::Isa;
-use crate::tile::{attend_tile, AttnInputs, Scratch, SharedOut, Tile};
+use crate::split;
+use crate::tile::{attend_tile, AttnInputs, Outputs, Scratch, SharedOut, Tile};
 use crate::{KernelError, KvElem, KvLayout};
 
 /// Query vectors (query rows times the kv head's group of query heads) in one prefill tile.
@@ -42,6 +44,9 @@ pub struct SeqAttn<'a> {
 /// sits at absolute position `p = context_len - q_len + i` and attends causally to keys
 /// `0..=p`, read from `k_cache`/`v_cache` through the sequence's block table. Query head `h`
 /// uses kv head `h / (num_heads / num_kv_heads)`. Softmax runs in f32 with scale `scale`.
+///
+/// Runs on the rayon pool with the best SIMD instruction set of this CPU. Every argument is
+/// checked first; a bad one returns the matching [`KernelError`] and leaves `out` untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention<T: KvElem>(
     layout: &KvLayout,
@@ -98,10 +103,14 @@ impl<T: KvElem> AttentionArgs<'_, T> {
                 self.scale
             )));
         }
-        let num_tokens: usize = self.seqs.iter().map(|s| s.q_len).sum();
-        let token_elems = num_heads * layout.head_dim;
-        check_len("q", num_tokens * token_elems, self.q.len())?;
-        check_len("out", num_tokens * token_elems, out_len)?;
+        // Saturating: an overflowed count never equals a real slice length.
+        let num_tokens = self
+            .seqs
+            .iter()
+            .fold(0usize, |n, s| n.saturating_add(s.q_len));
+        let expected = num_tokens.saturating_mul(num_heads.saturating_mul(layout.head_dim));
+        check_len("q", expected, self.q.len())?;
+        check_len("out", expected, out_len)?;
         for (i, s) in self.seqs.iter().enumerate() {
             validate_seq(layout, i, s, num_tokens)?;
         }
@@ -124,6 +133,12 @@ impl<T: KvElem> AttentionArgs<'_, T> {
 
     /// Runs validated attention on `isa`, which must be one this CPU supports.
     pub(crate) fn run(&self, isa: Isa, out: &mut [T]) {
+        self.run_planned_for(isa, rayon::current_num_threads(), out);
+    }
+
+    /// [`Self::run`], with split-K planned as if for `threads` cores (tests pin it so that
+    /// the same work items come out on any machine).
+    pub(crate) fn run_planned_for(&self, isa: Isa, threads: usize, out: &mut [T]) {
         let layout = *self.layout;
         let inputs = AttnInputs {
             layout,
@@ -134,16 +149,33 @@ impl<T: KvElem> AttentionArgs<'_, T> {
             group: self.num_heads / layout.num_kv_heads,
             scale_log2: self.scale * std::f32::consts::LOG2_E,
         };
-        let tiles = plan_tiles(layout.num_kv_heads, inputs.group, self.seqs);
+        let (group, d) = (inputs.group, layout.head_dim);
+        let tiles = plan_tiles(layout.num_kv_heads, group, self.seqs);
+        let plan = split::plan(tiles, group, d, threads);
+        let mut partials = vec![0.0f32; plan.partial_len];
+        {
+            let outputs = Outputs {
+                out: SharedOut::new(out),
+                partials: SharedOut::new(&mut partials),
+            };
+            plan.items
+                .par_iter()
+                .for_each_init(Scratch::default, |scratch, tile| {
+                    // SAFETY: validation made the sequences' rows disjoint, the tiles partition
+                    // each sequence's (rows, kv head) pairs and split-K parts get slots of
+                    // their own, so no two items write the same place; `isa` is supported by
+                    // the caller's contract.
+                    unsafe { attend_tile(isa, &inputs, tile, scratch, &outputs) };
+                });
+        }
+        if plan.merges.is_empty() {
+            return;
+        }
         let out = SharedOut::new(out);
-        tiles
-            .par_iter()
-            .for_each_init(Scratch::default, |scratch, tile| {
-                // SAFETY: validation made the sequences' rows disjoint and the tiles partition
-                // each sequence's (rows, kv head) pairs, so no two tiles write the same part of
-                // `out`; `isa` is supported by the caller's contract.
-                unsafe { attend_tile(isa, &inputs, tile, scratch, &out) };
-            });
+        plan.merges.par_iter().for_each(|merge| {
+            // SAFETY: each split tile owns its rows' columns of its kv head group, as above.
+            unsafe { merge.write(&partials, self.num_heads, group, d, &out) };
+        });
     }
 }
 
@@ -193,11 +225,7 @@ fn validate_seq(
 /// Cuts every sequence into tiles: one per kv head and run of at most
 /// `TILE_QUERY_VECTORS / group` query rows.
 fn plan_tiles<'a>(num_kv_heads: usize, group: usize, seqs: &[SeqAttn<'a>]) -> Vec<Tile<'a>> {
-    let tqv: usize = std::env::var("TQV")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(TILE_QUERY_VECTORS);
-    let rows_per_tile = (tqv / group).max(1);
+    let rows_per_tile = (TILE_QUERY_VECTORS / group).max(1);
     let mut tiles = Vec::new();
     for s in seqs {
         for row_begin in (0..s.q_len).step_by(rows_per_tile) {
@@ -210,6 +238,9 @@ fn plan_tiles<'a>(num_kv_heads: usize, group: usize, seqs: &[SeqAttn<'a>]) -> Ve
                     kv_head,
                     row_begin,
                     row_end: (row_begin + rows_per_tile).min(s.q_len),
+                    keys_from: 0,
+                    keys_to: s.context_len,
+                    partial: None,
                 });
             }
         }
@@ -342,7 +373,9 @@ mod tests {
             };
             let mut out = vec![T::default(); self.q.len()];
             args.validate(out.len()).expect("valid batch");
-            args.run(isa, &mut out);
+            // Plan split-K for four cores whatever this machine has, so every machine tests
+            // the same work items.
+            args.run_planned_for(isa, 4, &mut out);
             out.iter().map(|x| x.to_f32()).collect()
         }
 
@@ -379,6 +412,13 @@ mod tests {
         for group in 1..=4 {
             check_all_dtypes(group as u64, group, 64, 16, &shapes);
         }
+    }
+
+    #[test]
+    fn lone_long_decodes_are_split_and_merged() {
+        // One sequence: three kv heads at most, so split-K cuts the keys.
+        check_all_dtypes(40, 3, 64, 16, &[(1, 2500)]);
+        check_all_dtypes(41, 1, 8, 7, &[(1, 1500), (2, 1100)]);
     }
 
     #[test]
@@ -556,6 +596,12 @@ mod tests {
                 num_heads: 3,
                 num_kv_heads: 2
             })
+        ));
+        let mut c = Call::new();
+        c.num_heads = usize::MAX - 1;
+        assert!(matches!(
+            c.run(&ok),
+            Err(KernelError::BadLength { what: "q", .. })
         ));
         let mut c = Call::new();
         c.layout.head_dim = 0;

@@ -23,8 +23,8 @@ pub fn reshape_and_cache<T: KvElem>(
     layout.check_cache("k_cache", k_cache.len())?;
     layout.check_cache("v_cache", v_cache.len())?;
     let row = layout.row_elems();
-    check_len("k", slots.len() * row, k.len())?;
-    check_len("v", slots.len() * row, v.len())?;
+    check_len("k", slots.len().saturating_mul(row), k.len())?;
+    check_len("v", slots.len().saturating_mul(row), v.len())?;
     let num_slots = layout.num_slots();
     if let Some(&slot) = slots.iter().find(|&&s| s as usize >= num_slots) {
         return Err(KernelError::SlotOutOfRange { slot, num_slots });
@@ -149,7 +149,8 @@ fn check_transfer(
     for &id in block_ids {
         layout.check_block(id)?;
     }
-    check_len(what, 2 * block_ids.len() * layout.block_elems(), buf_len)
+    let expected = block_ids.len().saturating_mul(layout.block_elems());
+    check_len(what, expected.saturating_mul(2), buf_len)
 }
 
 #[cfg(test)]

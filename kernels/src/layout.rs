@@ -31,6 +31,9 @@ impl KvDtype {
 }
 
 /// Shape of one layer's K (or V) storage.
+///
+/// The element counts saturate instead of overflowing: a saturated count never equals the
+/// length of a real slice, so an absurd layout fails the kernels' length checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvLayout {
     pub num_blocks: usize,
@@ -42,21 +45,21 @@ pub struct KvLayout {
 impl KvLayout {
     /// Elements of one token row: `num_kv_heads * head_dim`.
     pub fn row_elems(&self) -> usize {
-        self.num_kv_heads * self.head_dim
+        self.num_kv_heads.saturating_mul(self.head_dim)
     }
 
     /// Elements of one block of K (or of V).
     pub fn block_elems(&self) -> usize {
-        self.block_size * self.row_elems()
+        self.block_size.saturating_mul(self.row_elems())
     }
 
     /// Elements of one layer's K (or V) storage.
     pub fn layer_elems(&self) -> usize {
-        self.num_blocks * self.block_elems()
+        self.num_blocks.saturating_mul(self.block_elems())
     }
 
     pub fn num_slots(&self) -> usize {
-        self.num_blocks * self.block_size
+        self.num_blocks.saturating_mul(self.block_size)
     }
 
     /// Number of blocks that hold `num_tokens` positions.
@@ -106,4 +109,55 @@ pub(crate) fn check_len(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_follow_the_shape() {
+        let l = KvLayout {
+            num_blocks: 10,
+            block_size: 16,
+            num_kv_heads: 3,
+            head_dim: 64,
+        };
+        assert_eq!(l.row_elems(), 192);
+        assert_eq!(l.block_elems(), 16 * 192);
+        assert_eq!(l.layer_elems(), 10 * 16 * 192);
+        assert_eq!(l.num_slots(), 160);
+        assert_eq!(l.blocks_for(0), 0);
+        assert_eq!(l.blocks_for(16), 1);
+        assert_eq!(l.blocks_for(17), 2);
+        assert!(l.validate().is_ok());
+        assert!(l.check_block(9).is_ok());
+        assert!(matches!(
+            l.check_block(10),
+            Err(KernelError::BlockOutOfRange {
+                block_id: 10,
+                num_blocks: 10
+            })
+        ));
+    }
+
+    #[test]
+    fn absurd_layouts_saturate_instead_of_overflowing() {
+        let l = KvLayout {
+            num_blocks: usize::MAX / 2,
+            block_size: 16,
+            num_kv_heads: 3,
+            head_dim: 64,
+        };
+        assert_eq!(l.layer_elems(), usize::MAX);
+        assert!(matches!(
+            l.check_cache("k_cache", 1024),
+            Err(KernelError::BadLength {
+                what: "k_cache",
+                ..
+            })
+        ));
+        let zero = KvLayout { head_dim: 0, ..l };
+        assert!(matches!(zero.validate(), Err(KernelError::Invalid(_))));
+    }
 }

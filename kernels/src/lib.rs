@@ -17,6 +17,7 @@ pub mod reference;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
+mod split;
 mod tile;
 mod wide;
 

@@ -11,14 +11,14 @@
 //! `[vector][STEP_KEYS]`, `row_max`, `row_sum` and `alpha` are `[vector]`.
 
 use crate::simd::{exp2, exp2_f32, Simd, IOTA, LANES};
-use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Scratch, SharedOut, Tile, MASKED};
+use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED};
 use crate::KvElem;
 
 /// Score vectors per step.
 const STEP_VECTORS: usize = 4;
 
-/// Keys per step.
-const STEP_KEYS: usize = STEP_VECTORS * LANES;
+/// Keys per step; split-K cuts key ranges at multiples of it.
+pub(crate) const STEP_KEYS: usize = STEP_VECTORS * LANES;
 
 /// The f32 K and V rows (`head_dim` each) of one step's keys.
 struct StepRows<'c> {
@@ -33,10 +33,10 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     scratch: &mut Scratch,
-    out: &SharedOut<'_, T>,
+    out: &Outputs<'_, T>,
 ) {
     let (d, g) = (inp.layout.head_dim, inp.group);
-    let vectors = (tile.row_end - tile.row_begin) * g;
+    let vectors = tile.vectors(g);
     let Scratch {
         q,
         o,
@@ -64,8 +64,8 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     }
 
     let iota = simd.load(&IOTA);
-    let key_end = tile.key_end();
-    let mut c0 = 0;
+    let key_end = tile.key_end().min(tile.keys_to);
+    let mut c0 = tile.keys_from;
     while c0 < key_end {
         let n = STEP_KEYS.min(key_end - c0);
         let rows = step_rows(inp, tile, c0, n, k_stage, v_stage);
@@ -126,9 +126,22 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
         c0 += n;
     }
 
+    if let Some(at) = tile.partial {
+        // A split-K part: leave the unnormalized state for the merge.
+        // SAFETY: this part alone owns its slot (see attend_tile).
+        let slot = unsafe { out.partials.range_mut(at, vectors * (d + 2)) };
+        let (slot_o, slot_stats) = slot.split_at_mut(vectors * d);
+        slot_o.copy_from_slice(o);
+        slot_stats[..vectors].copy_from_slice(row_max);
+        slot_stats[vectors..].copy_from_slice(row_sum);
+        return;
+    }
     for (i, acc) in (tile.row_begin..tile.row_end).zip(o.chunks_exact(g * d)) {
         // SAFETY: this tile alone writes its rows' columns of its kv head group (see attend_tile).
-        let dst = unsafe { out.range_mut(tile.group_offset(i, inp.num_heads, g, d), g * d) };
+        let dst = unsafe {
+            out.out
+                .range_mut(tile.group_offset(i, inp.num_heads, g, d), g * d)
+        };
         let m0 = (i - tile.row_begin) * g;
         for (gi, (y, x)) in dst.chunks_exact_mut(d).zip(acc.chunks_exact(d)).enumerate() {
             let inv = 1.0 / row_sum[m0 + gi];

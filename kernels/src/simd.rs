@@ -65,7 +65,7 @@ impl Isa {
 pub(crate) trait Simd: Copy {
     type V: Copy;
 
-    /// Keys per chunk on the wide path: that many score vectors stay in registers.
+    /// Keys per chunk on the wide path (16 or 4): that many score vectors stay in registers.
     const KEYS: usize;
     /// Output dims the wide path's P·V updates at once (independent FMA chains per key).
     const WIDE_DIMS: usize;

@@ -2,8 +2,9 @@
 //!
 //! A tile holds every query head of its kv head's group for each of its query rows, so each
 //! K/V row it reads from the cache is reused by the whole group and the whole tile. Keys are
-//! walked in chunks of at most [`LANES`] positions straight through the block table; nothing
-//! is gathered beyond the one chunk being worked on (and that only to convert bf16/f16).
+//! walked in chunks of a few dozen positions straight through the block table; nothing is
+//! gathered beyond the one chunk being worked on (the wide path stages it at a fixed stride,
+//! the narrow path reads f32 rows in place and converts only bf16/f16).
 //!
 //! Two layouts of the same online-softmax algorithm sit behind [`attend_tile`]:
 //! [`crate::wide`] puts query rows across SIMD lanes, which needs no horizontal reductions and
@@ -25,7 +26,8 @@ pub(crate) const MASKED: f32 = -1.0e30;
 
 /// Below this many query vectors (rows times group heads) a tile takes the narrow path:
 /// the wide path pays for a full vector of lanes per key whether or not it fills them.
-const WIDE_MIN_VECTORS: usize = 8;
+/// Measured on AVX-512: narrow wins up to about 9 vectors, wide from 12.
+const WIDE_MIN_VECTORS: usize = 12;
 
 /// What every tile of one call shares.
 pub(crate) struct AttnInputs<'a, T> {
@@ -51,6 +53,12 @@ pub(crate) struct Tile<'a> {
     pub kv_head: usize,
     pub row_begin: usize,
     pub row_end: usize,
+    /// The keys this work item covers: all of `0..key_end()` unless split-K cut the tile.
+    pub keys_from: usize,
+    pub keys_to: usize,
+    /// Where a split-K part leaves its unnormalized result (see `crate::split`): `None`
+    /// writes the final rows to `out`.
+    pub partial: Option<usize>,
 }
 
 impl Tile<'_> {
@@ -71,6 +79,17 @@ impl Tile<'_> {
     #[inline(always)]
     pub(crate) fn first_live_row(&self, c0: usize) -> usize {
         self.row_begin.max(c0.saturating_sub(self.first_pos()))
+    }
+
+    /// Query vectors (rows times group heads) of this tile.
+    #[inline(always)]
+    pub(crate) fn vectors(&self, group: usize) -> usize {
+        (self.row_end - self.row_begin) * group
+    }
+
+    /// Whether this tile runs on the wide path (else the narrow one).
+    pub(crate) fn is_wide(&self, group: usize, head_dim: usize) -> bool {
+        self.vectors(group) >= WIDE_MIN_VECTORS && head_dim <= WIDE_MAX_HEAD_DIM
     }
 
     /// Offset in `q` (and `out`) of the group's first head for sequence row `i`.
@@ -96,7 +115,7 @@ pub(crate) struct Scratch {
     pub pos: Vec<f32>,
     /// Probabilities of the current step's keys, per query vector (narrow path).
     pub p: Vec<f32>,
-    /// Per query vector: the rescale factor of the current chunk (narrow path).
+    /// Per query vector: the rescale factor of the current step (narrow path).
     pub alpha: Vec<f32>,
     /// The current chunk's K and V rows at a fixed stride (wide path).
     pub k_rows: Vec<[f32; STAGE_STRIDE]>,
@@ -160,6 +179,12 @@ macro_rules! for_runs {
 }
 pub(crate) use for_runs;
 
+/// Where tiles leave their results: final rows in `out`, split-K parts in `partials`.
+pub(crate) struct Outputs<'a, T> {
+    pub out: SharedOut<'a, T>,
+    pub partials: SharedOut<'a, f32>,
+}
+
 /// `out` shared between tiles that each write a disjoint part of it.
 pub(crate) struct SharedOut<'a, T> {
     ptr: *mut T,
@@ -201,14 +226,15 @@ impl<'a, T> SharedOut<'a, T> {
 /// Computes one tile and writes its rows of `out`.
 ///
 /// # Safety
-/// No other thread may be writing this tile's part of `out` (its rows, its kv head's
-/// columns), and `isa` must be supported by this CPU ([`Isa::detect`] or one it lists).
+/// No other thread may be writing this tile's part of the outputs (its rows and its kv
+/// head's columns of `out`, or its partial slot), and `isa` must be supported by this CPU
+/// ([`Isa::detect`] or one it lists).
 pub(crate) unsafe fn attend_tile<T: KvElem>(
     isa: Isa,
     inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     scratch: &mut Scratch,
-    out: &SharedOut<'_, T>,
+    out: &Outputs<'_, T>,
 ) {
     match isa {
         // SAFETY: the caller promises the CPU has these features.
@@ -229,7 +255,7 @@ unsafe fn attend_avx512<T: KvElem>(
     inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     scratch: &mut Scratch,
-    out: &SharedOut<'_, T>,
+    out: &Outputs<'_, T>,
 ) {
     // SAFETY: this function's own contract.
     let simd = unsafe { Avx512::new_unchecked() };
@@ -244,7 +270,7 @@ unsafe fn attend_avx2<T: KvElem>(
     inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     scratch: &mut Scratch,
-    out: &SharedOut<'_, T>,
+    out: &Outputs<'_, T>,
 ) {
     // SAFETY: this function's own contract.
     let simd = unsafe { Avx2Fma::new_unchecked() };
@@ -258,13 +284,11 @@ fn attend<T: KvElem, S: Simd>(
     inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     scratch: &mut Scratch,
-    out: &SharedOut<'_, T>,
+    out: &Outputs<'_, T>,
 ) {
-    let vectors = (tile.row_end - tile.row_begin) * inp.group;
-    if vectors >= WIDE_MIN_VECTORS && inp.layout.head_dim <= WIDE_MAX_HEAD_DIM {
+    if tile.is_wide(inp.group, inp.layout.head_dim) {
         match S::KEYS {
             16 => crate::wide::attend_wide::<T, S, 16>(simd, inp, tile, scratch, out),
-            8 => crate::wide::attend_wide::<T, S, 8>(simd, inp, tile, scratch, out),
             _ => crate::wide::attend_wide::<T, S, 4>(simd, inp, tile, scratch, out),
         }
     } else {

@@ -4,7 +4,7 @@
 //! block, lane `l` is one query vector. A key's scores for the whole block are then one vector,
 //! `s[j] = sum_d K[j][d] * Qt[d]`, built from broadcasts of the cached K row, and the online
 //! softmax runs lane-wise (max and sum across the chunk's keys are vertical), so the hot loops
-//! contain no horizontal reductions and no transposes. The output accumulates transposed the
+//! contain no horizontal reductions and no transposes of K or V. The output accumulates transposed the
 //! same way, `Ot[d] += V[j][d] * p[j]`, and is transposed back once per tile.
 //!
 //! Layouts in [`Scratch`]: `q` and `o` are `[block][head_dim][LANES]`; `row_max`, `row_sum`
@@ -13,7 +13,8 @@
 //! the hot loops is one instruction with a constant offset.
 
 use crate::simd::{exp2, Simd, LANES};
-use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Scratch, SharedOut, Tile, MASKED};
+use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED};
+use crate::KvElem;
 
 /// Widest head the wide path stages; wider heads take the narrow path.
 pub(crate) const WIDE_MAX_HEAD_DIM: usize = 256;
@@ -24,7 +25,6 @@ pub(crate) const STAGE_STRIDE: usize = WIDE_MAX_HEAD_DIM + 16;
 
 /// A chunk's staged rows, one fixed-stride row per key.
 type Staged<const KC: usize> = [[f32; STAGE_STRIDE]; KC];
-use crate::KvElem;
 
 /// One block of lanes' running state, borrowed from the tile's scratch.
 struct LaneBlock<'s> {
@@ -42,10 +42,12 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
     inp: &AttnInputs<'_, T>,
     tile: &Tile<'_>,
     scratch: &mut Scratch,
-    out: &SharedOut<'_, T>,
+    out: &Outputs<'_, T>,
 ) {
+    // Split-K only cuts narrow tiles.
+    debug_assert!(tile.partial.is_none() && tile.keys_from == 0);
     let (d, g) = (inp.layout.head_dim, inp.group);
-    let vectors = (tile.row_end - tile.row_begin) * g;
+    let vectors = tile.vectors(g);
     let blocks = vectors.div_ceil(LANES);
     let Scratch {
         q: qt,
@@ -57,8 +59,9 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
         v_rows,
         ..
     } = scratch;
-    refill(k_rows, KC, [0.0; STAGE_STRIDE]);
-    refill(v_rows, KC, [0.0; STAGE_STRIDE]);
+    // Every chunk writes the first `d` elements of all KC rows before they are read.
+    k_rows.resize(KC, [0.0; STAGE_STRIDE]);
+    v_rows.resize(KC, [0.0; STAGE_STRIDE]);
     refill(qt, blocks * d * LANES, 0.0);
     refill(ot, blocks * d * LANES, 0.0);
     refill(row_max, blocks * LANES, MASKED);
@@ -109,7 +112,10 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
 
     for i in tile.row_begin..tile.row_end {
         // SAFETY: this tile alone writes its rows' columns of its kv head group (see attend_tile).
-        let dst = unsafe { out.range_mut(tile.group_offset(i, inp.num_heads, g, d), g * d) };
+        let dst = unsafe {
+            out.out
+                .range_mut(tile.group_offset(i, inp.num_heads, g, d), g * d)
+        };
         for (gi, head) in dst.chunks_exact_mut(d).enumerate() {
             let m = (i - tile.row_begin) * g + gi;
             let (b, l) = (m / LANES, m % LANES);

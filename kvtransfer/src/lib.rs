@@ -1,1 +1,95 @@
-//! kvtransfer: placeholder until its issue lands.
+//! kvtransfer: moves a prompt's KV cache from a prefill node into blocks a decode node
+//! reserved, layer by layer, while the prefill node is still computing the next layers.
+//!
+//! This crate knows block ids and byte layouts only. It must not depend on `engine` or on any
+//! model code, and it does not speak gRPC: the reservation and the final Done message travel
+//! over the nodes' control plane, not through here.
+//!
+//! # Flow
+//!
+//! 1. The decode node reserves blocks and [`TransferRegistry::register`]s a [`Reservation`]
+//!    (`xfer_id`, `epoch`, `block_ids`, `num_layers`, [`KvLayout`]); it hands the prefill node
+//!    `{xfer_id, epoch, block_ids, kv_endpoint, lease_ms}`.
+//! 2. The prefill node [`KvTransport::connect`]s to `kv_endpoint` (connections are cached per
+//!    endpoint) and calls [`KvConnection::send_layer`] as each layer finishes; the calls run
+//!    concurrently, each layer on its own stream. A layer's payload is the engine's export
+//!    format `[K of block_ids, V of block_ids]`.
+//! 3. The decode node's server ([`KvServer::serve`]) checks each frame (see [`frame`]) against
+//!    the registry, verifies the CRC-32C, hands the payload to its [`KvSink`] and answers the
+//!    sender with a [`Verdict`].
+//! 4. On Done, the decode node calls [`TransferRegistry::wait_complete`] (every layer arrived,
+//!    checksums valid, current epoch), then [`TransferRegistry::deregister`]. Deregistering on
+//!    cancel or lease expiry is a write fence: once it returns, no write into those blocks is
+//!    running or will start, and late frames are dropped and counted.
+//!
+//! A retry after a failed attempt re-registers the same `xfer_id` with a higher epoch; frames
+//! still in flight from the old attempt are ignored as stale.
+//!
+//! # Backends
+//!
+//! - [`QuicServer`] / [`QuicTransport`]: QUIC with mutual TLS against a cluster CA
+//!   ([`tls`]), ALPN `fission-kv/1`, one stream per layer, tuned flow-control windows
+//!   ([`QuicWindows::TUNED`]).
+//! - [`TcpServer`] / [`TcpTransport`]: the same frames over TCP with a small connection pool
+//!   per endpoint, for networks that block UDP.
+//!
+//! # Mapping onto RDMA
+//!
+//! The API is shaped so an RDMA backend (RC queue pairs, one-sided writes) slots in without
+//! changing the prefill or decode node logic:
+//!
+//! - **Register** becomes memory registration. The decode node registers the destination
+//!   memory of the reserved blocks (or, better, the whole per-layer K and V cache once at
+//!   start-up) as a memory region and gets an `rkey`. [`TransferRegistry::register`] keeps the
+//!   same role: it records the reservation, its epoch and which layers have landed.
+//! - **The reservation carries addresses instead of block ids.** For each layer and each of K
+//!   and V, the reservation lists `(remote_addr, rkey)` per block (or per run of contiguous
+//!   blocks), computed by the decode node from `block_ids` and the [`KvLayout`]. The prefill
+//!   node needs no knowledge of the decode node's cache shape beyond that.
+//! - **`send_layer` becomes RDMA WRITEs.** The sender posts one RDMA WRITE per contiguous
+//!   destination run (scatter from its export buffer), all for one layer, then a final
+//!   `RDMA WRITE_WITH_IMM` (or a SEND) whose 32-bit immediate encodes `(xfer slot, layer)`.
+//!   RC delivers writes in order, so the completion implies the layer's bytes are in place.
+//!   The receiver's completion handler plays the part of [`LayerClaim::complete`]: it checks
+//!   the epoch (carried in the SEND, or in a per-reservation slot the immediate indexes) and
+//!   marks the layer received. There is no payload copy and no [`KvSink`] call: the NIC wrote
+//!   into the cache directly.
+//! - **Concurrency** is one WRITE chain per layer, posted as layers finish, like concurrent
+//!   `send_layer` calls; the queue pair's send queue depth gives the backpressure that QUIC
+//!   flow control gives here.
+//! - **Checksums become optional.** RC has link-level CRCs and end-to-end ICRC, so the
+//!   per-layer CRC-32C can be dropped, or computed by the sender and sent in the completion
+//!   message for the receiver to verify lazily.
+//! - **Epochs and fencing still matter.** A stale sender can still WRITE into the region, so
+//!   deregistration must invalidate the rkey (deregister the region or use a per-reservation
+//!   memory window and invalidate it) before the blocks are reused; that is what
+//!   [`TransferRegistry::deregister`]'s fence provides for the stream backends.
+//!
+//! # Errors
+//!
+//! One [`KvTransferError`]; [`KvTransferError::verdict`] maps errors to wire verdicts and
+//! [`KvTransferError::error_type`] names them for the error table.
+
+pub mod bench;
+mod error;
+pub mod frame;
+mod layout;
+mod quic;
+mod registry;
+mod sink;
+mod tcp;
+pub mod tls;
+mod transport;
+
+pub use error::KvTransferError;
+pub use frame::{decode_frame, FrameHeader, FrameLimits, Verdict};
+pub use layout::{KvDtype, KvLayout, LayerHeader, MAX_DIM};
+pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows};
+pub use registry::{
+    Admission, Ignored, LayerClaim, Outcome, RegistryConfig, RegistryStats, Reservation,
+    TransferProgress, TransferRegistry, TransferStatus,
+};
+pub use sink::{DiscardSink, KvSink, MemorySink};
+pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
+pub use tls::{generate_dev_ca, Ca, NodeCert, TlsFiles, TlsIdentity, ALPN};
+pub use transport::{send_all_layers, KvConnection, KvServer, KvTransport, TransferStat};

@@ -137,8 +137,8 @@ mod tests {
         for c in ErrorCode::ALL {
             let back = ErrorCode::from_grpc(c.grpc_code());
             // InputTooLong and BadRequest share InvalidArgument with Validation.
-            let same_status = back.http_status() == c.http_status()
-                || matches!(c, ErrorCode::BadRequest);
+            let same_status =
+                back.http_status() == c.http_status() || matches!(c, ErrorCode::BadRequest);
             assert!(same_status, "{c:?} -> {:?} -> {back:?}", c.grpc_code());
         }
     }
@@ -148,7 +148,8 @@ mod tests {
         assert_eq!(ErrorCode::InputTooLong.http_status(), 422);
         assert_eq!(ErrorCode::Overloaded.http_status(), 429);
         assert_eq!(ErrorCode::Unavailable.http_status(), 503);
-        let labels: std::collections::HashSet<_> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        let labels: std::collections::HashSet<_> =
+            ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(labels.len(), ErrorCode::ALL.len());
     }
 }

@@ -164,11 +164,17 @@ def main() -> int:
         decode_s = timer.ends[-1] - timer.ends[0]
         return batch * decode_steps / decode_s, {"decode_steps": decode_steps, "decode_s": round(decode_s, 4)}
 
+    load_log: dict[str, list[float]] = {}
+
     def run(label: str, fn, warmup) -> tuple[float, list[float]]:
+        load_before = os.getloadavg()[0]
         warmup()
         rates = [fn() for _ in range(repeats)]
         med = statistics.median(rates)
-        log(f"{label}: {med:,.1f} tok/s (runs: {', '.join(f'{r:,.1f}' for r in rates)})")
+        # 1-minute load average before and after: other processes on a 2-core box skew the figures.
+        load_log[label] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        log(f"{label}: {med:,.1f} tok/s (runs: {', '.join(f'{r:,.1f}' for r in rates)}; "
+            f"load {load_log[label][0]} -> {load_log[label][1]})")
         return med, rates
 
     bench_t0 = time.perf_counter()
@@ -227,7 +233,7 @@ def main() -> int:
         "decode_single_tok_s": decode_single,
         "decode_batch_tok_s": decode_batch,
         "notes": "; ".join(notes),
-        "details": {**details, "repeats": repeats, "threads": args.threads, "quick": args.quick,
+        "details": {**details, "load1_before_after": load_log, "repeats": repeats, "threads": args.threads, "quick": args.quick,
                     "params": n_params, "bench_wall_s": round(bench_s, 1)},
     }
     out = Path(args.out)

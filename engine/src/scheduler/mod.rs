@@ -16,6 +16,7 @@
 
 mod batch;
 mod config;
+mod prefilled;
 #[cfg(test)]
 mod proptests;
 mod sequence;

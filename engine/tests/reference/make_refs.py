@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Writes arch_refs.json: what transformers computes for tiny random models of each Llama-family
+variant the engine supports. engine/tests/architectures.rs checks the engine against it.
+
+Each variant is a testkit ModelSpec. Its model is written by `fission make-random-model
+--spec-json`, which is testkit's writer, the same code the Rust test calls, so the test regenerates
+bit-identical weights from the spec recorded here. The recorded fingerprint (FNV-1a 64 over
+config.json then model.safetensors) tells the test when the writer has drifted from the references.
+No weights are committed.
+
+For each of two fixed prompts (id lists, so no tokenizer is involved) the file records the greedy
+continuation (16 tokens, no stop token) and the top-5 logits at the last prompt position. transformers
+runs in float32 with eager attention, recomputing the full sequence at every step.
+
+Run from the repository root:
+
+    cargo build --release -p deploy
+    .peers/venv/bin/python engine/tests/reference/make_refs.py
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+MAX_NEW_TOKENS = 16
+# Steps whose top-1 and top-2 logits are closer than this are near-ties: float noise between two
+# correct implementations could flip them, so the references refuse them (pick another seed).
+MIN_TOP2_GAP = 1e-3
+
+# A short prompt, and one longer than 64 tokens so that rope scaling with
+# original_max_position_embeddings 64 is exercised beyond the original context.
+PROMPTS = [
+    [1, 5, 9, 13, 100, 200, 300, 400, 17, 33],
+    [1] + [(37 * k + 11) % 500 + 3 for k in range(1, 80)],
+]
+
+# Weights of std 0.1 on hidden 64..128 keep activations near unit scale, so attention is far from
+# uniform and rope, bias or norm mistakes move the logits well beyond the test's 1e-4 tolerance.
+BASE = {
+    "architecture": "LlamaForCausalLM",
+    "hidden": 64,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "ffn": 128,
+    "vocab": 512,
+    "max_pos": 256,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rope_layout": "top_level",
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "sliding_window": None,
+    "dtype": "float32",
+    "init_std": 0.1,
+    "seed": 0,
+}
+
+
+def variant(name, description, **changes):
+    spec = dict(BASE)
+    for key in changes:
+        assert key in spec, f"unknown spec field {key}"
+    spec.update(changes)
+    return {"name": name, "description": description, "spec": spec}
+
+
+VARIANTS = [
+    variant(
+        "head_dim_override",
+        "Llama, hidden 64 over 4 heads of head_dim 32 (not hidden / heads)",
+        head_dim=32,
+        seed=101,
+    ),
+    variant(
+        "llama3_rope_scaling",
+        "Llama, rope_scaling llama3 (factor 8, low 1, high 4, original 64) with max_pos 256: "
+        "head_dim 16 has high, medium and low frequency bands",
+        layers=3,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        seed=102,
+    ),
+    variant(
+        "linear_rope_scaling",
+        "Llama, rope_scaling linear factor 2",
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        seed=103,
+    ),
+    variant(
+        "qwen2_bias_untied",
+        "Qwen2: q/k/v biases (implied by the architecture, not in config.json), own lm_head",
+        architecture="Qwen2ForCausalLM",
+        attention_bias=True,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        seed=104,
+    ),
+    variant(
+        "mistral",
+        "Mistral with sliding_window 4096, larger than the context",
+        architecture="MistralForCausalLM",
+        sliding_window=4096,
+        seed=105,
+    ),
+    variant(
+        "rope_parameters",
+        "transformers 5 config: rope_parameters {rope_type default, rope_theta 50000}, "
+        "no top-level rope_theta",
+        rope_layout="rope_parameters",
+        rope_theta=50000.0,
+        seed=106,
+    ),
+    variant(
+        "gqa_kv1",
+        "Llama, hidden 128, 8 query heads sharing 1 KV head",
+        hidden=128,
+        heads=8,
+        kv_heads=1,
+        ffn=256,
+        seed=107,
+    ),
+    variant(
+        "rope_parameters_llama3",
+        "transformers 5 config with llama3 scaling inside rope_parameters "
+        "(theta 500000, factor 4, original 64)",
+        rope_layout="rope_parameters",
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        seed=108,
+    ),
+]
+
+
+def fingerprint(model_dir):
+    """FNV-1a 64 over config.json then model.safetensors, as testkit::random_model::fingerprint."""
+    h = 0xCBF29CE484222325
+    for name in ["config.json", "model.safetensors"]:
+        for b in (model_dir / name).read_bytes():
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def write_model(fission, spec, out, tokenizer_from):
+    spec_path = out.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run(
+        [fission, "make-random-model", "--spec-json", str(spec_path), "--out", str(out),
+         "--tokenizer-from", str(tokenizer_from)],
+        check=True,
+    )
+
+
+def load(model_dir, spec):
+    model, info = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    )
+    # A missing tensor would be silently random-initialized: refuse it.
+    for kind in ["missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"]:
+        assert not info.get(kind), f"{model_dir}: {kind} {info[kind]}"
+    assert type(model).__name__ == spec["architecture"], type(model).__name__
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tied == spec["tie_word_embeddings"], f"{model_dir}: tied {tied}"
+    return model.eval()
+
+
+@torch.no_grad()
+def reference(model, input_ids):
+    ids = list(input_ids)
+    out, top5, gaps = [], None, []
+    for step in range(MAX_NEW_TOKENS):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        values, indices = torch.topk(logits, 5)
+        gaps.append(float(values[0] - values[1]))
+        if step == 0:
+            top5 = [{"id": int(i), "logit": float(v)} for v, i in zip(values, indices)]
+        nxt = int(indices[0])
+        out.append(nxt)
+        ids.append(nxt)
+    return {
+        "input_ids": list(input_ids),
+        "output_ids": out,
+        "first_position_top5": top5,
+        "min_top2_gap": min(gaps),
+    }
+
+
+def main():
+    root = Path(__file__).resolve().parents[3]
+    shared = Path(os.environ.get("FISSION_SHARED_DIR", root.parent / "shared"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fission", default=str(root / "target/release/fission"))
+    ap.add_argument("--tokenizer-from", default=str(shared / "models/stories260K"))
+    ap.add_argument("--out", default=str(Path(__file__).with_name("arch_refs.json")))
+    args = ap.parse_args()
+    if not Path(args.fission).is_file():
+        sys.exit(f"{args.fission} not found: run `cargo build --release -p deploy` first")
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+    variants = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in VARIANTS:
+            model_dir = Path(tmp) / v["name"]
+            write_model(args.fission, v["spec"], model_dir, args.tokenizer_from)
+            model = load(model_dir, v["spec"])
+            refs = [reference(model, p) for p in PROMPTS]
+            for i, r in enumerate(refs):
+                if r["min_top2_gap"] < MIN_TOP2_GAP:
+                    sys.exit(f"{v['name']} prompt {i}: near-tie (top-2 gap {r['min_top2_gap']:.2e}); "
+                             "change its seed")
+                assert all(math.isfinite(t["logit"]) for t in r["first_position_top5"])
+            variants.append({**v, "fingerprint": fingerprint(model_dir), "references": refs})
+            print(f"{v['name']}: {[r['output_ids'][:6] for r in refs]} "
+                  f"min gap {min(r['min_top2_gap'] for r in refs):.3f}", file=sys.stderr)
+
+    doc = {
+        "about": "Generated by engine/tests/reference/make_refs.py; checked by "
+                 "engine/tests/architectures.rs. Greedy (argmax) decoding without stop tokens, "
+                 "float32, eager attention, CPU. output_ids are the new tokens only; "
+                 "first_position_top5 are raw logits at the last prompt position.",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "variants": variants,
+    }
+    text = json.dumps(doc, indent=1)
+    # One line per id list and per top-5 entry keeps the file reviewable.
+    text = re.sub(r"\[\s+([-0-9.,e\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    text = re.sub(r"\{\s+(\"id\": \d+),\s+(\"logit\": [-0-9.e]+)\s+\}", r"{\1, \2}", text)
+    Path(args.out).write_text(text + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

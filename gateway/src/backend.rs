@@ -1,0 +1,34 @@
+//! The seam between the HTTP front and whatever generates tokens: node routing over gRPC in
+//! production, [`crate::fake::FakeBackend`] in tests.
+
+use futures::future::BoxFuture;
+
+use crate::error::GatewayError;
+use crate::request::{TokenStream, ValidRequest};
+
+/// Generates tokens for validated requests.
+///
+/// Contract:
+/// - `generate` resolves once the request is accepted upstream (or refused: use
+///   [`GatewayError::Backend`] with the upstream [`proto::ErrorCode`], or
+///   [`GatewayError::Unavailable`]). It must not wait for the first token.
+/// - The stream yields tokens in order and ends right after the token that carries a
+///   `finish_reason`, or after an `Err`. Ending without either is reported to the client as an
+///   error ("stream ended early").
+/// - Dropping the stream cancels the request upstream and frees what it holds (KV blocks on every
+///   node). The gateway drops it when the client disconnects, when the request times out, and
+///   after the last token. A drop after the last token must be harmless.
+/// - Admission, validation, timeouts and the HTTP shapes are the gateway's; a backend only
+///   generates.
+pub trait Backend: Send + Sync + 'static {
+    fn generate(
+        &self,
+        request: ValidRequest,
+    ) -> BoxFuture<'static, Result<TokenStream, GatewayError>>;
+
+    /// Whether the backend can take requests now (`/health`).
+    fn is_ready(&self) -> bool;
+
+    /// What `/info` reports under `backend`: nodes, their roles and state, and the like.
+    fn describe(&self) -> serde_json::Value;
+}

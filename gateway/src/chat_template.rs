@@ -1,0 +1,274 @@
+//! Rendering chat messages into a prompt with the model's Jinja chat template
+//! (`tokenizer_config.json`), as transformers' `apply_chat_template` does.
+//!
+//! The environment matches the one transformers uses: `trim_blocks` and `lstrip_blocks` on,
+//! Python string and dict methods (`.strip()`, `.items()`, ...) through minijinja-contrib's
+//! pycompat, `raise_exception(message)`, `strftime_now(format)` and the `tojson` filter.
+
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
+
+use crate::error::GatewayError;
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One message as the template sees it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// A compiled chat template with the special tokens it renders.
+pub(crate) struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+#[derive(Serialize)]
+struct TemplateContext<'a> {
+    messages: &'a [ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &'a str,
+    eos_token: &'a str,
+}
+
+impl ChatTemplate {
+    /// Reads `chat_template`, `bos_token` and `eos_token` from a `tokenizer_config.json`.
+    /// `Ok(None)` when the file has no chat template.
+    pub(crate) fn load(path: &Path) -> Result<Option<Self>, GatewayError> {
+        let load_error = |message: String| GatewayError::Load {
+            path: path.to_path_buf(),
+            message,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| load_error(e.to_string()))?;
+        let config: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| load_error(e.to_string()))?;
+        let Some(template) = template_source(config.get("chat_template")) else {
+            return Ok(None);
+        };
+        let bos_token = token_text(config.get("bos_token")).unwrap_or_default();
+        let eos_token = token_text(config.get("eos_token")).unwrap_or_default();
+        Self::new(template, bos_token, eos_token)
+            .map(Some)
+            .map_err(|e| load_error(e.to_string()))
+    }
+
+    /// Compiles `source`; a syntax error is a [`GatewayError::Template`].
+    pub(crate) fn new(
+        source: String,
+        bos_token: String,
+        eos_token: String,
+    ) -> Result<Self, GatewayError> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(template_error)?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// The prompt for `messages`, ending with the assistant's turn opened
+    /// (`add_generation_prompt=true`).
+    pub(crate) fn apply(&self, messages: &[ChatMessage]) -> Result<String, GatewayError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .expect("the template was added under this name in new()");
+        template
+            .render(TemplateContext {
+                messages,
+                add_generation_prompt: true,
+                bos_token: &self.bos_token,
+                eos_token: &self.eos_token,
+            })
+            .map_err(template_error)
+    }
+}
+
+fn template_error(error: minijinja::Error) -> GatewayError {
+    // A template's own `raise_exception` message is the useful part; keep it alone.
+    let message = match (error.kind(), error.detail()) {
+        (ErrorKind::InvalidOperation, Some(detail)) => detail.to_string(),
+        _ => error.to_string(),
+    };
+    GatewayError::Template { message }
+}
+
+/// `chat_template` is a string, or a list of `{"name", "template"}` of which `default` is used.
+fn template_source(value: Option<&serde_json::Value>) -> Option<String> {
+    match value? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// Special tokens appear either as a string or as `{"content": "..."}`.
+fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
+    match value? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+fn raise_exception(message: String) -> Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// Python's `datetime.now().strftime(format)` in UTC, for `%Y %m %d %e %b %B %H %M %S %y %%`;
+/// other directives pass through unchanged.
+fn strftime_now(format: String) -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    strftime(&format, secs)
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+
+fn strftime(format: &str, unix_secs: u64) -> String {
+    let (year, month, day) = civil_from_days((unix_secs / 86_400) as i64);
+    let secs_of_day = unix_secs % 86_400;
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::with_capacity(format.len() + 8);
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('e') => out.push_str(&format!("{day:>2}")),
+            Some('B') => out.push_str(month_name),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('H') => out.push_str(&format!("{:02}", secs_of_day / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs_of_day / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs_of_day % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str =
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + \
+                          message['content'].strip() + '<|im_end|>' + '\n' }}{% endfor %}\
+                          {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn user(content: &str) -> ChatMessage {
+        ChatMessage {
+            role: "user".into(),
+            content: content.into(),
+            name: None,
+        }
+    }
+
+    #[test]
+    fn renders_chatml_with_python_methods() {
+        let template = ChatTemplate::new(CHATML.into(), "<s>".into(), "</s>".into()).unwrap();
+        let prompt = template.apply(&[user("  hi  ")]).unwrap();
+        assert_eq!(
+            prompt,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_becomes_a_template_error_with_its_message() {
+        let source = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}";
+        let template = ChatTemplate::new(source.into(), String::new(), String::new()).unwrap();
+        match template.apply(&[user("x")]) {
+            Err(GatewayError::Template { message }) => assert_eq!(message, "system first"),
+            other => panic!("expected a template error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bos_token_and_loops_render_like_llama2() {
+        let source = "{{ bos_token }}{% for m in messages %}{% if loop.first %}[INST] {% endif %}\
+                      {{ m.content }}{% endfor %}";
+        let template = ChatTemplate::new(source.into(), "<s>".into(), "</s>".into()).unwrap();
+        assert_eq!(template.apply(&[user("a")]).unwrap(), "<s>[INST] a");
+    }
+
+    #[test]
+    fn strftime_formats_known_dates() {
+        // 2024-02-29 13:05:09 UTC
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %B %%", 1_709_211_909),
+            "29 Feb 2024 13:05:09 February %"
+        );
+        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
+    }
+
+    #[test]
+    fn named_template_lists_use_default() {
+        let value = serde_json::json!([
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D"}
+        ]);
+        assert_eq!(template_source(Some(&value)).as_deref(), Some("D"));
+        let value = serde_json::json!({"content": "<s>", "lstrip": false});
+        assert_eq!(token_text(Some(&value)).as_deref(), Some("<s>"));
+    }
+}

@@ -1,0 +1,104 @@
+//! The gateway's settings: the model's files and the limits every request is validated against.
+
+use std::path::PathBuf;
+
+use crate::error::GatewayError;
+
+/// Everything the gateway needs to know before it serves. The binary fills it from flags; tests
+/// start from [`GatewayConfig::new`] and override fields.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The model's name, reported by `/info` and `/v1/models` and echoed in OpenAI responses.
+    pub model_id: String,
+    /// `tokenizer.json` of the model.
+    pub tokenizer_path: PathBuf,
+    /// `tokenizer_config.json`: the chat template and the `bos_token`/`eos_token` it renders.
+    /// Without it (or without a `chat_template` in it) chat requests are rejected with 422.
+    pub tokenizer_config_path: Option<PathBuf>,
+    /// The most prompt tokens a request may have (special tokens included).
+    pub max_input_tokens: usize,
+    /// The most prompt + generated tokens a request may reach.
+    pub max_total_tokens: usize,
+    /// `max_new_tokens` when a request gives none, capped by `max_total_tokens - input tokens`.
+    pub max_new_tokens_default: usize,
+    /// Requests admitted at once; the next one gets 429 at once.
+    pub max_concurrent_requests: usize,
+    /// The most stop strings a request may give.
+    pub max_stop_sequences: usize,
+    /// The most alternatives per token a request may ask for (`top_n_tokens`, `logprobs`).
+    pub max_top_n_tokens: usize,
+    /// The whole generation, from the request's arrival to its last token, must fit in this.
+    pub request_timeout_ms: u64,
+    /// How long shutdown waits for in-flight requests before dropping them.
+    pub shutdown_grace_ms: u64,
+    /// Tokens that end a sequence (the model's EOS ids), passed to the backend as stop tokens.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl GatewayConfig {
+    /// A config with the default limits.
+    pub fn new(model_id: impl Into<String>, tokenizer_path: impl Into<PathBuf>) -> Self {
+        Self {
+            model_id: model_id.into(),
+            tokenizer_path: tokenizer_path.into(),
+            tokenizer_config_path: None,
+            max_input_tokens: 1024,
+            max_total_tokens: 2048,
+            max_new_tokens_default: 256,
+            max_concurrent_requests: 128,
+            max_stop_sequences: 8,
+            max_top_n_tokens: 20,
+            request_timeout_ms: 300_000,
+            shutdown_grace_ms: 30_000,
+            eos_token_ids: Vec::new(),
+        }
+    }
+
+    /// Checks that the limits agree with each other. Errors name the setting and its value.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        let invalid = |field: &'static str, reason: String, given: usize| GatewayError::Config {
+            message: format!("{field} {reason}, given {given}"),
+        };
+        if self.max_input_tokens == 0 {
+            return Err(invalid("max_input_tokens", "must be >= 1".into(), 0));
+        }
+        if self.max_total_tokens <= self.max_input_tokens {
+            return Err(invalid(
+                "max_total_tokens",
+                format!("must be > max_input_tokens ({})", self.max_input_tokens),
+                self.max_total_tokens,
+            ));
+        }
+        if self.max_new_tokens_default == 0 {
+            return Err(invalid("max_new_tokens_default", "must be >= 1".into(), 0));
+        }
+        if self.max_concurrent_requests == 0 {
+            return Err(invalid("max_concurrent_requests", "must be >= 1".into(), 0));
+        }
+        if self.request_timeout_ms == 0 {
+            return Err(invalid("request_timeout_ms", "must be >= 1".into(), 0));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        GatewayConfig::new("m", "tokenizer.json")
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
+    fn total_must_exceed_input() {
+        let mut config = GatewayConfig::new("m", "tokenizer.json");
+        config.max_total_tokens = config.max_input_tokens;
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.contains("max_total_tokens"), "{message}");
+        assert!(message.contains("1024"), "{message}");
+    }
+}

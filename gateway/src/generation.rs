@@ -1,0 +1,211 @@
+//! One admitted request's token stream, guarded so that every stream ends properly: after the
+//! token with a finish reason, or with exactly one error (a backend error, the request timeout,
+//! or "stream ended early"). The guard holds the admission permit, records the latency metrics,
+//! and, when dropped before the end (the client left), drops the backend stream, which cancels
+//! the request upstream.
+
+use std::time::Instant;
+
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use tracing::{field, Instrument, Span};
+
+use crate::backend::Backend;
+use crate::error::GatewayError;
+use crate::metrics;
+use crate::request::{FinishReason, GeneratedToken, RequestId, TokenStream, ValidRequest};
+use crate::state::Admission;
+
+/// A started generation.
+pub(crate) struct Generation {
+    pub request_id: RequestId,
+    pub prompt_tokens: usize,
+    /// The seed, when the request samples (TGI reports none for greedy decoding).
+    pub seed: Option<u64>,
+    /// Tokens in order, ending after the finish or after one error.
+    pub tokens: BoxStream<'static, Result<GeneratedToken, GatewayError>>,
+}
+
+/// A generation collected to its end.
+pub(crate) struct Completed {
+    pub tokens: Vec<GeneratedToken>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+}
+
+impl Generation {
+    /// Hands `request` to the backend. The request timeout counts from its arrival and covers
+    /// the whole generation, this call included. Cancelling `abort` (shutdown's drain deadline)
+    /// ends the generation with an `Unavailable` error.
+    pub(crate) async fn start(
+        backend: &dyn Backend,
+        request: ValidRequest,
+        admission: Admission,
+        timeout_ms: u64,
+        abort: CancellationToken,
+    ) -> Result<Self, GatewayError> {
+        let request_id = request.request_id.clone();
+        let prompt_tokens = request.prompt_ids.len();
+        let seed = (request.sampling.temperature > 0.0).then_some(request.sampling.seed);
+        let received_at = request.received_at;
+        let deadline = tokio::time::Instant::from_std(received_at)
+            + std::time::Duration::from_millis(timeout_ms);
+        let span = tracing::info_span!(
+            "generate",
+            request_id = %request_id,
+            prompt_tokens,
+            max_new_tokens = request.stopping.max_new_tokens,
+            ttft_ms = field::Empty,
+            generated_tokens = field::Empty,
+            finish_reason = field::Empty,
+        );
+        ::metrics::histogram!(metrics::INPUT_TOKENS).record(prompt_tokens as f64);
+
+        let timeout = || GatewayError::Timeout {
+            request_id: request_id.clone(),
+            timeout_ms,
+        };
+        let started = tokio::time::timeout_at(deadline, backend.generate(request));
+        let inner = tokio::select! {
+            () = abort.cancelled() => return Err(shutting_down()),
+            started = started.instrument(span.clone()) => started.map_err(|_| timeout())??,
+        };
+
+        let guard = Guard {
+            inner: Some(inner),
+            request_id: request_id.clone(),
+            deadline,
+            timeout_ms,
+            received_at,
+            first_token_at: None,
+            generated: 0,
+            span,
+            abort,
+            _admission: admission,
+        };
+        let tokens = futures::stream::unfold(guard, |mut guard| {
+            let span = guard.span.clone();
+            async move {
+                let item = guard.next().await?;
+                Some((item, guard))
+            }
+            .instrument(span)
+        })
+        .boxed();
+        Ok(Self {
+            request_id,
+            prompt_tokens,
+            seed,
+            tokens,
+        })
+    }
+
+    /// Waits for every token; the first error fails the whole generation.
+    pub(crate) async fn collect(mut self) -> Result<Completed, GatewayError> {
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        while let Some(item) = self.tokens.next().await {
+            let token = item?;
+            text.push_str(&token.text);
+            tokens.push(token);
+        }
+        let finish_reason = tokens.last().and_then(|t| t.finish_reason).ok_or_else(|| {
+            // The guard ends every stream with a finish reason or an error; keep the error kind
+            // the guard would have given, should that ever change.
+            GatewayError::StreamEndedEarly {
+                request_id: self.request_id.clone(),
+                generated_tokens: tokens.len(),
+            }
+        })?;
+        Ok(Completed {
+            tokens,
+            text,
+            finish_reason,
+        })
+    }
+}
+
+fn shutting_down() -> GatewayError {
+    GatewayError::Unavailable {
+        reason: "the gateway is shutting down".into(),
+    }
+}
+
+struct Guard {
+    /// `None` once the stream ended (finished or failed).
+    inner: Option<TokenStream>,
+    request_id: RequestId,
+    deadline: tokio::time::Instant,
+    timeout_ms: u64,
+    received_at: Instant,
+    first_token_at: Option<Instant>,
+    generated: usize,
+    span: Span,
+    abort: CancellationToken,
+    _admission: Admission,
+}
+
+impl Guard {
+    async fn next(&mut self) -> Option<Result<GeneratedToken, GatewayError>> {
+        let inner = self.inner.as_mut()?;
+        let next = tokio::select! {
+            () = self.abort.cancelled() => Err(shutting_down()),
+            next = tokio::time::timeout_at(self.deadline, inner.next()) => Ok(next),
+        };
+        let item = match next {
+            Err(error) => Err(error),
+            Ok(Err(_)) => Err(GatewayError::Timeout {
+                request_id: self.request_id.clone(),
+                timeout_ms: self.timeout_ms,
+            }),
+            Ok(Ok(None)) => Err(GatewayError::StreamEndedEarly {
+                request_id: self.request_id.clone(),
+                generated_tokens: self.generated,
+            }),
+            Ok(Ok(Some(item))) => item,
+        };
+        match &item {
+            Ok(token) => self.on_token(token),
+            Err(_) => self.inner = None,
+        }
+        Some(item)
+    }
+
+    fn on_token(&mut self, token: &GeneratedToken) {
+        let now = Instant::now();
+        self.generated += 1;
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(now);
+            let ttft = now - self.received_at;
+            ::metrics::histogram!(metrics::TIME_TO_FIRST_TOKEN).record(ttft.as_secs_f64());
+            self.span.record("ttft_ms", ttft.as_millis() as u64);
+        }
+        let Some(finish_reason) = token.finish_reason else {
+            return;
+        };
+        // The last token: the backend stream is done, and dropping it now releases it.
+        self.inner = None;
+        ::metrics::histogram!(metrics::REQUEST_DURATION)
+            .record((now - self.received_at).as_secs_f64());
+        ::metrics::histogram!(metrics::GENERATED_TOKENS).record(self.generated as f64);
+        if let (Some(first), true) = (self.first_token_at, self.generated > 1) {
+            let per_token = (now - first).as_secs_f64() / (self.generated - 1) as f64;
+            ::metrics::histogram!(metrics::TIME_PER_OUTPUT_TOKEN).record(per_token);
+        }
+        self.span.record("generated_tokens", self.generated);
+        self.span
+            .record("finish_reason", finish_reason.as_tgi_str());
+        tracing::debug!(parent: &self.span, "generation finished");
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if self.inner.is_some() {
+            // Dropping `inner` right after this cancels the request upstream.
+            ::metrics::counter!(metrics::CANCELLED_TOTAL).increment(1);
+            tracing::debug!(parent: &self.span, generated_tokens = self.generated, "client went away; cancelling");
+        }
+    }
+}

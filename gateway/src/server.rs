@@ -1,0 +1,229 @@
+//! The HTTP routes. [`app`] builds the router from an [`AppState`] and nothing else, so tests
+//! drive it with `oneshot` and [`crate::run`] serves it.
+//!
+//! Generation: TGI's `POST /generate` and `/generate_stream` ([`crate::tgi`]), OpenAI's `POST
+//! /v1/completions` and `/v1/chat/completions` ([`crate::openai`]). Around them: `GET /info`,
+//! `GET /health`, `POST /tokenize`, `GET /metrics` and `GET /v1/models`. Unknown routes get a JSON
+//! 404.
+
+use axum::extract::State;
+use axum::http::{header, Method, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::{Deserialize, Serialize};
+
+use crate::error::GatewayError;
+use crate::json::Json;
+use crate::openai;
+use crate::state::AppState;
+use crate::tgi;
+
+/// The gateway's router.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .route("/generate", post(tgi::generate))
+        .route("/generate_stream", post(tgi::generate_stream))
+        .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/models", get(models))
+        .route("/info", get(info))
+        .route("/health", get(health))
+        .route("/tokenize", post(tokenize))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+#[derive(Debug, Serialize)]
+struct Info {
+    model_id: String,
+    max_input_tokens: usize,
+    max_total_tokens: usize,
+    max_concurrent_requests: usize,
+    max_stop_sequences: usize,
+    max_top_n_tokens: usize,
+    chat_template: bool,
+    router: &'static str,
+    version: &'static str,
+    backend: serde_json::Value,
+}
+
+async fn info(State(state): State<AppState>) -> axum::Json<Info> {
+    let config = state.config();
+    axum::Json(Info {
+        model_id: config.model_id.clone(),
+        max_input_tokens: config.max_input_tokens,
+        max_total_tokens: config.max_total_tokens,
+        max_concurrent_requests: config.max_concurrent_requests,
+        max_stop_sequences: config.max_stop_sequences,
+        max_top_n_tokens: config.max_top_n_tokens,
+        chat_template: state.validator().has_chat_template(),
+        router: "fission-gateway",
+        version: env!("CARGO_PKG_VERSION"),
+        backend: state.backend().describe(),
+    })
+}
+
+async fn health(State(state): State<AppState>) -> Result<Response, GatewayError> {
+    if state.backend().is_ready() {
+        Ok(axum::Json(serde_json::json!({ "status": "ok" })).into_response())
+    } else {
+        Err(GatewayError::Unavailable {
+            reason: "the backend is not ready".into(),
+        })
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    inputs: String,
+}
+
+/// TGI's token, with `start`/`stop` as character offsets into the input.
+#[derive(Debug, Serialize)]
+struct SimpleToken {
+    id: u32,
+    text: String,
+    start: usize,
+    stop: usize,
+}
+
+async fn tokenize(
+    State(state): State<AppState>,
+    Json(request): Json<TokenizeRequest>,
+) -> Result<axum::Json<Vec<SimpleToken>>, GatewayError> {
+    let validator = std::sync::Arc::clone(state.validator());
+    let tokens = tokio::task::spawn_blocking(move || {
+        let encoding = validator.encode(&request.inputs, true)?;
+        let tokens = encoding
+            .get_ids()
+            .iter()
+            .zip(encoding.get_offsets())
+            .map(|(&id, &(start, stop))| SimpleToken {
+                id,
+                text: request
+                    .inputs
+                    .chars()
+                    .skip(start)
+                    .take(stop.saturating_sub(start))
+                    .collect(),
+                start,
+                stop,
+            })
+            .collect::<Vec<_>>();
+        Ok::<_, GatewayError>(tokens)
+    })
+    .await
+    .map_err(|e| GatewayError::Internal {
+        message: format!("tokenize task: {e}"),
+    })??;
+    Ok(axum::Json(tokens))
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics().render(),
+    )
+        .into_response()
+}
+
+async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": state.config().model_id,
+            "object": "model",
+            "created": state.started_at_unix(),
+            "owned_by": "fission",
+            "max_model_len": state.config().max_total_tokens,
+        }],
+    }))
+}
+
+async fn not_found(method: Method, uri: Uri) -> GatewayError {
+    GatewayError::NotFound {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::config::GatewayConfig;
+    use crate::fake::{FakeBackend, FakeScript};
+
+    const STORIES_TOKENIZER: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/models/stories260K/tokenizer.json"
+    );
+
+    fn test_app() -> (Router, Arc<FakeBackend>) {
+        let fake = Arc::new(FakeBackend::new(FakeScript::default()));
+        let handle = PrometheusBuilder::new().build_recorder().handle();
+        let config = GatewayConfig::new("stories260K", STORIES_TOKENIZER);
+        let state = AppState::new(config, fake.clone(), handle).unwrap();
+        (app(state), fake)
+    }
+
+    async fn call(app: Router, request: Request<Body>) -> (StatusCode, serde_json::Value) {
+        let response = app.oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    fn post(uri: &str, body: &str) -> Request<Body> {
+        Request::post(uri)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn generate_answers_through_oneshot() {
+        let (app, _) = test_app();
+        let request = post(
+            "/generate",
+            r#"{"inputs": "Hi", "parameters": {"max_new_tokens": 2}}"#,
+        );
+        let (status, body) = call(app, request).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(body, serde_json::json!({"generated_text": " Once upon"}));
+    }
+
+    #[tokio::test]
+    async fn health_is_503_json_when_the_backend_is_not_ready() {
+        let (app, fake) = test_app();
+        fake.set_ready(false);
+        let request = Request::get("/health").body(Body::empty()).unwrap();
+        let (status, body) = call(app, request).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["error_type"], "unavailable");
+    }
+
+    #[tokio::test]
+    async fn malformed_json_and_unknown_routes_are_json_errors() {
+        let (app, _) = test_app();
+        let (status, body) = call(app.clone(), post("/generate", "{oops")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body["error_type"], "bad_request");
+        let (status, body) = call(app.clone(), post("/generate", r#"{"inputs": 3}"#)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(body["error_type"], "validation");
+        let request = Request::get("/v2/nothing").body(Body::empty()).unwrap();
+        let (status, body) = call(app, request).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(body["error"].as_str().unwrap().contains("/v2/nothing"));
+    }
+}

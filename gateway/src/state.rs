@@ -1,0 +1,155 @@
+//! What every handler shares: the config, the validator, the backend, admission and metrics. A
+//! cheap `Clone` handle over one `Arc`.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::Backend;
+use crate::config::GatewayConfig;
+use crate::error::GatewayError;
+use crate::generation::Generation;
+use crate::metrics;
+use crate::request::ValidRequest;
+use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
+
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Shared>,
+}
+
+struct Shared {
+    config: GatewayConfig,
+    validator: Arc<Validator>,
+    backend: Arc<dyn Backend>,
+    admission: Arc<Semaphore>,
+    metrics: PrometheusHandle,
+    started_at_unix: u64,
+    /// Cancelled when shutdown's drain deadline passes: every generation still running ends.
+    abort: CancellationToken,
+}
+
+impl AppState {
+    /// Checks `config` and loads the tokenizer and chat template it names. `metrics` renders
+    /// `/metrics`: [`crate::metrics::install_recorder`]'s handle in a server, any handle in tests.
+    pub fn new(
+        config: GatewayConfig,
+        backend: Arc<dyn Backend>,
+        metrics: PrometheusHandle,
+    ) -> Result<Self, GatewayError> {
+        config.validate()?;
+        let validator = Arc::new(Validator::load(&config)?);
+        Ok(Self {
+            inner: Arc::new(Shared {
+                admission: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+                config,
+                validator,
+                backend,
+                metrics,
+                started_at_unix: unix_now(),
+                abort: CancellationToken::new(),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &GatewayConfig {
+        &self.inner.config
+    }
+
+    /// Ends every generation in flight (and any that starts later) with an `unavailable` error,
+    /// which drops their backend streams and so cancels them upstream. For shutdown, once the
+    /// drain deadline has passed.
+    pub fn abort_in_flight(&self) {
+        self.inner.abort.cancel();
+    }
+
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        self.inner.backend.as_ref()
+    }
+
+    pub(crate) fn validator(&self) -> &Arc<Validator> {
+        &self.inner.validator
+    }
+
+    pub(crate) fn metrics(&self) -> &PrometheusHandle {
+        &self.inner.metrics
+    }
+
+    pub(crate) fn started_at_unix(&self) -> u64 {
+        self.inner.started_at_unix
+    }
+
+    /// Admits, validates and starts one generation: the path every generation endpoint takes.
+    /// The admission permit is taken first, so a saturated gateway refuses at once (429) and
+    /// spends no tokenization on requests it cannot serve.
+    pub(crate) async fn generate(
+        &self,
+        endpoint: &'static str,
+        prompt: Prompt,
+        parameters: GenerateParameters,
+        fields: FieldNames,
+    ) -> Result<Generation, GatewayError> {
+        let received_at = Instant::now();
+        ::metrics::counter!(metrics::REQUESTS_TOTAL, "endpoint" => endpoint).increment(1);
+        let admission = self.admit()?;
+        let request = self
+            .validate(prompt, parameters, fields, received_at)
+            .await?;
+        Generation::start(
+            self.inner.backend.as_ref(),
+            request,
+            admission,
+            self.inner.config.request_timeout_ms,
+            self.inner.abort.clone(),
+        )
+        .await
+    }
+
+    fn admit(&self) -> Result<Admission, GatewayError> {
+        let permit = Arc::clone(&self.inner.admission)
+            .try_acquire_owned()
+            .map_err(|_| GatewayError::Overloaded {
+                max_concurrent_requests: self.inner.config.max_concurrent_requests,
+            })?;
+        ::metrics::gauge!(metrics::IN_FLIGHT).increment(1.0);
+        Ok(Admission { _permit: permit })
+    }
+
+    /// Tokenization is CPU work: it runs on the blocking pool, not on the runtime's workers.
+    async fn validate(
+        &self,
+        prompt: Prompt,
+        parameters: GenerateParameters,
+        fields: FieldNames,
+        received_at: Instant,
+    ) -> Result<ValidRequest, GatewayError> {
+        let validator = Arc::clone(&self.inner.validator);
+        tokio::task::spawn_blocking(move || {
+            validator.validate(prompt, parameters, fields, received_at)
+        })
+        .await
+        .map_err(|e| GatewayError::Internal {
+            message: format!("validation task: {e}"),
+        })?
+    }
+}
+
+/// A concurrency slot, held for as long as the request or its stream lives.
+pub(crate) struct Admission {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        ::metrics::gauge!(metrics::IN_FLIGHT).decrement(1.0);
+    }
+}
+
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

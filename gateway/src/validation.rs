@@ -1,0 +1,499 @@
+//! Turning an API request into a [`ValidRequest`]: tokenizing the prompt (rendering chat messages
+//! first) and checking every parameter against the limits, with TGI's rules. Nothing downstream
+//! sees an unvalidated request.
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use tokenizers::{Encoding, Tokenizer};
+
+use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::config::GatewayConfig;
+use crate::error::GatewayError;
+use crate::request::{RequestId, SamplingParams, StoppingParams, ValidRequest};
+
+/// The prompt of a request, before tokenization.
+#[derive(Debug, Clone)]
+pub(crate) enum Prompt {
+    /// Tokenized with the tokenizer's special tokens (BOS), as TGI does.
+    Text(String),
+    /// Rendered with the chat template, which writes its own special tokens, then tokenized
+    /// without adding any.
+    Chat(Vec<ChatMessage>),
+}
+
+/// What each API calls the fields whose errors the validator reports.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FieldNames {
+    pub inputs: &'static str,
+    pub max_new_tokens: &'static str,
+    pub top_n_tokens: &'static str,
+}
+
+impl FieldNames {
+    pub const TGI: Self = Self {
+        inputs: "inputs",
+        max_new_tokens: "max_new_tokens",
+        top_n_tokens: "top_n_tokens",
+    };
+    pub const COMPLETIONS: Self = Self {
+        inputs: "prompt",
+        max_new_tokens: "max_tokens",
+        top_n_tokens: "logprobs",
+    };
+    pub const CHAT: Self = Self {
+        inputs: "messages",
+        max_new_tokens: "max_tokens",
+        top_n_tokens: "top_logprobs",
+    };
+}
+
+/// Generation parameters as the client gave them, common to every API.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GenerateParameters {
+    pub max_new_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    /// TGI's `do_sample`; OpenAI requests always sample (temperature 0 makes it greedy).
+    pub do_sample: bool,
+    pub top_k: Option<i64>,
+    pub top_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub top_n_tokens: Option<u32>,
+    pub ignore_eos: bool,
+}
+
+/// The tokenizer, the chat template and the limits.
+pub(crate) struct Validator {
+    tokenizer: Tokenizer,
+    special_ids: HashSet<u32>,
+    chat_template: Option<ChatTemplate>,
+    config: GatewayConfig,
+}
+
+impl Validator {
+    pub(crate) fn load(config: &GatewayConfig) -> Result<Self, GatewayError> {
+        let tokenizer =
+            Tokenizer::from_file(&config.tokenizer_path).map_err(|e| GatewayError::Load {
+                path: config.tokenizer_path.clone(),
+                message: e.to_string(),
+            })?;
+        let chat_template = match &config.tokenizer_config_path {
+            Some(path) => ChatTemplate::load(path)?,
+            None => None,
+        };
+        Ok(Self::new(tokenizer, chat_template, config.clone()))
+    }
+
+    pub(crate) fn new(
+        tokenizer: Tokenizer,
+        chat_template: Option<ChatTemplate>,
+        config: GatewayConfig,
+    ) -> Self {
+        let special_ids = tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        Self {
+            tokenizer,
+            special_ids,
+            chat_template,
+            config,
+        }
+    }
+
+    pub(crate) fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Checks `parameters`, tokenizes `prompt` and checks its length. CPU-bound (tokenization):
+    /// call it off the async runtime.
+    pub(crate) fn validate(
+        &self,
+        prompt: Prompt,
+        parameters: GenerateParameters,
+        fields: FieldNames,
+        received_at: Instant,
+    ) -> Result<ValidRequest, GatewayError> {
+        let sampling = self.sampling(&parameters, fields)?;
+        let stop_strings = self.stop_strings(parameters.stop)?;
+        let prompt_ids = self.prompt_ids(prompt, fields)?;
+
+        let input_tokens = prompt_ids.len();
+        if input_tokens > self.config.max_input_tokens {
+            return Err(GatewayError::InputTooLong {
+                field: fields.inputs,
+                input_tokens,
+                max_input_tokens: self.config.max_input_tokens,
+            });
+        }
+        let room = self.config.max_total_tokens.saturating_sub(input_tokens);
+        let max_new_tokens = match parameters.max_new_tokens {
+            Some(0) => {
+                return Err(invalid(fields.max_new_tokens, "must be at least 1", 0));
+            }
+            Some(n) if n as usize > room => {
+                return Err(GatewayError::TotalTooLong {
+                    field: fields.max_new_tokens,
+                    input_tokens,
+                    max_new_tokens: n as usize,
+                    max_total_tokens: self.config.max_total_tokens,
+                });
+            }
+            Some(n) => n as usize,
+            None => self.config.max_new_tokens_default.min(room),
+        };
+
+        Ok(ValidRequest {
+            request_id: RequestId::new_random(),
+            prompt_ids,
+            sampling,
+            stopping: StoppingParams {
+                max_new_tokens,
+                stop_token_ids: self.config.eos_token_ids.clone(),
+                stop_strings,
+                ignore_eos: parameters.ignore_eos,
+            },
+            received_at,
+        })
+    }
+
+    /// TGI's rule: sampling happens when `do_sample` is set or any warper departs from its
+    /// neutral value; otherwise decoding is greedy (temperature 0).
+    fn sampling(
+        &self,
+        p: &GenerateParameters,
+        fields: FieldNames,
+    ) -> Result<SamplingParams, GatewayError> {
+        if let Some(t) = p.temperature {
+            if !(t.is_finite() && t >= 0.0) {
+                return Err(invalid("temperature", "must be a finite number >= 0", t));
+            }
+        }
+        if let Some(top_p) = p.top_p {
+            if !(top_p > 0.0 && top_p <= 1.0) {
+                return Err(invalid("top_p", "must be in (0, 1]", top_p));
+            }
+        }
+        if let Some(top_k) = p.top_k {
+            if top_k < 0 {
+                return Err(invalid("top_k", "must be >= 0", top_k));
+            }
+        }
+        if let Some(penalty) = p.repetition_penalty {
+            if !(penalty.is_finite() && penalty > 0.0) {
+                return Err(invalid(
+                    "repetition_penalty",
+                    "must be a finite number > 0",
+                    penalty,
+                ));
+            }
+        }
+        let top_n = p.top_n_tokens.unwrap_or(0) as usize;
+        if top_n > self.config.max_top_n_tokens {
+            return Err(invalid(
+                fields.top_n_tokens,
+                format!("must be at most {}", self.config.max_top_n_tokens),
+                top_n,
+            ));
+        }
+        let sample = p.do_sample
+            || p.temperature.is_some_and(|t| t != 1.0)
+            || p.top_k.is_some_and(|k| k > 0)
+            || p.top_p.is_some_and(|top_p| top_p < 1.0);
+        Ok(SamplingParams {
+            temperature: if sample {
+                p.temperature.unwrap_or(1.0)
+            } else {
+                0.0
+            },
+            top_k: p.top_k.unwrap_or(0).max(0) as usize,
+            top_p: p.top_p.unwrap_or(1.0),
+            repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+            seed: p.seed.unwrap_or_else(rand::random),
+            top_n_logprobs: top_n,
+        })
+    }
+
+    fn stop_strings(&self, stop: Vec<String>) -> Result<Vec<String>, GatewayError> {
+        if stop.len() > self.config.max_stop_sequences {
+            return Err(invalid(
+                "stop",
+                format!(
+                    "must have at most {} sequences",
+                    self.config.max_stop_sequences
+                ),
+                stop.len(),
+            ));
+        }
+        if let Some(i) = stop.iter().position(String::is_empty) {
+            return Err(invalid(
+                "stop",
+                "must not contain empty strings",
+                format!("\"\" at {i}"),
+            ));
+        }
+        Ok(stop)
+    }
+
+    fn prompt_ids(&self, prompt: Prompt, fields: FieldNames) -> Result<Vec<u32>, GatewayError> {
+        let (text, add_special_tokens) = match prompt {
+            Prompt::Text(text) => (text, true),
+            Prompt::Chat(messages) => {
+                if messages.is_empty() {
+                    return Err(GatewayError::EmptyInput {
+                        field: fields.inputs,
+                    });
+                }
+                let template =
+                    self.chat_template
+                        .as_ref()
+                        .ok_or_else(|| GatewayError::NoChatTemplate {
+                            model_id: self.config.model_id.clone(),
+                        })?;
+                (template.apply(&messages)?, false)
+            }
+        };
+        if text.is_empty() {
+            return Err(GatewayError::EmptyInput {
+                field: fields.inputs,
+            });
+        }
+        Ok(self.encode(&text, add_special_tokens)?.get_ids().to_vec())
+    }
+
+    /// Tokenizes `text`; offsets count characters, as `/tokenize` reports them.
+    pub(crate) fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Encoding, GatewayError> {
+        self.tokenizer
+            .encode_char_offsets(text, add_special_tokens)
+            .map_err(|e| GatewayError::Tokenizer {
+                message: e.to_string(),
+            })
+    }
+
+    /// The text of one token on its own (for `top_tokens`), special tokens included.
+    pub(crate) fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    pub(crate) fn is_special(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>, given: impl ToString) -> GatewayError {
+    GatewayError::InvalidParameter {
+        field,
+        reason: reason.into(),
+        given: given.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STORIES_TOKENIZER: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/models/stories260K/tokenizer.json"
+    );
+
+    fn validator(config: impl FnOnce(&mut GatewayConfig)) -> Validator {
+        let mut cfg = GatewayConfig::new("stories260K", STORIES_TOKENIZER);
+        cfg.max_input_tokens = 16;
+        cfg.max_total_tokens = 32;
+        cfg.max_new_tokens_default = 20;
+        cfg.eos_token_ids = vec![2];
+        config(&mut cfg);
+        Validator::load(&cfg).unwrap()
+    }
+
+    fn validate(
+        v: &Validator,
+        text: &str,
+        p: GenerateParameters,
+    ) -> Result<ValidRequest, GatewayError> {
+        v.validate(
+            Prompt::Text(text.into()),
+            p,
+            FieldNames::TGI,
+            Instant::now(),
+        )
+    }
+
+    fn field_of(result: Result<ValidRequest, GatewayError>) -> &'static str {
+        match result {
+            Err(GatewayError::InvalidParameter { field, .. }) => field,
+            other => panic!("expected InvalidParameter, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tokenizes_with_bos_and_fills_defaults() {
+        let v = validator(|_| {});
+        let request = validate(&v, "Once upon a time", GenerateParameters::default()).unwrap();
+        assert_eq!(
+            request.prompt_ids[0], 1,
+            "BOS first: {:?}",
+            request.prompt_ids
+        );
+        let room = 32 - request.prompt_ids.len();
+        assert_eq!(request.stopping.max_new_tokens, room.min(20));
+        assert_eq!(request.stopping.stop_token_ids, vec![2]);
+        assert_eq!(
+            request.sampling.temperature, 0.0,
+            "greedy without do_sample"
+        );
+        assert_eq!(request.sampling.top_p, 1.0);
+    }
+
+    #[test]
+    fn sampling_follows_tgi_rules() {
+        let v = validator(|_| {});
+        let p = GenerateParameters {
+            do_sample: true,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let request = validate(&v, "hi", p).unwrap();
+        assert_eq!(request.sampling.temperature, 1.0);
+        assert_eq!(request.sampling.seed, 7);
+        let p = GenerateParameters {
+            temperature: Some(0.5),
+            ..Default::default()
+        };
+        assert_eq!(validate(&v, "hi", p).unwrap().sampling.temperature, 0.5);
+        let p = GenerateParameters {
+            temperature: Some(0.0),
+            do_sample: true,
+            ..Default::default()
+        };
+        assert_eq!(validate(&v, "hi", p).unwrap().sampling.temperature, 0.0);
+    }
+
+    #[test]
+    fn out_of_range_parameters_name_their_field() {
+        let v = validator(|_| {});
+        let cases: [(GenerateParameters, &str); 6] = [
+            (
+                GenerateParameters {
+                    temperature: Some(-0.1),
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                GenerateParameters {
+                    top_p: Some(0.0),
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                GenerateParameters {
+                    top_p: Some(1.5),
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                GenerateParameters {
+                    top_k: Some(-1),
+                    ..Default::default()
+                },
+                "top_k",
+            ),
+            (
+                GenerateParameters {
+                    repetition_penalty: Some(0.0),
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                GenerateParameters {
+                    top_n_tokens: Some(21),
+                    ..Default::default()
+                },
+                "top_n_tokens",
+            ),
+        ];
+        for (p, field) in cases {
+            assert_eq!(field_of(validate(&v, "hi", p)), field);
+        }
+        let p = GenerateParameters {
+            stop: vec!["a".into(); 9],
+            ..Default::default()
+        };
+        assert_eq!(field_of(validate(&v, "hi", p)), "stop");
+        let p = GenerateParameters {
+            max_new_tokens: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(field_of(validate(&v, "hi", p)), "max_new_tokens");
+    }
+
+    #[test]
+    fn length_limits_name_limit_and_value() {
+        let v = validator(|_| {});
+        let long = "Once upon a time there was a little girl who liked to play in the park";
+        match validate(&v, long, GenerateParameters::default()) {
+            Err(GatewayError::InputTooLong {
+                input_tokens,
+                max_input_tokens,
+                ..
+            }) => {
+                assert!(input_tokens > 16);
+                assert_eq!(max_input_tokens, 16);
+            }
+            other => panic!("expected InputTooLong, got {other:?}"),
+        }
+        let p = GenerateParameters {
+            max_new_tokens: Some(31),
+            ..Default::default()
+        };
+        assert!(matches!(
+            validate(&v, "Once upon", p),
+            Err(GatewayError::TotalTooLong {
+                max_total_tokens: 32,
+                ..
+            })
+        ));
+        assert!(matches!(
+            validate(&v, "", GenerateParameters::default()),
+            Err(GatewayError::EmptyInput { field: "inputs" })
+        ));
+    }
+
+    #[test]
+    fn chat_without_template_is_rejected() {
+        let v = validator(|_| {});
+        let messages = vec![ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+            name: None,
+        }];
+        let result = v.validate(
+            Prompt::Chat(messages),
+            GenerateParameters::default(),
+            FieldNames::CHAT,
+            Instant::now(),
+        );
+        assert!(matches!(result, Err(GatewayError::NoChatTemplate { .. })));
+    }
+
+    #[test]
+    fn special_tokens_are_known() {
+        let v = validator(|_| {});
+        assert!(v.is_special(1) && v.is_special(2));
+        assert!(!v.is_special(300));
+        assert_eq!(v.token_text(1), "<s>");
+    }
+}

@@ -1,0 +1,478 @@
+//! Loopback benchmark of a whole transfer (every layer sent at once) over each backend, next
+//! to a raw TCP socket that writes the same bytes with no framing, checksum or verdicts.
+//!
+//! Backends run in turn within each repetition (rotating which goes first), so a noisy
+//! machine disturbs them alike. The receiver's sink drops payloads, so the numbers are the
+//! transport's; the raw baseline likewise reads into a fresh buffer and drops it.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::KvTransferError;
+use crate::frame::io_error;
+use crate::layout::{KvLayout, LayerHeader};
+use crate::quic::{QuicConfig, QuicServer, QuicTransport, QuicWindows};
+use crate::registry::{Reservation, TransferRegistry};
+use crate::sink::DiscardSink;
+use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
+use crate::tls::{generate_dev_ca, TlsIdentity};
+use crate::transport::{send_all_layers, KvConnection, KvServer, KvTransport};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum BenchBackend {
+    /// One TCP stream writing all layers back to back: the ceiling for the framed backends.
+    RawTcp,
+    Tcp {
+        connections: usize,
+    },
+    Quic {
+        label: String,
+        windows: QuicWindows,
+        mtu_upper_bound: u16,
+    },
+}
+
+impl BenchBackend {
+    pub fn label(&self) -> String {
+        match self {
+            Self::RawTcp => "raw tcp (baseline)".to_owned(),
+            Self::Tcp { connections } => format!("tcp, {connections} conns"),
+            Self::Quic { label, .. } => format!("quic, {label}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    pub num_layers: u32,
+    pub layout: KvLayout,
+    pub prompt_tokens: Vec<usize>,
+    /// Measured transfers per backend and prompt length.
+    pub repetitions: usize,
+    /// Unmeasured transfers first, per backend and prompt length.
+    pub warmup: usize,
+    pub backends: Vec<BenchBackend>,
+}
+
+impl Default for BenchConfig {
+    /// SmolLM2-135M in f32 (30 layers, 3 KV heads of 64, 16-token blocks) at 128, 1K and 4K
+    /// tokens; raw TCP, TCP, and QUIC with quinn's default and with tuned windows.
+    fn default() -> Self {
+        Self {
+            num_layers: 30,
+            layout: KvLayout::SMOLLM2_135M_F32,
+            prompt_tokens: vec![128, 1024, 4096],
+            repetitions: 10,
+            warmup: 2,
+            backends: vec![
+                BenchBackend::RawTcp,
+                BenchBackend::Tcp { connections: 8 },
+                BenchBackend::Quic {
+                    label: "default windows".to_owned(),
+                    windows: QuicWindows::QUINN_DEFAULT,
+                    mtu_upper_bound: 1452,
+                },
+                BenchBackend::Quic {
+                    label: "tuned windows".to_owned(),
+                    windows: QuicWindows::TUNED,
+                    mtu_upper_bound: 1452,
+                },
+            ],
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchRow {
+    pub backend: String,
+    pub prompt_tokens: usize,
+    pub transfer_bytes: u64,
+    pub median: Duration,
+    pub p90: Duration,
+    pub min: Duration,
+    /// Decimal gigabytes per second at the median.
+    pub gbps: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchReport {
+    pub num_layers: u32,
+    pub layout: KvLayout,
+    pub repetitions: usize,
+    pub rows: Vec<BenchRow>,
+}
+
+impl BenchReport {
+    fn baseline(&self, prompt_tokens: usize) -> Option<&BenchRow> {
+        let raw = BenchBackend::RawTcp.label();
+        self.rows
+            .iter()
+            .find(|r| r.prompt_tokens == prompt_tokens && r.backend == raw)
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let l = &self.layout;
+        writeln!(
+            f,
+            "KV transfer over loopback: {} layers, {l}, {} B per token per layer, {} B per token; \
+             median and p90 of {} transfers",
+            self.num_layers,
+            l.token_bytes(),
+            l.token_bytes() * u64::from(self.num_layers),
+            self.repetitions,
+        )?;
+        writeln!(
+            f,
+            "| tokens | backend | MB per transfer | median ms | p90 ms | GB/s (median) | vs raw tcp |"
+        )?;
+        writeln!(f, "|---:|---|---:|---:|---:|---:|---:|")?;
+        for r in &self.rows {
+            let ratio = self
+                .baseline(r.prompt_tokens)
+                .map(|b| format!("{:.2}x", r.gbps / b.gbps))
+                .unwrap_or_else(|| "-".to_owned());
+            writeln!(
+                f,
+                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+                r.prompt_tokens,
+                r.backend,
+                r.transfer_bytes as f64 / 1e6,
+                r.median.as_secs_f64() * 1e3,
+                r.p90.as_secs_f64() * 1e3,
+                r.gbps,
+                ratio,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// One backend, set up and connected.
+enum Runner {
+    Raw(TcpStream),
+    Tcp(crate::tcp::TcpConnection),
+    Quic(crate::quic::QuicConnection, Arc<QuicTransport>),
+}
+
+/// Runs the benchmark inside the caller's tokio runtime.
+pub async fn run_bench(cfg: BenchConfig) -> Result<BenchReport, KvTransferError> {
+    let shutdown = CancellationToken::new();
+    let mut servers = JoinSet::new();
+    let result = run_with_servers(&cfg, &shutdown, &mut servers).await;
+    shutdown.cancel();
+    while servers.join_next().await.is_some() {}
+    result
+}
+
+async fn run_with_servers(
+    cfg: &BenchConfig,
+    shutdown: &CancellationToken,
+    servers: &mut JoinSet<()>,
+) -> Result<BenchReport, KvTransferError> {
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let registry = TransferRegistry::default();
+    let sink = Arc::new(DiscardSink::default());
+    let ca = generate_dev_ca()?;
+    let server_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("bench-decode")?)?;
+    let client_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("bench-prefill")?)?;
+
+    let mut runners = Vec::new();
+    for backend in &cfg.backends {
+        let runner = match backend {
+            BenchBackend::RawTcp => {
+                let listener =
+                    TcpListener::bind(loopback)
+                        .await
+                        .map_err(|source| KvTransferError::Bind {
+                            addr: loopback.to_string(),
+                            source,
+                        })?;
+                let addr = listener
+                    .local_addr()
+                    .map_err(|source| KvTransferError::Bind {
+                        addr: loopback.to_string(),
+                        source,
+                    })?;
+                let token = shutdown.clone();
+                servers.spawn(async move {
+                    tokio::select! {
+                        _ = token.cancelled() => {}
+                        _ = run_raw_server_task(listener) => {}
+                    }
+                });
+                let stream = TcpStream::connect(addr)
+                    .await
+                    .map_err(|source| io_error("raw tcp", "connect", source))?;
+                stream
+                    .set_nodelay(true)
+                    .map_err(|source| io_error("raw tcp", "set_nodelay", source))?;
+                Runner::Raw(stream)
+            }
+            BenchBackend::Tcp { connections } => {
+                let config = TcpConfig {
+                    connections_per_endpoint: *connections,
+                    ..TcpConfig::default()
+                };
+                let server = TcpServer::bind(loopback, config.clone()).await?;
+                let endpoint = server.local_addr()?.to_string();
+                servers.spawn(serve(
+                    server,
+                    registry.clone(),
+                    sink.clone(),
+                    shutdown.clone(),
+                ));
+                let transport = TcpTransport::new(config);
+                Runner::Tcp(transport.connect(&endpoint).await?)
+            }
+            BenchBackend::Quic {
+                windows,
+                mtu_upper_bound,
+                ..
+            } => {
+                let config = QuicConfig {
+                    windows: *windows,
+                    mtu_upper_bound: *mtu_upper_bound,
+                    ..QuicConfig::default()
+                };
+                let server = QuicServer::bind(loopback, &server_tls, config.clone())?;
+                let endpoint = server.local_addr()?.to_string();
+                servers.spawn(serve(
+                    server,
+                    registry.clone(),
+                    sink.clone(),
+                    shutdown.clone(),
+                ));
+                let transport = Arc::new(QuicTransport::new(&client_tls, config)?);
+                let conn = transport.connect(&endpoint).await?;
+                Runner::Quic(conn, transport)
+            }
+        };
+        runners.push((backend.label(), runner));
+    }
+
+    let mut rows = Vec::new();
+    let mut next_xfer_id = 1u64;
+    for &tokens in &cfg.prompt_tokens {
+        let num_blocks = tokens.div_ceil(cfg.layout.block_size as usize).max(1);
+        let layer_bytes =
+            cfg.layout
+                .layer_payload_bytes(num_blocks)
+                .ok_or_else(|| KvTransferError::Config {
+                    field: "prompt_tokens",
+                    reason: format!("{tokens} tokens overflow the payload size"),
+                })?;
+        let payloads: Vec<Bytes> = (0..cfg.num_layers)
+            .map(|layer| pseudo_random_bytes(layer_bytes as usize, u64::from(layer) + 1))
+            .collect();
+        let template = LayerHeader {
+            xfer_id: 0,
+            epoch: 1,
+            layer: 0,
+            num_layers: cfg.num_layers,
+            layout: cfg.layout,
+            block_ids: (0..num_blocks as u32).collect::<Vec<_>>().into(),
+            traceparent: None,
+        };
+        let mut samples = vec![Vec::with_capacity(cfg.repetitions); runners.len()];
+        for rep in 0..cfg.warmup + cfg.repetitions {
+            for k in 0..runners.len() {
+                let i = (rep + k) % runners.len();
+                let elapsed = match &mut runners[i].1 {
+                    Runner::Raw(stream) => raw_transfer(stream, &payloads).await?,
+                    Runner::Tcp(conn) => {
+                        framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
+                    }
+                    Runner::Quic(conn, _) => {
+                        framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
+                    }
+                };
+                next_xfer_id += 1;
+                if rep >= cfg.warmup {
+                    samples[i].push(elapsed);
+                }
+            }
+        }
+        let transfer_bytes = layer_bytes * u64::from(cfg.num_layers);
+        for ((label, _), mut s) in runners.iter().zip(samples) {
+            s.sort();
+            let median = percentile(&s, 0.5);
+            rows.push(BenchRow {
+                backend: label.clone(),
+                prompt_tokens: tokens,
+                transfer_bytes,
+                median,
+                p90: percentile(&s, 0.9),
+                min: s.first().copied().unwrap_or_default(),
+                gbps: transfer_bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9,
+            });
+        }
+    }
+    for (_, runner) in &runners {
+        if let Runner::Quic(_, transport) = runner {
+            transport.close();
+        }
+    }
+    Ok(BenchReport {
+        num_layers: cfg.num_layers,
+        layout: cfg.layout,
+        repetitions: cfg.repetitions,
+        rows,
+    })
+}
+
+async fn serve<T: KvServer>(
+    server: T,
+    registry: TransferRegistry,
+    sink: Arc<DiscardSink>,
+    shutdown: CancellationToken,
+) {
+    if let Err(e) = server.serve(registry, sink, shutdown).await {
+        tracing::error!(error = %e, "bench kv server failed");
+    }
+}
+
+/// Registers a reservation, sends every layer at once, and times it until the last verdict.
+async fn framed_transfer<C: KvConnection>(
+    conn: &C,
+    registry: &TransferRegistry,
+    template: &LayerHeader,
+    payloads: &[Bytes],
+    xfer_id: u64,
+) -> Result<Duration, KvTransferError> {
+    let header = LayerHeader {
+        xfer_id,
+        ..template.clone()
+    };
+    registry
+        .register(Reservation {
+            xfer_id,
+            epoch: header.epoch,
+            block_ids: header.block_ids.clone(),
+            num_layers: header.num_layers,
+            layout: header.layout,
+        })
+        .await?;
+    let start = Instant::now();
+    send_all_layers(conn, &header, payloads.to_vec()).await?;
+    let elapsed = start.elapsed();
+    let status = registry.deregister(xfer_id).await;
+    if !status.as_ref().is_some_and(|s| s.is_complete()) {
+        return Err(KvTransferError::Timeout {
+            xfer_id,
+            timeout_ms: 0,
+            layers_received: 0,
+            num_layers: header.num_layers,
+        });
+    }
+    Ok(elapsed)
+}
+
+/// Writes an 8-byte length then every layer back to back; the receiver answers one byte.
+async fn raw_transfer(
+    stream: &mut TcpStream,
+    payloads: &[Bytes],
+) -> Result<Duration, KvTransferError> {
+    let total: u64 = payloads.iter().map(|p| p.len() as u64).sum();
+    let io = |what| move |source| io_error("raw tcp", what, source);
+    let start = Instant::now();
+    stream
+        .write_all(&total.to_le_bytes())
+        .await
+        .map_err(io("write"))?;
+    for p in payloads {
+        stream.write_all(p).await.map_err(io("write"))?;
+    }
+    let mut ack = [0u8; 1];
+    stream.read_exact(&mut ack).await.map_err(io("read ack"))?;
+    Ok(start.elapsed())
+}
+
+async fn run_raw_server_task(listener: TcpListener) {
+    let mut conns = JoinSet::new();
+    while let Ok((mut stream, _)) = listener.accept().await {
+        conns.spawn(async move {
+            let _ = stream.set_nodelay(true);
+            let mut len = [0u8; 8];
+            while stream.read_exact(&mut len).await.is_ok() {
+                let total = u64::from_le_bytes(len) as usize;
+                let mut buf = BytesMut::with_capacity(total);
+                while buf.len() < total {
+                    match stream.read_buf(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+                drop(buf.freeze());
+                if stream.write_all(&[1]).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() as f64) * q).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Incompressible filler (xorshift64*), so nothing on the path can shortcut zeros.
+fn pseudo_random_bytes(len: usize, seed: u64) -> Bytes {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(len);
+    out.into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentile_picks_ranks() {
+        let s: Vec<Duration> = (1..=10).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&s, 0.5), Duration::from_millis(5));
+        assert_eq!(percentile(&s, 0.9), Duration::from_millis(9));
+        assert_eq!(percentile(&[], 0.9), Duration::ZERO);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiny_bench_runs_every_backend() {
+        let mut cfg = BenchConfig {
+            prompt_tokens: vec![32],
+            repetitions: 2,
+            warmup: 0,
+            num_layers: 4,
+            ..BenchConfig::default()
+        };
+        cfg.backends.push(BenchBackend::Quic {
+            label: "tuned, jumbo mtu".to_owned(),
+            windows: QuicWindows::TUNED,
+            mtu_upper_bound: 8952,
+        });
+        let report = run_bench(cfg).await.unwrap();
+        assert_eq!(report.rows.len(), 5);
+        let table = report.to_string();
+        assert!(table.contains("raw tcp (baseline)"), "{table}");
+        assert!(table.contains("1.00x"), "{table}");
+    }
+}

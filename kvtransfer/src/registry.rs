@@ -1,0 +1,856 @@
+//! The decode node's book of open reservations, which every incoming frame is checked against.
+//!
+//! A frame is admitted only if its `xfer_id` is registered, its epoch is the registered epoch,
+//! its layout, `num_layers` and `block_ids` match the reservation, and its layer has not arrived
+//! and is not arriving on another stream. Frames with an older epoch, and frames for a transfer
+//! that was deregistered, are ignored and counted: they are what a retried or cancelled sender
+//! leaves in flight, not faults of the connection.
+//!
+//! State sits behind one `std::sync::Mutex` held only for map lookups, never across an
+//! `.await` or a sink write. That costs nanoseconds per multi-megabyte frame, which is cheaper
+//! than an actor's channel round trip on the receive path.
+//!
+//! Deregistration (and re-registration with a newer epoch) is a write fence: it returns only
+//! once every sink write already admitted for the old registration has finished, so the decode
+//! node can free or reuse the blocks as soon as `deregister` returns.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{watch, RwLock};
+
+use crate::error::KvTransferError;
+use crate::frame::{FrameHeader, Verdict, MAX_NUM_LAYERS};
+use crate::layout::KvLayout;
+use crate::sink::KvSink;
+
+/// What the decode node reserved for one transfer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    pub xfer_id: u64,
+    pub epoch: u64,
+    pub block_ids: Arc<[u32]>,
+    pub num_layers: u32,
+    pub layout: KvLayout,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct RegistryConfig {
+    /// How many deregistered transfers are remembered so that their late frames are ignored
+    /// rather than refused as unknown.
+    pub tombstone_capacity: usize,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            tombstone_capacity: 4096,
+        }
+    }
+}
+
+/// Where one transfer stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransferStatus {
+    /// Never registered here, or deregistered so long ago that it was forgotten.
+    Unknown,
+    /// Deregistered; late frames for it are dropped.
+    Closed {
+        epoch: u64,
+    },
+    Receiving(TransferProgress),
+    /// Every layer arrived, passed its checksum and was written, at the current epoch.
+    Complete(TransferProgress),
+}
+
+impl TransferStatus {
+    pub fn is_complete(&self) -> bool {
+        matches!(self, Self::Complete(_))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TransferProgress {
+    pub xfer_id: u64,
+    pub epoch: u64,
+    pub num_layers: u32,
+    pub layers_received: u32,
+    pub payload_bytes: u64,
+    /// The verified CRC-32C of each layer that has arrived.
+    pub layer_crc32c: Vec<Option<u32>>,
+    /// Frames with an older epoch that were ignored for this transfer.
+    pub stale_frames: u64,
+}
+
+impl TransferProgress {
+    pub fn is_complete(&self) -> bool {
+        self.layers_received == self.num_layers
+    }
+}
+
+/// Counters over the registry's lifetime.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegistryStats {
+    pub frames_accepted: u64,
+    pub frames_ignored_stale_epoch: u64,
+    pub frames_ignored_closed: u64,
+    pub frames_rejected: u64,
+    pub payload_bytes_accepted: u64,
+    pub active_transfers: usize,
+}
+
+/// Why a frame was dropped without an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ignored {
+    StaleEpoch { current_epoch: u64 },
+    Closed,
+}
+
+impl Ignored {
+    pub fn verdict(self) -> Verdict {
+        match self {
+            Self::StaleEpoch { .. } => Verdict::StaleEpoch,
+            Self::Closed => Verdict::TransferClosed,
+        }
+    }
+}
+
+/// The result of checking a frame header against the registry.
+#[derive(Debug)]
+pub enum Admission {
+    /// The layer is now marked in flight; complete the claim with the payload.
+    Accept(LayerClaim),
+    Ignore(Ignored),
+}
+
+/// How an admitted frame ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Accepted,
+    /// The transfer was deregistered or re-registered while the payload was on its way.
+    Ignored(Ignored),
+}
+
+impl Outcome {
+    pub fn verdict(self) -> Verdict {
+        match self {
+            Self::Accepted => Verdict::Accepted,
+            Self::Ignored(i) => i.verdict(),
+        }
+    }
+}
+
+/// Cheap `Clone` handle to the registry.
+#[derive(Clone)]
+pub struct TransferRegistry {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for TransferRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferRegistry")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+struct Shared {
+    state: Mutex<State>,
+    counters: Counters,
+    tombstone_capacity: usize,
+}
+
+#[derive(Default)]
+struct Counters {
+    accepted: AtomicU64,
+    ignored_stale_epoch: AtomicU64,
+    ignored_closed: AtomicU64,
+    rejected: AtomicU64,
+    payload_bytes: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Default)]
+struct State {
+    transfers: HashMap<u64, Entry>,
+    /// Deregistered xfer ids and their last epoch, oldest first in `tombstone_order`.
+    tombstones: HashMap<u64, u64>,
+    tombstone_order: VecDeque<(u64, u64)>,
+    next_generation: u64,
+}
+
+impl State {
+    fn known_epoch(&self, xfer_id: u64) -> Option<u64> {
+        self.transfers
+            .get(&xfer_id)
+            .map(|e| e.epoch)
+            .or_else(|| self.tombstones.get(&xfer_id).copied())
+    }
+
+    fn add_tombstone(&mut self, xfer_id: u64, epoch: u64, capacity: usize) {
+        self.tombstones.insert(xfer_id, epoch);
+        self.tombstone_order.push_back((xfer_id, epoch));
+        while self.tombstone_order.len() > capacity {
+            let Some((old_id, old_epoch)) = self.tombstone_order.pop_front() else {
+                break;
+            };
+            if self.tombstones.get(&old_id) == Some(&old_epoch) {
+                self.tombstones.remove(&old_id);
+            }
+        }
+    }
+
+    fn entry(&mut self, xfer_id: u64, generation: u64) -> Option<&mut Entry> {
+        self.transfers
+            .get_mut(&xfer_id)
+            .filter(|e| e.generation == generation)
+    }
+}
+
+struct Entry {
+    /// Distinguishes registrations of one xfer id, so a claim never touches a successor.
+    generation: u64,
+    epoch: u64,
+    block_ids: Arc<[u32]>,
+    num_layers: u32,
+    layout: KvLayout,
+    layers: Vec<LayerState>,
+    layers_received: u32,
+    payload_bytes: u64,
+    stale_frames: u64,
+    progress_tx: watch::Sender<u32>,
+    /// Sink writes hold it shared; deregistration takes it exclusively to wait them out.
+    fence: Arc<RwLock<()>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayerState {
+    Pending,
+    InFlight,
+    Received { crc32c: u32 },
+}
+
+impl Entry {
+    fn progress(&self, xfer_id: u64) -> TransferProgress {
+        TransferProgress {
+            xfer_id,
+            epoch: self.epoch,
+            num_layers: self.num_layers,
+            layers_received: self.layers_received,
+            payload_bytes: self.payload_bytes,
+            layer_crc32c: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Received { crc32c } => Some(*crc32c),
+                    _ => None,
+                })
+                .collect(),
+            stale_frames: self.stale_frames,
+        }
+    }
+
+    fn status(&self, xfer_id: u64) -> TransferStatus {
+        let p = self.progress(xfer_id);
+        if p.is_complete() {
+            TransferStatus::Complete(p)
+        } else {
+            TransferStatus::Receiving(p)
+        }
+    }
+}
+
+impl Default for TransferRegistry {
+    fn default() -> Self {
+        Self::new(RegistryConfig::default())
+    }
+}
+
+impl TransferRegistry {
+    pub fn new(config: RegistryConfig) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                counters: Counters::default(),
+                tombstone_capacity: config.tombstone_capacity.max(1),
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // No code panics while holding the lock; if one ever did, the maps are still whole.
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Opens a reservation. Registering an xfer id again needs a newer epoch: the old
+    /// registration's in-flight writes are waited out first, and its frames are then ignored as
+    /// stale.
+    pub async fn register(&self, r: Reservation) -> Result<(), KvTransferError> {
+        let invalid = |reason: String| KvTransferError::InvalidReservation {
+            xfer_id: r.xfer_id,
+            reason,
+        };
+        r.layout
+            .validate()
+            .map_err(|field| invalid(format!("layout field {field} out of range")))?;
+        if r.num_layers == 0 || r.num_layers > MAX_NUM_LAYERS {
+            return Err(invalid(format!(
+                "num_layers {} outside 1..={MAX_NUM_LAYERS}",
+                r.num_layers
+            )));
+        }
+        if r.block_ids.is_empty() {
+            return Err(invalid("block_ids is empty".to_owned()));
+        }
+        if r.layout.layer_payload_bytes(r.block_ids.len()).is_none() {
+            return Err(invalid(format!(
+                "{} blocks overflow the payload size",
+                r.block_ids.len()
+            )));
+        }
+
+        let check_newer = |st: &State| match st.known_epoch(r.xfer_id) {
+            Some(known) if r.epoch <= known => Err(KvTransferError::EpochNotNewer {
+                xfer_id: r.xfer_id,
+                epoch: r.epoch,
+                known_epoch: known,
+            }),
+            _ => Ok(()),
+        };
+        let old_fence = {
+            let mut st = self.lock();
+            check_newer(&st)?;
+            st.transfers.remove(&r.xfer_id).map(|old| {
+                st.add_tombstone(r.xfer_id, old.epoch, self.shared.tombstone_capacity);
+                old.fence
+            })
+        };
+        if let Some(fence) = old_fence {
+            drop(fence.write().await);
+        }
+
+        let mut st = self.lock();
+        // Another register of this xfer id may have won while we waited.
+        check_newer(&st)?;
+        st.tombstones.remove(&r.xfer_id);
+        let generation = st.next_generation;
+        st.next_generation += 1;
+        let (progress_tx, _) = watch::channel(0);
+        tracing::debug!(
+            xfer_id = r.xfer_id,
+            epoch = r.epoch,
+            num_blocks = r.block_ids.len(),
+            num_layers = r.num_layers,
+            "kv reservation registered"
+        );
+        st.transfers.insert(
+            r.xfer_id,
+            Entry {
+                generation,
+                epoch: r.epoch,
+                layers: vec![LayerState::Pending; r.num_layers as usize],
+                block_ids: r.block_ids,
+                num_layers: r.num_layers,
+                layout: r.layout,
+                layers_received: 0,
+                payload_bytes: 0,
+                stale_frames: 0,
+                progress_tx,
+                fence: Arc::new(RwLock::new(())),
+            },
+        );
+        Ok(())
+    }
+
+    /// Closes a reservation (completion, cancel or lease expiry) and returns its last status.
+    /// When this returns, no sink write for it is running or will start; later frames for it
+    /// are dropped and counted. `None` if it was not registered.
+    pub async fn deregister(&self, xfer_id: u64) -> Option<TransferStatus> {
+        let (status, fence) = {
+            let mut st = self.lock();
+            let entry = st.transfers.remove(&xfer_id)?;
+            st.add_tombstone(xfer_id, entry.epoch, self.shared.tombstone_capacity);
+            (entry.status(xfer_id), entry.fence)
+        };
+        drop(fence.write().await);
+        tracing::debug!(
+            xfer_id,
+            complete = status.is_complete(),
+            "kv reservation closed"
+        );
+        Some(status)
+    }
+
+    pub fn status(&self, xfer_id: u64) -> TransferStatus {
+        let st = self.lock();
+        if let Some(e) = st.transfers.get(&xfer_id) {
+            return e.status(xfer_id);
+        }
+        match st.tombstones.get(&xfer_id) {
+            Some(&epoch) => TransferStatus::Closed { epoch },
+            None => TransferStatus::Unknown,
+        }
+    }
+
+    /// Waits until every layer of the transfer's current registration has arrived.
+    pub async fn wait_complete(
+        &self,
+        xfer_id: u64,
+        timeout: Duration,
+    ) -> Result<TransferProgress, KvTransferError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let mut progress_rx = {
+                let st = self.lock();
+                match st.transfers.get(&xfer_id) {
+                    Some(e) if e.layers_received == e.num_layers => return Ok(e.progress(xfer_id)),
+                    Some(e) => e.progress_tx.subscribe(),
+                    None if st.tombstones.contains_key(&xfer_id) => {
+                        return Err(KvTransferError::TransferClosed { xfer_id })
+                    }
+                    None => return Err(KvTransferError::UnknownTransfer { xfer_id }),
+                }
+            };
+            // A closed channel means the registration was replaced or removed: look again.
+            if tokio::time::timeout_at(deadline, progress_rx.changed())
+                .await
+                .is_err()
+            {
+                let (layers_received, num_layers) = match self.status(xfer_id) {
+                    TransferStatus::Receiving(p) | TransferStatus::Complete(p) => {
+                        (p.layers_received, p.num_layers)
+                    }
+                    _ => (0, 0),
+                };
+                return Err(KvTransferError::Timeout {
+                    xfer_id,
+                    timeout_ms: timeout.as_millis() as u64,
+                    layers_received,
+                    num_layers,
+                });
+            }
+        }
+    }
+
+    pub fn stats(&self) -> RegistryStats {
+        let c = &self.shared.counters;
+        RegistryStats {
+            frames_accepted: c.accepted.load(Ordering::Relaxed),
+            frames_ignored_stale_epoch: c.ignored_stale_epoch.load(Ordering::Relaxed),
+            frames_ignored_closed: c.ignored_closed.load(Ordering::Relaxed),
+            frames_rejected: c.rejected.load(Ordering::Relaxed),
+            payload_bytes_accepted: c.payload_bytes.load(Ordering::Relaxed),
+            active_transfers: self.lock().transfers.len(),
+        }
+    }
+
+    /// Checks a decoded header against its reservation, before its payload is read.
+    pub fn admit(&self, frame: &FrameHeader) -> Result<Admission, KvTransferError> {
+        let res = self.admit_inner(frame);
+        if res.is_err() {
+            bump(&self.shared.counters.rejected);
+        }
+        res
+    }
+
+    fn admit_inner(&self, frame: &FrameHeader) -> Result<Admission, KvTransferError> {
+        let h = &frame.header;
+        let (xfer_id, layer) = (h.xfer_id, h.layer);
+        let mut st = self.lock();
+        let Some(e) = st.transfers.get_mut(&xfer_id) else {
+            if st.tombstones.contains_key(&xfer_id) {
+                bump(&self.shared.counters.ignored_closed);
+                return Ok(Admission::Ignore(Ignored::Closed));
+            }
+            return Err(KvTransferError::UnknownTransfer { xfer_id });
+        };
+        if h.epoch < e.epoch {
+            e.stale_frames += 1;
+            bump(&self.shared.counters.ignored_stale_epoch);
+            return Ok(Admission::Ignore(Ignored::StaleEpoch {
+                current_epoch: e.epoch,
+            }));
+        }
+        if h.epoch > e.epoch {
+            return Err(KvTransferError::EpochAhead {
+                xfer_id,
+                epoch: h.epoch,
+                registered_epoch: e.epoch,
+            });
+        }
+        if h.num_layers != e.num_layers {
+            return Err(KvTransferError::ReservationMismatch {
+                xfer_id,
+                layer,
+                field: "num_layers",
+                reserved: e.num_layers.to_string(),
+                given: h.num_layers.to_string(),
+            });
+        }
+        if h.layout != e.layout {
+            return Err(KvTransferError::ReservationMismatch {
+                xfer_id,
+                layer,
+                field: "layout",
+                reserved: e.layout.to_string(),
+                given: h.layout.to_string(),
+            });
+        }
+        if h.block_ids[..] != e.block_ids[..] {
+            return Err(KvTransferError::BlockIdsMismatch {
+                xfer_id,
+                layer,
+                given: h.block_ids.len(),
+                reserved: e.block_ids.len(),
+            });
+        }
+        let num_layers = e.num_layers;
+        let slot = e
+            .layers
+            .get_mut(layer as usize)
+            .ok_or(KvTransferError::LayerOutOfRange {
+                xfer_id,
+                layer,
+                num_layers,
+            })?;
+        if *slot != LayerState::Pending {
+            return Err(KvTransferError::DuplicateLayer { xfer_id, layer });
+        }
+        *slot = LayerState::InFlight;
+        Ok(Admission::Accept(LayerClaim {
+            registry: self.clone(),
+            xfer_id,
+            layer,
+            generation: e.generation,
+            block_ids: e.block_ids.clone(),
+            done: false,
+        }))
+    }
+
+    /// Counts a frame that ended in a refusal after admission (bad payload, sink failure).
+    fn reject_after_admit(&self) {
+        bump(&self.shared.counters.rejected);
+    }
+
+    /// Why a claim's registration is gone, counted.
+    fn ignored_after_admit(&self, st: &mut State, xfer_id: u64) -> Ignored {
+        match st.transfers.get_mut(&xfer_id) {
+            Some(e) => {
+                e.stale_frames += 1;
+                bump(&self.shared.counters.ignored_stale_epoch);
+                Ignored::StaleEpoch {
+                    current_epoch: e.epoch,
+                }
+            }
+            None => {
+                bump(&self.shared.counters.ignored_closed);
+                Ignored::Closed
+            }
+        }
+    }
+}
+
+/// One admitted layer. Dropping it without [`LayerClaim::complete`] (a refused payload, a
+/// broken stream) marks the layer pending again, so a retry can send it.
+#[derive(Debug)]
+pub struct LayerClaim {
+    registry: TransferRegistry,
+    xfer_id: u64,
+    layer: u32,
+    generation: u64,
+    block_ids: Arc<[u32]>,
+    done: bool,
+}
+
+impl LayerClaim {
+    pub fn xfer_id(&self) -> u64 {
+        self.xfer_id
+    }
+
+    pub fn layer(&self) -> u32 {
+        self.layer
+    }
+
+    /// Verifies the payload's checksum, hands it to the sink and marks the layer received.
+    pub fn complete<S: KvSink + ?Sized>(
+        mut self,
+        sink: &S,
+        frame: &FrameHeader,
+        payload: Bytes,
+    ) -> Result<Outcome, KvTransferError> {
+        let registry = self.registry.clone();
+        if let Err(e) = frame.verify_payload(&payload) {
+            registry.reject_after_admit();
+            return Err(e);
+        }
+        let payload_bytes = payload.len() as u64;
+        let guard = {
+            let mut st = registry.lock();
+            // While the entry is in the map no fence writer is waiting, so this succeeds.
+            match st
+                .entry(self.xfer_id, self.generation)
+                .and_then(|e| e.fence.clone().try_read_owned().ok())
+            {
+                Some(guard) => guard,
+                None => {
+                    self.done = true;
+                    let why = registry.ignored_after_admit(&mut st, self.xfer_id);
+                    return Ok(Outcome::Ignored(why));
+                }
+            }
+        };
+        if let Err(e) = sink.write_layer(self.xfer_id, self.layer, &self.block_ids, payload) {
+            registry.reject_after_admit();
+            return Err(e);
+        }
+        let mut st = registry.lock();
+        self.done = true;
+        let outcome = match st.entry(self.xfer_id, self.generation) {
+            Some(e) => {
+                e.layers[self.layer as usize] = LayerState::Received {
+                    crc32c: frame.payload_crc32c,
+                };
+                e.layers_received += 1;
+                e.payload_bytes += payload_bytes;
+                e.progress_tx.send_replace(e.layers_received);
+                let c = &registry.shared.counters;
+                bump(&c.accepted);
+                c.payload_bytes.fetch_add(payload_bytes, Ordering::Relaxed);
+                Outcome::Accepted
+            }
+            // Deregistered during the write; the fence kept its blocks alive until now.
+            None => Outcome::Ignored(registry.ignored_after_admit(&mut st, self.xfer_id)),
+        };
+        drop(st);
+        drop(guard);
+        Ok(outcome)
+    }
+}
+
+impl Drop for LayerClaim {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut st = self.registry.lock();
+        if let Some(e) = st.entry(self.xfer_id, self.generation) {
+            if let Some(slot) = e.layers.get_mut(self.layer as usize) {
+                if *slot == LayerState::InFlight {
+                    *slot = LayerState::Pending;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{KvDtype, LayerHeader};
+    use crate::sink::MemorySink;
+
+    const LAYOUT: KvLayout = KvLayout {
+        dtype: KvDtype::F32,
+        block_size: 2,
+        num_kv_heads: 1,
+        head_dim: 2,
+    };
+
+    fn reservation(xfer_id: u64, epoch: u64) -> Reservation {
+        Reservation {
+            xfer_id,
+            epoch,
+            block_ids: vec![3, 1].into(),
+            num_layers: 2,
+            layout: LAYOUT,
+        }
+    }
+
+    fn frame(xfer_id: u64, epoch: u64, layer: u32) -> (FrameHeader, Bytes) {
+        let header = LayerHeader {
+            xfer_id,
+            epoch,
+            layer,
+            num_layers: 2,
+            layout: LAYOUT,
+            block_ids: vec![3, 1].into(),
+            traceparent: None,
+        };
+        let len = header.expected_payload_bytes().unwrap() as usize;
+        let payload = Bytes::from(vec![layer as u8 + 1; len]);
+        (FrameHeader::for_payload(header, &payload), payload)
+    }
+
+    fn deliver(
+        reg: &TransferRegistry,
+        sink: &MemorySink,
+        f: &(FrameHeader, Bytes),
+    ) -> Result<Verdict, KvTransferError> {
+        match reg.admit(&f.0)? {
+            Admission::Accept(claim) => Ok(claim.complete(sink, &f.0, f.1.clone())?.verdict()),
+            Admission::Ignore(i) => Ok(i.verdict()),
+        }
+    }
+
+    #[tokio::test]
+    async fn accepts_each_layer_once_then_completes() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        reg.register(reservation(7, 1)).await.unwrap();
+        assert_eq!(
+            deliver(&reg, &sink, &frame(7, 1, 0)).unwrap(),
+            Verdict::Accepted
+        );
+        let dup = deliver(&reg, &sink, &frame(7, 1, 0)).unwrap_err();
+        assert!(matches!(
+            dup,
+            KvTransferError::DuplicateLayer {
+                xfer_id: 7,
+                layer: 0
+            }
+        ));
+        assert!(!reg.status(7).is_complete());
+        assert_eq!(
+            deliver(&reg, &sink, &frame(7, 1, 1)).unwrap(),
+            Verdict::Accepted
+        );
+        let p = reg.wait_complete(7, Duration::from_secs(1)).await.unwrap();
+        assert_eq!(p.layers_received, 2);
+        assert!(p.layer_crc32c.iter().all(Option::is_some));
+    }
+
+    #[tokio::test]
+    async fn old_epoch_is_ignored_and_counted() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        reg.register(reservation(7, 1)).await.unwrap();
+        reg.register(reservation(7, 2)).await.unwrap();
+        assert_eq!(
+            deliver(&reg, &sink, &frame(7, 1, 0)).unwrap(),
+            Verdict::StaleEpoch
+        );
+        assert_eq!(
+            deliver(&reg, &sink, &frame(7, 2, 0)).unwrap(),
+            Verdict::Accepted
+        );
+        let err = deliver(&reg, &sink, &frame(7, 3, 1)).unwrap_err();
+        assert!(matches!(err, KvTransferError::EpochAhead { .. }));
+        let stats = reg.stats();
+        assert_eq!(stats.frames_ignored_stale_epoch, 1);
+        assert_eq!(stats.frames_accepted, 1);
+        assert_eq!(stats.frames_rejected, 1);
+        let err = reg.register(reservation(7, 2)).await.unwrap_err();
+        assert!(matches!(
+            err,
+            KvTransferError::EpochNotNewer { known_epoch: 2, .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn unknown_and_closed_transfers() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        let err = deliver(&reg, &sink, &frame(9, 1, 0)).unwrap_err();
+        assert!(matches!(
+            err,
+            KvTransferError::UnknownTransfer { xfer_id: 9 }
+        ));
+        reg.register(reservation(9, 1)).await.unwrap();
+        let status = reg.deregister(9).await.unwrap();
+        assert!(matches!(status, TransferStatus::Receiving(_)));
+        assert_eq!(
+            deliver(&reg, &sink, &frame(9, 1, 0)).unwrap(),
+            Verdict::TransferClosed
+        );
+        assert_eq!(reg.status(9), TransferStatus::Closed { epoch: 1 });
+        assert_eq!(reg.stats().frames_ignored_closed, 1);
+        assert!(matches!(
+            reg.wait_complete(9, Duration::from_millis(10)).await,
+            Err(KvTransferError::TransferClosed { xfer_id: 9 })
+        ));
+    }
+
+    #[tokio::test]
+    async fn dropped_claim_frees_the_layer_and_bad_checksum_is_refused() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        reg.register(reservation(5, 1)).await.unwrap();
+        let (h, p) = frame(5, 1, 0);
+        let Admission::Accept(claim) = reg.admit(&h).unwrap() else {
+            panic!("not admitted")
+        };
+        let mut bad = p.to_vec();
+        bad[0] ^= 1;
+        let err = claim.complete(&sink, &h, bad.into()).unwrap_err();
+        assert!(matches!(
+            err,
+            KvTransferError::ChecksumMismatch {
+                xfer_id: 5,
+                layer: 0,
+                ..
+            }
+        ));
+        // The layer is pending again, so the good copy goes through.
+        assert_eq!(deliver(&reg, &sink, &(h, p)).unwrap(), Verdict::Accepted);
+    }
+
+    #[tokio::test]
+    async fn deregister_during_claim_ignores_the_write() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        reg.register(reservation(6, 1)).await.unwrap();
+        let (h, p) = frame(6, 1, 1);
+        let Admission::Accept(claim) = reg.admit(&h).unwrap() else {
+            panic!("not admitted")
+        };
+        reg.deregister(6).await.unwrap();
+        assert_eq!(
+            claim.complete(&sink, &h, p).unwrap(),
+            Outcome::Ignored(Ignored::Closed)
+        );
+        assert!(sink.layer_bytes(6, 1).is_none());
+    }
+
+    #[tokio::test]
+    async fn wait_complete_times_out_with_progress() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        reg.register(reservation(8, 1)).await.unwrap();
+        deliver(&reg, &sink, &frame(8, 1, 1)).unwrap();
+        let err = reg
+            .wait_complete(8, Duration::from_millis(20))
+            .await
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            KvTransferError::Timeout {
+                xfer_id: 8,
+                layers_received: 1,
+                num_layers: 2,
+                ..
+            }
+        ));
+    }
+
+    #[tokio::test]
+    async fn tombstones_are_bounded() {
+        let reg = TransferRegistry::new(RegistryConfig {
+            tombstone_capacity: 2,
+        });
+        for id in 0..3 {
+            reg.register(reservation(id, 1)).await.unwrap();
+            reg.deregister(id).await.unwrap();
+        }
+        assert_eq!(reg.status(0), TransferStatus::Unknown);
+        assert_eq!(reg.status(2), TransferStatus::Closed { epoch: 1 });
+    }
+}

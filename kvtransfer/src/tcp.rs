@@ -1,0 +1,406 @@
+//! TCP backend, for networks that block UDP.
+//!
+//! The same frames and verdicts as QUIC, over plain TCP with `TCP_NODELAY`. A TCP stream
+//! carries one frame at a time (frame, then verdict), so each endpoint gets a small pool of
+//! connections and concurrent layers take one each. A frame refused from its header has its
+//! payload read and dropped so the stream stays in step; a frame that cannot be parsed ends
+//! the connection.
+//!
+//! There is no TLS on this path yet: use it only inside a trusted network.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::error::KvTransferError;
+use crate::frame::{self, FrameHeader, FrameLimits, Verdict, ACK_LEN};
+use crate::registry::TransferRegistry;
+use crate::sink::KvSink;
+use crate::transport::{
+    receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
+    TransferStat,
+};
+
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Client: most connections per endpoint, so most layers in flight to one node.
+    pub connections_per_endpoint: usize,
+    pub connect_timeout_ms: u64,
+    /// Server: connections served at once; further ones wait in the listen backlog.
+    pub max_connections: usize,
+    pub limits: FrameLimits,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            connections_per_endpoint: 8,
+            connect_timeout_ms: 5_000,
+            max_connections: 1024,
+            limits: FrameLimits::default(),
+        }
+    }
+}
+
+/// Receives layers over TCP.
+pub struct TcpServer {
+    listener: TcpListener,
+    config: TcpConfig,
+}
+
+impl TcpServer {
+    pub async fn bind(addr: SocketAddr, config: TcpConfig) -> Result<Self, KvTransferError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| KvTransferError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+        Ok(Self { listener, config })
+    }
+}
+
+impl KvServer for TcpServer {
+    fn local_addr(&self) -> Result<SocketAddr, KvTransferError> {
+        self.listener
+            .local_addr()
+            .map_err(|source| KvTransferError::Bind {
+                addr: "tcp listener".to_owned(),
+                source,
+            })
+    }
+
+    async fn serve<S: KvSink>(
+        self,
+        registry: TransferRegistry,
+        sink: Arc<S>,
+        shutdown: CancellationToken,
+    ) -> Result<(), KvTransferError> {
+        let local_addr = self.local_addr()?;
+        tracing::info!(%local_addr, "kv tcp server listening");
+        let ctx = Arc::new(ReceiveCtx {
+            registry,
+            sink,
+            limits: self.config.limits,
+        });
+        let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
+        let mut connections = JoinSet::new();
+        loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                permit = permits.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            };
+            let (stream, peer) = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "kv tcp accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let ctx = ctx.clone();
+            let shutdown = shutdown.clone();
+            connections.spawn(async move {
+                run_connection_task(stream, peer.to_string(), ctx, shutdown).await;
+                drop(permit);
+            });
+            while connections.try_join_next().is_some() {}
+        }
+        connections.shutdown().await;
+        tracing::info!(%local_addr, "kv tcp server stopped");
+        Ok(())
+    }
+}
+
+async fn run_connection_task<S: KvSink>(
+    mut stream: TcpStream,
+    peer: String,
+    ctx: Arc<ReceiveCtx<S>>,
+    shutdown: CancellationToken,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "kv tcp set_nodelay failed");
+    }
+    tracing::debug!(%peer, "kv tcp connection accepted");
+    let mut scratch = Vec::new();
+    loop {
+        let handled = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Discard, &peer) => handled,
+        };
+        let (verdict, keep_going) = match handled {
+            Handled::Eof => break,
+            Handled::Answer(v) => (v, true),
+            Handled::Refused(v) | Handled::Fatal(v) => (v, false),
+        };
+        let ack = verdict.encode();
+        if let Err(e) = frame::write_frame(&mut stream, &ack, &[], &peer).await {
+            tracing::debug!(%peer, error = %e, "kv tcp verdict not sent");
+            break;
+        }
+        if !keep_going {
+            break;
+        }
+    }
+}
+
+/// Sends layers over TCP, with a pool of connections per endpoint.
+pub struct TcpTransport {
+    config: TcpConfig,
+    pools: Mutex<HashMap<String, Arc<Pool>>>,
+}
+
+impl TcpTransport {
+    pub fn new(config: TcpConfig) -> Self {
+        Self {
+            config,
+            pools: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Drops every pooled connection.
+    pub fn close(&self) {
+        self.pools
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+}
+
+impl Default for TcpTransport {
+    fn default() -> Self {
+        Self::new(TcpConfig::default())
+    }
+}
+
+impl KvTransport for TcpTransport {
+    type Connection = TcpConnection;
+
+    async fn connect(&self, endpoint: &str) -> Result<TcpConnection, KvTransferError> {
+        let existing = self
+            .pools
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(endpoint)
+            .cloned();
+        let pool = match existing {
+            Some(pool) => pool,
+            None => {
+                let (addr, _) = resolve(endpoint).await?;
+                let pool = Arc::new(Pool {
+                    endpoint: endpoint.into(),
+                    addr,
+                    connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
+                    idle: Mutex::new(Vec::new()),
+                    permits: Arc::new(Semaphore::new(self.config.connections_per_endpoint.max(1))),
+                });
+                // Dial once now so an unreachable endpoint fails here, not on the first layer.
+                let stream = pool.dial().await?;
+                pool.put_back(stream);
+                self.pools
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(endpoint.to_owned())
+                    .or_insert(pool)
+                    .clone()
+            }
+        };
+        Ok(TcpConnection {
+            pool,
+            limits: self.config.limits,
+        })
+    }
+}
+
+struct Pool {
+    endpoint: Arc<str>,
+    addr: SocketAddr,
+    connect_timeout: Duration,
+    idle: Mutex<Vec<TcpStream>>,
+    permits: Arc<Semaphore>,
+}
+
+impl Pool {
+    async fn dial(&self) -> Result<TcpStream, KvTransferError> {
+        let connect_err = |reason: String| KvTransferError::Connect {
+            endpoint: self.endpoint.to_string(),
+            reason,
+        };
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(self.addr))
+            .await
+            .map_err(|_| {
+                connect_err(format!(
+                    "no answer within connect_timeout_ms {}",
+                    self.connect_timeout.as_millis()
+                ))
+            })?
+            .map_err(|e| connect_err(e.to_string()))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|source| frame::io_error(&self.endpoint, "set_nodelay", source))?;
+        Ok(stream)
+    }
+
+    fn take_idle(&self) -> Option<TcpStream> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    fn put_back(&self, stream: TcpStream) {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(stream);
+    }
+}
+
+/// A pool of TCP connections to one decode node.
+#[derive(Clone)]
+pub struct TcpConnection {
+    pool: Arc<Pool>,
+    limits: FrameLimits,
+}
+
+impl std::fmt::Debug for TcpConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConnection")
+            .field("endpoint", &self.pool.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether the server keeps the stream open after answering with `verdict`.
+fn stream_survives(verdict: Verdict) -> bool {
+    !matches!(
+        verdict,
+        Verdict::Malformed | Verdict::TooLarge | Verdict::LayoutMismatch | Verdict::ShuttingDown
+    )
+}
+
+impl TcpConnection {
+    /// One frame on one stream: write it, read the verdict.
+    async fn exchange(
+        &self,
+        stream: &mut TcpStream,
+        header: &[u8],
+        payload: &[u8],
+    ) -> Result<Verdict, KvTransferError> {
+        let endpoint = &*self.pool.endpoint;
+        frame::write_frame(stream, header, payload, endpoint).await?;
+        let mut ack = [0u8; ACK_LEN];
+        stream
+            .read_exact(&mut ack)
+            .await
+            .map_err(|source| frame::io_error(endpoint, "read verdict", source))?;
+        Verdict::decode(ack).ok_or_else(|| KvTransferError::Stream {
+            endpoint: endpoint.to_owned(),
+            what: "read verdict",
+            reason: format!("malformed verdict {ack:02x?}"),
+        })
+    }
+
+    async fn send_frame_inner(
+        &self,
+        frame: FrameHeader,
+        payload: Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        let start = Instant::now();
+        let (xfer_id, layer) = (frame.header.xfer_id, frame.header.layer);
+        let header = frame.encode(&self.limits)?;
+        let _permit = self
+            .pool
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| KvTransferError::Stream {
+                endpoint: self.pool.endpoint.to_string(),
+                what: "connection pool",
+                reason: e.to_string(),
+            })?;
+        let verdict = match self.pool.take_idle() {
+            Some(mut stream) => match self.exchange(&mut stream, &header, &payload).await {
+                Ok(v) => {
+                    if stream_survives(v) {
+                        self.pool.put_back(stream);
+                    }
+                    v
+                }
+                // A pooled stream the server has since closed: retry once on a fresh one.
+                Err(e) => {
+                    tracing::debug!(error = %e, "kv tcp pooled stream failed, redialling");
+                    self.exchange_fresh(&header, &payload).await?
+                }
+            },
+            None => self.exchange_fresh(&header, &payload).await?,
+        };
+        if verdict != Verdict::Accepted {
+            return Err(KvTransferError::Rejected {
+                xfer_id,
+                layer,
+                endpoint: self.pool.endpoint.to_string(),
+                verdict,
+            });
+        }
+        Ok(TransferStat {
+            layer,
+            payload_bytes: payload.len() as u64,
+            frame_bytes: (header.len() + payload.len()) as u64,
+            elapsed: start.elapsed(),
+        })
+    }
+
+    async fn exchange_fresh(
+        &self,
+        header: &[u8],
+        payload: &[u8],
+    ) -> Result<Verdict, KvTransferError> {
+        let mut stream = self.pool.dial().await?;
+        let verdict = self.exchange(&mut stream, header, payload).await?;
+        if stream_survives(verdict) {
+            self.pool.put_back(stream);
+        }
+        Ok(verdict)
+    }
+}
+
+impl KvConnection for TcpConnection {
+    fn endpoint(&self) -> &str {
+        &self.pool.endpoint
+    }
+
+    async fn send_frame(
+        &self,
+        frame: FrameHeader,
+        payload: Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        let h = &frame.header;
+        let span = tracing::debug_span!(
+            "kv_transfer",
+            xfer_id = h.xfer_id,
+            epoch = h.epoch,
+            layer = h.layer,
+            payload_bytes = payload.len(),
+            endpoint = %self.pool.endpoint,
+        );
+        self.send_frame_inner(frame, payload).instrument(span).await
+    }
+}

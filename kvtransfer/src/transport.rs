@@ -1,0 +1,258 @@
+//! The transport traits, and the receive loop that every backend shares.
+//!
+//! Methods return `impl Future + Send` so callers can spawn one task per layer on a generic
+//! connection; implementations write plain `async fn`.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::AsyncRead;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::error::KvTransferError;
+use crate::frame::{self, FrameHeader, FrameLimits, Verdict};
+use crate::layout::LayerHeader;
+use crate::registry::{Admission, TransferRegistry};
+use crate::sink::KvSink;
+
+/// What one `send_layer` moved, and how long it took until the receiver's verdict came back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferStat {
+    pub layer: u32,
+    pub payload_bytes: u64,
+    /// Header plus payload.
+    pub frame_bytes: u64,
+    pub elapsed: Duration,
+}
+
+/// The sending side: a factory of connections to `kv_endpoint`s (`host:port`).
+pub trait KvTransport: Send + Sync + 'static {
+    type Connection: KvConnection;
+
+    /// Returns a connection to `endpoint`, reusing a cached one while it is alive.
+    fn connect(
+        &self,
+        endpoint: &str,
+    ) -> impl Future<Output = Result<Self::Connection, KvTransferError>> + Send;
+}
+
+/// A connection to one decode node. Cheap to clone; `send_layer` may run concurrently for
+/// different layers.
+pub trait KvConnection: Clone + Send + Sync + 'static {
+    fn endpoint(&self) -> &str;
+
+    /// Sends one frame whose header the caller built, payload length and checksum included,
+    /// and waits for the receiver's verdict. `Ok` means the receiver verified the checksum and
+    /// its sink took the payload; any other verdict is [`KvTransferError::Rejected`], and the
+    /// connection stays usable.
+    fn send_frame(
+        &self,
+        frame: FrameHeader,
+        payload: Bytes,
+    ) -> impl Future<Output = Result<TransferStat, KvTransferError>> + Send;
+
+    /// Computes the payload's checksum and sends it as one layer (see
+    /// [`KvConnection::send_frame`]).
+    fn send_layer(
+        &self,
+        header: LayerHeader,
+        payload: Bytes,
+    ) -> impl Future<Output = Result<TransferStat, KvTransferError>> + Send {
+        let frame = FrameHeader::for_payload(header, &payload);
+        self.send_frame(frame, payload)
+    }
+}
+
+/// The receiving side, bound to a local address.
+pub trait KvServer: Send + Sized + 'static {
+    fn local_addr(&self) -> Result<SocketAddr, KvTransferError>;
+
+    /// Accepts frames until `shutdown` is cancelled, checks each against `registry` and hands
+    /// accepted payloads to `sink`. On shutdown it stops accepting, drops frames in flight
+    /// (their layers go back to pending) and returns.
+    fn serve<S: KvSink>(
+        self,
+        registry: TransferRegistry,
+        sink: Arc<S>,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = Result<(), KvTransferError>> + Send;
+}
+
+/// Sends every layer at once, each on its own stream, and returns their stats in layer order.
+/// `template` supplies everything but the layer index; `payloads[i]` is layer `i`.
+pub async fn send_all_layers<C: KvConnection>(
+    conn: &C,
+    template: &LayerHeader,
+    payloads: Vec<Bytes>,
+) -> Result<Vec<TransferStat>, KvTransferError> {
+    let mut tasks = JoinSet::new();
+    for (layer, payload) in payloads.into_iter().enumerate() {
+        let header = LayerHeader {
+            layer: layer as u32,
+            ..template.clone()
+        };
+        let conn = conn.clone();
+        tasks.spawn(async move { conn.send_layer(header, payload).await });
+    }
+    let mut stats = Vec::with_capacity(tasks.len());
+    while let Some(joined) = tasks.join_next().await {
+        let stat = joined.map_err(|e| KvTransferError::Stream {
+            endpoint: conn.endpoint().to_owned(),
+            what: "send task",
+            reason: e.to_string(),
+        })??;
+        stats.push(stat);
+    }
+    stats.sort_by_key(|s| s.layer);
+    Ok(stats)
+}
+
+/// What the server needs for every frame.
+pub(crate) struct ReceiveCtx<S: ?Sized> {
+    pub registry: TransferRegistry,
+    pub sink: Arc<S>,
+    pub limits: FrameLimits,
+}
+
+/// What to do with the payload of a frame refused from its header alone.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EarlyRefusal {
+    /// Read and drop it, to keep a byte stream (TCP) in step.
+    Discard,
+    /// Leave it unread; the caller stops the stream (QUIC).
+    Abandon,
+}
+
+/// How one frame ended on the receiving side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Handled {
+    /// The stream ended cleanly before a frame began.
+    Eof,
+    /// The whole frame was consumed; answer with the verdict.
+    Answer(Verdict),
+    /// Refused from the header; the payload was left unread (`EarlyRefusal::Abandon`).
+    Refused(Verdict),
+    /// The stream can no longer be parsed; answer and close it.
+    Fatal(Verdict),
+}
+
+/// Reads one frame from `r`, checks it, and hands its payload to the sink.
+pub(crate) async fn receive_frame<R, S>(
+    r: &mut R,
+    ctx: &ReceiveCtx<S>,
+    scratch: &mut Vec<u8>,
+    early: EarlyRefusal,
+    peer: &str,
+) -> Handled
+where
+    R: AsyncRead + Unpin,
+    S: KvSink + ?Sized,
+{
+    let frame = match frame::read_header(r, &ctx.limits, scratch, peer).await {
+        Ok(Some(frame)) => frame,
+        Ok(None) => return Handled::Eof,
+        Err(e) => {
+            tracing::warn!(peer, error = %e, error_type = e.error_type(), "kv frame header refused");
+            return Handled::Fatal(e.verdict());
+        }
+    };
+    let h = &frame.header;
+    let span = tracing::debug_span!(
+        "kv_receive",
+        xfer_id = h.xfer_id,
+        epoch = h.epoch,
+        layer = h.layer,
+        payload_bytes = frame.payload_len,
+        traceparent = h.traceparent.as_deref().unwrap_or(""),
+        peer,
+    );
+    async {
+        let (claim, verdict) = match ctx.registry.admit(&frame) {
+            Ok(Admission::Accept(claim)) => (Some(claim), Verdict::Accepted),
+            Ok(Admission::Ignore(why)) => {
+                tracing::debug!(?why, "kv frame ignored");
+                (None, why.verdict())
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, error_type = e.error_type(), "kv frame refused");
+                (None, e.verdict())
+            }
+        };
+        let Some(claim) = claim else {
+            return match early {
+                EarlyRefusal::Abandon => Handled::Refused(verdict),
+                EarlyRefusal::Discard => match frame::discard(r, frame.payload_len, peer).await {
+                    Ok(()) => Handled::Answer(verdict),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "kv stream ended inside a refused payload");
+                        Handled::Fatal(verdict)
+                    }
+                },
+            };
+        };
+        let payload = match frame::read_payload(r, &frame, peer).await {
+            Ok(payload) => payload,
+            Err(e) => {
+                tracing::warn!(error = %e, "kv stream ended inside a payload");
+                return Handled::Fatal(Verdict::Malformed);
+            }
+        };
+        match claim.complete(&*ctx.sink, &frame, payload) {
+            Ok(outcome) => {
+                tracing::trace!(?outcome, "kv layer received");
+                Handled::Answer(outcome.verdict())
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, error_type = e.error_type(), "kv layer refused");
+                Handled::Answer(e.verdict())
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Splits `host:port` into a resolved address and the host name that TLS checks.
+pub(crate) async fn resolve(endpoint: &str) -> Result<(SocketAddr, String), KvTransferError> {
+    let invalid = |reason: String| KvTransferError::InvalidEndpoint {
+        endpoint: endpoint.to_owned(),
+        reason,
+    };
+    let (host, _port) = endpoint
+        .rsplit_once(':')
+        .ok_or_else(|| invalid("expected host:port".to_owned()))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(invalid("empty host".to_owned()));
+    }
+    let addr = tokio::net::lookup_host(endpoint)
+        .await
+        .map_err(|e| invalid(e.to_string()))?
+        .next()
+        .ok_or_else(|| invalid("resolves to no address".to_owned()))?;
+    Ok((addr, host.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn resolve_splits_host_and_port() {
+        let (addr, host) = resolve("127.0.0.1:4000").await.unwrap();
+        assert_eq!(addr.port(), 4000);
+        assert_eq!(host, "127.0.0.1");
+        let (addr, host) = resolve("[::1]:4001").await.unwrap();
+        assert!(addr.is_ipv6());
+        assert_eq!(host, "::1");
+        assert!(matches!(
+            resolve("nohostport").await,
+            Err(KvTransferError::InvalidEndpoint { .. })
+        ));
+    }
+}

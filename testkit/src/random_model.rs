@@ -1,0 +1,685 @@
+//! Random-weight Llama-family models: a [`ModelSpec`] in, a model directory out (config.json,
+//! generation_config.json, model.safetensors and a tokenizer padded to the vocab), in the layout
+//! transformers loads. Weights come from a seeded splitmix64 stream, so one spec always writes
+//! bit-identical files; the engine's architecture tests rely on that to regenerate the models
+//! their committed transformers references were computed from.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, ensure, Context};
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// RMSNorm epsilon written to every config.
+pub const RMS_NORM_EPS: f64 = 1e-5;
+/// Standard deviation of q/k/v biases: large enough that a model which drops them gives visibly
+/// different logits.
+pub const BIAS_STD: f32 = 0.5;
+
+/// Which transformers class the config names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Architecture {
+    #[serde(rename = "LlamaForCausalLM")]
+    Llama,
+    #[serde(rename = "MistralForCausalLM")]
+    Mistral,
+    #[serde(rename = "Qwen2ForCausalLM")]
+    Qwen2,
+}
+
+impl Architecture {
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// The dtype the weights are stored in (and that config.json's `torch_dtype` names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WeightDtype {
+    #[serde(rename = "float32")]
+    F32,
+    #[serde(rename = "bfloat16")]
+    BF16,
+    #[serde(rename = "float16")]
+    F16,
+}
+
+impl WeightDtype {
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "float32",
+            WeightDtype::BF16 => "bfloat16",
+            WeightDtype::F16 => "float16",
+        }
+    }
+
+    fn candle(self) -> DType {
+        match self {
+            WeightDtype::F32 => DType::F32,
+            WeightDtype::BF16 => DType::BF16,
+            WeightDtype::F16 => DType::F16,
+        }
+    }
+}
+
+/// Where config.json keeps the rotary settings.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeLayout {
+    /// Top-level `rope_theta` and `rope_scaling` (transformers 4).
+    #[default]
+    TopLevel,
+    /// One `rope_parameters` object holding `rope_theta` and the scaling, with no top-level
+    /// `rope_theta` (transformers 5).
+    RopeParameters,
+}
+
+/// Everything that decides a random model's files. Serializes to the JSON that
+/// `fission make-random-model --spec-json` reads and that `engine/tests/reference/arch_refs.json`
+/// records per variant.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    pub architecture: Architecture,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// Per-head size; may differ from `hidden / heads`.
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub max_pos: usize,
+    pub rope_theta: f64,
+    /// transformers' scaling object, for example `{"rope_type": "linear", "factor": 2.0}`.
+    #[serde(default)]
+    pub rope_scaling: Option<Value>,
+    #[serde(default)]
+    pub rope_layout: RopeLayout,
+    /// q/k/v biases. Qwen2 always has them and Mistral never; only Llama's config says so.
+    pub attention_bias: bool,
+    /// When false the model gets its own random `lm_head.weight`.
+    pub tie_word_embeddings: bool,
+    /// Mistral only; `None` means full attention.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    pub dtype: WeightDtype,
+    /// Standard deviation of embedding and projection weights. Norm weights are
+    /// `1 + N(0, init_std)`.
+    pub init_std: f32,
+    pub seed: u64,
+}
+
+impl ModelSpec {
+    /// 30 layers, hidden 576, 9/3 heads, FFN 1536, vocab 49152, tied embeddings, f32.
+    pub fn smollm2_135m() -> Self {
+        ModelSpec {
+            hidden: 576,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ffn: 1536,
+            vocab: 49152,
+            max_pos: 8192,
+            rope_theta: 100_000.0,
+            ..Self::tiny()
+        }
+    }
+
+    /// 16 layers, hidden 2048, 32/8 heads, FFN 8192, vocab 128256, tied, bf16 (GPU benchmarks).
+    /// Plain rope: benchmarks do not need Llama 3's frequency scaling.
+    pub fn llama32_1b() -> Self {
+        ModelSpec {
+            hidden: 2048,
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            ffn: 8192,
+            vocab: 128_256,
+            max_pos: 131_072,
+            rope_theta: 500_000.0,
+            dtype: WeightDtype::BF16,
+            ..Self::tiny()
+        }
+    }
+
+    /// 2 layers, hidden 64, 4/2 heads, FFN 128, vocab 512 (stories260K's tokenizer), f32.
+    pub fn tiny() -> Self {
+        ModelSpec {
+            architecture: Architecture::Llama,
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 128,
+            vocab: 512,
+            max_pos: 1024,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            rope_layout: RopeLayout::TopLevel,
+            attention_bias: false,
+            tie_word_embeddings: true,
+            sliding_window: None,
+            dtype: WeightDtype::F32,
+            init_std: 0.02,
+            seed: 0,
+        }
+    }
+
+    /// Rejects specs transformers would load differently from what the files say.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (name, v) in [
+            ("hidden", self.hidden),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("ffn", self.ffn),
+            ("vocab", self.vocab),
+            ("max_pos", self.max_pos),
+        ] {
+            ensure!(v > 0, "{name} must be > 0, given {v}");
+        }
+        ensure!(
+            self.heads % self.kv_heads == 0,
+            "heads {} is not a multiple of kv_heads {}",
+            self.heads,
+            self.kv_heads
+        );
+        ensure!(
+            self.head_dim > 0 && self.head_dim % 2 == 0,
+            "head_dim must be even and > 0, given {}",
+            self.head_dim
+        );
+        match self.architecture {
+            Architecture::Qwen2 => ensure!(
+                self.attention_bias,
+                "Qwen2ForCausalLM always has q/k/v biases: attention_bias must be true"
+            ),
+            Architecture::Mistral => ensure!(
+                !self.attention_bias,
+                "MistralForCausalLM has no attention biases: attention_bias must be false"
+            ),
+            Architecture::Llama => {}
+        }
+        if let Some(w) = self.sliding_window {
+            ensure!(
+                self.architecture == Architecture::Mistral,
+                "sliding_window {w} is only written for MistralForCausalLM"
+            );
+        }
+        if let Some(s) = &self.rope_scaling {
+            ensure!(
+                s.is_object(),
+                "rope_scaling must be a JSON object, given {s}"
+            );
+        }
+        ensure!(
+            self.init_std.is_finite() && self.init_std > 0.0,
+            "init_std must be > 0, given {}",
+            self.init_std
+        );
+        Ok(())
+    }
+}
+
+/// Writes the model `spec` describes into `dir` (created if needed), with the tokenizer from
+/// `tokenizer_from` padded with `<extra_N>` tokens up to the vocab so every id decodes.
+pub fn write_model(dir: &Path, spec: &ModelSpec, tokenizer_from: &Path) -> anyhow::Result<()> {
+    spec.validate()?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // The tokenizer first: a bad --tokenizer-from fails before minutes of weight writing.
+    pad_tokenizer(tokenizer_from, dir, spec.vocab)?;
+    write_json(&dir.join("config.json"), &config_json(spec))?;
+    write_json(
+        &dir.join("generation_config.json"),
+        &json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false}),
+    )?;
+    write_weights(dir, spec)
+}
+
+/// The config.json for `spec`, in the shape the named transformers class expects.
+pub fn config_json(spec: &ModelSpec) -> Value {
+    let mut cfg = json!({
+        "architectures": [spec.architecture.class_name()],
+        "model_type": spec.architecture.model_type(),
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_pos,
+        "hidden_act": "silu",
+        "rms_norm_eps": RMS_NORM_EPS,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": spec.dtype.torch_name(),
+    });
+    let obj = cfg
+        .as_object_mut()
+        .expect("a json! object literal is an object");
+    match spec.rope_layout {
+        RopeLayout::TopLevel => {
+            obj.insert("rope_theta".into(), json!(spec.rope_theta));
+            obj.insert(
+                "rope_scaling".into(),
+                spec.rope_scaling.clone().unwrap_or(Value::Null),
+            );
+        }
+        RopeLayout::RopeParameters => {
+            let mut params = spec
+                .rope_scaling
+                .clone()
+                .unwrap_or_else(|| json!({"rope_type": "default"}));
+            params["rope_theta"] = json!(spec.rope_theta);
+            obj.insert("rope_parameters".into(), params);
+        }
+    }
+    match spec.architecture {
+        Architecture::Llama => {
+            obj.insert("attention_bias".into(), json!(spec.attention_bias));
+            obj.insert("mlp_bias".into(), json!(false));
+        }
+        Architecture::Mistral => {
+            obj.insert("sliding_window".into(), json!(spec.sliding_window));
+        }
+        Architecture::Qwen2 => {
+            obj.insert("use_sliding_window".into(), json!(false));
+            obj.insert("sliding_window".into(), Value::Null);
+            obj.insert("max_window_layers".into(), json!(spec.layers));
+        }
+    }
+    cfg
+}
+
+/// FNV-1a (64-bit) over config.json then model.safetensors, as 16 hex digits: equal
+/// fingerprints mean the same model. `engine/tests/reference/make_refs.py` computes the same.
+pub fn fingerprint(dir: &Path) -> anyhow::Result<String> {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for name in ["config.json", "model.safetensors"] {
+        let path = dir.join(name);
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        for b in bytes {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    Ok(format!("{hash:016x}"))
+}
+
+fn write_json(path: &Path, value: &Value) -> anyhow::Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// splitmix64: a seeded stream, so the same seed always writes the same model.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Approximately normal (Irwin-Hall of 4 uniforms, rescaled to unit variance).
+    fn normal(&mut self, std: f32) -> f32 {
+        let mut s = 0.0f32;
+        for _ in 0..2 {
+            let r = self.next_u64();
+            s += (r as u32) as f32 / u32::MAX as f32;
+            s += ((r >> 32) as u32) as f32 / u32::MAX as f32;
+        }
+        (s - 2.0) * std * 1.732
+    }
+}
+
+/// Draws tensors from one stream in a fixed order and collects them by name.
+struct WeightWriter {
+    rng: Rng,
+    dtype: DType,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl WeightWriter {
+    fn put(&mut self, name: String, shape: &[usize], mean: f32, std: f32) -> anyhow::Result<()> {
+        let n = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| mean + self.rng.normal(std)).collect();
+        let t = Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(self.dtype)?;
+        self.tensors.insert(name, t);
+        Ok(())
+    }
+}
+
+fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
+    let mut w = WeightWriter {
+        rng: Rng(spec.seed ^ 0x5EED),
+        dtype: spec.dtype.candle(),
+        tensors: HashMap::new(),
+    };
+    let (hid, q_out, kv_out, std) = (
+        spec.hidden,
+        spec.heads * spec.head_dim,
+        spec.kv_heads * spec.head_dim,
+        spec.init_std,
+    );
+    w.put(
+        "model.embed_tokens.weight".into(),
+        &[spec.vocab, hid],
+        0.0,
+        std,
+    )?;
+    for i in 0..spec.layers {
+        let p = format!("model.layers.{i}");
+        w.put(
+            format!("{p}.self_attn.q_proj.weight"),
+            &[q_out, hid],
+            0.0,
+            std,
+        )?;
+        w.put(
+            format!("{p}.self_attn.k_proj.weight"),
+            &[kv_out, hid],
+            0.0,
+            std,
+        )?;
+        w.put(
+            format!("{p}.self_attn.v_proj.weight"),
+            &[kv_out, hid],
+            0.0,
+            std,
+        )?;
+        w.put(
+            format!("{p}.self_attn.o_proj.weight"),
+            &[hid, q_out],
+            0.0,
+            std,
+        )?;
+        w.put(
+            format!("{p}.mlp.gate_proj.weight"),
+            &[spec.ffn, hid],
+            0.0,
+            std,
+        )?;
+        w.put(
+            format!("{p}.mlp.up_proj.weight"),
+            &[spec.ffn, hid],
+            0.0,
+            std,
+        )?;
+        w.put(
+            format!("{p}.mlp.down_proj.weight"),
+            &[hid, spec.ffn],
+            0.0,
+            std,
+        )?;
+        if spec.attention_bias {
+            w.put(
+                format!("{p}.self_attn.q_proj.bias"),
+                &[q_out],
+                0.0,
+                BIAS_STD,
+            )?;
+            w.put(
+                format!("{p}.self_attn.k_proj.bias"),
+                &[kv_out],
+                0.0,
+                BIAS_STD,
+            )?;
+            w.put(
+                format!("{p}.self_attn.v_proj.bias"),
+                &[kv_out],
+                0.0,
+                BIAS_STD,
+            )?;
+        }
+        w.put(format!("{p}.input_layernorm.weight"), &[hid], 1.0, std)?;
+        w.put(
+            format!("{p}.post_attention_layernorm.weight"),
+            &[hid],
+            1.0,
+            std,
+        )?;
+    }
+    w.put("model.norm.weight".into(), &[hid], 1.0, std)?;
+    if !spec.tie_word_embeddings {
+        w.put("lm_head.weight".into(), &[spec.vocab, hid], 0.0, std)?;
+    }
+    let path = dir.join("model.safetensors");
+    // safetensors orders tensors by dtype and name, so the HashMap's order does not leak into
+    // the file.
+    candle_core::safetensors::save(&w.tensors, &path)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Copies the source tokenizer and adds `<extra_N>` tokens up to `vocab`, so any id decodes.
+fn pad_tokenizer(from: &Path, out: &Path, vocab: usize) -> anyhow::Result<()> {
+    let src = from.join("tokenizer.json");
+    let text =
+        std::fs::read_to_string(&src).with_context(|| format!("reading {}", src.display()))?;
+    let mut tok: Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", src.display()))?;
+    let base = tok["model"]["vocab"]
+        .as_object()
+        .map(|v| v.len())
+        .with_context(|| format!("{} has no model.vocab", src.display()))?;
+    let added = tok["added_tokens"]
+        .as_array_mut()
+        .with_context(|| format!("{} has no added_tokens", src.display()))?;
+    let mut next = base.max(
+        added
+            .iter()
+            .filter_map(|t| t["id"].as_u64())
+            .max()
+            .map_or(0, |m| m as usize + 1),
+    );
+    if next > vocab {
+        bail!(
+            "{} has {next} tokens, more than the model's vocab of {vocab}",
+            src.display()
+        );
+    }
+    while next < vocab {
+        added.push(json!({
+            "id": next, "content": format!("<extra_{next}>"), "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": false
+        }));
+        next += 1;
+    }
+    let dst = out.join("tokenizer.json");
+    std::fs::write(&dst, serde_json::to_string(&tok)?)
+        .with_context(|| format!("writing {}", dst.display()))?;
+    for f in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+    ] {
+        if from.join(f).is_file() {
+            std::fs::copy(from.join(f), out.join(f))
+                .with_context(|| format!("copying {}", from.join(f).display()))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal tokenizer.json: all `pad_tokenizer` reads.
+    fn tokenizer_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let tok = json!({"model": {"vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}},
+                         "added_tokens": [{"id": 1, "content": "<s>"}]});
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).expect("write");
+        dir
+    }
+
+    fn small(seed: u64) -> ModelSpec {
+        ModelSpec {
+            vocab: 32,
+            seed,
+            ..ModelSpec::tiny()
+        }
+    }
+
+    fn write(spec: &ModelSpec) -> tempfile::TempDir {
+        let tok = tokenizer_dir();
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_model(dir.path(), spec, tok.path()).expect("writes");
+        dir
+    }
+
+    fn tensors(dir: &Path) -> HashMap<String, Tensor> {
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).expect("loads")
+    }
+
+    #[test]
+    fn same_seed_writes_identical_files() {
+        let (a, b, c) = (write(&small(7)), write(&small(7)), write(&small(8)));
+        let bytes = |d: &tempfile::TempDir| std::fs::read(d.path().join("model.safetensors"));
+        assert_eq!(bytes(&a).expect("a"), bytes(&b).expect("b"));
+        assert_eq!(
+            fingerprint(a.path()).expect("a"),
+            fingerprint(b.path()).expect("b")
+        );
+        assert_ne!(
+            fingerprint(a.path()).expect("a"),
+            fingerprint(c.path()).expect("c")
+        );
+    }
+
+    #[test]
+    fn untied_bias_model_has_lm_head_and_biases() {
+        let spec = ModelSpec {
+            architecture: Architecture::Qwen2,
+            attention_bias: true,
+            tie_word_embeddings: false,
+            head_dim: 32,
+            ..small(1)
+        };
+        let dir = write(&spec);
+        let t = tensors(dir.path());
+        assert_eq!(t["lm_head.weight"].dims(), &[32, 64]);
+        assert_eq!(
+            t["model.layers.1.self_attn.q_proj.weight"].dims(),
+            &[128, 64]
+        );
+        assert_eq!(
+            t["model.layers.1.self_attn.o_proj.weight"].dims(),
+            &[64, 128]
+        );
+        assert_eq!(t["model.layers.0.self_attn.k_proj.bias"].dims(), &[64]);
+        let cfg = config_json(&spec);
+        assert_eq!(cfg["architectures"][0], "Qwen2ForCausalLM");
+        assert_eq!(cfg["use_sliding_window"], false);
+        assert!(cfg.get("attention_bias").is_none(), "qwen2 configs omit it");
+    }
+
+    #[test]
+    fn tied_model_has_no_lm_head_and_bf16_is_stored_as_bf16() {
+        let dir = write(&ModelSpec {
+            dtype: WeightDtype::BF16,
+            ..small(1)
+        });
+        let t = tensors(dir.path());
+        assert!(!t.contains_key("lm_head.weight"));
+        assert!(t.values().all(|x| x.dtype() == DType::BF16));
+        let cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("config.json")).expect("config"),
+        )
+        .expect("json");
+        assert_eq!(cfg["torch_dtype"], "bfloat16");
+    }
+
+    #[test]
+    fn rope_parameters_layout_has_no_top_level_theta() {
+        let spec = ModelSpec {
+            rope_layout: RopeLayout::RopeParameters,
+            rope_theta: 50_000.0,
+            rope_scaling: Some(json!({"rope_type": "linear", "factor": 2.0})),
+            ..small(1)
+        };
+        let cfg = config_json(&spec);
+        assert!(cfg.get("rope_theta").is_none());
+        assert!(cfg.get("rope_scaling").is_none());
+        assert_eq!(
+            cfg["rope_parameters"],
+            json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0})
+        );
+    }
+
+    #[test]
+    fn tokenizer_is_padded_to_the_vocab() {
+        let dir = write(&small(1));
+        let tok: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.path().join("tokenizer.json")).expect("tokenizer"),
+        )
+        .expect("json");
+        let added = tok["added_tokens"].as_array().expect("added");
+        assert_eq!(added.last().expect("padded")["id"], 31);
+        assert_eq!(added.last().expect("padded")["content"], "<extra_31>");
+    }
+
+    #[test]
+    fn specs_round_trip_through_json_and_bad_ones_are_named() {
+        let spec = ModelSpec {
+            architecture: Architecture::Mistral,
+            sliding_window: Some(4096),
+            ..small(3)
+        };
+        let text = serde_json::to_string(&spec).expect("serializes");
+        assert!(text.contains("\"MistralForCausalLM\""), "{text}");
+        assert_eq!(
+            serde_json::from_str::<ModelSpec>(&text).expect("parses"),
+            spec
+        );
+        let err = ModelSpec {
+            architecture: Architecture::Qwen2,
+            ..small(1)
+        }
+        .validate()
+        .expect_err("qwen2 without bias");
+        assert!(err.to_string().contains("attention_bias"), "{err}");
+        let err = ModelSpec {
+            kv_heads: 3,
+            ..small(1)
+        }
+        .validate()
+        .expect_err("4 heads over 3 kv heads");
+        assert!(err.to_string().contains("kv_heads 3"), "{err}");
+        let tok = tokenizer_dir();
+        let out = tempfile::tempdir().expect("tempdir");
+        let err = write_model(
+            out.path(),
+            &ModelSpec {
+                vocab: 3,
+                ..small(1)
+            },
+            tok.path(),
+        )
+        .expect_err("tokenizer larger than vocab");
+        assert!(err.to_string().contains("vocab of 3"), "{err}");
+    }
+}
