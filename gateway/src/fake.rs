@@ -93,9 +93,13 @@ impl FakeBackend {
         timeout: Duration,
     ) -> Result<FakeCounts, FakeCounts> {
         let mut rx = self.counts.subscribe();
-        match tokio::time::timeout(timeout, rx.wait_for(condition)).await {
-            Ok(Ok(counts)) => Ok(*counts),
-            _ => Err(self.counts()),
+        let met = tokio::time::timeout(timeout, rx.wait_for(condition))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if met {
+            Ok(self.counts())
+        } else {
+            Err(self.counts())
         }
     }
 
@@ -189,9 +193,9 @@ impl FakeRun {
                 format!("the fake backend failed at token {index}"),
             )));
         }
-        let (id, word) = &self.script.tokens[index % self.script.tokens.len()];
+        let (id, word) = self.script.tokens[index % self.script.tokens.len()].clone();
         let stopping = &self.request.stopping;
-        let mut text = word.clone();
+        let mut text = word;
         let mut finish_reason = None;
         // Stop strings are matched without holding text back: a stop string spanning tokens
         // may leave its beginning in the output.
@@ -205,7 +209,7 @@ impl FakeRun {
             text = candidate[self.text.len().min(at)..at].to_string();
             finish_reason = Some(FinishReason::Stop);
         }
-        let special = stopping.stop_token_ids.contains(id);
+        let special = stopping.stop_token_ids.contains(&id);
         if finish_reason.is_none() && special && !stopping.ignore_eos {
             finish_reason = Some(FinishReason::Eos);
         }
@@ -219,7 +223,7 @@ impl FakeRun {
         }
         let top_n = self.request.sampling.top_n_logprobs as u32;
         Some(Ok(GeneratedToken {
-            id: *id,
+            id,
             text,
             logprob: -0.5,
             top_logprobs: (0..top_n).map(|k| (id + k, -0.5 - k as f32)).collect(),

@@ -10,6 +10,7 @@ mod chat_template;
 mod generation;
 mod json;
 mod openai;
+mod sse;
 mod state;
 mod tgi;
 mod validation;
@@ -61,9 +62,10 @@ pub async fn run(
     let local_addr = listener.local_addr().map_err(GatewayError::Serve)?;
     tracing::info!(%local_addr, model_id = %state.config().model_id, "gateway listening");
 
-    let serve = axum::serve(listener, app(state))
+    let serve = axum::serve(listener, app(state.clone()))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .into_future();
+    tokio::pin!(serve);
     let drain_deadline = async {
         shutdown.cancelled().await;
         tracing::info!(
@@ -73,9 +75,15 @@ pub async fn run(
         tokio::time::sleep(grace).await;
     };
     tokio::select! {
-        result = serve => result.map_err(GatewayError::Serve)?,
+        result = &mut serve => result.map_err(GatewayError::Serve)?,
         () = drain_deadline => {
-            tracing::warn!("drain deadline passed; dropping in-flight requests");
+            tracing::warn!("drain deadline passed; ending in-flight requests");
+            state.abort_in_flight();
+            let last_writes = Duration::from_millis(ABORT_WRITE_MS);
+            match tokio::time::timeout(last_writes, serve).await {
+                Ok(result) => result.map_err(GatewayError::Serve)?,
+                Err(_) => tracing::warn!("connections still open after the abort; leaving them"),
+            }
         }
     }
     tracing::info!("gateway stopped");

@@ -6,12 +6,14 @@
 //! `GET /health`, `POST /tokenize`, `GET /metrics` and `GET /v1/models`. Unknown routes get a JSON
 //! 404.
 
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{header, Method, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::{Deserialize, Serialize};
+use tracing::Instrument;
 
 use crate::error::GatewayError;
 use crate::json::Json;
@@ -32,7 +34,22 @@ pub fn app(state: AppState) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(http_request_span))
         .with_state(state)
+}
+
+/// Every request runs in an `http_request` span; the `generate` span of a generation is its
+/// child and outlives it while the stream is written.
+async fn http_request_span(request: Request, next: Next) -> Response {
+    let span = tracing::info_span!(
+        "http_request",
+        method = %request.method(),
+        path = request.uri().path(),
+        status = tracing::field::Empty,
+    );
+    let response = next.run(request).instrument(span.clone()).await;
+    span.record("status", response.status().as_u16());
+    response
 }
 
 #[derive(Debug, Serialize)]

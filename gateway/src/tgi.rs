@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::GatewayError;
 use crate::json::Json;
 use crate::request::GeneratedToken;
+use crate::sse::json_event;
 use crate::state::AppState;
 use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
@@ -187,16 +188,6 @@ pub(crate) async fn generate_stream(
         Ok(event)
     });
     Ok(Sse::new(events).keep_alive(KeepAlive::default()))
-}
-
-/// An SSE event whose data is `value` as JSON.
-pub(crate) fn json_event(value: &impl Serialize) -> Event {
-    Event::default().json_data(value).unwrap_or_else(|e| {
-        GatewayError::Internal {
-            message: format!("serializing an event: {e}"),
-        }
-        .to_sse_event()
-    })
 }
 
 fn token(generated: &GeneratedToken) -> Token {

@@ -721,7 +721,7 @@ mod tests {
                 err,
                 KvTransferError::LayoutMismatch {
                     payload_bytes: 10,
-                    expected: 64,
+                    expected: 128,
                     ..
                 }
             ),
@@ -748,7 +748,7 @@ mod tests {
             matches!(
                 err,
                 KvTransferError::PayloadTooLarge {
-                    payload_bytes: 128,
+                    payload_bytes: 256,
                     limit: 100,
                     ..
                 }

@@ -388,6 +388,12 @@ impl QuicConnection {
         }
     }
 
+    /// Identifies the underlying QUIC connection: equal ids mean a cached connection was
+    /// reused.
+    pub fn connection_id(&self) -> usize {
+        self.conn.stable_id()
+    }
+
     /// quinn's counters for this connection (RTT, congestion window, lost packets).
     pub fn stats(&self) -> quinn::ConnectionStats {
         self.conn.stats()

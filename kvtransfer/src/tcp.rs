@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -155,9 +155,22 @@ async fn run_connection_task<S: KvSink>(
             break;
         }
         if !keep_going {
+            linger(&mut stream).await;
             break;
         }
     }
+}
+
+/// Half-closes and drains briefly before a refused connection is dropped: closing a socket
+/// with unread input sends a reset, which can destroy the verdict before the peer reads it.
+async fn linger(stream: &mut TcpStream) {
+    const LINGER: Duration = Duration::from_millis(200);
+    const MAX_DRAIN_BYTES: u64 = 1 << 20;
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut drain = (&mut *stream).take(MAX_DRAIN_BYTES);
+    let _ = tokio::time::timeout(LINGER, tokio::io::copy(&mut drain, &mut tokio::io::sink())).await;
 }
 
 /// Sends layers over TCP, with a pool of connections per endpoint.

@@ -1,1 +1,106 @@
-//! prefill-node: placeholder until its issue lands.
+//! The prefill node: computes prompts (chunked prefill, prefix caching) and pushes each layer's
+//! KV into the blocks a decode node reserved as soon as that layer is computed, then returns
+//! the first token. It must not route requests or hold sequences past their first token.
+
+mod actor;
+mod push;
+mod service;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use clap::Args;
+use engine::engine::Engine;
+use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
+use node_common::engine_args::{model_fingerprint, EngineArgs};
+use node_common::kv::{KvArgs, KvBackend};
+use node_common::NodeError;
+use proto::v1::prefill_server::PrefillServer;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Args, Debug, Clone)]
+pub struct PrefillConfig {
+    #[arg(long, env = "FISSION_NODE_ID", default_value = "prefill-0")]
+    pub node_id: String,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+pub struct PrefillListeners {
+    pub grpc: TcpListener,
+    pub metrics: TcpListener,
+}
+
+pub async fn run(
+    config: PrefillConfig,
+    listeners: PrefillListeners,
+    shutdown: CancellationToken,
+) -> Result<(), NodeError> {
+    let metrics = node_common::metrics_http::install_recorder();
+    let args = config.engine.clone();
+    let (engine, fingerprint, model_id, max_context) = tokio::task::spawn_blocking(move || {
+        let model = args.load_model()?;
+        let fingerprint = model_fingerprint(&model);
+        let model_id = model.model_id.clone();
+        let max_context = model.config().max_context;
+        let engine = Engine::new(model, args.engine_config())?;
+        Ok::<_, NodeError>((engine, fingerprint, model_id, max_context))
+    })
+    .await
+    .map_err(|e| NodeError::Config(format!("model loading panicked: {e}")))??;
+    let layout = engine.cache().desc();
+    let total_blocks = engine.stats().num_blocks_total;
+    let handle = actor::EngineHandle::spawn(engine);
+    let transport = match config.kv.kv_transport {
+        KvBackend::Quic => push::Transport::Quic(QuicTransport::new(
+            &config.kv.tls()?,
+            QuicConfig::default(),
+        )?),
+        KvBackend::Tcp => push::Transport::Tcp(TcpTransport::new(TcpConfig::default())),
+    };
+    let info = proto::v1::NodeInfo {
+        node_id: config.node_id.clone(),
+        role: "prefill".into(),
+        model_id,
+        model_fingerprint: fingerprint,
+        layout: Some(node_common::kv::proto_layout(&layout)),
+        total_kv_blocks: total_blocks as u32,
+        kv_endpoint: String::new(),
+        max_context: max_context as u32,
+    };
+    let service = service::PrefillService {
+        handle,
+        transport: Arc::new(transport),
+        clients: push::DecodeClients::default(),
+        layout,
+        info,
+        next_seq: AtomicU64::new(1),
+    };
+    let metrics_task = tokio::spawn(node_common::metrics_http::serve(
+        listeners.metrics,
+        metrics,
+        shutdown.clone(),
+    ));
+    let grpc_addr = listeners
+        .grpc
+        .local_addr()
+        .map_err(|source| NodeError::Io {
+            what: "grpc listener".into(),
+            source,
+        })?;
+    tracing::info!(node_id = %config.node_id, %grpc_addr, "prefill node serving");
+    tonic::transport::Server::builder()
+        .add_service(PrefillServer::new(service))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+            shutdown.cancelled(),
+        )
+        .await
+        .map_err(|e| NodeError::Grpc(e.to_string()))?;
+    let _ = metrics_task.await;
+    tracing::info!(node_id = %config.node_id, "prefill node stopped");
+    Ok(())
+}

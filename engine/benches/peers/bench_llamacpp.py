@@ -49,12 +49,18 @@ def log(msg: str) -> None:
     print(f"[bench_llamacpp] {msg}", file=sys.stderr, flush=True)
 
 
+# (command name, 1-minute load average before, after): other processes on a 2-core box skew the figures.
+LOAD_LOG: list[tuple[str, float, float]] = []
+
+
 def run_cmd(cmd: list[str], **kw) -> str:
     log("$ " + " ".join(cmd))
+    load_before = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + "\n" + proc.stderr[-4000:] + "\n")
         raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
+    LOAD_LOG.append((Path(cmd[0]).name, round(load_before, 2), round(os.getloadavg()[0], 2)))
     return proc.stdout
 
 
@@ -194,7 +200,7 @@ def main() -> int:
     from_sdist = (peers / "llama.cpp" / ".from-sdist")
     src = from_sdist.read_text().strip() if from_sdist.exists() else "?"
     notes[:0] = [
-        f"llama.cpp build {build} vendored in {src}, f32 weights, f16 KV cache, {args.threads} threads",
+        f"llama.cpp {'' if build in ('unknown', '?') else f'build {build} '}vendored in {src}, f32 weights, f16 KV cache, {args.threads} threads",
         f"prefill/single decode: median of llama-bench's {bench_reps} repetition(s); "
         f"batched: median of {batched_runs} llama-batched-bench run(s), S_TG (decode only), -c {ctx}",
         f"bench wall {bench_s:.0f}s (excl. conversion); loadavg at end {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}",
@@ -210,7 +216,7 @@ def main() -> int:
         "decode_single_tok_s": decode_single,
         "decode_batch_tok_s": decode_batch,
         "notes": "; ".join(notes),
-        "details": {**details, "bench_wall_s": round(bench_s, 1), "quick": args.quick},
+        "details": {**details, "load1_before_after": LOAD_LOG, "bench_wall_s": round(bench_s, 1), "quick": args.quick},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

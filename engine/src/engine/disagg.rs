@@ -158,3 +158,10 @@ impl Engine {
             .collect()
     }
 }
+
+impl Engine {
+    /// Whether `seq_id` holds a reservation that has not been activated or released.
+    pub fn is_reserved(&self, seq_id: SeqId) -> bool {
+        self.reserved.contains_key(&seq_id)
+    }
+}

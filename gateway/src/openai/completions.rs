@@ -11,8 +11,8 @@ use super::{sse_response, CommonFields, Usage};
 use crate::error::GatewayError;
 use crate::json::Json;
 use crate::request::GeneratedToken;
+use crate::sse::json_event;
 use crate::state::{unix_now, AppState};
-use crate::tgi::json_event;
 use crate::validation::{FieldNames, Prompt, Validator};
 
 /// `prompt`: a string, or a list holding exactly one.

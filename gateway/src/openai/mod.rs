@@ -29,12 +29,9 @@ struct StreamOptions {
 }
 
 /// The fields both endpoints take. `top_k`, `repetition_penalty` and `ignore_eos` are vLLM's
-/// extensions.
+/// extensions. `model` and other unknown fields are ignored: the gateway serves one model.
 #[derive(Debug, Default, Deserialize)]
 pub(crate) struct CommonFields {
-    /// Accepted and ignored: the gateway serves one model.
-    #[allow(dead_code)]
-    model: Option<String>,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<i64>,

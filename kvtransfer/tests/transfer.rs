@@ -1,0 +1,615 @@
+//! Component tests: real QUIC and TCP servers on 127.0.0.1:0, one process.
+//!
+//! Each scenario is written once against the transport traits and run on both backends.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvtransfer::{
+    generate_dev_ca, send_all_layers, Ca, FrameHeader, KvConnection, KvDtype, KvLayout, KvServer,
+    KvTransferError, KvTransport, LayerHeader, MemorySink, QuicConfig, QuicServer, QuicTransport,
+    Reservation, TcpConfig, TcpServer, TcpTransport, TlsIdentity, TransferRegistry, TransferStatus,
+    Verdict,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const LAYOUT: KvLayout = KvLayout {
+    dtype: KvDtype::Bf16,
+    block_size: 4,
+    num_kv_heads: 2,
+    head_dim: 8,
+};
+const NUM_LAYERS: u32 = 6;
+const CACHE_BLOCKS: usize = 32;
+const TEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct Harness<T: KvTransport> {
+    registry: TransferRegistry,
+    sink: Arc<MemorySink>,
+    transport: T,
+    endpoint: String,
+    shutdown: CancellationToken,
+    server: JoinHandle<Result<(), KvTransferError>>,
+}
+
+impl<T: KvTransport> Harness<T> {
+    async fn conn(&self) -> T::Connection {
+        self.transport.connect(&self.endpoint).await.unwrap()
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.server.await.unwrap().unwrap();
+    }
+}
+
+fn start_server<S: KvServer>(
+    server: S,
+) -> (
+    String,
+    TransferRegistry,
+    Arc<MemorySink>,
+    CancellationToken,
+    JoinHandle<Result<(), KvTransferError>>,
+) {
+    let endpoint = server.local_addr().unwrap().to_string();
+    let registry = TransferRegistry::default();
+    let sink = Arc::new(MemorySink::new(NUM_LAYERS, CACHE_BLOCKS, LAYOUT));
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(server.serve(registry.clone(), sink.clone(), shutdown.clone()));
+    (endpoint, registry, sink, shutdown, task)
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn identities(ca: &Ca) -> (TlsIdentity, TlsIdentity) {
+    let server = TlsIdentity::dev(ca, &ca.issue_node_cert("decode-0").unwrap()).unwrap();
+    let client = TlsIdentity::dev(ca, &ca.issue_node_cert("prefill-0").unwrap()).unwrap();
+    (server, client)
+}
+
+fn quic_harness() -> Harness<QuicTransport> {
+    let ca = generate_dev_ca().unwrap();
+    let (server_tls, client_tls) = identities(&ca);
+    let server = QuicServer::bind(loopback(), &server_tls, QuicConfig::default()).unwrap();
+    let (endpoint, registry, sink, shutdown, server) = start_server(server);
+    Harness {
+        registry,
+        sink,
+        transport: QuicTransport::new(&client_tls, QuicConfig::default()).unwrap(),
+        endpoint,
+        shutdown,
+        server,
+    }
+}
+
+async fn tcp_harness() -> Harness<TcpTransport> {
+    let config = TcpConfig {
+        connections_per_endpoint: 4,
+        ..TcpConfig::default()
+    };
+    let server = TcpServer::bind(loopback(), config.clone()).await.unwrap();
+    let (endpoint, registry, sink, shutdown, server) = start_server(server);
+    Harness {
+        registry,
+        sink,
+        transport: TcpTransport::new(config),
+        endpoint,
+        shutdown,
+        server,
+    }
+}
+
+fn reservation(xfer_id: u64, epoch: u64, block_ids: &[u32]) -> Reservation {
+    Reservation {
+        xfer_id,
+        epoch,
+        block_ids: block_ids.into(),
+        num_layers: NUM_LAYERS,
+        layout: LAYOUT,
+    }
+}
+
+fn header(xfer_id: u64, epoch: u64, layer: u32, block_ids: &[u32]) -> LayerHeader {
+    LayerHeader {
+        xfer_id,
+        epoch,
+        layer,
+        num_layers: NUM_LAYERS,
+        layout: LAYOUT,
+        block_ids: block_ids.into(),
+        traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned()),
+    }
+}
+
+/// Distinct bytes per (seed, layer) so a misplaced block shows.
+fn payloads(seed: u64, num_blocks: usize) -> Vec<Bytes> {
+    let len = LAYOUT.layer_payload_bytes(num_blocks).unwrap() as usize;
+    (0..NUM_LAYERS)
+        .map(|layer| {
+            let mut x = seed.wrapping_mul(1_000_003) ^ (u64::from(layer) << 32) | 1;
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect::<Vec<u8>>()
+                .into()
+        })
+        .collect()
+}
+
+fn assert_rejected<T: std::fmt::Debug>(res: Result<T, KvTransferError>, want: Verdict) {
+    match res {
+        Err(KvTransferError::Rejected { verdict, .. }) if verdict == want => {}
+        other => panic!("expected a {want} verdict, got {other:?}"),
+    }
+}
+
+async fn with_timeout<F: std::future::Future<Output = ()>>(f: F) {
+    tokio::time::timeout(TEST_TIMEOUT, f)
+        .await
+        .expect("test timed out");
+}
+
+// ---- scenarios, generic over the backend ---------------------------------------------------
+
+async fn all_layers_arrive_bit_exact<T: KvTransport>(h: &Harness<T>) {
+    let blocks = [7, 2, 30, 0, 11];
+    h.registry
+        .register(reservation(1, 1, &blocks))
+        .await
+        .unwrap();
+    let data = payloads(1, blocks.len());
+    let conn = h.conn().await;
+    let stats = send_all_layers(&conn, &header(1, 1, 0, &blocks), data.clone())
+        .await
+        .unwrap();
+    assert_eq!(stats.len(), NUM_LAYERS as usize);
+    assert!(stats
+        .iter()
+        .all(|s| s.payload_bytes == data[0].len() as u64));
+    let progress = h
+        .registry
+        .wait_complete(1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    for (layer, payload) in data.iter().enumerate() {
+        let got = h.sink.read_layer(layer as u32, &blocks).unwrap();
+        assert!(got == payload[..], "layer {layer} differs");
+        assert_eq!(progress.layer_crc32c[layer], Some(crc32c::crc32c(payload)));
+    }
+    assert!(matches!(
+        h.registry.deregister(1).await,
+        Some(TransferStatus::Complete(_))
+    ));
+}
+
+async fn unregistered_xfer_is_rejected<T: KvTransport>(h: &Harness<T>) {
+    let blocks = [1, 2];
+    let data = payloads(2, blocks.len());
+    let conn = h.conn().await;
+    let res = conn
+        .send_layer(header(999, 1, 0, &blocks), data[0].clone())
+        .await;
+    assert_rejected(res, Verdict::UnknownTransfer);
+    assert_eq!(h.registry.stats().frames_rejected, 1);
+    // The connection is still good for a registered transfer.
+    h.registry
+        .register(reservation(2, 1, &blocks))
+        .await
+        .unwrap();
+    conn.send_layer(header(2, 1, 0, &blocks), data[0].clone())
+        .await
+        .unwrap();
+}
+
+async fn old_epoch_is_ignored_while_current_proceeds<T: KvTransport>(h: &Harness<T>) {
+    let blocks = [4, 5, 6];
+    h.registry
+        .register(reservation(3, 1, &blocks))
+        .await
+        .unwrap();
+    // A retry: the decode node re-registers with epoch 2.
+    h.registry
+        .register(reservation(3, 2, &blocks))
+        .await
+        .unwrap();
+    let data = payloads(3, blocks.len());
+    let conn = h.conn().await;
+    let res = conn
+        .send_layer(header(3, 1, 0, &blocks), data[0].clone())
+        .await;
+    assert_rejected(res, Verdict::StaleEpoch);
+    assert_eq!(h.registry.stats().frames_ignored_stale_epoch, 1);
+    send_all_layers(&conn, &header(3, 2, 0, &blocks), data.clone())
+        .await
+        .unwrap();
+    let progress = h
+        .registry
+        .wait_complete(3, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!((progress.epoch, progress.stale_frames), (2, 1));
+    // A late old-epoch frame after completion is still only counted.
+    let res = conn
+        .send_layer(header(3, 1, 1, &blocks), data[1].clone())
+        .await;
+    assert_rejected(res, Verdict::StaleEpoch);
+    assert_eq!(h.registry.stats().frames_ignored_stale_epoch, 2);
+    assert!(h.registry.status(3).is_complete());
+}
+
+async fn corrupted_payload_is_rejected<T: KvTransport>(h: &Harness<T>) {
+    let blocks = [9, 8];
+    h.registry
+        .register(reservation(4, 1, &blocks))
+        .await
+        .unwrap();
+    let data = payloads(4, blocks.len());
+    let conn = h.conn().await;
+    // Checksum computed over the good payload, then a byte flips on the way.
+    let frame = FrameHeader::for_payload(header(4, 1, 2, &blocks), &data[2]);
+    let mut bad = data[2].to_vec();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x01;
+    assert_rejected(
+        conn.send_frame(frame.clone(), bad.into()).await,
+        Verdict::ChecksumMismatch,
+    );
+    assert!(h.sink.layer_bytes(4, 2).is_none());
+    // The layer went back to pending: the good copy goes through.
+    conn.send_frame(frame, data[2].clone()).await.unwrap();
+    assert_eq!(h.sink.layer_bytes(4, 2), Some(data[2].len() as u64));
+}
+
+async fn mismatched_frames_are_refused<T: KvTransport>(h: &Harness<T>) {
+    let blocks = [12, 13];
+    h.registry
+        .register(reservation(5, 1, &blocks))
+        .await
+        .unwrap();
+    let data = payloads(5, blocks.len());
+    let conn = h.conn().await;
+    let res = conn
+        .send_layer(header(5, 1, 0, &[13, 12]), data[0].clone())
+        .await;
+    assert_rejected(res, Verdict::BlockIdsMismatch);
+    conn.send_layer(header(5, 1, 0, &blocks), data[0].clone())
+        .await
+        .unwrap();
+    let res = conn
+        .send_layer(header(5, 1, 0, &blocks), data[0].clone())
+        .await;
+    assert_rejected(res, Verdict::DuplicateLayer);
+    let res = conn
+        .send_layer(header(5, 7, 1, &blocks), data[1].clone())
+        .await;
+    assert_rejected(res, Verdict::EpochAhead);
+}
+
+async fn late_frames_after_deregistration_are_dropped<T: KvTransport>(h: &Harness<T>) {
+    let blocks = [20, 21, 22];
+    h.registry
+        .register(reservation(6, 1, &blocks))
+        .await
+        .unwrap();
+    let data = payloads(6, blocks.len());
+    let conn = h.conn().await;
+    conn.send_layer(header(6, 1, 0, &blocks), data[0].clone())
+        .await
+        .unwrap();
+    let status = h.registry.deregister(6).await.unwrap();
+    assert!(matches!(status, TransferStatus::Receiving(p) if p.layers_received == 1));
+    let res = conn
+        .send_layer(header(6, 1, 1, &blocks), data[1].clone())
+        .await;
+    assert_rejected(res, Verdict::TransferClosed);
+    assert!(h.sink.layer_bytes(6, 1).is_none());
+    assert_eq!(h.registry.stats().frames_ignored_closed, 1);
+    assert_eq!(h.registry.status(6), TransferStatus::Closed { epoch: 1 });
+}
+
+async fn concurrent_transfers_share_the_endpoint<T: KvTransport>(
+    h: &Harness<T>,
+) -> Vec<T::Connection> {
+    const TRANSFERS: u64 = 8;
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut conns = Vec::new();
+    for i in 0..TRANSFERS {
+        let xfer_id = 100 + i;
+        // Disjoint blocks per transfer, so each can be checked in the shared sink.
+        let blocks: Vec<u32> = (0..3).map(|b| (i * 3 + b) as u32).collect();
+        h.registry
+            .register(reservation(xfer_id, 1, &blocks))
+            .await
+            .unwrap();
+        let conn = h.conn().await;
+        conns.push(conn.clone());
+        let data = payloads(xfer_id, blocks.len());
+        let template = header(xfer_id, 1, 0, &blocks);
+        tasks.spawn(async move {
+            send_all_layers(&conn, &template, data.clone())
+                .await
+                .unwrap();
+            (blocks, data)
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        let (blocks, data) = joined.unwrap();
+        for (layer, payload) in data.iter().enumerate() {
+            assert!(h.sink.read_layer(layer as u32, &blocks).unwrap() == payload[..]);
+        }
+    }
+    for i in 0..TRANSFERS {
+        assert!(h.registry.status(100 + i).is_complete());
+    }
+    conns
+}
+
+// ---- QUIC ---------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_all_layers_arrive_bit_exact() {
+    with_timeout(async {
+        let h = quic_harness();
+        all_layers_arrive_bit_exact(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_unregistered_xfer_is_rejected() {
+    with_timeout(async {
+        let h = quic_harness();
+        unregistered_xfer_is_rejected(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_old_epoch_is_ignored_while_current_proceeds() {
+    with_timeout(async {
+        let h = quic_harness();
+        old_epoch_is_ignored_while_current_proceeds(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_corrupted_payload_is_rejected() {
+    with_timeout(async {
+        let h = quic_harness();
+        corrupted_payload_is_rejected(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_mismatched_frames_are_refused() {
+    with_timeout(async {
+        let h = quic_harness();
+        mismatched_frames_are_refused(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_late_frames_after_deregistration_are_dropped() {
+    with_timeout(async {
+        let h = quic_harness();
+        late_frames_after_deregistration_are_dropped(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_concurrent_transfers_reuse_one_connection() {
+    with_timeout(async {
+        let h = quic_harness();
+        let conns = concurrent_transfers_share_the_endpoint(&h).await;
+        let first = conns[0].connection_id();
+        assert!(conns.iter().all(|c| c.connection_id() == first));
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_client_from_another_ca_fails_the_handshake() {
+    with_timeout(async {
+        let h = quic_harness();
+        let other_ca = generate_dev_ca().unwrap();
+        let (_, stranger) = identities(&other_ca);
+        let transport = QuicTransport::new(&stranger, QuicConfig::default()).unwrap();
+        let err = transport.connect(&h.endpoint).await;
+        // With TLS 1.3 the client may finish its side before the server refuses its
+        // certificate; then the first stream fails instead.
+        let failed = match err {
+            Err(KvTransferError::Connection { .. }) => true,
+            Err(other) => panic!("unexpected error {other}"),
+            Ok(conn) => {
+                h.registry.register(reservation(7, 1, &[1])).await.unwrap();
+                let data = payloads(7, 1);
+                conn.send_layer(header(7, 1, 0, &[1]), data[0].clone())
+                    .await
+                    .is_err()
+            }
+        };
+        assert!(failed, "a client certificate from another CA was accepted");
+        assert_eq!(h.registry.stats().frames_accepted, 0);
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_server_from_another_ca_fails_the_handshake() {
+    with_timeout(async {
+        let h = quic_harness();
+        // The client trusts only its own CA, and the server's certificate is from another.
+        let client_ca = generate_dev_ca().unwrap();
+        let (_, client) = identities(&client_ca);
+        let transport = QuicTransport::new(&client, QuicConfig::default()).unwrap();
+        let err = transport.connect(&h.endpoint).await.unwrap_err();
+        assert!(matches!(err, KvTransferError::Connection { .. }), "{err}");
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_shutdown_ends_the_server_promptly() {
+    with_timeout(async {
+        let h = quic_harness();
+        let conn = h.conn().await;
+        h.registry.register(reservation(8, 1, &[3])).await.unwrap();
+        conn.send_layer(header(8, 1, 0, &[3]), payloads(8, 1)[0].clone())
+            .await
+            .unwrap();
+        // The connection stays open and idle while the server shuts down.
+        let start = Instant::now();
+        h.shutdown.cancel();
+        h.server.await.unwrap().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        let res = conn
+            .send_layer(header(8, 1, 1, &[3]), payloads(8, 1)[1].clone())
+            .await;
+        assert!(res.is_err(), "a stopped server answered");
+    })
+    .await;
+}
+
+// ---- TCP ----------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_all_layers_arrive_bit_exact() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        all_layers_arrive_bit_exact(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_unregistered_xfer_is_rejected() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        unregistered_xfer_is_rejected(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_old_epoch_is_ignored_while_current_proceeds() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        old_epoch_is_ignored_while_current_proceeds(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_corrupted_payload_is_rejected() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        corrupted_payload_is_rejected(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_mismatched_frames_are_refused() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        mismatched_frames_are_refused(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_late_frames_after_deregistration_are_dropped() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        late_frames_after_deregistration_are_dropped(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_concurrent_transfers_share_the_endpoint() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        concurrent_transfers_share_the_endpoint(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_garbage_closes_only_that_connection() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        let mut raw = tokio::net::TcpStream::connect(&h.endpoint).await.unwrap();
+        raw.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = Vec::new();
+        raw.read_to_end(&mut answer).await.unwrap();
+        assert_eq!(
+            Verdict::decode(answer[..].try_into().unwrap()),
+            Some(Verdict::Malformed)
+        );
+        // Other connections are unaffected.
+        unregistered_xfer_is_rejected(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_shutdown_ends_the_server_promptly() {
+    with_timeout(async {
+        let h = tcp_harness().await;
+        let _conn = h.conn().await;
+        // A sender stalled halfway through a header.
+        let mut stalled = tokio::net::TcpStream::connect(&h.endpoint).await.unwrap();
+        stalled.write_all(b"FSKV").await.unwrap();
+        let start = Instant::now();
+        h.shutdown.cancel();
+        h.server.await.unwrap().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        // The stalled connection was closed by the server.
+        let mut buf = [0u8; 1];
+        assert_eq!(stalled.read(&mut buf).await.unwrap_or(0), 0);
+    })
+    .await;
+}

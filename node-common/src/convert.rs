@@ -1,0 +1,84 @@
+//! Conversions between engine types and wire types, in one place.
+
+use engine::engine::{Request, TokenEvent};
+use engine::ids::SeqId;
+use engine::sampling::{SampledToken, SamplingParams};
+use engine::stopping::{FinishReason, StoppingCriteria};
+use proto::v1;
+
+pub fn sampling(p: Option<&v1::SamplingParams>) -> SamplingParams {
+    match p {
+        Some(p) => SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: if p.top_p == 0.0 { 1.0 } else { p.top_p },
+            repetition_penalty: if p.repetition_penalty == 0.0 {
+                1.0
+            } else {
+                p.repetition_penalty
+            },
+            seed: p.seed,
+            top_n_logprobs: p.top_n_logprobs as usize,
+        },
+        None => SamplingParams::greedy(),
+    }
+}
+
+pub fn stopping(s: Option<&v1::StoppingCriteria>) -> StoppingCriteria {
+    match s {
+        Some(s) => StoppingCriteria {
+            max_new_tokens: s.max_new_tokens as usize,
+            stop_token_ids: s.stop_token_ids.clone(),
+            stop_strings: s.stop_strings.clone(),
+            ignore_eos: s.ignore_eos,
+        },
+        None => StoppingCriteria::default(),
+    }
+}
+
+pub fn request(
+    seq_id: SeqId,
+    prompt_ids: Vec<u32>,
+    s: Option<&v1::SamplingParams>,
+    st: Option<&v1::StoppingCriteria>,
+) -> Request {
+    Request {
+        seq_id,
+        prompt_ids,
+        sampling: sampling(s),
+        stopping: stopping(st),
+    }
+}
+
+pub fn finish_str(f: Option<FinishReason>) -> String {
+    f.map(|f| f.as_str().to_string()).unwrap_or_default()
+}
+
+pub fn token(ev: &TokenEvent) -> v1::Token {
+    v1::Token {
+        token_id: ev.token.token_id,
+        logprob: ev.token.logprob,
+        top_logprobs: ev
+            .token
+            .top_logprobs
+            .iter()
+            .map(|&(token_id, logprob)| v1::TopLogprob { token_id, logprob })
+            .collect(),
+        text: ev.text.clone(),
+        special: false,
+        index: ev.index as u32,
+        finish_reason: finish_str(ev.finish),
+    }
+}
+
+pub fn sampled(t: &v1::Token) -> SampledToken {
+    SampledToken {
+        token_id: t.token_id,
+        logprob: t.logprob,
+        top_logprobs: t
+            .top_logprobs
+            .iter()
+            .map(|x| (x.token_id, x.logprob))
+            .collect(),
+    }
+}

@@ -1,0 +1,90 @@
+//! Engine flags both node binaries take, with TGI's names where the concept is the same.
+
+use std::sync::Arc;
+
+use clap::Args;
+use engine::engine::EngineConfig;
+use engine::loader::ModelSource;
+use engine::model::{parse_dtype, LoadedModel};
+
+use crate::error::NodeError;
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// A model directory, or a hub repo id (`org/name[@revision]`).
+    #[arg(long, env = "FISSION_MODEL")]
+    pub model: String,
+    /// f32 (CPU default), bf16 or f16.
+    #[arg(long, env = "FISSION_DTYPE")]
+    pub dtype: Option<String>,
+    #[arg(long, env = "FISSION_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// KV blocks; by default a fraction of available memory (`--kv-memory-fraction`).
+    #[arg(long, env = "FISSION_NUM_KV_BLOCKS")]
+    pub num_kv_blocks: Option<usize>,
+    #[arg(long, env = "FISSION_KV_MEMORY_FRACTION", default_value_t = 0.2)]
+    pub kv_memory_fraction: f64,
+    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS", default_value_t = 4096)]
+    pub max_batch_prefill_tokens: usize,
+    #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
+    pub max_batch_total_tokens: Option<usize>,
+    #[arg(long, env = "MAX_INPUT_TOKENS", default_value_t = 4095)]
+    pub max_input_tokens: usize,
+    #[arg(long, env = "MAX_TOTAL_TOKENS", default_value_t = 4096)]
+    pub max_total_tokens: usize,
+    #[arg(long, env = "FISSION_MAX_NUM_SEQS", default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Chunked prefill: the most prompt tokens of one sequence per step.
+    #[arg(long, env = "FISSION_MAX_PREFILL_CHUNK_TOKENS", default_value_t = 2048)]
+    pub max_prefill_chunk_tokens: usize,
+    #[arg(long, env = "FISSION_DISABLE_PREFIX_CACHING")]
+    pub disable_prefix_caching: bool,
+}
+
+impl EngineArgs {
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            block_size: self.block_size,
+            num_kv_blocks: self.num_kv_blocks,
+            kv_memory_fraction: self.kv_memory_fraction,
+            max_batch_prefill_tokens: self.max_batch_prefill_tokens,
+            max_batch_total_tokens: self.max_batch_total_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_prefill_chunk_tokens: self.max_prefill_chunk_tokens,
+            enable_prefix_caching: !self.disable_prefix_caching,
+            ..Default::default()
+        }
+    }
+
+    pub fn load_model(&self) -> Result<LoadedModel, NodeError> {
+        let dtype = self.dtype.as_deref().map(parse_dtype).transpose()?;
+        Ok(LoadedModel::load(
+            &ModelSource::parse(&self.model),
+            dtype,
+            &candle_core::Device::Cpu,
+        )?)
+    }
+}
+
+/// A stable identity of the served weights and layout: nodes whose fingerprints differ must
+/// never exchange KV.
+pub fn model_fingerprint(model: &LoadedModel) -> String {
+    let config = std::fs::read(&model.files.config).unwrap_or_default();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for b in bytes {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    feed(&config);
+    for w in &model.files.weights {
+        let len = std::fs::metadata(w).map(|m| m.len()).unwrap_or(0);
+        feed(&len.to_le_bytes());
+    }
+    feed(format!("{:?}", model.model.dtype()).as_bytes());
+    format!("{h:016x}")
+}
+
+/// Shared model handle type.
+pub type SharedModel = Arc<LoadedModel>;

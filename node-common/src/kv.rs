@@ -1,0 +1,70 @@
+//! KV-transfer set-up shared by both roles: which backend, TLS identity, layout conversion.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use kvtransfer::{KvDtype as WireDtype, KvLayout as WireLayout, TlsFiles, TlsIdentity};
+
+use crate::error::NodeError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvBackend {
+    /// QUIC with mutual TLS (default).
+    Quic,
+    /// Plain TCP, for networks that block UDP.
+    Tcp,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct KvArgs {
+    #[arg(long, env = "FISSION_KV_TRANSPORT", value_enum, default_value_t = KvBackend::Quic)]
+    pub kv_transport: KvBackend,
+    /// Cluster CA certificate (PEM); QUIC needs it.
+    #[arg(long, env = "FISSION_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
+    /// This node's certificate (PEM), issued by the cluster CA.
+    #[arg(long, env = "FISSION_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, env = "FISSION_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl KvArgs {
+    pub fn tls(&self) -> Result<TlsIdentity, NodeError> {
+        match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            (Some(ca), Some(cert), Some(key)) => Ok(TlsIdentity::from_files(&TlsFiles {
+                ca_cert: ca.clone(),
+                cert: cert.clone(),
+                key: key.clone(),
+            })?),
+            _ => Err(NodeError::Config(
+                "the QUIC KV transport needs --tls-ca, --tls-cert and --tls-key (fission up generates a dev CA), or use --kv-transport tcp".into(),
+            )),
+        }
+    }
+}
+
+/// The engine cache layout as kvtransfer describes it.
+pub fn wire_layout(desc: &engine::kv::cache::KvLayoutDesc) -> WireLayout {
+    use engine::kv::cache::KvDtypeName;
+    WireLayout {
+        dtype: match desc.dtype {
+            KvDtypeName::F32 => WireDtype::F32,
+            KvDtypeName::Bf16 => WireDtype::Bf16,
+            KvDtypeName::F16 => WireDtype::F16,
+        },
+        block_size: desc.block_size as u32,
+        num_kv_heads: desc.num_kv_heads as u32,
+        head_dim: desc.head_dim as u32,
+    }
+}
+
+pub fn proto_layout(desc: &engine::kv::cache::KvLayoutDesc) -> proto::v1::KvLayout {
+    proto::v1::KvLayout {
+        dtype: format!("{:?}", desc.dtype).to_lowercase(),
+        num_layers: desc.num_layers as u32,
+        block_size: desc.block_size as u32,
+        num_kv_heads: desc.num_kv_heads as u32,
+        head_dim: desc.head_dim as u32,
+    }
+}

@@ -1,0 +1,37 @@
+//! `fission-prefill`: flags, tracing and signals around [`prefill_node::run`].
+
+use anyhow::Context;
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "fission-prefill", version, about = "Fission prefill node")]
+struct Cli {
+    #[command(flatten)]
+    config: prefill_node::PrefillConfig,
+    #[arg(long, env = "FISSION_GRPC_ADDR", default_value = "127.0.0.1:7000")]
+    grpc_addr: String,
+    #[arg(long, env = "FISSION_METRICS_ADDR", default_value = "127.0.0.1:9000")]
+    metrics_addr: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    node_common::init_process("info");
+    let cli = Cli::parse();
+    let grpc = tokio::net::TcpListener::bind(&cli.grpc_addr)
+        .await
+        .with_context(|| format!("binding {}", cli.grpc_addr))?;
+    let metrics = tokio::net::TcpListener::bind(&cli.metrics_addr)
+        .await
+        .with_context(|| format!("binding {}", cli.metrics_addr))?;
+    let shutdown = CancellationToken::new();
+    node_common::spawn_signal_handler(shutdown.clone());
+    prefill_node::run(
+        cli.config,
+        prefill_node::PrefillListeners { grpc, metrics },
+        shutdown,
+    )
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! Pushes one prompt's layers to a decode node as the engine finishes them, then tells the
+//! decode node (Done) with the first token and the per-layer checksums.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use kvtransfer::{
+    FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader, QuicConnection,
+    QuicTransport, TcpConnection, TcpTransport, TransferStat,
+};
+use proto::v1::decode_client::DecodeClient;
+use proto::v1::{self, KvDestination};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tonic::transport::Channel;
+
+use crate::actor::LayerPayload;
+
+/// The configured data-plane backend.
+pub enum Transport {
+    Quic(QuicTransport),
+    Tcp(TcpTransport),
+}
+
+#[derive(Clone)]
+enum Conn {
+    Quic(QuicConnection),
+    Tcp(TcpConnection),
+}
+
+impl Conn {
+    async fn send(
+        &self,
+        frame: FrameHeader,
+        payload: bytes::Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        match self {
+            Conn::Quic(c) => c.send_frame(frame, payload).await,
+            Conn::Tcp(c) => c.send_frame(frame, payload).await,
+        }
+    }
+}
+
+impl Transport {
+    async fn connect(&self, endpoint: &str) -> Result<Conn, KvTransferError> {
+        Ok(match self {
+            Transport::Quic(t) => Conn::Quic(t.connect(endpoint).await?),
+            Transport::Tcp(t) => Conn::Tcp(t.connect(endpoint).await?),
+        })
+    }
+}
+
+/// gRPC clients of decode nodes, one per endpoint.
+#[derive(Default, Clone)]
+pub struct DecodeClients {
+    clients: Arc<Mutex<HashMap<String, DecodeClient<Channel>>>>,
+}
+
+impl DecodeClients {
+    pub async fn get(
+        &self,
+        endpoint: &str,
+    ) -> Result<DecodeClient<Channel>, tonic::transport::Error> {
+        if let Some(c) = self
+            .clients
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(endpoint)
+        {
+            return Ok(c.clone());
+        }
+        let channel = Channel::from_shared(format!("http://{endpoint}"))
+            .expect("endpoints are host:port")
+            .connect()
+            .await?;
+        let client = DecodeClient::new(channel);
+        self.clients
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(endpoint.to_string(), client.clone());
+        Ok(client)
+    }
+}
+
+/// What one push achieved, for metrics and the overlap report.
+pub struct PushReport {
+    pub kv_bytes: u64,
+    /// From the last layer's compute to the decode node acknowledging the last layer.
+    pub tail: Duration,
+}
+
+/// Runs the push of one transfer: sends each layer as it arrives on `layers_rx`, then Done
+/// with the first token from `first_rx`. On failure it cancels the decode reservation.
+pub async fn run_push_task(
+    transport: Arc<Transport>,
+    clients: DecodeClients,
+    dest: KvDestination,
+    num_layers: u32,
+    layout: kvtransfer::KvLayout,
+    mut layers_rx: mpsc::UnboundedReceiver<LayerPayload>,
+    first_rx: oneshot::Receiver<v1::Token>,
+) -> Result<PushReport, String> {
+    let result = async {
+        let conn = transport
+            .connect(&dest.kv_endpoint)
+            .await
+            .map_err(|e| e.to_string())?;
+        let block_ids: Arc<[u32]> = dest.block_ids.clone().into();
+        let mut checksums = vec![0u32; num_layers as usize];
+        let mut sends = JoinSet::new();
+        let mut last_computed = None;
+        let mut received = 0u32;
+        while let Some(lp) = layers_rx.recv().await {
+            let header = LayerHeader {
+                xfer_id: dest.xfer_id,
+                epoch: dest.epoch,
+                layer: lp.layer as u32,
+                num_layers,
+                layout,
+                block_ids: Arc::clone(&block_ids),
+                traceparent: None,
+            };
+            let frame = FrameHeader::for_payload(header, &lp.bytes);
+            checksums[lp.layer] = frame.payload_crc32c;
+            last_computed = Some(lp.computed_at);
+            received += 1;
+            let conn = conn.clone();
+            sends.spawn(async move {
+                conn.send(frame, lp.bytes)
+                    .await
+                    .map(|s| (s, Instant::now()))
+            });
+        }
+        if received != num_layers {
+            return Err(format!(
+                "the engine produced {received} of {num_layers} layers"
+            ));
+        }
+        let mut kv_bytes = 0;
+        let mut last_ack = None::<Instant>;
+        while let Some(joined) = sends.join_next().await {
+            let (stat, at) = joined
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            kv_bytes += stat.payload_bytes;
+            metrics::histogram!("fission_kv_transfer_layer_seconds")
+                .record(stat.elapsed.as_secs_f64());
+            last_ack = Some(last_ack.map_or(at, |l: Instant| l.max(at)));
+        }
+        let tail = match (last_computed, last_ack) {
+            (Some(c), Some(a)) => a.saturating_duration_since(c),
+            _ => Duration::ZERO,
+        };
+        let first = first_rx
+            .await
+            .map_err(|_| "the prefill ended without a first token".to_string())?;
+        let mut client = clients
+            .get(&dest.decode_endpoint)
+            .await
+            .map_err(|e| e.to_string())?;
+        client
+            .done(v1::DoneRequest {
+                xfer_id: dest.xfer_id,
+                epoch: dest.epoch,
+                first_token: Some(first),
+                num_tokens: 0,
+                checksums,
+            })
+            .await
+            .map_err(|s| format!("done rejected: {}", s.message()))?;
+        Ok(PushReport { kv_bytes, tail })
+    }
+    .await;
+    match &result {
+        Ok(r) => {
+            metrics::counter!("fission_kv_transfer_bytes_total").increment(r.kv_bytes);
+            metrics::histogram!("fission_prefill_kv_transfer_tail_seconds")
+                .record(r.tail.as_secs_f64());
+            if r.tail.as_secs_f64() > 0.0 {
+                metrics::histogram!("fission_kv_transfer_gigabytes_per_second")
+                    .record(r.kv_bytes as f64 / 1e9 / r.tail.as_secs_f64().max(1e-6));
+            }
+        }
+        Err(e) => {
+            metrics::counter!("fission_kv_transfer_failures_total").increment(1);
+            tracing::warn!(xfer_id = dest.xfer_id, error = %e, "kv push failed");
+            if let Ok(mut c) = clients.get(&dest.decode_endpoint).await {
+                let _ = c
+                    .cancel(v1::CancelRequest {
+                        request_id: String::new(),
+                        xfer_id: dest.xfer_id,
+                    })
+                    .await;
+            }
+        }
+    }
+    result
+}

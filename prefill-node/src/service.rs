@@ -1,0 +1,134 @@
+//! The prefill node's gRPC service.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use engine::ids::SeqId;
+use engine::kv::cache::KvLayoutDesc;
+use node_common::convert;
+use proto::v1::prefill_server::Prefill;
+use proto::v1::{self};
+use proto::ErrorCode;
+use tokio::sync::{mpsc, oneshot};
+use tonic::{Request, Response, Status};
+
+use crate::actor::EngineHandle;
+use crate::push::{run_push_task, DecodeClients, Transport};
+
+pub struct PrefillService {
+    pub(crate) handle: EngineHandle,
+    pub(crate) transport: Arc<Transport>,
+    pub(crate) clients: DecodeClients,
+    pub(crate) layout: KvLayoutDesc,
+    pub(crate) info: v1::NodeInfo,
+    pub(crate) next_seq: AtomicU64,
+}
+
+impl PrefillService {
+    fn check_layout(&self, l: Option<&v1::KvLayout>) -> Result<(), Status> {
+        let ours = node_common::kv::proto_layout(&self.layout);
+        match l {
+            Some(l) if *l == ours => Ok(()),
+            other => Err(ErrorCode::Validation.status(format!(
+                "KV layout mismatch: this node has {ours:?}, the destination {other:?}"
+            ))),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Prefill for PrefillService {
+    async fn prefill(
+        &self,
+        request: Request<v1::PrefillRequest>,
+    ) -> Result<Response<v1::PrefillResponse>, Status> {
+        let r = request.into_inner();
+        let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
+        let num_tokens = r.prompt_ids.len();
+        let req = convert::request(
+            seq_id,
+            r.prompt_ids,
+            r.sampling.as_ref(),
+            r.stopping.as_ref(),
+        );
+        let mut first_tx = None;
+        let layers_tx = match r.dest {
+            Some(dest) => {
+                self.check_layout(dest.layout.as_ref())?;
+                let needed = num_tokens.div_ceil(self.layout.block_size);
+                if dest.block_ids.len() != needed {
+                    return Err(ErrorCode::Validation.status(format!(
+                        "destination has {} blocks, the prompt needs {needed}",
+                        dest.block_ids.len()
+                    )));
+                }
+                let (ltx, lrx) = mpsc::unbounded_channel();
+                let (ftx, frx) = oneshot::channel();
+                first_tx = Some(ftx);
+                let wire = node_common::kv::wire_layout(&self.layout);
+                tokio::spawn(run_push_task(
+                    Arc::clone(&self.transport),
+                    self.clients.clone(),
+                    dest,
+                    self.layout.num_layers as u32,
+                    wire,
+                    lrx,
+                    frx,
+                ));
+                Some(ltx)
+            }
+            None => None,
+        };
+        // If this call is dropped (the gateway gave up), stop computing the prompt.
+        let guard = CancelGuard {
+            handle: self.handle.clone(),
+            seq_id,
+            armed: true,
+        };
+        let outcome = self.handle.prefill(req, layers_tx).await;
+        let mut guard = guard;
+        guard.armed = false;
+        let outcome = outcome.map_err(|e| e.to_status())?;
+        let token = convert::token(&outcome.first);
+        if let Some(tx) = first_tx {
+            let _ = tx.send(token.clone());
+        }
+        metrics::histogram!("fission_prefill_time_to_first_token_seconds")
+            .record(outcome.elapsed.as_secs_f64());
+        metrics::counter!("fission_prefill_tokens_total").increment(num_tokens as u64);
+        Ok(Response::new(v1::PrefillResponse {
+            first_token: Some(token),
+            num_tokens: num_tokens as u32,
+            cached_tokens: 0,
+            prefill_us: outcome.elapsed.as_micros() as u64,
+            transfer_tail_us: 0,
+            kv_bytes: 0,
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<v1::CancelRequest>,
+    ) -> Result<Response<v1::CancelResponse>, Status> {
+        let _ = request;
+        Ok(Response::new(v1::CancelResponse { found: false }))
+    }
+
+    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+}
+
+struct CancelGuard {
+    handle: EngineHandle,
+    seq_id: SeqId,
+    armed: bool,
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.handle.cancel(self.seq_id);
+        }
+    }
+}
