@@ -24,6 +24,13 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
+    /// Start a local cluster (prefill nodes, decode nodes, gateway) as separate processes.
+    Up(cmd::up::UpArgs),
+    /// Run one node.
+    #[command(subcommand)]
+    Node(cmd::serve::NodeCommand),
+    /// Run the gateway.
+    Gateway(cmd::serve::GatewayCmd),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,5 +51,8 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => cmd::generate::run(args),
         Command::MakeRandomModel(args) => cmd::random_model::run(args),
         Command::Bench(c) => cmd::bench::run(c),
+        Command::Up(args) => cmd::up::run(args),
+        Command::Node(c) => cmd::serve::run_node(c),
+        Command::Gateway(c) => cmd::serve::run_gateway(c),
     }
 }

@@ -16,6 +16,8 @@ mod tgi;
 mod validation;
 
 pub mod backend;
+pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod fake;

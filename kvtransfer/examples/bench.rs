@@ -1,14 +1,15 @@
 //! Loopback KV transfer benchmark for the SmolLM2-135M shape.
 //!
 //!     cargo run --release -p kvtransfer --example bench -- [--reps N] [--warmup N]
-//!         [--tokens 128,1024,4096] [--tcp-conns N] [--jumbo]
+//!         [--tokens 128,1024,4096] [--tcp-conns N] [--jumbo] [--os-socket-buffers]
 //!
 //! `--jumbo` adds a QUIC row with path-MTU discovery allowed up to 8952 bytes (9000-byte
-//! jumbo frames), which loopback permits.
+//! jumbo frames), which loopback permits. `--os-socket-buffers` adds a QUIC row that leaves
+//! the UDP socket buffers at the OS default instead of 4 MiB.
 
 use anyhow::{bail, Context, Result};
 use kvtransfer::bench::{run_bench, BenchBackend, BenchConfig};
-use kvtransfer::QuicWindows;
+use kvtransfer::QuicConfig;
 
 fn main() -> Result<()> {
     let mut cfg = BenchConfig::default();
@@ -34,8 +35,34 @@ fn main() -> Result<()> {
             }
             "--jumbo" => cfg.backends.push(BenchBackend::Quic {
                 label: "tuned windows, jumbo mtu".to_owned(),
-                windows: QuicWindows::TUNED,
-                mtu_upper_bound: 8952,
+                config: QuicConfig {
+                    mtu_upper_bound: 8952,
+                    ..QuicConfig::default()
+                },
+            }),
+            "--experiments" => {
+                cfg.backends.push(BenchBackend::Quic {
+                    label: "tuned, no fairness".to_owned(),
+                    config: QuicConfig {
+                        send_fairness: false,
+                        ..QuicConfig::default()
+                    },
+                });
+                cfg.backends.push(BenchBackend::Quic {
+                    label: "tuned, initial mtu 8952".to_owned(),
+                    config: QuicConfig {
+                        initial_mtu: 8952,
+                        mtu_upper_bound: 8952,
+                        ..QuicConfig::default()
+                    },
+                });
+            }
+            "--os-socket-buffers" => cfg.backends.push(BenchBackend::Quic {
+                label: "tuned windows, OS socket buffers".to_owned(),
+                config: QuicConfig {
+                    socket_buffer_bytes: 0,
+                    ..QuicConfig::default()
+                },
             }),
             other => bail!("unknown argument {other}"),
         }

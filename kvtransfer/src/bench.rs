@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -26,17 +26,16 @@ use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
 use crate::tls::{generate_dev_ca, TlsIdentity};
 use crate::transport::{send_all_layers, KvConnection, KvServer, KvTransport};
 
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub enum BenchBackend {
-    /// One TCP stream writing all layers back to back: the ceiling for the framed backends.
+    /// One TCP stream writing all layers back to back, no framing, checksum or verdicts.
     RawTcp,
     Tcp {
         connections: usize,
     },
     Quic {
         label: String,
-        windows: QuicWindows,
-        mtu_upper_bound: u16,
+        config: QuicConfig,
     },
 }
 
@@ -77,13 +76,14 @@ impl Default for BenchConfig {
                 BenchBackend::Tcp { connections: 8 },
                 BenchBackend::Quic {
                     label: "default windows".to_owned(),
-                    windows: QuicWindows::QUINN_DEFAULT,
-                    mtu_upper_bound: 1452,
+                    config: QuicConfig {
+                        windows: QuicWindows::QUINN_DEFAULT,
+                        ..QuicConfig::default()
+                    },
                 },
                 BenchBackend::Quic {
                     label: "tuned windows".to_owned(),
-                    windows: QuicWindows::TUNED,
-                    mtu_upper_bound: 1452,
+                    config: QuicConfig::default(),
                 },
             ],
         }
@@ -100,6 +100,8 @@ pub struct BenchRow {
     pub min: Duration,
     /// Decimal gigabytes per second at the median.
     pub gbps: f64,
+    /// Backend details seen during the run (QUIC: path MTU, packets lost).
+    pub note: String,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -133,9 +135,9 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "| tokens | backend | MB per transfer | median ms | p90 ms | GB/s (median) | vs raw tcp |"
+            "| tokens | backend | MB per transfer | median ms | p90 ms | GB/s (median) | vs raw tcp | notes |"
         )?;
-        writeln!(f, "|---:|---|---:|---:|---:|---:|---:|")?;
+        writeln!(f, "|---:|---|---:|---:|---:|---:|---:|---|")?;
         for r in &self.rows {
             let ratio = self
                 .baseline(r.prompt_tokens)
@@ -143,7 +145,7 @@ impl fmt::Display for BenchReport {
                 .unwrap_or_else(|| "-".to_owned());
             writeln!(
                 f,
-                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
                 r.prompt_tokens,
                 r.backend,
                 r.transfer_bytes as f64 / 1e6,
@@ -151,6 +153,7 @@ impl fmt::Display for BenchReport {
                 r.p90.as_secs_f64() * 1e3,
                 r.gbps,
                 ratio,
+                r.note,
             )?;
         }
         Ok(())
@@ -234,16 +237,8 @@ async fn run_with_servers(
                 let transport = TcpTransport::new(config);
                 Runner::Tcp(transport.connect(&endpoint).await?)
             }
-            BenchBackend::Quic {
-                windows,
-                mtu_upper_bound,
-                ..
-            } => {
-                let config = QuicConfig {
-                    windows: *windows,
-                    mtu_upper_bound: *mtu_upper_bound,
-                    ..QuicConfig::default()
-                };
+            BenchBackend::Quic { config, .. } => {
+                let config = config.clone();
                 let server = QuicServer::bind(loopback, &server_tls, config.clone())?;
                 let endpoint = server.local_addr()?.to_string();
                 servers.spawn(serve(
@@ -284,6 +279,7 @@ async fn run_with_servers(
             traceparent: None,
         };
         let mut samples = vec![Vec::with_capacity(cfg.repetitions); runners.len()];
+        let lost_before: Vec<u64> = runners.iter().map(|(_, r)| lost_packets(r)).collect();
         for rep in 0..cfg.warmup + cfg.repetitions {
             for k in 0..runners.len() {
                 let i = (rep + k) % runners.len();
@@ -303,8 +299,17 @@ async fn run_with_servers(
             }
         }
         let transfer_bytes = layer_bytes * u64::from(cfg.num_layers);
-        for ((label, _), mut s) in runners.iter().zip(samples) {
+        for (((label, runner), mut s), lost_before) in runners.iter().zip(samples).zip(lost_before)
+        {
             s.sort();
+            let note = match runner {
+                Runner::Quic(conn, _) => format!(
+                    "path mtu {}, {} packets lost",
+                    conn.stats().path.current_mtu,
+                    lost_packets(runner) - lost_before
+                ),
+                _ => String::new(),
+            };
             let median = percentile(&s, 0.5);
             rows.push(BenchRow {
                 backend: label.clone(),
@@ -314,6 +319,7 @@ async fn run_with_servers(
                 p90: percentile(&s, 0.9),
                 min: s.first().copied().unwrap_or_default(),
                 gbps: transfer_bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9,
+                note,
             });
         }
     }
@@ -377,18 +383,19 @@ async fn framed_transfer<C: KvConnection>(
     Ok(elapsed)
 }
 
-/// Writes an 8-byte length then every layer back to back; the receiver answers one byte.
+/// Writes the layer count and size, then every layer back to back; the receiver reads each
+/// layer into its own buffer, as the framed receivers do, and answers one byte.
 async fn raw_transfer(
     stream: &mut TcpStream,
     payloads: &[Bytes],
 ) -> Result<Duration, KvTransferError> {
-    let total: u64 = payloads.iter().map(|p| p.len() as u64).sum();
+    let layer_bytes = payloads.first().map_or(0, |p| p.len() as u64);
+    let mut prefix = [0u8; 16];
+    prefix[..8].copy_from_slice(&(payloads.len() as u64).to_le_bytes());
+    prefix[8..].copy_from_slice(&layer_bytes.to_le_bytes());
     let io = |what| move |source| io_error("raw tcp", what, source);
     let start = Instant::now();
-    stream
-        .write_all(&total.to_le_bytes())
-        .await
-        .map_err(io("write"))?;
+    stream.write_all(&prefix).await.map_err(io("write"))?;
     for p in payloads {
         stream.write_all(p).await.map_err(io("write"))?;
     }
@@ -402,22 +409,36 @@ async fn run_raw_server_task(listener: TcpListener) {
     while let Ok((mut stream, _)) = listener.accept().await {
         conns.spawn(async move {
             let _ = stream.set_nodelay(true);
-            let mut len = [0u8; 8];
-            while stream.read_exact(&mut len).await.is_ok() {
-                let total = u64::from_le_bytes(len) as usize;
-                let mut buf = BytesMut::with_capacity(total);
-                while buf.len() < total {
-                    match stream.read_buf(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => {}
+            let mut prefix = [0u8; 16];
+            while stream.read_exact(&mut prefix).await.is_ok() {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(&prefix[..8]);
+                let num_layers = u64::from_le_bytes(word);
+                word.copy_from_slice(&prefix[8..]);
+                let layer_bytes = u64::from_le_bytes(word) as usize;
+                for _ in 0..num_layers {
+                    let mut buf = BytesMut::with_capacity(layer_bytes);
+                    while buf.len() < layer_bytes {
+                        let want = layer_bytes - buf.len();
+                        match stream.read_buf(&mut (&mut buf).limit(want)).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
                     }
+                    drop(buf.freeze());
                 }
-                drop(buf.freeze());
                 if stream.write_all(&[1]).await.is_err() {
                     return;
                 }
             }
         });
+    }
+}
+
+fn lost_packets(runner: &Runner) -> u64 {
+    match runner {
+        Runner::Quic(conn, _) => conn.stats().path.lost_packets,
+        _ => 0,
     }
 }
 
@@ -466,8 +487,10 @@ mod tests {
         };
         cfg.backends.push(BenchBackend::Quic {
             label: "tuned, jumbo mtu".to_owned(),
-            windows: QuicWindows::TUNED,
-            mtu_upper_bound: 8952,
+            config: QuicConfig {
+                mtu_upper_bound: 8952,
+                ..QuicConfig::default()
+            },
         });
         let report = run_bench(cfg).await.unwrap();
         assert_eq!(report.rows.len(), 5);

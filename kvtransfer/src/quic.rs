@@ -69,6 +69,16 @@ pub struct QuicConfig {
     /// Largest UDP payload path-MTU discovery probes for. quinn's default (1452) suits a
     /// 1500-byte Ethernet MTU; 8952 suits 9000-byte jumbo frames.
     pub mtu_upper_bound: u16,
+    /// UDP payload size used from the first packet, before path-MTU discovery; at least
+    /// 1200. Where the path MTU is known (a jumbo-frame fabric), set it and skip the probing.
+    pub initial_mtu: u16,
+    /// Round-robin between streams of equal priority. Off, streams go out in the order they
+    /// were written, so early layers finish first and packets carry fewer stream frames.
+    pub send_fairness: bool,
+    /// `SO_RCVBUF` and `SO_SNDBUF` of the UDP socket; 0 leaves the OS default. Linux caps it
+    /// at `net.core.rmem_max`/`wmem_max`. The default (212,992 bytes on Linux) overflows when
+    /// dozens of streams burst at once, and every drop halves the congestion window.
+    pub socket_buffer_bytes: usize,
     /// Server: connections served at once; further handshakes wait.
     pub max_connections: usize,
     /// Client: the name checked against the server's certificate instead of the endpoint's
@@ -87,6 +97,9 @@ impl Default for QuicConfig {
             idle_timeout_ms: 30_000,
             keep_alive_interval_ms: 10_000,
             mtu_upper_bound: 1452,
+            initial_mtu: 1200,
+            send_fairness: true,
+            socket_buffer_bytes: 4 << 20,
             max_connections: 1024,
             server_name: None,
             client_bind_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -123,14 +136,16 @@ impl QuicConfig {
             })?,
         ));
         let mut mtu = MtuDiscoveryConfig::default();
-        mtu.upper_bound(self.mtu_upper_bound);
-        t.mtu_discovery_config(Some(mtu));
+        mtu.upper_bound(self.mtu_upper_bound.max(self.initial_mtu));
+        t.mtu_discovery_config(Some(mtu))
+            .initial_mtu(self.initial_mtu.max(1200))
+            .send_fairness(self.send_fairness);
         Ok(t)
     }
 
     fn endpoint_config(&self) -> Result<quinn::EndpointConfig, KvTransferError> {
         let mut c = quinn::EndpointConfig::default();
-        c.max_udp_payload_size(self.mtu_upper_bound.max(1472))
+        c.max_udp_payload_size(self.mtu_upper_bound.max(self.initial_mtu).max(1472))
             .map_err(|e| KvTransferError::Config {
                 field: "mtu_upper_bound",
                 reason: e.to_string(),
@@ -149,6 +164,25 @@ fn new_endpoint(
         source,
     };
     let socket = std::net::UdpSocket::bind(addr).map_err(bind)?;
+    if config.socket_buffer_bytes > 0 {
+        let sock_err = |source| KvTransferError::Bind {
+            addr: format!("{addr} (socket buffers)"),
+            source,
+        };
+        let state = quinn::udp::UdpSocketState::new((&socket).into()).map_err(sock_err)?;
+        state
+            .set_recv_buffer_size((&socket).into(), config.socket_buffer_bytes)
+            .map_err(sock_err)?;
+        state
+            .set_send_buffer_size((&socket).into(), config.socket_buffer_bytes)
+            .map_err(sock_err)?;
+        tracing::debug!(
+            %addr,
+            recv_buffer_bytes = state.recv_buffer_size((&socket).into()).unwrap_or(0),
+            send_buffer_bytes = state.send_buffer_size((&socket).into()).unwrap_or(0),
+            "kv quic socket buffers"
+        );
+    }
     quinn::Endpoint::new(
         config.endpoint_config()?,
         server,

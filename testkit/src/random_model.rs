@@ -516,6 +516,9 @@ fn pad_tokenizer(from: &Path, out: &Path, vocab: usize) -> anyhow::Result<()> {
         "tokenizer.model",
     ] {
         if from.join(f).is_file() {
+            // The copy keeps the source's permissions; a read-only copy left by an earlier run
+            // would refuse to be overwritten.
+            let _ = std::fs::remove_file(out.join(f));
             std::fs::copy(from.join(f), out.join(f))
                 .with_context(|| format!("copying {}", from.join(f).display()))?;
         }

@@ -1,3 +1,5 @@
 pub mod bench;
 pub mod generate;
 pub mod random_model;
+pub mod serve;
+pub mod up;

@@ -1,0 +1,276 @@
+//! `fission up`: a local cluster of separate processes (N prefill nodes, M decode nodes and a
+//! gateway), with a dev CA for the KV transport. It prints the URL, and on Ctrl-C or SIGTERM
+//! stops every process cleanly.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use engine::loader::{ModelFiles, ModelSource};
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// A model directory, or a hub repo id (`org/name[@revision]`).
+    #[arg(
+        long,
+        env = "FISSION_MODEL",
+        default_value = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )]
+    pub model: String,
+    #[arg(long, default_value_t = 1)]
+    pub prefill: usize,
+    #[arg(long, default_value_t = 1)]
+    pub decode: usize,
+    /// The gateway's HTTP port.
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// kv transport: quic or tcp.
+    #[arg(long, default_value = "quic")]
+    pub kv_transport: String,
+    /// Prompts shorter than this are prefilled on the decode node.
+    #[arg(long, default_value_t = 0)]
+    pub max_local_prefill_tokens: usize,
+    /// Extra flags for every node (e.g. `--num-kv-blocks=512`), repeatable.
+    #[arg(long = "node-arg", allow_hyphen_values = true)]
+    pub node_args: Vec<String>,
+    /// Extra flags for the gateway, repeatable.
+    #[arg(long = "gateway-arg", allow_hyphen_values = true)]
+    pub gateway_args: Vec<String>,
+    /// Seconds to wait for the cluster to become healthy.
+    #[arg(long, default_value_t = 300)]
+    pub ready_timeout_s: u64,
+}
+
+/// Children are killed when this is dropped, even on an error path.
+struct Procs {
+    children: Vec<(String, Child)>,
+}
+
+impl Procs {
+    /// SIGTERM everyone, wait up to `grace`, then SIGKILL whoever is left.
+    fn stop(&mut self, grace: Duration) {
+        for (_, c) in &self.children {
+            // SAFETY: kill(2) on a pid we spawned and have not waited on yet.
+            unsafe {
+                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + grace;
+        for (name, c) in &mut self.children {
+            loop {
+                match c.try_wait() {
+                    Ok(Some(status)) => {
+                        eprintln!("{name} exited ({status})");
+                        break;
+                    }
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    _ => {
+                        eprintln!("{name} did not stop in time: killing it");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                }
+            }
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        if !self.children.is_empty() {
+            self.stop(Duration::from_secs(10));
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A minimal HTTP/1.1 GET, enough to poll /health without an HTTP client dependency.
+pub fn http_get(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    let status = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("no HTTP status line")?;
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+fn model_dir(spec: &str) -> anyhow::Result<PathBuf> {
+    let files = ModelFiles::resolve(&ModelSource::parse(spec)).map_err(|e| {
+        anyhow::anyhow!("{e}\nOn a machine without network, point at a local model: fission up --model PATH (for example ../shared/models/stories260K)")
+    })?;
+    Ok(files
+        .config
+        .parent()
+        .context("config.json has a parent directory")?
+        .to_path_buf())
+}
+
+pub fn run(args: UpArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating the fission binary")?;
+    let dir = model_dir(&args.model)?;
+    let work = tempfile::Builder::new().prefix("fission-up-").tempdir()?;
+    let ca = kvtransfer::generate_dev_ca()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        signal_flag(sig, Arc::clone(&stop))?;
+    }
+    let mut procs = Procs {
+        children: Vec::new(),
+    };
+    let mut decode_eps = Vec::new();
+    let mut prefill_eps = Vec::new();
+    for (role, n) in [("decode", args.decode), ("prefill", args.prefill)] {
+        for i in 0..n {
+            let name = format!("{role}-{i}");
+            let grpc = format!("127.0.0.1:{}", free_port()?);
+            let metrics = format!("127.0.0.1:{}", free_port()?);
+            let cert = ca.issue_node_cert(&name)?;
+            let tls = kvtransfer::tls::write_dev_tls_files(work.path(), &ca, &cert)?;
+            let mut cmd = Command::new(&exe);
+            cmd.args([
+                "node",
+                role,
+                "--node-id",
+                &name,
+                "--grpc-addr",
+                &grpc,
+                "--metrics-addr",
+                &metrics,
+            ])
+            .arg("--model")
+            .arg(&dir)
+            .args(["--kv-transport", &args.kv_transport])
+            .arg("--tls-ca")
+            .arg(&tls.ca_cert)
+            .arg("--tls-cert")
+            .arg(&tls.cert)
+            .arg("--tls-key")
+            .arg(&tls.key)
+            .args(&args.node_args);
+            if role == "decode" {
+                cmd.args(["--kv-addr", "127.0.0.1:0"]);
+                decode_eps.push(grpc.clone());
+            } else {
+                prefill_eps.push(grpc.clone());
+            }
+            println!("{name} grpc={grpc} metrics=http://{metrics}/metrics");
+            procs.children.push((name, spawn(cmd)?));
+        }
+    }
+    let http = format!("127.0.0.1:{}", args.port);
+    let mut cmd = Command::new(&exe);
+    cmd.args(["gateway", "--addr", &http])
+        .arg("--model-dir")
+        .arg(&dir)
+        .arg(format!("--decode-nodes={}", decode_eps.join(",")))
+        .arg(format!(
+            "--max-local-prefill-tokens={}",
+            args.max_local_prefill_tokens
+        ))
+        .args(&args.gateway_args);
+    if !prefill_eps.is_empty() {
+        cmd.arg(format!("--prefill-nodes={}", prefill_eps.join(",")));
+    }
+    procs.children.push(("gateway".into(), spawn(cmd)?));
+    wait_ready(
+        &http,
+        &mut procs,
+        &stop,
+        Duration::from_secs(args.ready_timeout_s),
+    )?;
+    println!("Fission is up: http://{http}");
+    let _ = std::io::stdout().flush();
+    while !stop.load(Ordering::SeqCst) {
+        if let Some(name) = exited(&mut procs) {
+            procs.stop(Duration::from_secs(10));
+            bail!("{name} exited unexpectedly; the cluster was stopped");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("stopping the cluster");
+    procs.stop(Duration::from_secs(30));
+    Ok(())
+}
+
+fn spawn(mut cmd: Command) -> anyhow::Result<Child> {
+    cmd.stdin(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))
+}
+
+fn exited(procs: &mut Procs) -> Option<String> {
+    for (name, c) in procs.children.iter_mut() {
+        if let Ok(Some(_)) = c.try_wait() {
+            return Some(name.clone());
+        }
+    }
+    None
+}
+
+fn wait_ready(
+    http: &str,
+    procs: &mut Procs,
+    stop: &AtomicBool,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok((200, _)) = http_get(http, "/health") {
+            return Ok(());
+        }
+        if let Some(name) = exited(procs) {
+            bail!("{name} exited during start-up");
+        }
+        if stop.load(Ordering::SeqCst) || Instant::now() > deadline {
+            bail!(
+                "the cluster did not become healthy within {} s",
+                timeout.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Sets `flag` when `sig` arrives (a plain atomic store is async-signal-safe).
+fn signal_flag(sig: libc::c_int, flag: Arc<AtomicBool>) -> anyhow::Result<()> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    let _ = FLAG.set(flag);
+    extern "C" fn on_signal(_: libc::c_int) {
+        if let Some(f) = FLAG.get() {
+            f.store(true, Ordering::SeqCst);
+        }
+    }
+    // SAFETY: installs a handler that only performs an atomic store.
+    let prev = unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    if prev == libc::SIG_ERR {
+        bail!("installing the handler for signal {sig}");
+    }
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! The gateway's command-line flags and its start-up with the cluster backend, shared by
+//! `fission-gateway` and `fission gateway`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::cluster::{ClusterBackend, ClusterConfig, Pools, StaticDiscovery};
+use crate::{GatewayConfig, GatewayError};
+use clap::Args;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Args, Debug, Clone)]
+pub struct GatewayArgs {
+    /// Model directory holding tokenizer.json (and tokenizer_config.json, generation_config.json).
+    #[arg(long, env = "FISSION_MODEL_DIR")]
+    pub model_dir: PathBuf,
+    /// The model id reported by the APIs; defaults to the directory name.
+    #[arg(long, env = "FISSION_MODEL_ID")]
+    pub model_id: Option<String>,
+    /// Prefill nodes' gRPC `host:port`, comma separated.
+    #[arg(long, env = "FISSION_PREFILL_NODES", value_delimiter = ',')]
+    pub prefill_nodes: Vec<String>,
+    /// Decode nodes' gRPC `host:port`, comma separated.
+    #[arg(
+        long,
+        env = "FISSION_DECODE_NODES",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub decode_nodes: Vec<String>,
+    /// Prompts shorter than this are prefilled on the decode node (conditional disaggregation).
+    #[arg(long, env = "MAX_LOCAL_PREFILL_TOKENS", default_value_t = 0)]
+    pub max_local_prefill_tokens: usize,
+    #[arg(long, env = "MAX_INPUT_TOKENS", default_value_t = 4095)]
+    pub max_input_tokens: usize,
+    #[arg(long, env = "MAX_TOTAL_TOKENS", default_value_t = 4096)]
+    pub max_total_tokens: usize,
+    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    pub max_concurrent_requests: usize,
+    #[arg(long, env = "MAX_NEW_TOKENS", default_value_t = 256)]
+    pub max_new_tokens_default: usize,
+    #[arg(long, env = "FISSION_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
+    pub request_timeout_ms: u64,
+}
+
+/// eos ids from generation_config.json (or config.json), plus bos: a model that emits bos
+/// has started a new document.
+fn stop_ids(dir: &Path) -> Vec<u32> {
+    let read = |name: &str| -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
+    };
+    let ids = |v: Option<&serde_json::Value>| -> Vec<u32> {
+        match v {
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+            }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64().map(|x| x as u32))
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
+    let mut out = Vec::new();
+    for f in ["generation_config.json", "config.json"] {
+        if let Some(v) = read(f) {
+            if out.is_empty() {
+                out = ids(v.get("eos_token_id"));
+            }
+            for b in ids(v.get("bos_token_id")) {
+                if !out.contains(&b) {
+                    out.push(b);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Builds the config and the cluster backend from flags and serves until `shutdown`.
+pub async fn run_cluster(
+    cli: GatewayArgs,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), GatewayError> {
+    let model_id = cli.model_id.clone().unwrap_or_else(|| {
+        cli.model_dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into())
+    });
+    let mut config = GatewayConfig::new(model_id, cli.model_dir.join("tokenizer.json"));
+    let tc = cli.model_dir.join("tokenizer_config.json");
+    config.tokenizer_config_path = tc.is_file().then_some(tc);
+    config.max_input_tokens = cli.max_input_tokens;
+    config.max_total_tokens = cli.max_total_tokens;
+    config.max_concurrent_requests = cli.max_concurrent_requests;
+    config.max_new_tokens_default = cli.max_new_tokens_default;
+    config.request_timeout_ms = cli.request_timeout_ms;
+    config.eos_token_ids = stop_ids(&cli.model_dir);
+    let discovery = Arc::new(StaticDiscovery::new(&cli.prefill_nodes, &cli.decode_nodes));
+    let pools = Pools::spawn(discovery);
+    let backend = Arc::new(ClusterBackend::new(
+        pools,
+        ClusterConfig {
+            max_local_prefill_tokens: cli.max_local_prefill_tokens,
+        },
+    ));
+    crate::run(config, listener, backend, shutdown).await
+}

@@ -1,0 +1,363 @@
+//! The real [`Backend`]: routes each request to a decode node (and, unless it is short or no
+//! prefill node is up, a prefill node) and streams the tokens back.
+//!
+//! Disaggregated flow: Reserve on a decode node → open its token Stream → Prefill on a prefill
+//! node with the reserved blocks as destination. The prefill response carries the first token
+//! (so TTFT does not wait for the KV transfer tail); the rest comes from the decode stream.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::future::BoxFuture;
+use futures::{Stream, StreamExt};
+use proto::v1::{self, reserve_response};
+use proto::ErrorCode;
+
+use super::discovery::Role;
+use super::pool::{InFlight, Node, Pools};
+use crate::backend::Backend;
+use crate::error::GatewayError;
+use crate::request::{FinishReason, GeneratedToken, TokenStream, ValidRequest};
+
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Prompts shorter than this are prefilled on the decode node itself.
+    pub max_local_prefill_tokens: usize,
+}
+
+pub struct ClusterBackend {
+    pools: Arc<Pools>,
+    config: ClusterConfig,
+}
+
+impl ClusterBackend {
+    pub fn new(pools: Arc<Pools>, config: ClusterConfig) -> Self {
+        ClusterBackend { pools, config }
+    }
+}
+
+impl Backend for ClusterBackend {
+    fn generate(
+        &self,
+        request: ValidRequest,
+    ) -> BoxFuture<'static, Result<TokenStream, GatewayError>> {
+        let pools = Arc::clone(&self.pools);
+        let config = self.config.clone();
+        Box::pin(async move { route(&pools, &config, request).await })
+    }
+
+    fn is_ready(&self) -> bool {
+        !self.pools.ready(Role::Decode).is_empty()
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let nodes: Vec<serde_json::Value> = self
+            .pools
+            .all()
+            .iter()
+            .map(|n| {
+                serde_json::json!({
+                    "node_id": n.entry.node_id,
+                    "role": n.entry.role.as_str(),
+                    "endpoint": n.entry.grpc_endpoint,
+                    "ready": n.is_ready(),
+                    "in_flight": n.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "kind": "cluster",
+            "max_local_prefill_tokens": self.config.max_local_prefill_tokens,
+            "nodes": nodes,
+        })
+    }
+}
+
+fn upstream(s: tonic::Status) -> GatewayError {
+    GatewayError::backend(ErrorCode::from_grpc(s.code()), s.message().to_string())
+}
+
+fn sampling(r: &ValidRequest) -> v1::SamplingParams {
+    v1::SamplingParams {
+        temperature: r.sampling.temperature,
+        top_k: r.sampling.top_k as u32,
+        top_p: r.sampling.top_p,
+        repetition_penalty: r.sampling.repetition_penalty,
+        seed: r.sampling.seed,
+        top_n_logprobs: r.sampling.top_n_logprobs as u32,
+    }
+}
+
+fn stopping(r: &ValidRequest) -> v1::StoppingCriteria {
+    v1::StoppingCriteria {
+        max_new_tokens: r.stopping.max_new_tokens as u32,
+        stop_token_ids: r.stopping.stop_token_ids.clone(),
+        stop_strings: r.stopping.stop_strings.clone(),
+        ignore_eos: r.stopping.ignore_eos,
+    }
+}
+
+fn generated(t: v1::Token) -> GeneratedToken {
+    GeneratedToken {
+        id: t.token_id,
+        text: t.text,
+        logprob: t.logprob,
+        top_logprobs: t
+            .top_logprobs
+            .iter()
+            .map(|x| (x.token_id, x.logprob))
+            .collect(),
+        special: t.special,
+        index: t.index as usize,
+        finish_reason: match t.finish_reason.as_str() {
+            "length" => Some(FinishReason::Length),
+            "eos" => Some(FinishReason::Eos),
+            "stop" => Some(FinishReason::Stop),
+            _ => None,
+        },
+    }
+}
+
+async fn route(
+    pools: &Pools,
+    config: &ClusterConfig,
+    r: ValidRequest,
+) -> Result<TokenStream, GatewayError> {
+    let decodes = pools.ready(Role::Decode);
+    if decodes.is_empty() {
+        return Err(GatewayError::Unavailable {
+            reason: "no decode node is ready".into(),
+        });
+    }
+    let prefills = pools.ready(Role::Prefill);
+    let short = r.prompt_ids.len() < config.max_local_prefill_tokens;
+    if prefills.is_empty() || short {
+        let why = if short {
+            "short_prompt"
+        } else {
+            "no_prefill_node"
+        };
+        metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => why)
+            .increment(1);
+        tracing::debug!(request_id = %r.request_id, mode = "colocated", reason = why, "route");
+        return colocated(&decodes, &r).await;
+    }
+    metrics::counter!("fission_gateway_route_total", "mode" => "disaggregated", "reason" => "default").increment(1);
+    disaggregated(&decodes, &prefills, &r).await
+}
+
+async fn colocated(decodes: &[Arc<Node>], r: &ValidRequest) -> Result<TokenStream, GatewayError> {
+    let mut last = None;
+    for node in decodes {
+        let in_flight = InFlight::new(Arc::clone(node));
+        let call = node
+            .decode_client()
+            .local_generate(v1::LocalGenerateRequest {
+                request_id: r.request_id.to_string(),
+                prompt_ids: r.prompt_ids.clone(),
+                sampling: Some(sampling(r)),
+                stopping: Some(stopping(r)),
+            })
+            .await;
+        match call {
+            Ok(stream) => {
+                let inner = stream
+                    .into_inner()
+                    .map(|t| t.map(generated).map_err(upstream));
+                return Ok(Box::pin(Guarded {
+                    inner: Box::pin(inner),
+                    cancel: None,
+                    finished: false,
+                    _in_flight: vec![in_flight],
+                }));
+            }
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::ResourceExhausted | tonic::Code::Unavailable
+                ) =>
+            {
+                last = Some(s)
+            }
+            Err(s) => return Err(upstream(s)),
+        }
+    }
+    Err(last.map(upstream).unwrap_or(GatewayError::Unavailable {
+        reason: "no decode node accepted the request".into(),
+    }))
+}
+
+async fn disaggregated(
+    decodes: &[Arc<Node>],
+    prefills: &[Arc<Node>],
+    r: &ValidRequest,
+) -> Result<TokenStream, GatewayError> {
+    // 1. Reserve blocks on the least-loaded decode node that has room.
+    let mut reserved = None;
+    for node in decodes {
+        let resp = node
+            .decode_client()
+            .reserve(v1::ReserveRequest {
+                request_id: r.request_id.to_string(),
+                prompt_ids: r.prompt_ids.clone(),
+                sampling: Some(sampling(r)),
+                stopping: Some(stopping(r)),
+            })
+            .await;
+        match resp.map(|x| x.into_inner().result) {
+            Ok(Some(reserve_response::Result::Reserved(res))) => {
+                reserved = Some((Arc::clone(node), res));
+                break;
+            }
+            Ok(Some(reserve_response::Result::Busy(why))) => {
+                tracing::debug!(node_id = %node.entry.node_id, %why, "decode node busy");
+            }
+            Ok(None) => {
+                return Err(GatewayError::backend(
+                    ErrorCode::Internal,
+                    "empty reserve response",
+                ))
+            }
+            Err(s) if s.code() == tonic::Code::Unavailable => {}
+            Err(s) => return Err(upstream(s)),
+        }
+    }
+    let Some((decode, res)) = reserved else {
+        metrics::counter!("fission_gateway_no_capacity_total").increment(1);
+        return Err(GatewayError::backend(
+            ErrorCode::Overloaded,
+            "every decode node is out of KV blocks",
+        ));
+    };
+    let decode_guard = InFlight::new(Arc::clone(&decode));
+    let cancel = RemoteCancel {
+        node: Arc::clone(&decode),
+        xfer_id: res.xfer_id,
+    };
+    // 2. Open the token stream before the KV can arrive, so no token is missed.
+    let tokens = match decode
+        .decode_client()
+        .stream(v1::StreamRequest {
+            xfer_id: res.xfer_id,
+        })
+        .await
+    {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            cancel.fire();
+            return Err(upstream(s));
+        }
+    };
+    // 3. Prefill, pushing into the reserved blocks.
+    let prefill = &prefills[0];
+    let prefill_guard = InFlight::new(Arc::clone(prefill));
+    tracing::debug!(
+        request_id = %r.request_id,
+        decode = %decode.entry.node_id,
+        prefill = %prefill.entry.node_id,
+        xfer_id = res.xfer_id,
+        "route"
+    );
+    let resp = prefill
+        .prefill_client()
+        .prefill(v1::PrefillRequest {
+            request_id: r.request_id.to_string(),
+            prompt_ids: r.prompt_ids.clone(),
+            sampling: Some(sampling(r)),
+            stopping: Some(stopping(r)),
+            dest: Some(v1::KvDestination {
+                kv_endpoint: res.kv_endpoint.clone(),
+                xfer_id: res.xfer_id,
+                epoch: res.epoch,
+                block_ids: res.block_ids.clone(),
+                decode_endpoint: decode.entry.grpc_endpoint.clone(),
+                layout: res.layout.clone(),
+            }),
+        })
+        .await;
+    drop(prefill_guard);
+    let first = match resp {
+        Ok(p) => p.into_inner().first_token.map(generated),
+        Err(s) => {
+            cancel.fire();
+            return Err(upstream(s));
+        }
+    };
+    let Some(first) = first else {
+        cancel.fire();
+        return Err(GatewayError::backend(
+            ErrorCode::Internal,
+            "prefill returned no first token",
+        ));
+    };
+    let rest = tokens.map(|t| t.map(generated).map_err(upstream));
+    let finished_at_first = first.finish_reason.is_some();
+    let inner: TokenStream = if finished_at_first {
+        // The decode node frees its blocks when it sees the first token end the request.
+        cancel.fire();
+        Box::pin(futures::stream::once(async move { Ok(first) }))
+    } else {
+        Box::pin(futures::stream::once(async move { Ok(first) }).chain(rest))
+    };
+    Ok(Box::pin(Guarded {
+        inner,
+        cancel: (!finished_at_first).then_some(cancel),
+        finished: finished_at_first,
+        _in_flight: vec![decode_guard],
+    }))
+}
+
+/// Cancels a reservation or sequence on a decode node, without waiting.
+struct RemoteCancel {
+    node: Arc<Node>,
+    xfer_id: u64,
+}
+
+impl RemoteCancel {
+    fn fire(&self) {
+        let mut client = self.node.decode_client();
+        let xfer_id = self.xfer_id;
+        tokio::spawn(async move {
+            let _ = client
+                .cancel(v1::CancelRequest {
+                    request_id: String::new(),
+                    xfer_id,
+                })
+                .await;
+        });
+    }
+}
+
+/// Cancels upstream when the client drops the stream before its last token.
+struct Guarded {
+    inner: TokenStream,
+    cancel: Option<RemoteCancel>,
+    finished: bool,
+    _in_flight: Vec<InFlight>,
+}
+
+impl Stream for Guarded {
+    type Item = Result<GeneratedToken, GatewayError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.inner.as_mut().poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(t))) if t.finish_reason.is_some() => self.finished = true,
+            Poll::Ready(Some(Err(_))) | Poll::Ready(None) => self.finished = true,
+            _ => {}
+        }
+        polled
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        if !self.finished {
+            if let Some(c) = &self.cancel {
+                metrics::counter!("fission_gateway_client_cancelled_total").increment(1);
+                c.fire();
+            }
+        }
+    }
+}

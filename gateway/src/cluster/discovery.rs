@@ -1,0 +1,77 @@
+//! How the gateway learns the cluster's members. Static lists now; etcd implements the same
+//! trait later. Consumers watch whole membership snapshots, so a slow reader never misses a
+//! removal.
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// One node as discovery knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeEntry {
+    pub node_id: String,
+    pub role: Role,
+    /// `host:port` of the node's gRPC server.
+    pub grpc_endpoint: String,
+    /// A draining node takes no new requests.
+    pub draining: bool,
+}
+
+pub type Members = Arc<Vec<NodeEntry>>;
+
+pub trait Discovery: Send + Sync + 'static {
+    /// The current members, updated in place as the cluster changes.
+    fn watch(&self) -> watch::Receiver<Members>;
+}
+
+/// A fixed membership given on the command line.
+pub struct StaticDiscovery {
+    rx: watch::Receiver<Members>,
+    // Keeps the channel open: a closed channel would read as "no more updates" forever.
+    _tx: watch::Sender<Members>,
+}
+
+impl StaticDiscovery {
+    pub fn new(prefill: &[String], decode: &[String]) -> Self {
+        let mut nodes = Vec::new();
+        for (i, ep) in prefill.iter().enumerate() {
+            nodes.push(NodeEntry {
+                node_id: format!("prefill-{i}"),
+                role: Role::Prefill,
+                grpc_endpoint: ep.clone(),
+                draining: false,
+            });
+        }
+        for (i, ep) in decode.iter().enumerate() {
+            nodes.push(NodeEntry {
+                node_id: format!("decode-{i}"),
+                role: Role::Decode,
+                grpc_endpoint: ep.clone(),
+                draining: false,
+            });
+        }
+        let (tx, rx) = watch::channel(Arc::new(nodes));
+        StaticDiscovery { rx, _tx: tx }
+    }
+}
+
+impl Discovery for StaticDiscovery {
+    fn watch(&self) -> watch::Receiver<Members> {
+        self.rx.clone()
+    }
+}
