@@ -126,6 +126,11 @@ struct Task {
 }
 
 fn run_engine_task(engine: Engine, rx: mpsc::Receiver<Command>) {
+    // Test-only: slows every step so tests can act mid-generation on a tiny model.
+    let step_delay = std::env::var("FISSION_DEBUG_STEP_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis);
     let mut t = Task {
         engine,
         streams: HashMap::new(),
@@ -153,6 +158,9 @@ fn run_engine_task(engine: Engine, rx: mpsc::Receiver<Command>) {
         }
         if t.engine.has_work() {
             t.step();
+            if let Some(d) = step_delay {
+                std::thread::sleep(d);
+            }
         }
         t.publish_gauges();
     }

@@ -1,15 +1,16 @@
 //! Loopback KV transfer benchmark for the SmolLM2-135M shape.
 //!
 //!     cargo run --release -p kvtransfer --example bench -- [--reps N] [--warmup N]
-//!         [--tokens 128,1024,4096] [--tcp-conns N] [--jumbo] [--os-socket-buffers]
+//!         [--tokens 128,1024,4096] [--tcp-conns N] [--raw-quic] [--no-fairness]
+//!         [--os-socket-buffers] [--windows STREAM,CONN,SEND (MiB)]...
 //!
-//! `--jumbo` adds a QUIC row with path-MTU discovery allowed up to 8952 bytes (9000-byte
-//! jumbo frames), which loopback permits. `--os-socket-buffers` adds a QUIC row that leaves
-//! the UDP socket buffers at the OS default instead of 4 MiB.
+//! The optional rows: `--raw-quic`, quinn streams with no framing, checksum or registry (what
+//! this crate adds on top of quinn); `--no-fairness`, QUIC with stream round-robin off;
+//! `--os-socket-buffers`, QUIC with the OS-default UDP socket buffers instead of 4 MiB.
 
 use anyhow::{bail, Context, Result};
 use kvtransfer::bench::{run_bench, BenchBackend, BenchConfig};
-use kvtransfer::QuicConfig;
+use kvtransfer::{QuicConfig, QuicWindows};
 
 fn main() -> Result<()> {
     let mut cfg = BenchConfig::default();
@@ -33,26 +34,31 @@ fn main() -> Result<()> {
                     }
                 }
             }
-            "--jumbo" => cfg.backends.push(BenchBackend::Quic {
-                label: "tuned windows, jumbo mtu".to_owned(),
+            "--raw-quic" => cfg.backends.push(BenchBackend::RawQuic {
+                config: QuicConfig::default(),
+            }),
+            "--no-fairness" => cfg.backends.push(BenchBackend::Quic {
+                label: "tuned windows, no send fairness".to_owned(),
                 config: QuicConfig {
-                    mtu_upper_bound: 8952,
+                    send_fairness: false,
                     ..QuicConfig::default()
                 },
             }),
-            "--experiments" => {
+            "--windows" => {
+                // stream,connection,send windows in MiB, e.g. 4,32,32
+                let v = value()?;
+                let mib: Vec<u64> = v.split(',').map(str::parse).collect::<Result<_, _>>()?;
+                let [stream, conn, send] = mib[..] else {
+                    bail!("--windows takes three numbers, got {v}");
+                };
                 cfg.backends.push(BenchBackend::Quic {
-                    label: "tuned, no fairness".to_owned(),
+                    label: format!("windows {stream}/{conn}/{send} MiB"),
                     config: QuicConfig {
-                        send_fairness: false,
-                        ..QuicConfig::default()
-                    },
-                });
-                cfg.backends.push(BenchBackend::Quic {
-                    label: "tuned, initial mtu 8952".to_owned(),
-                    config: QuicConfig {
-                        initial_mtu: 8952,
-                        mtu_upper_bound: 8952,
+                        windows: QuicWindows {
+                            stream_receive_window_bytes: stream << 20,
+                            receive_window_bytes: conn << 20,
+                            send_window_bytes: send << 20,
+                        },
                         ..QuicConfig::default()
                     },
                 });

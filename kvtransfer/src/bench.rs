@@ -37,6 +37,11 @@ pub enum BenchBackend {
         label: String,
         config: QuicConfig,
     },
+    /// quinn alone: one stream per layer, a one-byte answer, no framing, checksum, registry or
+    /// copy on receipt. Separates quinn's cost from this crate's.
+    RawQuic {
+        config: QuicConfig,
+    },
 }
 
 impl BenchBackend {
@@ -45,6 +50,7 @@ impl BenchBackend {
             Self::RawTcp => "raw tcp (baseline)".to_owned(),
             Self::Tcp { connections } => format!("tcp, {connections} conns"),
             Self::Quic { label, .. } => format!("quic, {label}"),
+            Self::RawQuic { .. } => "raw quinn streams, tuned windows".to_owned(),
         }
     }
 }
@@ -165,6 +171,7 @@ enum Runner {
     Raw(TcpStream),
     Tcp(crate::tcp::TcpConnection),
     Quic(crate::quic::QuicConnection, Arc<QuicTransport>),
+    RawQuic(quinn::Connection, quinn::Endpoint),
 }
 
 /// Runs the benchmark inside the caller's tokio runtime.
@@ -192,6 +199,47 @@ async fn run_with_servers(
     let mut runners = Vec::new();
     for backend in &cfg.backends {
         let runner = match backend {
+            BenchBackend::RawQuic { config } => {
+                let transport = Arc::new(config.transport_config()?);
+                let server = quinn::Endpoint::server(
+                    server_tls.quic_server_config(transport.clone())?,
+                    loopback,
+                )
+                .map_err(|source| KvTransferError::Bind {
+                    addr: loopback.to_string(),
+                    source,
+                })?;
+                let addr = server
+                    .local_addr()
+                    .map_err(|source| KvTransferError::Bind {
+                        addr: loopback.to_string(),
+                        source,
+                    })?;
+                let token = shutdown.clone();
+                servers.spawn(async move {
+                    tokio::select! {
+                        _ = token.cancelled() => {}
+                        _ = run_raw_quic_server_task(server.clone()) => {}
+                    }
+                    server.close(quinn::VarInt::from_u32(0), b"done");
+                });
+                let mut client =
+                    quinn::Endpoint::client(loopback).map_err(|source| KvTransferError::Bind {
+                        addr: loopback.to_string(),
+                        source,
+                    })?;
+                client.set_default_client_config(client_tls.quic_client_config(transport)?);
+                let endpoint = addr.to_string();
+                let conn = client
+                    .connect(addr, "localhost")
+                    .map_err(|e| KvTransferError::Connect {
+                        endpoint: endpoint.clone(),
+                        reason: e.to_string(),
+                    })?
+                    .await
+                    .map_err(|source| KvTransferError::Connection { endpoint, source })?;
+                Runner::RawQuic(conn, client)
+            }
             BenchBackend::RawTcp => {
                 let listener =
                     TcpListener::bind(loopback)
@@ -285,6 +333,7 @@ async fn run_with_servers(
                 let i = (rep + k) % runners.len();
                 let elapsed = match &mut runners[i].1 {
                     Runner::Raw(stream) => raw_transfer(stream, &payloads).await?,
+                    Runner::RawQuic(conn, _) => raw_quic_transfer(conn, &payloads).await?,
                     Runner::Tcp(conn) => {
                         framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
                     }
@@ -308,6 +357,11 @@ async fn run_with_servers(
                     conn.stats().path.current_mtu,
                     lost_packets(runner) - lost_before
                 ),
+                Runner::RawQuic(conn, _) => format!(
+                    "path mtu {}, {} packets lost",
+                    conn.stats().path.current_mtu,
+                    lost_packets(runner) - lost_before
+                ),
                 _ => String::new(),
             };
             let median = percentile(&s, 0.5);
@@ -324,8 +378,10 @@ async fn run_with_servers(
         }
     }
     for (_, runner) in &runners {
-        if let Runner::Quic(_, transport) = runner {
-            transport.close();
+        match runner {
+            Runner::Quic(_, transport) => transport.close(),
+            Runner::RawQuic(_, client) => client.close(quinn::VarInt::from_u32(0), b"done"),
+            _ => {}
         }
     }
     Ok(BenchReport {
@@ -435,9 +491,61 @@ async fn run_raw_server_task(listener: TcpListener) {
     }
 }
 
+/// Every layer on its own stream at once; each answered with one byte once fully read.
+async fn raw_quic_transfer(
+    conn: &quinn::Connection,
+    payloads: &[Bytes],
+) -> Result<Duration, KvTransferError> {
+    let fail = |what, e: String| KvTransferError::Stream {
+        endpoint: "raw quic".to_owned(),
+        what,
+        reason: e,
+    };
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+    for payload in payloads {
+        let (conn, payload) = (conn.clone(), payload.clone());
+        tasks.spawn(async move {
+            let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+            send.write_chunk(payload).await.map_err(|e| e.to_string())?;
+            send.finish().map_err(|e| e.to_string())?;
+            let mut ack = [0u8; 1];
+            recv.read_exact(&mut ack).await.map_err(|e| e.to_string())
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined
+            .map_err(|e| fail("join", e.to_string()))?
+            .map_err(|e| fail("stream", e))?;
+    }
+    Ok(start.elapsed())
+}
+
+async fn run_raw_quic_server_task(endpoint: quinn::Endpoint) {
+    let mut conns = JoinSet::new();
+    while let Some(incoming) = endpoint.accept().await {
+        conns.spawn(async move {
+            let Ok(conn) = incoming.await else { return };
+            let mut streams = JoinSet::new();
+            while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                streams.spawn(async move {
+                    while let Ok(Some(chunk)) = recv.read_chunk(usize::MAX, true).await {
+                        drop(chunk);
+                    }
+                    if send.write_all(&[1]).await.is_ok() {
+                        let _ = send.finish();
+                    }
+                });
+                while streams.try_join_next().is_some() {}
+            }
+        });
+    }
+}
+
 fn lost_packets(runner: &Runner) -> u64 {
     match runner {
         Runner::Quic(conn, _) => conn.stats().path.lost_packets,
+        Runner::RawQuic(conn, _) => conn.stats().path.lost_packets,
         _ => 0,
     }
 }

@@ -240,11 +240,15 @@ impl FrameHeader {
                 given: payload.len() as u64,
             });
         }
-        let actual = crc32c::crc32c(payload);
+        self.check_crc32c(crc32c::crc32c(payload))
+    }
+
+    /// Compares a CRC-32C computed over the payload with the header's.
+    pub fn check_crc32c(&self, actual: u32) -> Result<(), KvTransferError> {
         if actual != self.payload_crc32c {
             return Err(KvTransferError::ChecksumMismatch {
-                xfer_id: h.xfer_id,
-                layer: h.layer,
+                xfer_id: self.header.xfer_id,
+                layer: self.header.layer,
                 expected: self.payload_crc32c,
                 actual,
             });
@@ -409,12 +413,13 @@ pub(crate) async fn read_header<R: AsyncRead + Unpin>(
     FrameHeader::decode(scratch, limits).map(Some)
 }
 
-/// Reads the payload that `header` announces into one buffer, without zero-filling it first.
+/// Reads the payload that `header` announces into one buffer, without zero-filling it first,
+/// and computes its CRC-32C on the way while each piece is still in cache.
 pub(crate) async fn read_payload<R: AsyncRead + Unpin>(
     r: &mut R,
     header: &FrameHeader,
     peer: &str,
-) -> Result<Bytes, KvTransferError> {
+) -> Result<(Bytes, u32), KvTransferError> {
     // validate() capped payload_len at max_payload_bytes, which fits in memory.
     let len =
         usize::try_from(header.payload_len).map_err(|_| KvTransferError::PayloadTooLarge {
@@ -424,21 +429,23 @@ pub(crate) async fn read_payload<R: AsyncRead + Unpin>(
             limit: usize::MAX as u64,
         })?;
     let mut buf = BytesMut::with_capacity(len);
+    let mut crc = 0;
     while buf.len() < len {
-        let want = len - buf.len();
+        let start = buf.len();
         let n = r
-            .read_buf(&mut (&mut buf).limit(want))
+            .read_buf(&mut (&mut buf).limit(len - start))
             .await
             .map_err(|source| io_error(peer, "read payload", source))?;
         if n == 0 {
             return Err(KvTransferError::Truncated {
                 what: "payload",
                 needed: header.payload_len,
-                given: buf.len() as u64,
+                given: start as u64,
             });
         }
+        crc = crc32c::crc32c_append(crc, &buf[start..]);
     }
-    Ok(buf.freeze())
+    Ok((buf.freeze(), crc))
 }
 
 /// Reads and drops `len` bytes, to keep a byte stream in step after a refused frame.
@@ -805,8 +812,9 @@ mod tests {
                 .unwrap()
                 .unwrap();
             assert_eq!(got, h);
-            let payload = read_payload(&mut r, &got, "test").await.unwrap();
+            let (payload, crc) = read_payload(&mut r, &got, "test").await.unwrap();
             got.verify_payload(&payload).unwrap();
+            got.check_crc32c(crc).unwrap();
         }
         assert!(read_header(&mut r, &limits, &mut scratch, "test")
             .await

@@ -582,13 +582,31 @@ impl LayerClaim {
 
     /// Verifies the payload's checksum, hands it to the sink and marks the layer received.
     pub fn complete<S: KvSink + ?Sized>(
-        mut self,
+        self,
         sink: &S,
         frame: &FrameHeader,
         payload: Bytes,
     ) -> Result<Outcome, KvTransferError> {
+        let crc = crc32c::crc32c(&payload);
+        self.complete_with_crc32c(sink, frame, payload, crc)
+    }
+
+    /// [`LayerClaim::complete`] for a payload whose CRC-32C the caller computed while
+    /// receiving it.
+    pub(crate) fn complete_with_crc32c<S: KvSink + ?Sized>(
+        mut self,
+        sink: &S,
+        frame: &FrameHeader,
+        payload: Bytes,
+        payload_crc32c: u32,
+    ) -> Result<Outcome, KvTransferError> {
         let registry = self.registry.clone();
-        if let Err(e) = frame.verify_payload(&payload) {
+        let checked = if payload.len() as u64 == frame.payload_len {
+            frame.check_crc32c(payload_crc32c)
+        } else {
+            frame.verify_payload(&payload)
+        };
+        if let Err(e) = checked {
             registry.reject_after_admit();
             return Err(e);
         }

@@ -195,14 +195,14 @@ where
                 },
             };
         };
-        let payload = match frame::read_payload(r, &frame, peer).await {
-            Ok(payload) => payload,
+        let (payload, crc) = match frame::read_payload(r, &frame, peer).await {
+            Ok(read) => read,
             Err(e) => {
                 tracing::warn!(error = %e, "kv stream ended inside a payload");
                 return Handled::Fatal(Verdict::Malformed);
             }
         };
-        match claim.complete(&*ctx.sink, &frame, payload) {
+        match claim.complete_with_crc32c(&*ctx.sink, &frame, payload, crc) {
             Ok(outcome) => {
                 tracing::trace!(?outcome, "kv layer received");
                 Handled::Answer(outcome.verdict())
