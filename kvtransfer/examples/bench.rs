@@ -1,11 +1,10 @@
 //! Loopback KV transfer benchmark for the SmolLM2-135M shape.
 //!
 //!     cargo run --release -p kvtransfer --example bench -- [--reps N] [--warmup N]
-//!         [--tokens 128,1024,4096] [--tcp-conns N] [--raw-quic] [--no-fairness]
+//!         [--tokens 128,1024,4096] [--tcp-conns N] [--fairness]
 //!         [--os-socket-buffers] [--windows STREAM,CONN,SEND (MiB)]...
 //!
-//! The optional rows: `--raw-quic`, quinn streams with no framing, checksum or registry (what
-//! this crate adds on top of quinn); `--no-fairness`, QUIC with stream round-robin off;
+//! The optional rows: `--fairness`, QUIC with stream round-robin on;
 //! `--os-socket-buffers`, QUIC with the OS-default UDP socket buffers instead of 4 MiB.
 
 use anyhow::{bail, Context, Result};
@@ -34,13 +33,10 @@ fn main() -> Result<()> {
                     }
                 }
             }
-            "--raw-quic" => cfg.backends.push(BenchBackend::RawQuic {
-                config: QuicConfig::default(),
-            }),
-            "--no-fairness" => cfg.backends.push(BenchBackend::Quic {
-                label: "tuned windows, no send fairness".to_owned(),
+            "--fairness" => cfg.backends.push(BenchBackend::Quic {
+                label: "tuned windows, send fairness on".to_owned(),
                 config: QuicConfig {
-                    send_fairness: false,
+                    send_fairness: true,
                     ..QuicConfig::default()
                 },
             }),

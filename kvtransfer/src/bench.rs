@@ -17,11 +17,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::KvTransferError;
-use crate::frame::io_error;
 use crate::layout::{KvLayout, LayerHeader};
-use crate::quic::{QuicConfig, QuicServer, QuicTransport, QuicWindows};
+use crate::quic::{new_endpoint, QuicConfig, QuicServer, QuicTransport, QuicWindows};
 use crate::registry::{Reservation, TransferRegistry};
 use crate::sink::DiscardSink;
+use crate::stream_io::io_error;
 use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
 use crate::tls::{generate_dev_ca, TlsIdentity};
 use crate::transport::{send_all_layers, KvConnection, KvServer, KvTransport};
@@ -69,7 +69,8 @@ pub struct BenchConfig {
 
 impl Default for BenchConfig {
     /// SmolLM2-135M in f32 (30 layers, 3 KV heads of 64, 16-token blocks) at 128, 1K and 4K
-    /// tokens; raw TCP, TCP, and QUIC with quinn's default and with tuned windows.
+    /// tokens; raw TCP, TCP, QUIC with quinn's default and with tuned windows, and raw quinn
+    /// streams.
     fn default() -> Self {
         Self {
             num_layers: 30,
@@ -89,6 +90,9 @@ impl Default for BenchConfig {
                 },
                 BenchBackend::Quic {
                     label: "tuned windows".to_owned(),
+                    config: QuicConfig::default(),
+                },
+                BenchBackend::RawQuic {
                     config: QuicConfig::default(),
                 },
             ],
@@ -201,14 +205,11 @@ async fn run_with_servers(
         let runner = match backend {
             BenchBackend::RawQuic { config } => {
                 let transport = Arc::new(config.transport_config()?);
-                let server = quinn::Endpoint::server(
-                    server_tls.quic_server_config(transport.clone())?,
+                let server = new_endpoint(
                     loopback,
-                )
-                .map_err(|source| KvTransferError::Bind {
-                    addr: loopback.to_string(),
-                    source,
-                })?;
+                    config,
+                    Some(server_tls.quic_server_config(transport.clone())?),
+                )?;
                 let addr = server
                     .local_addr()
                     .map_err(|source| KvTransferError::Bind {
@@ -223,11 +224,7 @@ async fn run_with_servers(
                     }
                     server.close(quinn::VarInt::from_u32(0), b"done");
                 });
-                let mut client =
-                    quinn::Endpoint::client(loopback).map_err(|source| KvTransferError::Bind {
-                        addr: loopback.to_string(),
-                        source,
-                    })?;
+                let mut client = new_endpoint(loopback, config, None)?;
                 client.set_default_client_config(client_tls.quic_client_config(transport)?);
                 let endpoint = addr.to_string();
                 let conn = client
@@ -594,14 +591,14 @@ mod tests {
             ..BenchConfig::default()
         };
         cfg.backends.push(BenchBackend::Quic {
-            label: "tuned, jumbo mtu".to_owned(),
+            label: "send fairness on".to_owned(),
             config: QuicConfig {
-                mtu_upper_bound: 8952,
+                send_fairness: true,
                 ..QuicConfig::default()
             },
         });
         let report = run_bench(cfg).await.unwrap();
-        assert_eq!(report.rows.len(), 5);
+        assert_eq!(report.rows.len(), 6);
         let table = report.to_string();
         assert!(table.contains("raw tcp (baseline)"), "{table}");
         assert!(table.contains("1.00x"), "{table}");

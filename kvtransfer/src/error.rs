@@ -7,7 +7,7 @@
 
 use std::io;
 
-use crate::frame::Verdict;
+use crate::verdict::Verdict;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KvTransferError {
@@ -159,8 +159,8 @@ pub enum KvTransferError {
     // ---- set-up ---------------------------------------------------------------------------
     #[error("tls: {what}: {reason}")]
     Tls { what: &'static str, reason: String },
-    #[error("read {path}: {source}")]
-    ReadFile {
+    #[error("{path}: {source}")]
+    File {
         path: String,
         #[source]
         source: io::Error,
@@ -227,7 +227,7 @@ impl KvTransferError {
             Self::Io { .. } => "io",
             Self::Stream { .. } => "stream",
             Self::Tls { .. } => "tls",
-            Self::ReadFile { .. } => "read_file",
+            Self::File { .. } => "file",
             Self::Bind { .. } => "bind",
             Self::Config { .. } => "config",
         }

@@ -26,15 +26,13 @@
 //!      …     …  payload (payload_len bytes)
 //! ```
 //!
-//! The receiver answers each frame with [`ACK_LEN`] bytes: `"KA"`, the version, and a
-//! [`Verdict`] code. Decoding never panics: every malformed input is a typed
-//! [`KvTransferError`].
+//! The receiver answers each frame with a 4-byte [`Verdict`](crate::Verdict). Decoding never
+//! panics: every malformed input is a typed [`KvTransferError`]. Reading frames off a byte
+//! stream is in `stream_io`.
 
-use std::fmt;
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::KvTransferError;
 use crate::layout::{KvDtype, KvLayout, LayerHeader};
@@ -49,9 +47,6 @@ const FIXED_LEN: usize = 64;
 pub const MIN_HEADER_LEN: usize = FIXED_LEN + 4 + 2 + 4;
 pub const MAX_TRACEPARENT_LEN: usize = 256;
 pub const MAX_NUM_LAYERS: u32 = 1 << 16;
-/// Length of the receiver's answer to one frame.
-pub const ACK_LEN: usize = 4;
-const ACK_MAGIC: [u8; 2] = *b"KA";
 
 /// Caps that keep a hostile or broken peer from making the receiver allocate without bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,7 +227,6 @@ impl FrameHeader {
 
     /// Checks the payload against the header's length and CRC-32C.
     pub fn verify_payload(&self, payload: &[u8]) -> Result<(), KvTransferError> {
-        let h = &self.header;
         if payload.len() as u64 != self.payload_len {
             return Err(KvTransferError::Truncated {
                 what: "payload",
@@ -378,223 +372,6 @@ pub fn decode_frame(
     }
     header.verify_payload(&buf)?;
     Ok((header, buf))
-}
-
-/// Reads one header from a stream. `Ok(None)` is a clean end of stream before its first byte.
-pub(crate) async fn read_header<R: AsyncRead + Unpin>(
-    r: &mut R,
-    limits: &FrameLimits,
-    scratch: &mut Vec<u8>,
-    peer: &str,
-) -> Result<Option<FrameHeader>, KvTransferError> {
-    scratch.clear();
-    scratch.resize(PREFIX_LEN, 0);
-    let got = read_full(r, &mut scratch[..], peer).await?;
-    if got == 0 {
-        return Ok(None);
-    }
-    if got < PREFIX_LEN {
-        return Err(KvTransferError::Truncated {
-            what: "header prefix",
-            needed: PREFIX_LEN as u64,
-            given: got as u64,
-        });
-    }
-    let len = header_len(scratch, limits)?;
-    scratch.resize(len, 0);
-    let got = read_full(r, &mut scratch[PREFIX_LEN..], peer).await?;
-    if got < len - PREFIX_LEN {
-        return Err(KvTransferError::Truncated {
-            what: "header",
-            needed: len as u64,
-            given: (PREFIX_LEN + got) as u64,
-        });
-    }
-    FrameHeader::decode(scratch, limits).map(Some)
-}
-
-/// Reads the payload that `header` announces into one buffer, without zero-filling it first,
-/// and computes its CRC-32C on the way while each piece is still in cache.
-pub(crate) async fn read_payload<R: AsyncRead + Unpin>(
-    r: &mut R,
-    header: &FrameHeader,
-    peer: &str,
-) -> Result<(Bytes, u32), KvTransferError> {
-    // validate() capped payload_len at max_payload_bytes, which fits in memory.
-    let len =
-        usize::try_from(header.payload_len).map_err(|_| KvTransferError::PayloadTooLarge {
-            xfer_id: header.header.xfer_id,
-            layer: header.header.layer,
-            payload_bytes: header.payload_len,
-            limit: usize::MAX as u64,
-        })?;
-    let mut buf = BytesMut::with_capacity(len);
-    let mut crc = 0;
-    while buf.len() < len {
-        let start = buf.len();
-        let n = r
-            .read_buf(&mut (&mut buf).limit(len - start))
-            .await
-            .map_err(|source| io_error(peer, "read payload", source))?;
-        if n == 0 {
-            return Err(KvTransferError::Truncated {
-                what: "payload",
-                needed: header.payload_len,
-                given: start as u64,
-            });
-        }
-        crc = crc32c::crc32c_append(crc, &buf[start..]);
-    }
-    Ok((buf.freeze(), crc))
-}
-
-/// Reads and drops `len` bytes, to keep a byte stream in step after a refused frame.
-pub(crate) async fn discard<R: AsyncRead + Unpin>(
-    r: &mut R,
-    len: u64,
-    peer: &str,
-) -> Result<(), KvTransferError> {
-    let copied = tokio::io::copy(&mut r.take(len), &mut tokio::io::sink())
-        .await
-        .map_err(|source| io_error(peer, "discard payload", source))?;
-    if copied < len {
-        return Err(KvTransferError::Truncated {
-            what: "payload",
-            needed: len,
-            given: copied,
-        });
-    }
-    Ok(())
-}
-
-/// Writes a header then its payload, without joining them into one buffer.
-pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    header: &[u8],
-    payload: &[u8],
-    peer: &str,
-) -> Result<(), KvTransferError> {
-    w.write_all(header)
-        .await
-        .map_err(|source| io_error(peer, "write header", source))?;
-    w.write_all(payload)
-        .await
-        .map_err(|source| io_error(peer, "write payload", source))?;
-    w.flush()
-        .await
-        .map_err(|source| io_error(peer, "flush", source))
-}
-
-/// Fills `buf` unless the stream ends first; returns how many bytes arrived.
-async fn read_full<R: AsyncRead + Unpin>(
-    r: &mut R,
-    buf: &mut [u8],
-    peer: &str,
-) -> Result<usize, KvTransferError> {
-    let mut got = 0;
-    while got < buf.len() {
-        let n = r
-            .read(&mut buf[got..])
-            .await
-            .map_err(|source| io_error(peer, "read header", source))?;
-        if n == 0 {
-            break;
-        }
-        got += n;
-    }
-    Ok(got)
-}
-
-pub(crate) fn io_error(peer: &str, what: &'static str, source: std::io::Error) -> KvTransferError {
-    KvTransferError::Io {
-        endpoint: peer.to_owned(),
-        what,
-        source,
-    }
-}
-
-/// The receiver's answer to one frame.
-///
-/// `Accepted` means the payload passed its checksum and the sink took it. `StaleEpoch` and
-/// `TransferClosed` are frames the receiver ignored (counted, not errors on its side). The rest
-/// are refusals. The code doubles as the QUIC `STOP_SENDING` code when the receiver refuses a
-/// frame before reading its payload.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Verdict {
-    Accepted = 0,
-    StaleEpoch = 1,
-    TransferClosed = 2,
-    UnknownTransfer = 3,
-    EpochAhead = 4,
-    BlockIdsMismatch = 5,
-    LayoutMismatch = 6,
-    LayerOutOfRange = 7,
-    DuplicateLayer = 8,
-    ChecksumMismatch = 9,
-    TooLarge = 10,
-    Malformed = 11,
-    SinkFailed = 12,
-    ShuttingDown = 13,
-}
-
-impl Verdict {
-    const ALL: [Verdict; 14] = [
-        Self::Accepted,
-        Self::StaleEpoch,
-        Self::TransferClosed,
-        Self::UnknownTransfer,
-        Self::EpochAhead,
-        Self::BlockIdsMismatch,
-        Self::LayoutMismatch,
-        Self::LayerOutOfRange,
-        Self::DuplicateLayer,
-        Self::ChecksumMismatch,
-        Self::TooLarge,
-        Self::Malformed,
-        Self::SinkFailed,
-        Self::ShuttingDown,
-    ];
-
-    pub fn from_code(code: u64) -> Option<Self> {
-        Self::ALL.into_iter().find(|v| *v as u64 == code)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Accepted => "accepted",
-            Self::StaleEpoch => "stale_epoch",
-            Self::TransferClosed => "transfer_closed",
-            Self::UnknownTransfer => "unknown_transfer",
-            Self::EpochAhead => "epoch_ahead",
-            Self::BlockIdsMismatch => "block_ids_mismatch",
-            Self::LayoutMismatch => "layout_mismatch",
-            Self::LayerOutOfRange => "layer_out_of_range",
-            Self::DuplicateLayer => "duplicate_layer",
-            Self::ChecksumMismatch => "checksum_mismatch",
-            Self::TooLarge => "too_large",
-            Self::Malformed => "malformed",
-            Self::SinkFailed => "sink_failed",
-            Self::ShuttingDown => "shutting_down",
-        }
-    }
-
-    pub fn encode(self) -> [u8; ACK_LEN] {
-        [ACK_MAGIC[0], ACK_MAGIC[1], VERSION as u8, self as u8]
-    }
-
-    pub fn decode(buf: [u8; ACK_LEN]) -> Option<Self> {
-        if buf[..2] != ACK_MAGIC || buf[2] != VERSION as u8 {
-            return None;
-        }
-        Self::from_code(u64::from(buf[3]))
-    }
-}
-
-impl fmt::Display for Verdict {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// Bounds-checked little-endian reads over a byte slice.
@@ -787,59 +564,6 @@ mod tests {
             ),
             "{err}"
         );
-    }
-
-    #[test]
-    fn verdict_codes_round_trip() {
-        for v in Verdict::ALL {
-            assert_eq!(Verdict::decode(v.encode()), Some(v));
-        }
-        assert_eq!(Verdict::decode(*b"KA\x01\xff"), None);
-        assert_eq!(Verdict::decode(*b"XA\x01\x00"), None);
-    }
-
-    #[tokio::test]
-    async fn stream_read_matches_buffer_decode() {
-        let (h, p) = frame(vec![8, 1, 6], Some(TRACE));
-        let mut wire = encode(&h, &p);
-        wire.extend(encode(&h, &p));
-        let mut r = &wire[..];
-        let mut scratch = Vec::new();
-        let limits = FrameLimits::default();
-        for _ in 0..2 {
-            let got = read_header(&mut r, &limits, &mut scratch, "test")
-                .await
-                .unwrap()
-                .unwrap();
-            assert_eq!(got, h);
-            let (payload, crc) = read_payload(&mut r, &got, "test").await.unwrap();
-            got.verify_payload(&payload).unwrap();
-            got.check_crc32c(crc).unwrap();
-        }
-        assert!(read_header(&mut r, &limits, &mut scratch, "test")
-            .await
-            .unwrap()
-            .is_none());
-    }
-
-    #[tokio::test]
-    async fn stream_read_reports_truncation() {
-        let (h, p) = frame(vec![8, 1], None);
-        let wire = encode(&h, &p);
-        let limits = FrameLimits::default();
-        for cut in [3, PREFIX_LEN + 5, wire.len() - 1] {
-            let mut r = &wire[..cut];
-            let mut scratch = Vec::new();
-            let res = match read_header(&mut r, &limits, &mut scratch, "test").await {
-                Ok(Some(h)) => read_payload(&mut r, &h, "test").await.map(|_| ()),
-                Ok(None) => panic!("cut {cut}: clean eof"),
-                Err(e) => Err(e),
-            };
-            assert!(
-                matches!(res, Err(KvTransferError::Truncated { .. })),
-                "cut {cut}: {res:?}"
-            );
-        }
     }
 
     fn arb_frame() -> impl Strategy<Value = (FrameHeader, Bytes)> {

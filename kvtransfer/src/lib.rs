@@ -77,12 +77,14 @@ mod layout;
 mod quic;
 mod registry;
 mod sink;
+mod stream_io;
 mod tcp;
 pub mod tls;
 mod transport;
+mod verdict;
 
 pub use error::KvTransferError;
-pub use frame::{decode_frame, FrameHeader, FrameLimits, Verdict};
+pub use frame::{decode_frame, FrameHeader, FrameLimits};
 pub use layout::{KvDtype, KvLayout, LayerHeader, MAX_DIM};
 pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows};
 pub use registry::{
@@ -93,3 +95,4 @@ pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
 pub use tls::{generate_dev_ca, Ca, NodeCert, TlsFiles, TlsIdentity, ALPN};
 pub use transport::{send_all_layers, KvConnection, KvServer, KvTransport, TransferStat};
+pub use verdict::Verdict;

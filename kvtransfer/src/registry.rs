@@ -23,9 +23,10 @@ use bytes::Bytes;
 use tokio::sync::{watch, RwLock};
 
 use crate::error::KvTransferError;
-use crate::frame::{FrameHeader, Verdict, MAX_NUM_LAYERS};
+use crate::frame::{FrameHeader, MAX_NUM_LAYERS};
 use crate::layout::KvLayout;
 use crate::sink::KvSink;
+use crate::verdict::Verdict;
 
 /// What the decode node reserved for one transfer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -771,6 +772,24 @@ mod tests {
             err,
             KvTransferError::EpochNotNewer { known_epoch: 2, .. }
         ));
+    }
+
+    #[tokio::test]
+    async fn old_epoch_frame_from_the_wire_is_ignored() {
+        use crate::frame::{decode_frame, FrameLimits};
+        let reg = TransferRegistry::default();
+        reg.register(reservation(7, 4)).await.unwrap();
+        let (h, p) = frame(7, 3, 0);
+        let mut wire = h.encode(&FrameLimits::default()).unwrap().to_vec();
+        wire.extend_from_slice(&p);
+        let (decoded, payload) = decode_frame(wire.into(), &FrameLimits::default()).unwrap();
+        assert_eq!(payload, p);
+        assert!(matches!(
+            reg.admit(&decoded).unwrap(),
+            Admission::Ignore(Ignored::StaleEpoch { current_epoch: 4 })
+        ));
+        assert_eq!(reg.stats().frames_ignored_stale_epoch, 1);
+        assert!(matches!(reg.status(7), TransferStatus::Receiving(p) if p.stale_frames == 1));
     }
 
     #[tokio::test]

@@ -22,13 +22,15 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::KvTransferError;
-use crate::frame::{self, FrameHeader, FrameLimits, Verdict, ACK_LEN};
+use crate::frame::{FrameHeader, FrameLimits};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
+use crate::stream_io;
 use crate::transport::{
     receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
     TransferStat,
 };
+use crate::verdict::{Verdict, ACK_LEN};
 
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
@@ -150,7 +152,7 @@ async fn run_connection_task<S: KvSink>(
             Handled::Refused(v) | Handled::Fatal(v) => (v, false),
         };
         let ack = verdict.encode();
-        if let Err(e) = frame::write_frame(&mut stream, &ack, &[], &peer).await {
+        if let Err(e) = stream_io::write_frame(&mut stream, &ack, &[], &peer).await {
             tracing::debug!(%peer, error = %e, "kv tcp verdict not sent");
             break;
         }
@@ -266,7 +268,7 @@ impl Pool {
             .map_err(|e| connect_err(e.to_string()))?;
         stream
             .set_nodelay(true)
-            .map_err(|source| frame::io_error(&self.endpoint, "set_nodelay", source))?;
+            .map_err(|source| stream_io::io_error(&self.endpoint, "set_nodelay", source))?;
         Ok(stream)
     }
 
@@ -317,12 +319,12 @@ impl TcpConnection {
         payload: &[u8],
     ) -> Result<Verdict, KvTransferError> {
         let endpoint = &*self.pool.endpoint;
-        frame::write_frame(stream, header, payload, endpoint).await?;
+        stream_io::write_frame(stream, header, payload, endpoint).await?;
         let mut ack = [0u8; ACK_LEN];
         stream
             .read_exact(&mut ack)
             .await
-            .map_err(|source| frame::io_error(endpoint, "read verdict", source))?;
+            .map_err(|source| stream_io::io_error(endpoint, "read verdict", source))?;
         Verdict::decode(ack).ok_or_else(|| KvTransferError::Stream {
             endpoint: endpoint.to_owned(),
             what: "read verdict",

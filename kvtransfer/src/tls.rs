@@ -153,7 +153,7 @@ pub fn write_dev_tls_files(
     node: &NodeCert,
 ) -> Result<TlsFiles, KvTransferError> {
     let write = |path: PathBuf, contents: &str, private: bool| {
-        let io = |source| KvTransferError::ReadFile {
+        let io = |source| KvTransferError::File {
             path: path.display().to_string(),
             source,
         };
@@ -241,7 +241,7 @@ impl TlsIdentity {
 
     pub fn from_files(files: &TlsFiles) -> Result<Self, KvTransferError> {
         let read = |path: &Path| {
-            std::fs::read_to_string(path).map_err(|source| KvTransferError::ReadFile {
+            std::fs::read_to_string(path).map_err(|source| KvTransferError::File {
                 path: path.display().to_string(),
                 source,
             })

@@ -15,10 +15,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::KvTransferError;
-use crate::frame::{self, FrameHeader, FrameLimits, Verdict};
+use crate::frame::{FrameHeader, FrameLimits};
 use crate::layout::LayerHeader;
 use crate::registry::{Admission, TransferRegistry};
 use crate::sink::KvSink;
+use crate::stream_io;
+use crate::verdict::Verdict;
 
 /// What one `send_layer` moved, and how long it took until the receiver's verdict came back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,7 +155,7 @@ where
     R: AsyncRead + Unpin,
     S: KvSink + ?Sized,
 {
-    let frame = match frame::read_header(r, &ctx.limits, scratch, peer).await {
+    let frame = match stream_io::read_header(r, &ctx.limits, scratch, peer).await {
         Ok(Some(frame)) => frame,
         Ok(None) => return Handled::Eof,
         Err(e) => {
@@ -186,7 +188,8 @@ where
         let Some(claim) = claim else {
             return match early {
                 EarlyRefusal::Abandon => Handled::Refused(verdict),
-                EarlyRefusal::Discard => match frame::discard(r, frame.payload_len, peer).await {
+                EarlyRefusal::Discard => match stream_io::discard(r, frame.payload_len, peer).await
+                {
                     Ok(()) => Handled::Answer(verdict),
                     Err(e) => {
                         tracing::debug!(error = %e, "kv stream ended inside a refused payload");
@@ -195,7 +198,7 @@ where
                 },
             };
         };
-        let (payload, crc) = match frame::read_payload(r, &frame, peer).await {
+        let (payload, crc) = match stream_io::read_payload(r, &frame, peer).await {
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(error = %e, "kv stream ended inside a payload");

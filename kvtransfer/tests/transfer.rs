@@ -2,6 +2,9 @@
 //!
 //! Each scenario is written once against the transport traits and run on both backends.
 
+// Helpers outside `#[test]` functions unwrap too; a failure there is a test failure.
+#![allow(clippy::unwrap_used)]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
