@@ -17,6 +17,17 @@ use serde_json::json;
 pub enum BenchCommand {
     /// Prefill tokens/s and decode throughput of the engine.
     Engine(EngineBenchArgs),
+    /// KV transfer GB/s and latency over QUIC and TCP against a raw TCP socket baseline.
+    Kvtransfer(KvBenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KvBenchArgs {
+    /// Prompt lengths in tokens (SmolLM2-135M shape: 46,080 bytes of KV per token).
+    #[arg(long, value_delimiter = ',', default_value = "128,1024,4096")]
+    pub tokens: Vec<usize>,
+    #[arg(long, default_value_t = 10)]
+    pub repeats: usize,
 }
 
 #[derive(Args, Debug)]
@@ -40,6 +51,7 @@ pub struct EngineBenchArgs {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(args) => engine_bench(args),
+        BenchCommand::Kvtransfer(args) => kv_bench(args),
     }
 }
 
@@ -187,4 +199,19 @@ fn rayon_threads() -> usize {
     std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
+}
+
+fn kv_bench(args: KvBenchArgs) -> anyhow::Result<()> {
+    let cfg = kvtransfer::bench::BenchConfig {
+        prompt_tokens: args.tokens,
+        repetitions: args.repeats.max(1),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let report = rt.block_on(kvtransfer::bench::run_bench(cfg))?;
+    println!("{report}");
+    Ok(())
 }
