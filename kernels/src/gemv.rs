@@ -50,7 +50,8 @@ pub fn small_batch_matmul(
     // Tasks own (row range of w_t) x (column tile). Whole rows, or wide tiles of them, make
     // each task one long sequential read; splitting the rows (the reduction) instead of the
     // columns is what keeps the runs long, at the price of summing the partial results.
-    let tile = n.min(MAX_TILE);
+    // Accumulators for all m rows of a tile stay in L1 (32 KiB of the 48).
+    let tile = n.min((MAX_TILE / m).next_multiple_of(16).max(256));
     let n_tiles = n.div_ceil(tile);
     let k_parts = (threads * 2)
         .div_ceil(n_tiles)
@@ -130,12 +131,41 @@ fn accumulate_portable(
     }
 }
 
+/// Dispatches on `m` so the row count is a constant: the broadcasts of `x` and the rows of
+/// `w_t` applied per accumulator load/store then live in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_avx512(
+unsafe fn accumulate_avx512(x: &[f32], m: usize, k: usize, ks: std::ops::Range<usize>, w_t: &[f32], n: usize, c0: usize, w: usize, acc: &mut [f32]) {
+    // SAFETY (all arms): the caller checked avx512f; shapes were validated by the entry point.
+    unsafe {
+        match m {
+            1 => block_avx512::<1, 8>(x, k, ks, w_t, n, c0, w, acc),
+            2 => block_avx512::<2, 8>(x, k, ks, w_t, n, c0, w, acc),
+            3 => block_avx512::<3, 4>(x, k, ks, w_t, n, c0, w, acc),
+            4 => block_avx512::<4, 4>(x, k, ks, w_t, n, c0, w, acc),
+            5 => block_avx512::<5, 2>(x, k, ks, w_t, n, c0, w, acc),
+            6 => block_avx512::<6, 2>(x, k, ks, w_t, n, c0, w, acc),
+            7 => block_avx512::<7, 2>(x, k, ks, w_t, n, c0, w, acc),
+            8 => block_avx512::<8, 2>(x, k, ks, w_t, n, c0, w, acc),
+            _ => {
+                // Wider batches: two passes of at most 8 rows each.
+                let (m0, m1) = (8, m - 8);
+                let (acc0, acc1) = acc.split_at_mut(m0 * w);
+                accumulate_avx512(&x[..m0 * k], m0, k, ks.clone(), w_t, n, c0, w, acc0);
+                accumulate_avx512(&x[m0 * k..], m1, k, ks, w_t, n, c0, w, acc1);
+            }
+        }
+    }
+}
+
+/// `M` rows of `x`, `KB` rows of `w_t` per pass: each 16-lane accumulator is loaded and stored
+/// once per `KB` FMAs, and the `M * KB` broadcasts stay in registers (at most 16 of the 32).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_avx512<const M: usize, const KB: usize>(
     x: &[f32],
-    m: usize,
     k: usize,
     ks: std::ops::Range<usize>,
     w_t: &[f32],
@@ -146,29 +176,45 @@ unsafe fn accumulate_avx512(
 ) {
     use std::arch::x86_64::*;
     let full = w / 16 * 16;
-    let mut xb = [_mm512_setzero_ps(); MAX_SMALL_M];
-    for kk in ks {
-        for mi in 0..m {
-            xb[mi] = _mm512_set1_ps(x[mi * k + kk]);
+    let mut kk = ks.start;
+    while kk < ks.end {
+        let kb = KB.min(ks.end - kk);
+        let mut xb = [[_mm512_setzero_ps(); KB]; M];
+        for (mi, row) in xb.iter_mut().enumerate() {
+            for (b, v) in row.iter_mut().enumerate().take(kb) {
+                *v = _mm512_set1_ps(x[mi * k + kk + b]);
+            }
         }
-        let row = &w_t[kk * n + c0..kk * n + c0 + w];
+        let base = w_t.as_ptr();
         let mut j = 0;
         while j < full {
-            // SAFETY: j + 16 <= full <= w = row.len(), and acc has m * w elements.
+            // SAFETY: rows kk..kk+kb < k and columns c0+j..c0+j+16 <= c0+w <= n are in w_t;
+            // acc has M * w elements.
             unsafe {
-                let wv = _mm512_loadu_ps(row.as_ptr().add(j));
-                for (mi, xv) in xb.iter().enumerate().take(m) {
+                let mut wv = [_mm512_setzero_ps(); KB];
+                for (b, v) in wv.iter_mut().enumerate().take(kb) {
+                    *v = _mm512_loadu_ps(base.add((kk + b) * n + c0 + j));
+                }
+                for (mi, xr) in xb.iter().enumerate() {
                     let p = acc.as_mut_ptr().add(mi * w + j);
-                    _mm512_storeu_ps(p, _mm512_fmadd_ps(*xv, wv, _mm512_loadu_ps(p)));
+                    let mut a = _mm512_loadu_ps(p);
+                    for b in 0..kb {
+                        a = _mm512_fmadd_ps(xr[b], wv[b], a);
+                    }
+                    _mm512_storeu_ps(p, a);
                 }
             }
             j += 16;
         }
-        for j in full..w {
-            for mi in 0..m {
-                acc[mi * w + j] += x[mi * k + kk] * row[j];
+        for b in 0..kb {
+            let row = &w_t[(kk + b) * n + c0..(kk + b) * n + c0 + w];
+            for j in full..w {
+                for mi in 0..M {
+                    acc[mi * w + j] += x[mi * k + kk + b] * row[j];
+                }
             }
         }
+        kk += kb;
     }
 }
 
