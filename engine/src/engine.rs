@@ -37,6 +37,10 @@ pub struct EngineConfig {
     /// Decode node: the share of KV blocks that reservations for incoming transfers may hold,
     /// so pushes in flight never starve the running batch.
     pub reservation_fraction: f64,
+    /// Longest prompt accepted (TGI's `--max-input-tokens`); the model's context when `None`.
+    pub max_input_tokens: Option<usize>,
+    /// Longest prompt + max_new_tokens accepted (TGI's `--max-total-tokens`).
+    pub max_total_tokens: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +55,8 @@ impl Default for EngineConfig {
             max_prefill_chunk_tokens: 4096,
             enable_prefix_caching: true,
             reservation_fraction: 0.5,
+            max_input_tokens: None,
+            max_total_tokens: None,
         }
     }
 }
@@ -109,6 +115,8 @@ pub struct Engine {
     states: HashMap<SeqId, SeqState>,
     block_size: usize,
     preemptions: u64,
+    max_input_tokens: usize,
+    max_total_tokens: usize,
     /// Decode node: requests whose blocks are reserved while a prefill node pushes their KV.
     reserved: HashMap<SeqId, disagg::Reservation>,
     /// The most blocks reservations may hold at once.
@@ -179,6 +187,14 @@ impl Engine {
             states: HashMap::new(),
             block_size: cfg.block_size,
             preemptions: 0,
+            max_input_tokens: cfg
+                .max_input_tokens
+                .unwrap_or(mc.max_context)
+                .min(mc.max_context),
+            max_total_tokens: cfg
+                .max_total_tokens
+                .unwrap_or(mc.max_context)
+                .min(mc.max_context),
             reserved: HashMap::new(),
             max_reserved_blocks: (num_blocks as f64 * cfg.reservation_fraction) as usize,
         })
@@ -223,7 +239,13 @@ impl Engine {
                 given: "0 tokens".into(),
             });
         }
-        let max_context = self.model.config().max_context;
+        if req.prompt_ids.len() > self.max_input_tokens {
+            return Err(EngineError::PromptTooLong {
+                num_tokens: req.prompt_ids.len(),
+                limit: self.max_input_tokens,
+            });
+        }
+        let max_context = self.max_total_tokens;
         let vocab = self.model.config().vocab_size;
         if let Some(bad) = req.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(EngineError::InvalidParameter {

@@ -136,7 +136,17 @@ fn accumulate_portable(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_avx512(x: &[f32], m: usize, k: usize, ks: std::ops::Range<usize>, w_t: &[f32], n: usize, c0: usize, w: usize, acc: &mut [f32]) {
+unsafe fn accumulate_avx512(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    ks: std::ops::Range<usize>,
+    w_t: &[f32],
+    n: usize,
+    c0: usize,
+    w: usize,
+    acc: &mut [f32],
+) {
     // SAFETY (all arms): the caller checked avx512f; shapes were validated by the entry point.
     unsafe {
         match m {

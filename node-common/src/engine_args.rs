@@ -52,6 +52,8 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs,
             max_prefill_chunk_tokens: self.max_prefill_chunk_tokens,
             enable_prefix_caching: !self.disable_prefix_caching,
+            max_input_tokens: Some(self.max_input_tokens),
+            max_total_tokens: Some(self.max_total_tokens),
             ..Default::default()
         }
     }
