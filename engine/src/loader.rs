@@ -121,7 +121,24 @@ impl ModelFiles {
             reason,
         };
         // Cached files are used without touching the network, so a warm cache works offline.
+        // hf-hub's cache lookup resolves only refs (branches, tags); a commit hash names its
+        // snapshot folder directly, as huggingface_hub lays it out.
+        let snapshot = (revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| {
+                cache
+                    .path()
+                    .join(repo.folder_name())
+                    .join("snapshots")
+                    .join(revision)
+            });
         let fetch = |name: &str, required: bool| -> Result<Option<PathBuf>> {
+            if let Some(p) = snapshot
+                .as_ref()
+                .map(|s| s.join(name))
+                .filter(|p| p.is_file())
+            {
+                return Ok(Some(p));
+            }
             if let Some(p) = cached.get(name) {
                 return Ok(Some(p));
             }

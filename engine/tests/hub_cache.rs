@@ -117,6 +117,14 @@ fn offline_hub_cache_serves_the_model() {
 }
 
 #[test]
+fn a_commit_hash_revision_resolves_to_its_snapshot_offline() {
+    let home = fake_hf_home();
+    let model = with_hub_env(home.path(), true, || load(&format!("{REPO}@{COMMIT}")))
+        .expect("a pinned commit loads from its snapshot");
+    assert_generates_reference(&model);
+}
+
+#[test]
 fn warm_cache_is_used_without_offline_mode() {
     let home = fake_hf_home();
     let model = with_hub_env(home.path(), false, || load(REPO))
