@@ -14,9 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use engine::engine::Engine;
 use kvtransfer::{KvServer, QuicConfig, QuicServer, TcpConfig, TcpServer, TransferRegistry};
-use node_common::engine_args::{model_fingerprint, EngineArgs};
+use node_common::engine_args::EngineArgs;
 use node_common::kv::{KvArgs, KvBackend};
 use node_common::NodeError;
 use proto::v1::decode_server::DecodeServer;
@@ -55,19 +54,13 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let metrics = node_common::metrics_http::install_recorder();
-    let args = config.engine.clone();
-    let (engine, fingerprint, model_id, max_context) = tokio::task::spawn_blocking(move || {
-        let model = args.load_model()?;
-        let fingerprint = model_fingerprint(&model);
-        let model_id = model.model_id.clone();
-        let max_context = model.config().max_context;
-        let engine = Engine::new(model, args.engine_config())?;
-        Ok::<_, NodeError>((engine, fingerprint, model_id, max_context))
-    })
-    .await
-    .map_err(|e| NodeError::Config(format!("model loading panicked: {e}")))??;
+    let started = config
+        .engine
+        .start_engine(&config.node_id, "decode")
+        .await?;
+    let engine = started.engine;
+    let mut info = started.info;
     let layout = engine.cache().desc();
-    let total_blocks = engine.stats().num_blocks_total;
     let handle = EngineHandle::spawn(engine);
 
     let registry = TransferRegistry::new(Default::default());
@@ -91,16 +84,7 @@ pub async fn run(
         }
     };
     let kv_endpoint = format!("{}:{kv_port}", config.advertise_host);
-    let info = proto::v1::NodeInfo {
-        node_id: config.node_id.clone(),
-        role: "decode".into(),
-        model_id,
-        model_fingerprint: fingerprint,
-        layout: Some(node_common::kv::proto_layout(&layout)),
-        total_kv_blocks: total_blocks as u32,
-        kv_endpoint: kv_endpoint.clone(),
-        max_context: max_context as u32,
-    };
+    info.kv_endpoint = kv_endpoint.clone();
     let service = service::DecodeService::new(
         handle,
         registry,

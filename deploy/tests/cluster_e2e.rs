@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::sync::Mutex;
+
 use futures::StreamExt;
 use serde_json::{json, Value};
 
@@ -23,6 +25,9 @@ fn references() -> Vec<Value> {
     .expect("json");
     v["references"].as_array().expect("array").clone()
 }
+
+/// One cluster at a time: two at once on a 2-core CI machine would only test the scheduler.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A running `fission up`; SIGTERM on drop, and the guard waits for it to exit.
 struct Cluster {
@@ -172,6 +177,7 @@ fn expected(r: &Value, n: usize) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_cluster_serves_reference_tokens() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cluster = Cluster::start(1, 1, &[]);
     let client = ::reqwest::Client::new();
     let refs = references();
@@ -259,6 +265,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_frees_blocks_on_both_nodes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // 20 ms per decode step keeps the stream open long enough to leave mid-way.
     let cluster = Cluster::start(1, 1, &[("FISSION_DEBUG_STEP_DELAY_MS", "20")]);
     let client = ::reqwest::Client::new();

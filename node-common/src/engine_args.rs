@@ -90,3 +90,42 @@ pub fn model_fingerprint(model: &LoadedModel) -> String {
 
 /// Shared model handle type.
 pub type SharedModel = Arc<LoadedModel>;
+
+/// An engine ready to serve, with what a node reports about it in `Info`.
+pub struct StartedEngine {
+    pub engine: engine::engine::Engine,
+    pub info: proto::v1::NodeInfo,
+}
+
+impl EngineArgs {
+    /// Loads the model and builds the engine off the async runtime (loading takes seconds), and
+    /// fills the node's `Info` (role, identity, layout, capacity).
+    pub async fn start_engine(
+        &self,
+        node_id: &str,
+        role: &str,
+    ) -> Result<StartedEngine, NodeError> {
+        let args = self.clone();
+        let (node_id, role) = (node_id.to_string(), role.to_string());
+        tokio::task::spawn_blocking(move || {
+            let model = args.load_model()?;
+            let fingerprint = model_fingerprint(&model);
+            let model_id = model.model_id.clone();
+            let max_context = model.config().max_context as u32;
+            let engine = engine::engine::Engine::new(model, args.engine_config())?;
+            let info = proto::v1::NodeInfo {
+                node_id,
+                role,
+                model_id,
+                model_fingerprint: fingerprint,
+                layout: Some(crate::kv::proto_layout(&engine.cache().desc())),
+                total_kv_blocks: engine.stats().num_blocks_total as u32,
+                kv_endpoint: String::new(),
+                max_context,
+            };
+            Ok(StartedEngine { engine, info })
+        })
+        .await
+        .map_err(|e| NodeError::Config(format!("model loading panicked: {e}")))?
+    }
+}

@@ -10,9 +10,8 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use clap::Args;
-use engine::engine::Engine;
 use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
-use node_common::engine_args::{model_fingerprint, EngineArgs};
+use node_common::engine_args::EngineArgs;
 use node_common::kv::{KvArgs, KvBackend};
 use node_common::NodeError;
 use proto::v1::prefill_server::PrefillServer;
@@ -40,19 +39,13 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let metrics = node_common::metrics_http::install_recorder();
-    let args = config.engine.clone();
-    let (engine, fingerprint, model_id, max_context) = tokio::task::spawn_blocking(move || {
-        let model = args.load_model()?;
-        let fingerprint = model_fingerprint(&model);
-        let model_id = model.model_id.clone();
-        let max_context = model.config().max_context;
-        let engine = Engine::new(model, args.engine_config())?;
-        Ok::<_, NodeError>((engine, fingerprint, model_id, max_context))
-    })
-    .await
-    .map_err(|e| NodeError::Config(format!("model loading panicked: {e}")))??;
+    let started = config
+        .engine
+        .start_engine(&config.node_id, "prefill")
+        .await?;
+    let engine = started.engine;
+    let info = started.info;
     let layout = engine.cache().desc();
-    let total_blocks = engine.stats().num_blocks_total;
     let handle = actor::EngineHandle::spawn(engine);
     let transport = match config.kv.kv_transport {
         KvBackend::Quic => push::Transport::Quic(QuicTransport::new(
@@ -60,16 +53,6 @@ pub async fn run(
             QuicConfig::default(),
         )?),
         KvBackend::Tcp => push::Transport::Tcp(TcpTransport::new(TcpConfig::default())),
-    };
-    let info = proto::v1::NodeInfo {
-        node_id: config.node_id.clone(),
-        role: "prefill".into(),
-        model_id,
-        model_fingerprint: fingerprint,
-        layout: Some(node_common::kv::proto_layout(&layout)),
-        total_kv_blocks: total_blocks as u32,
-        kv_endpoint: String::new(),
-        max_context: max_context as u32,
     };
     let service = service::PrefillService {
         handle,
