@@ -100,6 +100,7 @@ pub async fn run_push_task(
     layout: kvtransfer::KvLayout,
     mut layers_rx: mpsc::UnboundedReceiver<LayerPayload>,
     first_rx: oneshot::Receiver<v1::Token>,
+    num_tokens: u32,
 ) -> Result<PushReport, String> {
     let result = async {
         let conn = transport
@@ -164,7 +165,7 @@ pub async fn run_push_task(
                 xfer_id: dest.xfer_id,
                 epoch: dest.epoch,
                 first_token: Some(first),
-                num_tokens: 0,
+                num_tokens,
                 checksums,
             })
             .await

@@ -74,6 +74,7 @@ impl Prefill for PrefillService {
                     wire,
                     lrx,
                     frx,
+                    num_tokens as u32,
                 ));
                 Some(ltx)
             }
