@@ -82,13 +82,20 @@ async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     })
 }
 
-async fn health(State(state): State<AppState>) -> Result<Response, GatewayError> {
+async fn health(State(state): State<AppState>) -> Response {
     if state.backend().is_ready() {
-        Ok(axum::Json(serde_json::json!({ "status": "ok" })).into_response())
+        axum::Json(serde_json::json!({ "status": "ok" })).into_response()
     } else {
-        Err(GatewayError::Unavailable {
-            reason: "the backend is not ready".into(),
-        })
+        // Not-ready is a state that start-up and load balancers poll for, not a failed request:
+        // answered in the error shape, but neither logged nor counted as an error.
+        let code = proto::ErrorCode::Unavailable;
+        let status = axum::http::StatusCode::from_u16(code.http_status())
+            .expect("the error table holds valid HTTP statuses");
+        let body = serde_json::json!({
+            "error": "backend unavailable: the backend is not ready",
+            "error_type": code.error_type(),
+        });
+        (status, axum::Json(body)).into_response()
     }
 }
 
