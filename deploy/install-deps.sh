@@ -6,6 +6,8 @@ set -euo pipefail
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+# etcd-client's build needs protobuf's well-known .proto files too.
+[ -f /usr/include/google/protobuf/descriptor.proto ] || need_apt+=(libprotobuf-dev)
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)

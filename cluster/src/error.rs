@@ -1,0 +1,48 @@
+use std::time::Duration;
+
+/// Everything that can go wrong in this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("etcd {op} failed: {source}")]
+    Etcd {
+        op: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+
+    #[error("etcd {op} timed out after {timeout_ms} ms")]
+    Timeout { op: &'static str, timeout_ms: u64 },
+
+    #[error("invalid node record at key {key}: {source}")]
+    InvalidRecord {
+        key: String,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    #[error("invalid cluster config: {field} {reason}, got {value:?}")]
+    InvalidConfig {
+        field: &'static str,
+        reason: &'static str,
+        value: String,
+    },
+
+    #[error("node {node_id} is not registered with etcd right now; the change is kept and written when it registers again")]
+    NotRegistered { node_id: String },
+
+    #[error("registration of node {node_id} has stopped")]
+    RegistrationStopped { node_id: String },
+}
+
+impl ClusterError {
+    pub(crate) fn etcd(op: &'static str) -> impl FnOnce(etcd_client::Error) -> ClusterError {
+        move |source| ClusterError::Etcd { op, source }
+    }
+
+    pub(crate) fn timeout(op: &'static str, timeout: Duration) -> ClusterError {
+        ClusterError::Timeout {
+            op,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}

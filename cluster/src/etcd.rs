@@ -1,0 +1,131 @@
+//! Connecting to etcd, per-call timeouts and retry backoff.
+
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+
+use crate::error::ClusterError;
+
+/// Where etcd is and how patiently to talk to it.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    /// For example `["http://127.0.0.1:2379"]`.
+    pub endpoints: Vec<String>,
+    /// Names the key space: `/fission/{cluster}/...`.
+    pub cluster: String,
+    pub connect_timeout_ms: u64,
+    /// Limit on each unary call (get, put, grant, revoke).
+    pub request_timeout_ms: u64,
+    /// First wait before retrying after etcd fails; doubles up to `retry_max_ms`.
+    pub retry_min_ms: u64,
+    pub retry_max_ms: u64,
+}
+
+impl EtcdConfig {
+    pub fn new(endpoints: Vec<String>, cluster: impl Into<String>) -> Self {
+        EtcdConfig {
+            endpoints,
+            cluster: cluster.into(),
+            connect_timeout_ms: 1_000,
+            request_timeout_ms: 2_000,
+            retry_min_ms: 100,
+            retry_max_ms: 1_000,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ClusterError> {
+        if self.endpoints.is_empty() {
+            return Err(ClusterError::InvalidConfig {
+                field: "etcd endpoints",
+                reason: "must name at least one endpoint",
+                value: String::new(),
+            });
+        }
+        if self.cluster.is_empty() || self.cluster.contains('/') {
+            return Err(ClusterError::InvalidConfig {
+                field: "cluster",
+                reason: "must be non-empty and contain no '/'",
+                value: self.cluster.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+
+    /// Builds a client. The channel connects lazily and reconnects by itself, so this succeeds
+    /// while etcd is down; calls fail until it is back.
+    pub(crate) async fn connect(&self) -> Result<Client, ClusterError> {
+        self.validate()?;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_millis(self.connect_timeout_ms))
+            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+        Client::connect(&self.endpoints, Some(options))
+            .await
+            .map_err(ClusterError::etcd("connect"))
+    }
+
+    pub(crate) fn backoff(&self) -> Backoff {
+        Backoff::new(
+            Duration::from_millis(self.retry_min_ms.max(1)),
+            Duration::from_millis(self.retry_max_ms.max(self.retry_min_ms.max(1))),
+        )
+    }
+}
+
+/// Runs one etcd call under the request timeout.
+pub(crate) async fn call<T>(
+    op: &'static str,
+    timeout: Duration,
+    fut: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, ClusterError> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(result) => result.map_err(ClusterError::etcd(op)),
+        Err(_) => Err(ClusterError::timeout(op, timeout)),
+    }
+}
+
+/// Doubling backoff between `min` and `max`.
+#[derive(Debug)]
+pub(crate) struct Backoff {
+    min: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub(crate) fn new(min: Duration, max: Duration) -> Self {
+        Backoff {
+            min,
+            max,
+            next: min,
+        }
+    }
+
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        delay
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.next = self.min;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_max_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(350));
+        let got: Vec<u128> = (0..4).map(|_| b.next_delay().as_millis()).collect();
+        assert_eq!(got, vec![100, 200, 350, 350]);
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_millis(100));
+    }
+}

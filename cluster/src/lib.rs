@@ -1,0 +1,24 @@
+//! Cluster membership over etcd.
+//!
+//! A node keeps a [`NodeRecord`] alive under a lease through a [`Registration`] handle and
+//! publishes its load under a separate key prefix; the gateway follows the members through
+//! [`EtcdDiscovery`], as whole snapshots and as a [`ClusterChange`] stream.
+//!
+//! Key layout, for a cluster named `c`:
+//! - `/fission/c/nodes/{role}/{node_id}`: the JSON [`NodeRecord`], attached to the node's lease.
+//! - `/fission/c/load/{role}/{node_id}`: the JSON [`NodeLoad`], attached to the same lease.
+//!
+//! This crate knows etcd and the record format only. It must not touch models, KV blocks or
+//! request routing: consumers decide what a member means.
+
+mod discovery;
+mod error;
+mod etcd;
+mod record;
+mod registration;
+
+pub use discovery::{ClusterChange, DiscoveryConfig, EtcdDiscovery, Members, MembershipFilter};
+pub use error::ClusterError;
+pub use etcd::EtcdConfig;
+pub use record::{KvLayout, NodeLoad, NodeRecord, Role};
+pub use registration::{Registration, RegistrationConfig};

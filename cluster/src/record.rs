@@ -1,0 +1,116 @@
+//! What a node says about itself, and where it says it.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The part a node plays in disaggregated serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a node lays out one KV block. Two nodes can only exchange blocks when these match.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// For example `"f16"` or `"bf16"`.
+    pub dtype: String,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+}
+
+/// One node's membership record, stored as JSON under [`NodeRecord::key`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node_id: String,
+    pub role: Role,
+    /// The node binary's version.
+    pub version: String,
+    /// `host:port` of the node's gRPC server.
+    pub grpc_endpoint: String,
+    /// `host:port` of the node's KV transfer endpoint.
+    pub kv_endpoint: String,
+    pub model_id: String,
+    /// Identifies the exact weights; nodes with different fingerprints must not share KV.
+    pub model_fingerprint: String,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    pub kv_layout: KvLayout,
+    pub total_kv_blocks: u64,
+    /// A draining node takes no new requests.
+    pub draining: bool,
+}
+
+impl NodeRecord {
+    pub fn key(&self, cluster: &str) -> String {
+        node_key(cluster, self.role, &self.node_id)
+    }
+
+    pub fn load_key(&self, cluster: &str) -> String {
+        load_key(cluster, self.role, &self.node_id)
+    }
+}
+
+/// A node's current load, stored as JSON under a key apart from its record so that membership
+/// watches do not wake up on every load change.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeLoad {
+    pub free_blocks: u64,
+    pub queued_prefill_tokens: u64,
+    pub running_sequences: u64,
+}
+
+pub(crate) fn nodes_prefix(cluster: &str, role: Option<Role>) -> String {
+    match role {
+        Some(role) => format!("/fission/{cluster}/nodes/{role}/"),
+        None => format!("/fission/{cluster}/nodes/"),
+    }
+}
+
+pub(crate) fn node_key(cluster: &str, role: Role, node_id: &str) -> String {
+    format!("/fission/{cluster}/nodes/{role}/{node_id}")
+}
+
+pub(crate) fn load_key(cluster: &str, role: Role, node_id: &str) -> String {
+    format!("/fission/{cluster}/load/{role}/{node_id}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_role_spelling() {
+        assert_eq!(
+            node_key("c1", Role::Prefill, "n1"),
+            "/fission/c1/nodes/prefill/n1"
+        );
+        assert_eq!(
+            load_key("c1", Role::Decode, "n2"),
+            "/fission/c1/load/decode/n2"
+        );
+        assert_eq!(nodes_prefix("c1", None), "/fission/c1/nodes/");
+        assert_eq!(
+            serde_json::to_string(&Role::Decode).unwrap(),
+            "\"decode\"".to_string()
+        );
+    }
+}
