@@ -87,48 +87,18 @@ impl<T: KvElem> AttentionArgs<'_, T> {
     /// Checks every argument against the layout and against each other, so that the kernels
     /// can index without any check failing.
     pub(crate) fn validate(&self, out_len: usize) -> Result<(), KernelError> {
-        let (layout, num_heads) = (self.layout, self.num_heads);
-        layout.validate()?;
-        layout.check_cache("k_cache", self.k_cache.len())?;
-        layout.check_cache("v_cache", self.v_cache.len())?;
-        if num_heads == 0 || num_heads % layout.num_kv_heads != 0 {
-            return Err(KernelError::HeadsNotDivisible {
-                num_heads,
-                num_kv_heads: layout.num_kv_heads,
-            });
-        }
-        if !self.scale.is_finite() {
-            return Err(KernelError::Invalid(format!(
-                "scale {} is not finite",
-                self.scale
-            )));
-        }
-        // Saturating: an overflowed count never equals a real slice length.
-        let num_tokens = self
-            .seqs
-            .iter()
-            .fold(0usize, |n, s| n.saturating_add(s.q_len));
-        let expected = num_tokens.saturating_mul(num_heads.saturating_mul(layout.head_dim));
-        check_len("q", expected, self.q.len())?;
-        check_len("out", expected, out_len)?;
-        for (i, s) in self.seqs.iter().enumerate() {
-            validate_seq(layout, i, s, num_tokens)?;
-        }
-
-        // Tiles of different sequences write `out` concurrently, so rows must not overlap.
-        let seqs = self.seqs;
-        let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].q_len > 0).collect();
-        order.sort_unstable_by_key(|&i| seqs[i].q_start);
-        for pair in order.windows(2) {
-            let (a, b) = (&seqs[pair[0]], &seqs[pair[1]]);
-            if a.q_start + a.q_len > b.q_start {
-                return Err(KernelError::OverlappingQueryRows {
-                    first: pair[0].min(pair[1]),
-                    second: pair[0].max(pair[1]),
-                });
-            }
-        }
-        Ok(())
+        validate_attention(
+            self.layout,
+            [
+                self.k_cache.len(),
+                self.v_cache.len(),
+                self.q.len(),
+                out_len,
+            ],
+            self.num_heads,
+            self.seqs,
+            self.scale,
+        )
     }
 
     /// Runs validated attention on `isa`, which must be one this CPU supports.
@@ -177,6 +147,54 @@ impl<T: KvElem> AttentionArgs<'_, T> {
             unsafe { merge.write(&partials, self.num_heads, group, d, &out) };
         });
     }
+}
+
+/// The checks of [`AttentionArgs::validate`] on buffer lengths alone (`[k_cache, v_cache, q,
+/// out]`), so that the CUDA wrappers, whose buffers live on the device, share them.
+pub(crate) fn validate_attention(
+    layout: &KvLayout,
+    [k_len, v_len, q_len, out_len]: [usize; 4],
+    num_heads: usize,
+    seqs: &[SeqAttn<'_>],
+    scale: f32,
+) -> Result<(), KernelError> {
+    layout.validate()?;
+    layout.check_cache("k_cache", k_len)?;
+    layout.check_cache("v_cache", v_len)?;
+    if num_heads == 0 || num_heads % layout.num_kv_heads != 0 {
+        return Err(KernelError::HeadsNotDivisible {
+            num_heads,
+            num_kv_heads: layout.num_kv_heads,
+        });
+    }
+    if !scale.is_finite() {
+        return Err(KernelError::Invalid(format!(
+            "scale {} is not finite",
+            scale
+        )));
+    }
+    // Saturating: an overflowed count never equals a real slice length.
+    let num_tokens = seqs.iter().fold(0usize, |n, s| n.saturating_add(s.q_len));
+    let expected = num_tokens.saturating_mul(num_heads.saturating_mul(layout.head_dim));
+    check_len("q", expected, q_len)?;
+    check_len("out", expected, out_len)?;
+    for (i, s) in seqs.iter().enumerate() {
+        validate_seq(layout, i, s, num_tokens)?;
+    }
+
+    // Tiles of different sequences write `out` concurrently, so rows must not overlap.
+    let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].q_len > 0).collect();
+    order.sort_unstable_by_key(|&i| seqs[i].q_start);
+    for pair in order.windows(2) {
+        let (a, b) = (&seqs[pair[0]], &seqs[pair[1]]);
+        if a.q_start + a.q_len > b.q_start {
+            return Err(KernelError::OverlappingQueryRows {
+                first: pair[0].min(pair[1]),
+                second: pair[0].max(pair[1]),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Checks one sequence: causal shape, its rows inside the batch, its block table.

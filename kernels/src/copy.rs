@@ -135,7 +135,7 @@ pub fn copy_blocks<T: KvElem>(
 }
 
 /// Shared validation of gather and scatter: layout, cache sizes, block ids, buffer size.
-fn check_transfer(
+pub(crate) fn check_transfer(
     layout: &KvLayout,
     k_len: usize,
     v_len: usize,

@@ -48,4 +48,8 @@ pub enum KernelError {
     OverlappingQueryRows { first: usize, second: usize },
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// A CUDA driver call failed: no device, out of memory, a failed launch.
+    #[cfg(feature = "cuda")]
+    #[error("cuda: {0}")]
+    Cuda(#[from] cudarc::driver::DriverError),
 }

@@ -1,4 +1,5 @@
-//! Paged attention and KV block copies, in portable Rust for CPU (CUDA comes behind the `cuda` feature).
+//! Paged attention and KV block copies, in portable Rust for CPU and in CUDA behind the `cuda`
+//! feature (module `cuda`; the CUDA C++ sources are in `kernels/cuda/`).
 //!
 //! This crate knows byte layouts and block ids only: it must not depend on models, tokenizers or networking.
 //!
@@ -9,9 +10,13 @@
 
 mod attention;
 mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod elem;
 mod error;
 mod gemv;
+#[cfg(any(feature = "cuda", test))]
+mod gpu_plan;
 mod layout;
 mod narrow;
 pub mod reference;
