@@ -16,7 +16,9 @@ use crate::sampling::{sample, SampledToken, SamplingParams};
 use crate::scheduler::{Batch, NewSequence, Scheduler, SchedulerConfig};
 use crate::stopping::{FinishReason, StoppingCriteria};
 
+mod cache_events;
 mod disagg;
+pub use crate::kv::allocator::CacheEvent;
 pub use disagg::{LayerDone, LayerHook};
 
 /// Sizing and batching limits of one engine.

@@ -10,11 +10,27 @@
 //!
 //! A block holds a hash exactly when the hash index maps that hash to it, so one hash is held
 //! by at most one block. Every operation is O(1) or O(log n) in the number of blocks.
+//!
+//! When [`BlockAllocator::enable_events`] is on, every change to the set of held hashes is
+//! also recorded as a [`CacheEvent`], so a node can publish its prefix cache to routers as a
+//! stream of deltas instead of repeated full dumps of [`BlockAllocator::cached_hashes`].
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
+
+/// One change to the set of hashes the allocator holds (used or cached blocks alike).
+///
+/// Events are kept in the order they happened: a hash can be stored, evicted and stored again,
+/// and only replaying them in order gives the right final set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheEvent {
+    /// The hash entered the index: a full block with this content can now be shared.
+    Stored(u64),
+    /// The hash left the index: its block was evicted and reused.
+    Removed(u64),
+}
 
 /// Book-keeping for one block.
 #[derive(Debug, Clone, Copy, Default)]
@@ -42,6 +58,9 @@ pub struct BlockAllocator {
     num_used: usize,
     prefix_hit_blocks: u64,
     prefix_queried_blocks: u64,
+    /// Changes to `hash_index` not yet taken, in order; `None` while recording is off, so an
+    /// engine that publishes nothing pays one branch per change and no memory.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl BlockAllocator {
@@ -64,6 +83,7 @@ impl BlockAllocator {
             num_used: 0,
             prefix_hit_blocks: 0,
             prefix_queried_blocks: 0,
+            events: None,
         }
     }
 
@@ -111,6 +131,7 @@ impl BlockAllocator {
             meta.lru_tick = None;
             if let Some(hash) = meta.hash.take() {
                 self.hash_index.remove(&hash);
+                self.record(CacheEvent::Removed(hash));
             }
             id
         } else {
@@ -182,6 +203,7 @@ impl BlockAllocator {
             Some(meta) if meta.ref_count > 0 && meta.hash.is_none() => {
                 meta.hash = Some(hash);
                 self.hash_index.insert(hash, id);
+                self.record(CacheEvent::Stored(hash));
             }
             _ => {
                 tracing::debug!(block_id = %id, "register_hash ignored for a block that is not in use or already hashed");
@@ -227,9 +249,34 @@ impl BlockAllocator {
         self.hash_index.keys().copied()
     }
 
+    /// Starts recording [`CacheEvent`]s; does nothing when recording is already on (pending
+    /// events are kept).
+    ///
+    /// A subscriber that takes [`cached_hashes`](Self::cached_hashes) right after enabling, or
+    /// right after a [`take_events`](Self::take_events), and then applies every later batch of
+    /// taken events in order, holds exactly the allocator's set of hashes.
+    pub fn enable_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// The events recorded since the last call, oldest first; empty while recording is off.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
     /// `(hit blocks, queried blocks)` over every prefix-cache lookup so far.
     pub fn prefix_stats(&self) -> (u64, u64) {
         (self.prefix_hit_blocks, self.prefix_queried_blocks)
+    }
+
+    fn record(&mut self, event: CacheEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
+        }
     }
 
     fn take_cached(&mut self, hash: u64) -> Option<BlockId> {
@@ -295,7 +342,7 @@ impl BlockAllocator {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
+    use std::collections::{HashMap, HashSet};
 
     use proptest::prelude::*;
 
@@ -415,6 +462,47 @@ mod tests {
         alloc.assert_consistent();
     }
 
+    #[test]
+    fn events_are_off_by_default_and_record_nothing() {
+        let mut alloc = BlockAllocator::new(1, 16);
+        assert!(!alloc.events_enabled());
+        let a = alloc.allocate().unwrap();
+        alloc.register_hash(a, 1);
+        alloc.free(a).unwrap();
+        let b = alloc.allocate().unwrap();
+        assert_eq!(a, b, "the cached block was evicted");
+        assert!(alloc.take_events().is_empty());
+        assert!(alloc.events.is_none(), "nothing is buffered while off");
+    }
+
+    #[test]
+    fn events_keep_the_order_of_store_evict_store() {
+        let mut alloc = BlockAllocator::new(1, 16);
+        alloc.enable_events();
+        let a = alloc.allocate().unwrap();
+        alloc.register_hash(a, 1);
+        // Neither a duplicate hash nor a second hash on the same block enters the index.
+        alloc.register_hash(a, 1);
+        alloc.register_hash(a, 2);
+        alloc.free(a).unwrap();
+        let a = alloc.allocate().unwrap();
+        alloc.register_hash(a, 1);
+        assert_eq!(
+            alloc.take_events(),
+            vec![
+                CacheEvent::Stored(1),
+                CacheEvent::Removed(1),
+                CacheEvent::Stored(1)
+            ]
+        );
+        assert!(alloc.take_events().is_empty(), "take drains");
+        // Enabling again keeps recording without losing pending events.
+        alloc.free(a).unwrap();
+        alloc.allocate().unwrap();
+        alloc.enable_events();
+        assert_eq!(alloc.take_events(), vec![CacheEvent::Removed(1)]);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Allocate,
@@ -521,6 +609,64 @@ mod tests {
             }
             prop_assert_eq!(alloc.num_free(), num_blocks);
             prop_assert_eq!(alloc.num_used(), 0);
+        }
+
+        /// A subscriber that starts from a dump and applies each drained batch in order holds
+        /// exactly the allocator's hashes after every batch.
+        #[test]
+        fn replayed_events_equal_cached_hashes(
+            num_blocks in 1usize..6,
+            warm_up in proptest::collection::vec(op(), 0..50),
+            ops in proptest::collection::vec((op(), proptest::bool::weighted(0.3)), 0..300),
+        ) {
+            let mut alloc = BlockAllocator::new(num_blocks, 4);
+            let mut held: Vec<BlockId> = Vec::new();
+            // Recording starts mid-life, so the replica must start from the dump.
+            for op in warm_up {
+                apply_op(&mut alloc, &mut held, op);
+            }
+            alloc.enable_events();
+            let mut replica: HashSet<u64> = alloc.cached_hashes().collect();
+            for (op, take) in ops {
+                apply_op(&mut alloc, &mut held, op);
+                if take {
+                    for event in alloc.take_events() {
+                        match event {
+                            // Every event changes the set: none is redundant.
+                            CacheEvent::Stored(hash) => prop_assert!(replica.insert(hash)),
+                            CacheEvent::Removed(hash) => prop_assert!(replica.remove(&hash)),
+                        }
+                    }
+                    prop_assert_eq!(&replica, &alloc.cached_hashes().collect::<HashSet<_>>());
+                }
+            }
+        }
+    }
+
+    /// Applies `op` the way a sequence would, ignoring ops that do not apply.
+    fn apply_op(alloc: &mut BlockAllocator, held: &mut Vec<BlockId>, op: Op) {
+        match op {
+            Op::Allocate => held.extend(alloc.allocate().ok()),
+            Op::AllocateN(n) => held.extend(alloc.allocate_n(n).unwrap_or_default()),
+            Op::Incref(i) if !held.is_empty() => {
+                let id = held[i % held.len()];
+                alloc.incref(id).unwrap();
+                held.push(id);
+            }
+            Op::Free(i) if !held.is_empty() => {
+                let id = held.swap_remove(i % held.len());
+                alloc.free(id).unwrap();
+            }
+            Op::FreeRaw(raw) => {
+                if let Some(pos) = held.iter().position(|&h| h.0 == raw) {
+                    alloc.free(held.swap_remove(pos)).unwrap();
+                }
+            }
+            Op::Register(i, hash) if !held.is_empty() => {
+                alloc.register_hash(held[i % held.len()], hash);
+            }
+            Op::Acquire(hash) => held.extend(alloc.acquire_cached(hash)),
+            _ => {}
         }
     }
 }
