@@ -161,7 +161,7 @@ pub(crate) fn validate_attention(
     layout.validate()?;
     layout.check_cache("k_cache", k_len)?;
     layout.check_cache("v_cache", v_len)?;
-    if num_heads == 0 || num_heads % layout.num_kv_heads != 0 {
+    if num_heads == 0 || !num_heads.is_multiple_of(layout.num_kv_heads) {
         return Err(KernelError::HeadsNotDivisible {
             num_heads,
             num_kv_heads: layout.num_kv_heads,
