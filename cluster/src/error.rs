@@ -13,6 +13,9 @@ pub enum ClusterError {
     #[error("etcd {op} timed out after {timeout_ms} ms")]
     Timeout { op: &'static str, timeout_ms: u64 },
 
+    #[error("local etcd: {0}")]
+    LocalEtcd(String),
+
     #[error("invalid node record at key {key}: {source}")]
     InvalidRecord {
         key: String,

@@ -14,11 +14,17 @@
 mod discovery;
 mod error;
 mod etcd;
+mod fingerprint;
+mod load;
+mod local_etcd;
 mod record;
 mod registration;
 
 pub use discovery::{ClusterChange, DiscoveryConfig, EtcdDiscovery, Members, MembershipFilter};
 pub use error::ClusterError;
 pub use etcd::EtcdConfig;
+pub use fingerprint::model_fingerprint;
+pub use load::{list_nodes, LoadWatch, Loads, NodeStatus};
+pub use local_etcd::LocalEtcd;
 pub use record::{KvLayout, NodeLoad, NodeRecord, Role};
 pub use registration::{Registration, RegistrationConfig};

@@ -89,6 +89,10 @@ pub(crate) fn node_key(cluster: &str, role: Role, node_id: &str) -> String {
     format!("/fission/{cluster}/nodes/{role}/{node_id}")
 }
 
+pub(crate) fn load_prefix(cluster: &str) -> String {
+    format!("/fission/{cluster}/load/")
+}
+
 pub(crate) fn load_key(cluster: &str, role: Role, node_id: &str) -> String {
     format!("/fission/{cluster}/load/{role}/{node_id}")
 }

@@ -14,6 +14,7 @@ use engine::sampling::SampledToken;
 use engine::stopping::FinishReason;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use node_common::engine_state::EngineState;
 use node_common::NodeError;
 
 /// Tokens of one sequence, or the error that ended it.
@@ -54,11 +55,11 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Starts the engine thread. It ends when every handle is dropped.
-    pub fn spawn(engine: Engine) -> Self {
+    pub fn spawn(engine: Engine, state: EngineState) -> Self {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("decode-engine".into())
-            .spawn(move || run_engine_task(engine, rx))
+            .spawn(move || run_engine_task(engine, state, rx))
             .expect("spawning the engine thread");
         EngineHandle { tx }
     }
@@ -125,7 +126,8 @@ struct Task {
     poisoned: HashMap<SeqId, String>,
 }
 
-fn run_engine_task(engine: Engine, rx: mpsc::Receiver<Command>) {
+fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
+    engine.enable_cache_events();
     // Test-only: slows every step so tests can act mid-generation on a tiny model.
     let step_delay = std::env::var("FISSION_DEBUG_STEP_DELAY_MS")
         .ok()
@@ -163,6 +165,7 @@ fn run_engine_task(engine: Engine, rx: mpsc::Receiver<Command>) {
             }
         }
         t.publish_gauges();
+        state.publish(&mut t.engine, 0);
     }
 }
 

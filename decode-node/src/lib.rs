@@ -16,7 +16,9 @@ use std::time::Duration;
 use clap::Args;
 use kvtransfer::{KvServer, QuicConfig, QuicServer, TcpConfig, TcpServer, TransferRegistry};
 use node_common::engine_args::EngineArgs;
+use node_common::engine_state::EngineState;
 use node_common::kv::{KvArgs, KvBackend};
+use node_common::membership::{node_record, ClusterArgs, Membership};
 use node_common::NodeError;
 use proto::v1::decode_server::DecodeServer;
 use tokio::net::TcpListener;
@@ -26,18 +28,18 @@ pub use actor::EngineHandle;
 
 #[derive(Args, Debug, Clone)]
 pub struct DecodeConfig {
-    #[arg(long, env = "FISSION_NODE_ID", default_value = "decode-0")]
-    pub node_id: String,
+    /// Unique in the cluster; a random `decode-…` id by default.
+    #[arg(long, env = "FISSION_NODE_ID")]
+    pub node_id: Option<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
     #[command(flatten)]
     pub kv: KvArgs,
     /// How long a reservation waits for its KV before its blocks are freed.
     #[arg(long, env = "FISSION_KV_LEASE_MS", default_value_t = 10_000)]
     pub lease_ms: u64,
-    /// Host put in the kv_endpoint given to prefill nodes.
-    #[arg(long, env = "FISSION_ADVERTISE_HOST", default_value = "127.0.0.1")]
-    pub advertise_host: String,
 }
 
 /// Sockets the node serves on, bound by the caller (tests bind port 0).
@@ -54,20 +56,23 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let metrics = node_common::metrics_http::install_recorder();
-    let started = config
-        .engine
-        .start_engine(&config.node_id, "decode")
-        .await?;
+    let node_id = config
+        .node_id
+        .clone()
+        .unwrap_or_else(|| node_common::membership::random_node_id("decode"));
+    let started = config.engine.start_engine(&node_id, "decode").await?;
     let engine = started.engine;
     let mut info = started.info;
     let layout = engine.cache().desc();
-    let handle = EngineHandle::spawn(engine);
+    let (state, state_rx) = EngineState::new(layout.block_size);
+    let handle = EngineHandle::spawn(engine, state);
 
     let registry = TransferRegistry::new(Default::default());
     let sink = Arc::new(sink::EngineSink {
         handle: handle.clone(),
     });
-    let kv_shutdown = shutdown.child_token();
+    // The data plane and /metrics outlive `shutdown`: a draining node still receives KV.
+    let kv_shutdown = CancellationToken::new();
     let (kv_port, kv_task) = match config.kv.kv_transport {
         KvBackend::Quic => {
             let server =
@@ -83,7 +88,7 @@ pub async fn run(
             (port, task)
         }
     };
-    let kv_endpoint = format!("{}:{kv_port}", config.advertise_host);
+    let kv_endpoint = format!("{}:{kv_port}", config.cluster.advertise_host);
     info.kv_endpoint = kv_endpoint.clone();
     let service = service::DecodeService::new(
         handle,
@@ -91,12 +96,15 @@ pub async fn run(
         layout,
         kv_endpoint.clone(),
         Duration::from_millis(config.lease_ms),
-        info,
+        info.clone(),
+        Arc::clone(&state_rx.cache),
+        shutdown.clone(),
     );
+    let work = service.work.clone();
     let metrics_task = tokio::spawn(node_common::metrics_http::serve(
         listeners.metrics,
         metrics,
-        shutdown.clone(),
+        kv_shutdown.clone(),
     ));
     let grpc_addr = listeners
         .grpc
@@ -105,18 +113,33 @@ pub async fn run(
             what: "grpc listener".into(),
             source,
         })?;
-    tracing::info!(node_id = %config.node_id, %grpc_addr, %kv_endpoint, "decode node serving");
-    tonic::transport::Server::builder()
-        .add_service(DecodeServer::new(service))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
-            shutdown.cancelled(),
-        )
+    tracing::info!(%node_id, %grpc_addr, %kv_endpoint, "decode node serving");
+    let server_stop = CancellationToken::new();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeServer::new(service))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+                server_stop.clone().cancelled_owned(),
+            ),
+    );
+    let record = node_record(
+        &info,
+        cluster::Role::Decode,
+        format!("{}:{}", config.cluster.advertise_host, grpc_addr.port()),
+        kv_endpoint,
+    );
+    let membership = Membership::join(&config.cluster, record, state_rx.load.clone()).await?;
+    shutdown.cancelled().await;
+    membership.drain(state_rx.load.clone(), &work).await;
+    server_stop.cancel();
+    server
         .await
+        .map_err(|e| NodeError::Grpc(e.to_string()))?
         .map_err(|e| NodeError::Grpc(e.to_string()))?;
     kv_shutdown.cancel();
     let _ = kv_task.await;
     let _ = metrics_task.await;
-    tracing::info!(node_id = %config.node_id, "decode node stopped");
+    tracing::info!(%node_id, "decode node stopped");
     Ok(())
 }

@@ -11,11 +11,14 @@ use std::time::Duration;
 use engine::ids::{BlockId, SeqId};
 use futures::Stream;
 use kvtransfer::{KvLayout as WireLayout, Reservation, TransferRegistry};
+use node_common::cache_events::{CacheEventLog, CacheEventStream};
 use node_common::convert;
+use node_common::membership::{WorkGuard, WorkTracker};
 use proto::v1::decode_server::Decode;
 use proto::v1::{self, reserve_response};
 use proto::ErrorCode;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::actor::{EngineHandle, TokenMsg, TokenTx};
@@ -38,6 +41,11 @@ pub struct DecodeService {
     pub(crate) info: v1::NodeInfo,
     pending: Arc<Mutex<HashMap<u64, Pending>>>,
     next_seq: AtomicU64,
+    /// Token streams in flight: a draining node waits for them.
+    pub(crate) work: WorkTracker,
+    pub(crate) cache_log: Arc<CacheEventLog>,
+    /// Cancelled by the Drain RPC: the same path as SIGTERM.
+    pub(crate) drain: CancellationToken,
 }
 
 impl DecodeService {
@@ -48,6 +56,8 @@ impl DecodeService {
         kv_endpoint: String,
         lease: Duration,
         info: v1::NodeInfo,
+        cache_log: Arc<CacheEventLog>,
+        drain: CancellationToken,
     ) -> Self {
         DecodeService {
             handle,
@@ -58,6 +68,9 @@ impl DecodeService {
             info,
             pending: Arc::new(Mutex::new(HashMap::new())),
             next_seq: AtomicU64::new(1),
+            work: WorkTracker::default(),
+            cache_log,
+            drain,
         }
     }
 
@@ -215,7 +228,11 @@ impl Decode for DecodeService {
                 }
             })),
         };
-        Ok(Response::new(Box::pin(EngineTokens { rx, guard })))
+        Ok(Response::new(Box::pin(EngineTokens {
+            rx,
+            guard,
+            _work: self.work.begin(),
+        })))
     }
 
     type LocalGenerateStream = TokenStream;
@@ -244,7 +261,11 @@ impl Decode for DecodeService {
             finished: false,
             on_drop: None,
         };
-        Ok(Response::new(Box::pin(EngineTokens { rx, guard })))
+        Ok(Response::new(Box::pin(EngineTokens {
+            rx,
+            guard,
+            _work: self.work.begin(),
+        })))
     }
 
     async fn done(
@@ -349,6 +370,25 @@ impl Decode for DecodeService {
     async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
         Ok(Response::new(self.info.clone()))
     }
+
+    async fn drain(
+        &self,
+        _: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        let started = !self.drain.is_cancelled();
+        tracing::info!(node_id = %self.info.node_id, started, "drain requested over gRPC");
+        self.drain.cancel();
+        Ok(Response::new(v1::DrainResponse { started }))
+    }
+
+    type CacheEventsStream = CacheEventStream;
+
+    async fn cache_events(
+        &self,
+        _: Request<v1::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        Ok(Response::new(self.cache_log.stream()))
+    }
 }
 
 /// Cancels the sequence when a stream is dropped before its final token: the client left.
@@ -373,6 +413,7 @@ impl Drop for CancelOnDrop {
 struct EngineTokens {
     rx: mpsc::UnboundedReceiver<TokenMsg>,
     guard: CancelOnDrop,
+    _work: WorkGuard,
 }
 
 impl Stream for EngineTokens {

@@ -31,6 +31,9 @@ enum Command {
     Node(cmd::serve::NodeCommand),
     /// Run the gateway.
     Gateway(cmd::serve::GatewayCmd),
+    /// Inspect or drain the nodes of a running cluster.
+    #[command(subcommand)]
+    Nodes(cmd::nodes::NodesCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -54,5 +57,6 @@ fn main() -> anyhow::Result<()> {
         Command::Up(args) => cmd::up::run(args),
         Command::Node(c) => cmd::serve::run_node(c),
         Command::Gateway(c) => cmd::serve::run_gateway(c),
+        Command::Nodes(c) => cmd::nodes::run(c),
     }
 }

@@ -4,7 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::cluster::{ClusterBackend, ClusterConfig, Pools, StaticDiscovery};
+use crate::cluster::{
+    policy, ClusterBackend, ClusterConfig, Discovery, EtcdMembers, PolicyKind, Pools,
+    StaticDiscovery,
+};
 use crate::{GatewayConfig, GatewayError};
 use clap::Args;
 use tokio_util::sync::CancellationToken;
@@ -17,15 +20,25 @@ pub struct GatewayArgs {
     /// The model id reported by the APIs; defaults to the directory name.
     #[arg(long, env = "FISSION_MODEL_ID")]
     pub model_id: Option<String>,
-    /// Prefill nodes' gRPC `host:port`, comma separated.
+    /// etcd endpoints, comma separated: nodes are discovered there as they register and
+    /// leave. Without it, `--decode-nodes` (and `--prefill-nodes`) give a static cluster.
+    #[arg(long, env = "FISSION_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// The cluster's name in etcd (its key prefix).
+    #[arg(long, env = "FISSION_CLUSTER", default_value = "fission")]
+    pub cluster: String,
+    /// How prefill and decode nodes are picked.
+    #[arg(long, env = "FISSION_ROUTING", value_enum, default_value_t = PolicyKind::CacheAware)]
+    pub routing: PolicyKind,
+    /// Prefill nodes' gRPC `host:port`, comma separated (static clusters).
     #[arg(long, env = "FISSION_PREFILL_NODES", value_delimiter = ',')]
     pub prefill_nodes: Vec<String>,
-    /// Decode nodes' gRPC `host:port`, comma separated.
+    /// Decode nodes' gRPC `host:port`, comma separated (static clusters).
     #[arg(
         long,
         env = "FISSION_DECODE_NODES",
         value_delimiter = ',',
-        required = true
+        required_unless_present = "etcd"
     )]
     pub decode_nodes: Vec<String>,
     /// Prompts shorter than this are prefilled on the decode node (conditional disaggregation).
@@ -99,13 +112,29 @@ pub async fn run_cluster(
     config.max_new_tokens_default = cli.max_new_tokens_default;
     config.request_timeout_ms = cli.request_timeout_ms;
     config.eos_token_ids = stop_ids(&cli.model_dir);
-    let discovery = Arc::new(StaticDiscovery::new(&cli.prefill_nodes, &cli.decode_nodes));
+    let discovery: Arc<dyn Discovery> = if cli.etcd.is_empty() {
+        Arc::new(StaticDiscovery::new(&cli.prefill_nodes, &cli.decode_nodes))
+    } else {
+        // The gateway's own weights define the cluster's model when it has them; otherwise
+        // the first node to register does.
+        let fingerprint = cluster::model_fingerprint(&cli.model_dir).ok();
+        tracing::info!(etcd = ?cli.etcd, cluster = %cli.cluster, fingerprint = ?fingerprint, routing = %cli.routing, "discovering nodes in etcd");
+        let etcd = cluster::EtcdConfig::new(cli.etcd.clone(), cli.cluster.clone());
+        Arc::new(
+            EtcdMembers::start(etcd, fingerprint)
+                .await
+                .map_err(|e| GatewayError::Config {
+                    message: format!("etcd: {e}"),
+                })?,
+        )
+    };
     let pools = Pools::spawn(discovery);
     let backend = Arc::new(ClusterBackend::new(
         pools,
         ClusterConfig {
             max_local_prefill_tokens: cli.max_local_prefill_tokens,
         },
+        policy(cli.routing),
     ));
     crate::run(config, listener, backend, shutdown).await
 }

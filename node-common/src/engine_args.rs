@@ -68,24 +68,18 @@ impl EngineArgs {
     }
 }
 
-/// A stable identity of the served weights and layout: nodes whose fingerprints differ must
-/// never exchange KV.
+/// The identity of the served weights (see [`cluster::model_fingerprint`]); nodes whose
+/// fingerprints differ must never exchange KV. The dtype is not in it: the KV layout says that.
 pub fn model_fingerprint(model: &LoadedModel) -> String {
-    let config = std::fs::read(&model.files.config).unwrap_or_default();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut feed = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    feed(&config);
-    for w in &model.files.weights {
-        let len = std::fs::metadata(w).map(|m| m.len()).unwrap_or(0);
-        feed(&len.to_le_bytes());
-    }
-    feed(format!("{:?}", model.model.dtype()).as_bytes());
-    format!("{h:016x}")
+    let dir = model
+        .files
+        .config
+        .parent()
+        .unwrap_or(std::path::Path::new("."));
+    cluster::model_fingerprint(dir).unwrap_or_else(|e| {
+        tracing::warn!(dir = %dir.display(), error = %e, "cannot fingerprint the model files");
+        "unknown".to_string()
+    })
 }
 
 /// Shared model handle type.

@@ -4,10 +4,13 @@
 //! Nothing here routes requests: that is the gateway's. Nothing here computes: that is the
 //! engine's.
 
+pub mod cache_events;
 pub mod convert;
 pub mod engine_args;
+pub mod engine_state;
 pub mod error;
 pub mod kv;
+pub mod membership;
 pub mod metrics_http;
 mod process;
 

@@ -12,6 +12,7 @@ use engine::error::EngineError;
 use engine::ids::SeqId;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use node_common::engine_state::EngineState;
 use node_common::NodeError;
 
 /// One layer of one prompt, ready to send.
@@ -45,11 +46,11 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    pub fn spawn(engine: Engine) -> Self {
+    pub fn spawn(engine: Engine, state: EngineState) -> Self {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("prefill-engine".into())
-            .spawn(move || run_engine_task(engine, rx))
+            .spawn(move || run_engine_task(engine, state, rx))
             .expect("spawning the engine thread");
         EngineHandle { tx }
     }
@@ -76,9 +77,11 @@ struct Pending {
     layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
     reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
     admitted: Instant,
+    prompt_tokens: u64,
 }
 
-fn run_engine_task(mut engine: Engine, rx: mpsc::Receiver<Command>) {
+fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
+    engine.enable_cache_events();
     let mut pending: HashMap<SeqId, Pending> = HashMap::new();
     loop {
         let first = if engine.has_work() {
@@ -98,6 +101,7 @@ fn run_engine_task(mut engine: Engine, rx: mpsc::Receiver<Command>) {
             match c {
                 Command::Prefill { req, layers, reply } => {
                     let seq_id = req.seq_id;
+                    let prompt_tokens = req.prompt_ids.len() as u64;
                     match engine.add_prefill_request(req) {
                         Ok(()) => {
                             pending.insert(
@@ -106,6 +110,7 @@ fn run_engine_task(mut engine: Engine, rx: mpsc::Receiver<Command>) {
                                     layers,
                                     reply,
                                     admitted: Instant::now(),
+                                    prompt_tokens,
                                 },
                             );
                         }
@@ -134,6 +139,10 @@ fn run_engine_task(mut engine: Engine, rx: mpsc::Receiver<Command>) {
         metrics::gauge!("fission_prefill_prefix_cache_hit_blocks").set(s.prefix_hit_blocks as f64);
         metrics::gauge!("fission_prefill_prefix_cache_queried_blocks")
             .set(s.prefix_query_blocks as f64);
+        // Tokens of prompts admitted and not yet answered: what a router weighs a node by.
+        let queued: u64 = pending.values().map(|p| p.prompt_tokens).sum();
+        metrics::gauge!("fission_prefill_queued_prefill_tokens").set(queued as f64);
+        state.publish(&mut engine, queued);
     }
 }
 

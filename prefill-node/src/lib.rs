@@ -12,7 +12,9 @@ use std::sync::Arc;
 use clap::Args;
 use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
 use node_common::engine_args::EngineArgs;
+use node_common::engine_state::EngineState;
 use node_common::kv::{KvArgs, KvBackend};
+use node_common::membership::{node_record, ClusterArgs, Membership, WorkTracker};
 use node_common::NodeError;
 use proto::v1::prefill_server::PrefillServer;
 use tokio::net::TcpListener;
@@ -20,10 +22,13 @@ use tokio_util::sync::CancellationToken;
 
 #[derive(Args, Debug, Clone)]
 pub struct PrefillConfig {
-    #[arg(long, env = "FISSION_NODE_ID", default_value = "prefill-0")]
-    pub node_id: String,
+    /// Unique in the cluster; a random `prefill-…` id by default.
+    #[arg(long, env = "FISSION_NODE_ID")]
+    pub node_id: Option<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
     #[command(flatten)]
     pub kv: KvArgs,
 }
@@ -39,14 +44,16 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let metrics = node_common::metrics_http::install_recorder();
-    let started = config
-        .engine
-        .start_engine(&config.node_id, "prefill")
-        .await?;
+    let node_id = config
+        .node_id
+        .clone()
+        .unwrap_or_else(|| node_common::membership::random_node_id("prefill"));
+    let started = config.engine.start_engine(&node_id, "prefill").await?;
     let engine = started.engine;
     let info = started.info;
     let layout = engine.cache().desc();
-    let handle = actor::EngineHandle::spawn(engine);
+    let (state, state_rx) = EngineState::new(layout.block_size);
+    let handle = actor::EngineHandle::spawn(engine, state);
     let transport = match config.kv.kv_transport {
         KvBackend::Quic => push::Transport::Quic(QuicTransport::new(
             &config.kv.tls()?,
@@ -59,13 +66,19 @@ pub async fn run(
         transport: Arc::new(transport),
         clients: push::DecodeClients::default(),
         layout,
-        info,
+        info: info.clone(),
         next_seq: AtomicU64::new(1),
+        work: WorkTracker::default(),
+        cache_log: Arc::clone(&state_rx.cache),
+        drain: shutdown.clone(),
     };
+    let work = service.work.clone();
+    // /metrics outlives `shutdown`: a draining node is still observed.
+    let metrics_stop = CancellationToken::new();
     let metrics_task = tokio::spawn(node_common::metrics_http::serve(
         listeners.metrics,
         metrics,
-        shutdown.clone(),
+        metrics_stop.clone(),
     ));
     let grpc_addr = listeners
         .grpc
@@ -74,16 +87,32 @@ pub async fn run(
             what: "grpc listener".into(),
             source,
         })?;
-    tracing::info!(node_id = %config.node_id, %grpc_addr, "prefill node serving");
-    tonic::transport::Server::builder()
-        .add_service(PrefillServer::new(service))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
-            shutdown.cancelled(),
-        )
+    tracing::info!(%node_id, %grpc_addr, "prefill node serving");
+    let server_stop = CancellationToken::new();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PrefillServer::new(service))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+                server_stop.clone().cancelled_owned(),
+            ),
+    );
+    let record = node_record(
+        &info,
+        cluster::Role::Prefill,
+        format!("{}:{}", config.cluster.advertise_host, grpc_addr.port()),
+        String::new(),
+    );
+    let membership = Membership::join(&config.cluster, record, state_rx.load.clone()).await?;
+    shutdown.cancelled().await;
+    membership.drain(state_rx.load.clone(), &work).await;
+    server_stop.cancel();
+    server
         .await
+        .map_err(|e| NodeError::Grpc(e.to_string()))?
         .map_err(|e| NodeError::Grpc(e.to_string()))?;
+    metrics_stop.cancel();
     let _ = metrics_task.await;
-    tracing::info!(node_id = %config.node_id, "prefill node stopped");
+    tracing::info!(%node_id, "prefill node stopped");
     Ok(())
 }

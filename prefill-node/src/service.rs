@@ -5,11 +5,14 @@ use std::sync::Arc;
 
 use engine::ids::SeqId;
 use engine::kv::cache::KvLayoutDesc;
+use node_common::cache_events::{CacheEventLog, CacheEventStream};
 use node_common::convert;
+use node_common::membership::WorkTracker;
 use proto::v1::prefill_server::Prefill;
 use proto::v1::{self};
 use proto::ErrorCode;
 use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::actor::EngineHandle;
@@ -22,6 +25,11 @@ pub struct PrefillService {
     pub(crate) layout: KvLayoutDesc,
     pub(crate) info: v1::NodeInfo,
     pub(crate) next_seq: AtomicU64,
+    /// Prefill calls and their KV pushes in flight: a draining node waits for them.
+    pub(crate) work: WorkTracker,
+    pub(crate) cache_log: Arc<CacheEventLog>,
+    /// Cancelled by the Drain RPC: the same path as SIGTERM.
+    pub(crate) drain: CancellationToken,
 }
 
 impl PrefillService {
@@ -42,6 +50,7 @@ impl Prefill for PrefillService {
         &self,
         request: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
+        let _work = self.work.begin();
         let r = request.into_inner();
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let num_tokens = r.prompt_ids.len();
@@ -66,7 +75,8 @@ impl Prefill for PrefillService {
                 let (ftx, frx) = oneshot::channel();
                 first_tx = Some(ftx);
                 let wire = node_common::kv::wire_layout(&self.layout);
-                tokio::spawn(run_push_task(
+                let push_work = self.work.begin();
+                let push = run_push_task(
                     Arc::clone(&self.transport),
                     self.clients.clone(),
                     dest,
@@ -75,7 +85,12 @@ impl Prefill for PrefillService {
                     lrx,
                     frx,
                     num_tokens as u32,
-                ));
+                );
+                tokio::spawn(async move {
+                    // run_push_task logs and counts its own failures.
+                    let _ = push.await;
+                    drop(push_work);
+                });
                 Some(ltx)
             }
             None => None,
@@ -117,6 +132,25 @@ impl Prefill for PrefillService {
 
     async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
         Ok(Response::new(self.info.clone()))
+    }
+
+    async fn drain(
+        &self,
+        _: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        let started = !self.drain.is_cancelled();
+        tracing::info!(node_id = %self.info.node_id, started, "drain requested over gRPC");
+        self.drain.cancel();
+        Ok(Response::new(v1::DrainResponse { started }))
+    }
+
+    type CacheEventsStream = CacheEventStream;
+
+    async fn cache_events(
+        &self,
+        _: Request<v1::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        Ok(Response::new(self.cache_log.stream()))
     }
 }
 

@@ -1,6 +1,7 @@
-//! `fission up`: a local cluster of separate processes (N prefill nodes, M decode nodes and a
-//! gateway), with a dev CA for the KV transport. It prints the URL, and on Ctrl-C or SIGTERM
-//! stops every process cleanly.
+//! `fission up`: a local cluster of separate processes (an etcd, N prefill nodes, M decode
+//! nodes and a gateway), with a dev CA for the KV transport. Nodes register in etcd and the
+//! gateway discovers them there, so `fission node start` can add more while it runs. It prints
+//! the etcd URL and the gateway URL, and on Ctrl-C or SIGTERM stops every process cleanly.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -45,6 +46,12 @@ pub struct UpArgs {
     /// Seconds to wait for the cluster to become healthy.
     #[arg(long, default_value_t = 300)]
     pub ready_timeout_s: u64,
+    /// Use this etcd instead of starting one from PATH.
+    #[arg(long, env = "FISSION_ETCD")]
+    pub etcd: Option<String>,
+    /// The cluster's name in etcd.
+    #[arg(long, env = "FISSION_CLUSTER", default_value = "fission")]
+    pub cluster: String,
 }
 
 /// Children are killed when this is dropped, even on an error path.
@@ -141,11 +148,22 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         signal_flag(sig, Arc::clone(&stop))?;
     }
+    // Started first and stopped last (on drop, after `procs`): draining nodes revoke their
+    // leases on the way out.
+    let mut local_etcd = None;
+    let etcd = match &args.etcd {
+        Some(url) => url.clone(),
+        None => {
+            let e = cluster::LocalEtcd::start(work.path())?;
+            let url = e.endpoint();
+            local_etcd = Some(e);
+            url
+        }
+    };
+    println!("etcd: {etcd} (cluster {})", args.cluster);
     let mut procs = Procs {
         children: Vec::new(),
     };
-    let mut decode_eps = Vec::new();
-    let mut prefill_eps = Vec::new();
     for (role, n) in [("decode", args.decode), ("prefill", args.prefill)] {
         for i in 0..n {
             let name = format!("{role}-{i}");
@@ -173,12 +191,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .arg(&tls.cert)
             .arg("--tls-key")
             .arg(&tls.key)
+            .args(["--etcd", &etcd, "--cluster", &args.cluster])
             .args(&args.node_args);
             if role == "decode" {
                 cmd.args(["--kv-addr", "127.0.0.1:0"]);
-                decode_eps.push(grpc.clone());
-            } else {
-                prefill_eps.push(grpc.clone());
             }
             println!("{name} grpc={grpc} metrics=http://{metrics}/metrics");
             procs.children.push((name, spawn(cmd)?));
@@ -189,18 +205,16 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     cmd.args(["gateway", "--addr", &http])
         .arg("--model-dir")
         .arg(&dir)
-        .arg(format!("--decode-nodes={}", decode_eps.join(",")))
+        .args(["--etcd", &etcd, "--cluster", &args.cluster])
         .arg(format!(
             "--max-local-prefill-tokens={}",
             args.max_local_prefill_tokens
         ))
         .args(&args.gateway_args);
-    if !prefill_eps.is_empty() {
-        cmd.arg(format!("--prefill-nodes={}", prefill_eps.join(",")));
-    }
     procs.children.push(("gateway".into(), spawn(cmd)?));
     wait_ready(
         &http,
+        args.prefill + args.decode,
         &mut procs,
         &stop,
         Duration::from_secs(args.ready_timeout_s),
@@ -208,15 +222,36 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     println!("Fission is up: http://{http}");
     let _ = std::io::stdout().flush();
     while !stop.load(Ordering::SeqCst) {
-        if let Some(name) = exited(&mut procs) {
+        // Nodes may come and go (drained, killed, added with `fission node start`): the
+        // cluster goes on. Without its gateway or its etcd it cannot.
+        if let Some((name, status)) = reap(&mut procs) {
+            if name == "gateway" {
+                procs.stop(Duration::from_secs(10));
+                bail!("the gateway exited ({status}); the cluster was stopped");
+            }
+            eprintln!("{name} exited ({status}); the cluster goes on without it");
+        }
+        if local_etcd.as_mut().is_some_and(|e| e.has_exited()) {
             procs.stop(Duration::from_secs(10));
-            bail!("{name} exited unexpectedly; the cluster was stopped");
+            bail!("etcd exited; the cluster was stopped");
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!("stopping the cluster");
     procs.stop(Duration::from_secs(30));
+    drop(local_etcd);
     Ok(())
+}
+
+/// Removes and returns one child that has exited, with its exit status.
+fn reap(procs: &mut Procs) -> Option<(String, std::process::ExitStatus)> {
+    let i = procs
+        .children
+        .iter_mut()
+        .position(|(_, c)| matches!(c.try_wait(), Ok(Some(_))))?;
+    let (name, mut c) = procs.children.remove(i);
+    let status = c.wait().ok()?;
+    Some((name, status))
 }
 
 fn spawn(mut cmd: Command) -> anyhow::Result<Child> {
@@ -234,16 +269,20 @@ fn exited(procs: &mut Procs) -> Option<String> {
     None
 }
 
+/// Waits until the gateway routes to all `nodes` (its `/info` lists them ready).
 fn wait_ready(
     http: &str,
+    nodes: usize,
     procs: &mut Procs,
     stop: &AtomicBool,
     timeout: Duration,
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok((200, _)) = http_get(http, "/health") {
-            return Ok(());
+        if let Ok((200, body)) = http_get(http, "/info") {
+            if body.matches("\"ready\":true").count() >= nodes {
+                return Ok(());
+            }
         }
         if let Some(name) = exited(procs) {
             bail!("{name} exited during start-up");

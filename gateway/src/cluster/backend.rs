@@ -16,6 +16,7 @@ use proto::ErrorCode;
 
 use super::discovery::Role;
 use super::pool::{InFlight, Node, Pools};
+use super::routing::{Candidate, RoutingPolicy};
 use crate::backend::Backend;
 use crate::error::GatewayError;
 use crate::request::{FinishReason, GeneratedToken, TokenStream, ValidRequest};
@@ -29,11 +30,16 @@ pub struct ClusterConfig {
 pub struct ClusterBackend {
     pools: Arc<Pools>,
     config: ClusterConfig,
+    policy: Arc<dyn RoutingPolicy>,
 }
 
 impl ClusterBackend {
-    pub fn new(pools: Arc<Pools>, config: ClusterConfig) -> Self {
-        ClusterBackend { pools, config }
+    pub fn new(pools: Arc<Pools>, config: ClusterConfig, policy: Box<dyn RoutingPolicy>) -> Self {
+        ClusterBackend {
+            pools,
+            config,
+            policy: Arc::from(policy),
+        }
     }
 }
 
@@ -44,7 +50,8 @@ impl Backend for ClusterBackend {
     ) -> BoxFuture<'static, Result<TokenStream, GatewayError>> {
         let pools = Arc::clone(&self.pools);
         let config = self.config.clone();
-        Box::pin(async move { route(&pools, &config, request).await })
+        let policy = Arc::clone(&self.policy);
+        Box::pin(async move { route(&pools, &config, policy.as_ref(), request).await })
     }
 
     fn is_ready(&self) -> bool {
@@ -62,13 +69,22 @@ impl Backend for ClusterBackend {
                     "role": n.entry.role.as_str(),
                     "endpoint": n.entry.grpc_endpoint,
                     "ready": n.is_ready(),
+                    "draining": n.entry.draining,
+                    "registered": n.entry.registered,
                     "in_flight": n.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                    "cached_blocks": self.pools.cached_blocks(&n.entry.node_id),
+                    "load": self.pools.load(&n.entry.node_id).map(|l| serde_json::json!({
+                        "free_blocks": l.free_blocks,
+                        "queued_prefill_tokens": l.queued_prefill_tokens,
+                        "running_sequences": l.running_sequences,
+                    })),
                 })
             })
             .collect();
         serde_json::json!({
             "kind": "cluster",
             "max_local_prefill_tokens": self.config.max_local_prefill_tokens,
+            "routing": self.policy.name(),
             "nodes": nodes,
         })
     }
@@ -119,20 +135,85 @@ fn generated(t: v1::Token) -> GeneratedToken {
     }
 }
 
+/// Ready nodes of one role in the order the policy ranks them, and why.
+struct Ranked {
+    nodes: Vec<Arc<Node>>,
+    reason: String,
+}
+
+fn rank(
+    pools: &Pools,
+    policy: &dyn RoutingPolicy,
+    role: Role,
+    prompt_ids: &[u32],
+    block_size: usize,
+    hashes: &[u64],
+) -> Ranked {
+    let nodes = pools.ready(role);
+    let candidates: Vec<Candidate> = nodes
+        .iter()
+        .map(|n| {
+            let load = pools.load(&n.entry.node_id);
+            let total = n.total_blocks();
+            Candidate {
+                node_id: n.entry.node_id.clone(),
+                // Without published load (static clusters) a node counts as empty: in-flight
+                // counts still spread the work.
+                free_blocks: load.map_or(total, |l| l.free_blocks),
+                total_blocks: total,
+                running_sequences: load.map_or(0, |l| l.running_sequences),
+                queued_prefill_tokens: load.map_or(0, |l| l.queued_prefill_tokens),
+                in_flight: n.in_flight.load(std::sync::atomic::Ordering::Relaxed) as u64,
+                cached_prefix_blocks: pools.overlap_blocks(&n.entry.node_id, hashes),
+            }
+        })
+        .collect();
+    let ranking = match role {
+        Role::Decode => policy.rank_decode(prompt_ids.len(), block_size, &candidates),
+        Role::Prefill => policy.rank_prefill(prompt_ids.len(), block_size, &candidates),
+    };
+    Ranked {
+        nodes: ranking
+            .order
+            .iter()
+            .map(|&i| Arc::clone(&nodes[i]))
+            .collect(),
+        reason: ranking.reason,
+    }
+}
+
 async fn route(
     pools: &Pools,
     config: &ClusterConfig,
+    policy: &dyn RoutingPolicy,
     r: ValidRequest,
 ) -> Result<TokenStream, GatewayError> {
-    let decodes = pools.ready(Role::Decode);
-    if decodes.is_empty() {
+    let ready = pools.ready(Role::Decode);
+    let Some(first) = ready.first() else {
         return Err(GatewayError::Unavailable {
             reason: "no decode node is ready".into(),
         });
-    }
-    let prefills = pools.ready(Role::Prefill);
+    };
+    let block_size = first.block_size();
+    let hashes = prefix_hash::block_hashes(&r.prompt_ids, block_size);
+    let decodes = rank(
+        pools,
+        policy,
+        Role::Decode,
+        &r.prompt_ids,
+        block_size,
+        &hashes,
+    );
+    let prefills = rank(
+        pools,
+        policy,
+        Role::Prefill,
+        &r.prompt_ids,
+        block_size,
+        &hashes,
+    );
     let short = r.prompt_ids.len() < config.max_local_prefill_tokens;
-    if prefills.is_empty() || short {
+    if prefills.nodes.is_empty() || short {
         let why = if short {
             "short_prompt"
         } else {
@@ -140,11 +221,53 @@ async fn route(
         };
         metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => why)
             .increment(1);
-        tracing::debug!(request_id = %r.request_id, mode = "colocated", reason = why, "route");
-        return colocated(&decodes, &r).await;
+        tracing::debug!(request_id = %r.request_id, mode = "colocated", reason = why, decode_reason = %decodes.reason, "route");
+        return colocated(&decodes.nodes, &r).await;
     }
     metrics::counter!("fission_gateway_route_total", "mode" => "disaggregated", "reason" => "default").increment(1);
-    disaggregated(&decodes, &prefills, &r).await
+    tracing::debug!(
+        request_id = %r.request_id,
+        mode = "disaggregated",
+        policy = policy.name(),
+        decode_reason = %decodes.reason,
+        prefill_reason = %prefills.reason,
+        "route"
+    );
+    // A prefill node that fails before answering (killed, restarting) costs a retry on the
+    // next one, with a fresh reservation: the failed push may have written part of the old.
+    let mut last_err = None;
+    for prefill in prefills.nodes.iter().take(MAX_PREFILL_ATTEMPTS) {
+        match disaggregated(&decodes.nodes, prefill, &r).await {
+            Ok(stream) => return Ok(stream),
+            Err(Attempt::Retry(e)) => {
+                prefill.quarantine();
+                metrics::counter!("fission_gateway_prefill_retries_total").increment(1);
+                last_err = Some(e);
+            }
+            Err(Attempt::Fail(e)) => return Err(e),
+        }
+    }
+    Err(last_err.unwrap_or(GatewayError::Unavailable {
+        reason: "no prefill node answered".into(),
+    }))
+}
+
+/// Prefill nodes tried for one request before giving up.
+const MAX_PREFILL_ATTEMPTS: usize = 3;
+
+/// The outcome of one disaggregated attempt that did not produce a stream.
+enum Attempt {
+    /// The prefill node failed as a dead or unreachable node does: try another.
+    Retry(GatewayError),
+    Fail(GatewayError),
+}
+
+/// Codes a dead or restarting node produces; the request itself was fine.
+fn node_failed(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+    )
 }
 
 async fn colocated(decodes: &[Arc<Node>], r: &ValidRequest) -> Result<TokenStream, GatewayError> {
@@ -172,12 +295,9 @@ async fn colocated(decodes: &[Arc<Node>], r: &ValidRequest) -> Result<TokenStrea
                     _in_flight: vec![in_flight],
                 }));
             }
-            Err(s)
-                if matches!(
-                    s.code(),
-                    tonic::Code::ResourceExhausted | tonic::Code::Unavailable
-                ) =>
-            {
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => last = Some(s),
+            Err(s) if node_failed(&s) => {
+                node.quarantine();
                 last = Some(s)
             }
             Err(s) => return Err(upstream(s)),
@@ -190,10 +310,10 @@ async fn colocated(decodes: &[Arc<Node>], r: &ValidRequest) -> Result<TokenStrea
 
 async fn disaggregated(
     decodes: &[Arc<Node>],
-    prefills: &[Arc<Node>],
+    prefill: &Arc<Node>,
     r: &ValidRequest,
-) -> Result<TokenStream, GatewayError> {
-    // 1. Reserve blocks on the least-loaded decode node that has room.
+) -> Result<TokenStream, Attempt> {
+    // 1. Reserve blocks on the best-ranked decode node that has room.
     let mut reserved = None;
     for node in decodes {
         let resp = node
@@ -214,21 +334,21 @@ async fn disaggregated(
                 tracing::debug!(node_id = %node.entry.node_id, %why, "decode node busy");
             }
             Ok(None) => {
-                return Err(GatewayError::backend(
+                return Err(Attempt::Fail(GatewayError::backend(
                     ErrorCode::Internal,
                     "empty reserve response",
-                ))
+                )))
             }
-            Err(s) if s.code() == tonic::Code::Unavailable => {}
-            Err(s) => return Err(upstream(s)),
+            Err(s) if node_failed(&s) => node.quarantine(),
+            Err(s) => return Err(Attempt::Fail(upstream(s))),
         }
     }
     let Some((decode, res)) = reserved else {
         metrics::counter!("fission_gateway_no_capacity_total").increment(1);
-        return Err(GatewayError::backend(
+        return Err(Attempt::Fail(GatewayError::backend(
             ErrorCode::Overloaded,
             "every decode node is out of KV blocks",
-        ));
+        )));
     };
     let decode_guard = InFlight::new(Arc::clone(&decode));
     let cancel = RemoteCancel {
@@ -246,11 +366,10 @@ async fn disaggregated(
         Ok(s) => s.into_inner(),
         Err(s) => {
             cancel.fire();
-            return Err(upstream(s));
+            return Err(Attempt::Fail(upstream(s)));
         }
     };
     // 3. Prefill, pushing into the reserved blocks.
-    let prefill = &prefills[0];
     let prefill_guard = InFlight::new(Arc::clone(prefill));
     tracing::debug!(
         request_id = %r.request_id,
@@ -281,15 +400,19 @@ async fn disaggregated(
         Ok(p) => p.into_inner().first_token.map(generated),
         Err(s) => {
             cancel.fire();
-            return Err(upstream(s));
+            return Err(if node_failed(&s) {
+                Attempt::Retry(upstream(s))
+            } else {
+                Attempt::Fail(upstream(s))
+            });
         }
     };
     let Some(first) = first else {
         cancel.fire();
-        return Err(GatewayError::backend(
+        return Err(Attempt::Fail(GatewayError::backend(
             ErrorCode::Internal,
             "prefill returned no first token",
-        ));
+        )));
     };
     let rest = tokens.map(|t| t.map(generated).map_err(upstream));
     let finished_at_first = first.finish_reason.is_some();

@@ -1,6 +1,6 @@
-//! How the gateway learns the cluster's members. Static lists now; etcd implements the same
-//! trait later. Consumers watch whole membership snapshots, so a slow reader never misses a
-//! removal.
+//! How the gateway learns the cluster's members: static lists given on the command line, or
+//! etcd ([`super::etcd_discovery`]). Consumers watch whole membership snapshots, so a slow
+//! reader never misses a removal.
 
 use std::sync::Arc;
 
@@ -30,6 +30,12 @@ pub struct NodeEntry {
     pub grpc_endpoint: String,
     /// A draining node takes no new requests.
     pub draining: bool,
+    /// A registered node (etcd) serves from the moment it appears; a static one is probed
+    /// with `Info` until it answers.
+    pub registered: bool,
+    /// Tokens per KV block and total blocks, when the registration says (0 when unknown).
+    pub block_size: u32,
+    pub total_kv_blocks: u64,
 }
 
 pub type Members = Arc<Vec<NodeEntry>>;
@@ -37,6 +43,11 @@ pub type Members = Arc<Vec<NodeEntry>>;
 pub trait Discovery: Send + Sync + 'static {
     /// The current members, updated in place as the cluster changes.
     fn watch(&self) -> watch::Receiver<Members>;
+
+    /// The nodes' published load by node id, when the discovery carries it.
+    fn loads(&self) -> Option<watch::Receiver<cluster::Loads>> {
+        None
+    }
 }
 
 /// A fixed membership given on the command line.
@@ -55,6 +66,9 @@ impl StaticDiscovery {
                 role: Role::Prefill,
                 grpc_endpoint: ep.clone(),
                 draining: false,
+                registered: false,
+                block_size: 0,
+                total_kv_blocks: 0,
             });
         }
         for (i, ep) in decode.iter().enumerate() {
@@ -63,6 +77,9 @@ impl StaticDiscovery {
                 role: Role::Decode,
                 grpc_endpoint: ep.clone(),
                 draining: false,
+                registered: false,
+                block_size: 0,
+                total_kv_blocks: 0,
             });
         }
         let (tx, rx) = watch::channel(Arc::new(nodes));

@@ -1,0 +1,210 @@
+//! Following the nodes' published load, and one-shot reads of the whole cluster for operators.
+//!
+//! Load lives under its own prefix so that membership watchers do not wake on every load put;
+//! a router that wants both runs an [`EtcdDiscovery`](crate::EtcdDiscovery) and a [`LoadWatch`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use tokio::sync::watch;
+use tokio::time::sleep;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use crate::error::ClusterError;
+use crate::etcd::{call, EtcdConfig};
+use crate::record::{load_prefix, nodes_prefix, NodeLoad, NodeRecord};
+
+/// Latest load by node id.
+pub type Loads = Arc<HashMap<String, NodeLoad>>;
+
+/// Follows `/fission/{cluster}/load/`. Dropping it stops the watch task. While etcd is down the
+/// last loads stay in place: stale load only skews a routing cost, it never routes to a node
+/// that membership has removed.
+pub struct LoadWatch {
+    rx: watch::Receiver<Loads>,
+    _task_guard: DropGuard,
+}
+
+impl LoadWatch {
+    pub async fn start(etcd: EtcdConfig) -> Result<LoadWatch, ClusterError> {
+        let client = etcd.connect().await?;
+        let (tx, rx) = watch::channel(Loads::default());
+        let cancel = CancellationToken::new();
+        tokio::spawn(run_load_watch(client, etcd, tx, cancel.clone()));
+        Ok(LoadWatch {
+            rx,
+            _task_guard: cancel.drop_guard(),
+        })
+    }
+
+    pub fn loads(&self) -> watch::Receiver<Loads> {
+        self.rx.clone()
+    }
+}
+
+async fn run_load_watch(
+    mut client: Client,
+    etcd: EtcdConfig,
+    tx: watch::Sender<Loads>,
+    cancel: CancellationToken,
+) {
+    let prefix = load_prefix(&etcd.cluster);
+    let mut backoff = etcd.backoff();
+    loop {
+        match follow(&mut client, &etcd, &prefix, &tx, &cancel, &mut backoff).await {
+            Ok(()) => return,
+            Err(error) => {
+                let delay = backoff.next_delay();
+                tracing::debug!(%prefix, %error, retry_in_ms = delay.as_millis() as u64, "etcd load watch interrupted");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+async fn follow(
+    client: &mut Client,
+    etcd: &EtcdConfig,
+    prefix: &str,
+    tx: &watch::Sender<Loads>,
+    cancel: &CancellationToken,
+    backoff: &mut crate::etcd::Backoff,
+) -> Result<(), ClusterError> {
+    let timeout = etcd.request_timeout();
+    let resp = call(
+        "get",
+        timeout,
+        client.get(prefix, Some(GetOptions::new().with_prefix())),
+    )
+    .await?;
+    let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+    let mut loads = HashMap::new();
+    for kv in resp.kvs() {
+        if let (Some(id), Ok(load)) = (
+            node_id_of(kv.key()),
+            serde_json::from_slice::<NodeLoad>(kv.value()),
+        ) {
+            loads.insert(id, load);
+        }
+    }
+    tx.send_replace(Arc::new(loads.clone()));
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1);
+    let mut stream = call("watch", timeout, client.watch(prefix, Some(options))).await?;
+    backoff.reset();
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            msg = stream.message() => msg.map_err(ClusterError::etcd("watch"))?,
+        };
+        let Some(resp) = msg else {
+            return Err(ClusterError::Etcd {
+                op: "watch",
+                source: etcd_client::Error::WatchError("watch stream closed".into()),
+            });
+        };
+        if resp.canceled() {
+            return Err(ClusterError::Etcd {
+                op: "watch",
+                source: etcd_client::Error::WatchError(resp.cancel_reason().to_string()),
+            });
+        }
+        for event in resp.events() {
+            let Some(kv) = event.kv() else { continue };
+            let Some(id) = node_id_of(kv.key()) else {
+                continue;
+            };
+            match event.event_type() {
+                EventType::Put => {
+                    if let Ok(load) = serde_json::from_slice::<NodeLoad>(kv.value()) {
+                        loads.insert(id, load);
+                    }
+                }
+                EventType::Delete => {
+                    loads.remove(&id);
+                }
+            }
+        }
+        tx.send_replace(Arc::new(loads.clone()));
+    }
+}
+
+/// The last path segment of `/fission/{c}/load/{role}/{node_id}`.
+fn node_id_of(key: &[u8]) -> Option<String> {
+    let key = std::str::from_utf8(key).ok()?;
+    key.rsplit('/').next().map(str::to_string)
+}
+
+/// One member as an operator sees it: the record and its last published load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub record: NodeRecord,
+    pub load: Option<NodeLoad>,
+}
+
+/// Reads every registered node and its load once, sorted by role then node id. Records that do
+/// not parse are skipped with a warning.
+pub async fn list_nodes(etcd: &EtcdConfig) -> Result<Vec<NodeStatus>, ClusterError> {
+    let mut client = etcd.connect().await?;
+    let timeout = etcd.request_timeout();
+    let nodes = call(
+        "get",
+        timeout,
+        client.get(
+            nodes_prefix(&etcd.cluster, None),
+            Some(GetOptions::new().with_prefix()),
+        ),
+    )
+    .await?;
+    let loads = call(
+        "get",
+        timeout,
+        client.get(
+            load_prefix(&etcd.cluster),
+            Some(GetOptions::new().with_prefix()),
+        ),
+    )
+    .await?;
+    let loads: HashMap<String, NodeLoad> = loads
+        .kvs()
+        .iter()
+        .filter_map(|kv| {
+            Some((
+                node_id_of(kv.key())?,
+                serde_json::from_slice(kv.value()).ok()?,
+            ))
+        })
+        .collect();
+    let mut out = Vec::new();
+    for kv in nodes.kvs() {
+        match serde_json::from_slice::<NodeRecord>(kv.value()) {
+            Ok(record) => {
+                let load = loads.get(&record.node_id).copied();
+                out.push(NodeStatus { record, load });
+            }
+            Err(error) => {
+                tracing::warn!(key = %String::from_utf8_lossy(kv.key()), %error, "node record does not parse")
+            }
+        }
+    }
+    out.sort_by(|a, b| (a.record.role, &a.record.node_id).cmp(&(b.record.role, &b.record.node_id)));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_id_is_the_last_segment() {
+        assert_eq!(
+            node_id_of(b"/fission/c/load/decode/d-1").as_deref(),
+            Some("d-1")
+        );
+    }
+}

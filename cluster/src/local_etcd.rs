@@ -1,0 +1,149 @@
+//! A single-member etcd started from PATH on free loopback ports, for `fission up` and tests:
+//! a real etcd, not a fake, with a data directory that outlives restarts of the process.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::error::ClusterError;
+
+pub struct LocalEtcd {
+    child: Option<Child>,
+    data_dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> ClusterError + '_ {
+    move |e| ClusterError::LocalEtcd(format!("{what}: {e}"))
+}
+
+impl LocalEtcd {
+    /// Starts etcd with its data under `dir` and waits until it answers `/health`.
+    pub fn start(dir: &Path) -> Result<LocalEtcd, ClusterError> {
+        let mut etcd = LocalEtcd {
+            child: None,
+            data_dir: dir.join("etcd-data"),
+            client_port: free_port().map_err(io("picking a port"))?,
+            peer_port: free_port().map_err(io("picking a port"))?,
+        };
+        etcd.spawn()?;
+        Ok(etcd)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Whether the process has exited (or was stopped).
+    pub fn has_exited(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => !matches!(c.try_wait(), Ok(None)),
+            None => true,
+        }
+    }
+
+    /// Kills the process, as a crash or an outage would; the data stays.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same ports and data.
+    pub fn restart(&mut self) -> Result<(), ClusterError> {
+        self.stop();
+        self.spawn()
+    }
+
+    fn spawn(&mut self) -> Result<(), ClusterError> {
+        std::fs::create_dir_all(&self.data_dir).map_err(io("creating the data dir"))?;
+        let client = self.endpoint();
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.data_dir.join("etcd.log"))
+            .map_err(io("opening the etcd log"))?;
+        let child = Command::new("etcd")
+            .arg("--name=fission")
+            .arg(format!("--data-dir={}", self.data_dir.join("member").display()))
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=fission={peer}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    ClusterError::LocalEtcd(
+                        "etcd is not on PATH: install it (`apt-get install -y etcd-server`) or pass --etcd URL".into(),
+                    )
+                } else {
+                    ClusterError::LocalEtcd(format!("starting etcd: {e}"))
+                }
+            })?;
+        self.child = Some(child);
+        self.wait_healthy(Duration::from_secs(30))
+    }
+
+    fn wait_healthy(&mut self, timeout: Duration) -> Result<(), ClusterError> {
+        let deadline = Instant::now() + timeout;
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    return Err(ClusterError::LocalEtcd(format!(
+                        "etcd exited with {status}; see {}",
+                        self.data_dir.join("etcd.log").display()
+                    )));
+                }
+            }
+            if health(&addr) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(ClusterError::LocalEtcd(format!(
+                    "etcd did not become healthy within {timeout:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// etcd's own `/health` over plain HTTP/1.1.
+fn health(addr: &str) -> bool {
+    let probe = || -> std::io::Result<String> {
+        let mut s = TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        write!(
+            s,
+            "GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf)?;
+        Ok(buf)
+    };
+    probe().is_ok_and(|r| r.contains("\"health\":\"true\""))
+}
+
+impl Drop for LocalEtcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

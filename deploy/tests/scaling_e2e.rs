@@ -1,0 +1,595 @@
+//! Elastic clusters across real processes and a real etcd: nodes added, drained with SIGTERM,
+//! killed with SIGKILL, and etcd stopped for 10 s, all under a steady load that must see no
+//! failed request; a node serving another model is refused; prompts sharing a long prefix go
+//! to the prefill node that holds it.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// One cluster at a time: two at once on a 2-core CI machine would only test the scheduler.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const LEASE_TTL_S: u64 = 3;
+
+fn stories_dir() -> PathBuf {
+    let root = std::env::var_os("FISSION_SHARED_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
+    root.join("models/stories260K")
+}
+
+fn fission() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_fission"))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn http_get(url: &str) -> Option<String> {
+    let url = url.to_string();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
+    })
+    .join()
+    .ok()
+    .flatten()
+}
+
+fn metric(metrics_url: &str, name: &str) -> f64 {
+    http_get(metrics_url)
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// `fission nodes list --json`, as the node ids it lists with their state.
+fn nodes_list(etcd: &str) -> Vec<(String, String)> {
+    let out = fission()
+        .args(["nodes", "list", "--json", "--etcd", etcd])
+        .output()
+        .expect("fission nodes list runs");
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nodes list prints JSON");
+    v["nodes"]
+        .as_array()
+        .expect("nodes array")
+        .iter()
+        .map(|n| {
+            (
+                n["node_id"].as_str().unwrap().to_string(),
+                n["state"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    start.elapsed()
+}
+
+/// A running `fission up`; SIGTERM on drop.
+struct Up {
+    child: Child,
+    url: String,
+    /// node name -> metrics URL
+    metrics: Vec<(String, String)>,
+}
+
+impl Up {
+    fn start(etcd: &str, prefill: usize, decode: usize, log: &Path) -> Up {
+        let port = free_port();
+        let mut child = fission()
+            .args(["up", "--model"])
+            .arg(stories_dir())
+            .args(["--etcd", etcd])
+            .args(["--prefill", &prefill.to_string()])
+            .args(["--decode", &decode.to_string()])
+            .args(["--port", &port.to_string(), "--kv-transport", "tcp"])
+            .arg("--node-arg=--num-kv-blocks=512")
+            .arg(format!("--node-arg=--lease-ttl-s={LEASE_TTL_S}"))
+            .args(["--ready-timeout-s", "120"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .expect("fission up starts");
+        let out = child.stdout.take().unwrap();
+        let mut metrics = Vec::new();
+        let mut url = None;
+        for line in BufReader::new(out).lines() {
+            let line = line.unwrap();
+            if let Some(rest) = line.strip_prefix("Fission is up: ") {
+                url = Some(rest.trim().to_string());
+                break;
+            }
+            if let Some((name, m)) = line.split_once(" grpc=") {
+                let m = m.split("metrics=").nth(1).unwrap().to_string();
+                metrics.push((name.to_string(), m));
+            }
+        }
+        let url = url.unwrap_or_else(|| {
+            panic!(
+                "fission up did not come up:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
+        });
+        Up {
+            child,
+            url,
+            metrics,
+        }
+    }
+
+    fn metrics_of(&self, node: &str) -> String {
+        self.metrics
+            .iter()
+            .find(|(n, _)| n == node)
+            .unwrap()
+            .1
+            .clone()
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+    }
+}
+
+/// A node added with `fission node start`.
+struct Added {
+    child: Child,
+    metrics: String,
+    started: Instant,
+}
+
+impl Added {
+    fn start(role: &str, node_id: &str, model: &Path, etcd: &str, log: &Path) -> Added {
+        let started = Instant::now();
+        let mut child = fission()
+            .args(["node", "start", "--role", role, "--model"])
+            .arg(model)
+            .args(["--etcd", etcd, "--node-id", node_id])
+            .args(["--num-kv-blocks", "512", "--kv-transport", "tcp"])
+            .args(["--lease-ttl-s", &LEASE_TTL_S.to_string()])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .expect("fission node start runs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let metrics = line
+            .split("metrics=")
+            .nth(1)
+            .unwrap_or_else(|| panic!("node announces its metrics URL, got {line:?}"))
+            .trim()
+            .to_string();
+        Added {
+            child,
+            metrics,
+            started,
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node did not exit in {timeout:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Added {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Closed-loop load: `workers` clients each sending one request after another until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failures: Arc<Mutex<Vec<String>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(url: &str, workers: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..workers)
+            .map(|w| {
+                let (url, stop, ok, failures) = (
+                    url.to_string(),
+                    Arc::clone(&stop),
+                    Arc::clone(&ok),
+                    Arc::clone(&failures),
+                );
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    rt.block_on(async move {
+                        let client = reqwest::Client::new();
+                        let mut i = 0u64;
+                        while !stop.load(Ordering::SeqCst) {
+                            i += 1;
+                            // Distinct prompts: no prefix is shared, so load decides routing.
+                            let prompt = format!("Worker {w} request {i}: once upon a time");
+                            let resp = client
+                                .post(format!("{url}/generate"))
+                                .json(&json!({"inputs": prompt, "parameters": {"max_new_tokens": 16}}))
+                                .send()
+                                .await;
+                            match resp {
+                                Ok(r) if r.status().is_success() => {
+                                    ok.fetch_add(1, Ordering::SeqCst);
+                                }
+                                Ok(r) => failures.lock().unwrap().push(format!(
+                                    "{}: {}",
+                                    r.status(),
+                                    r.text().await.unwrap_or_default()
+                                )),
+                                Err(e) => failures.lock().unwrap().push(e.to_string()),
+                            }
+                        }
+                    });
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            failures,
+            threads,
+        }
+    }
+
+    fn ok(&self) -> u64 {
+        self.ok.load(Ordering::SeqCst)
+    }
+
+    fn assert_no_failures(&self, when: &str) {
+        let f = self.failures.lock().unwrap();
+        assert!(
+            f.is_empty(),
+            "{} failed requests {when}: {:?}",
+            f.len(),
+            &f[..f.len().min(5)]
+        );
+    }
+
+    /// Completed requests per second over `window`.
+    fn throughput(&self, window: Duration) -> f64 {
+        let before = self.ok();
+        std::thread::sleep(window);
+        (self.ok() - before) as f64 / window.as_secs_f64()
+    }
+
+    fn stop(mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            t.join().unwrap();
+        }
+    }
+}
+
+#[test]
+fn scale_drain_kill_and_etcd_outage_under_load() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let mut etcd = cluster::LocalEtcd::start(dir.path()).expect("etcd starts");
+    let etcd_url = etcd.endpoint();
+    let up = Up::start(&etcd_url, 1, 1, &dir.path().join("up.log"));
+    let load = Load::start(&up.url, 3);
+    wait_until("the first responses", Duration::from_secs(30), || {
+        load.ok() >= 3
+    });
+    let tput_1p1d = load.throughput(Duration::from_secs(8));
+
+    // Scale the decode pool up.
+    let mut decode2 = Added::start(
+        "decode",
+        "decode-added",
+        &stories_dir(),
+        &etcd_url,
+        &dir.path().join("decode-added.log"),
+    );
+    wait_until("decode-added in nodes list", Duration::from_secs(5), || {
+        nodes_list(&etcd_url)
+            .iter()
+            .any(|(n, _)| n == "decode-added")
+    });
+    let decode_listed = decode2.started.elapsed();
+    wait_until("decode-added gets requests", Duration::from_secs(5), || {
+        metric(&decode2.metrics, "fission_decode_generated_tokens_total") > 0.0
+    });
+    let decode_first_request = decode2.started.elapsed();
+    let tput_1p2d = load.throughput(Duration::from_secs(8));
+
+    // Scale the prefill pool up.
+    let mut prefill2 = Added::start(
+        "prefill",
+        "prefill-added",
+        &stories_dir(),
+        &etcd_url,
+        &dir.path().join("prefill-added.log"),
+    );
+    wait_until(
+        "prefill-added in nodes list",
+        Duration::from_secs(5),
+        || {
+            nodes_list(&etcd_url)
+                .iter()
+                .any(|(n, _)| n == "prefill-added")
+        },
+    );
+    let prefill_listed = prefill2.started.elapsed();
+    wait_until(
+        "prefill-added gets requests",
+        Duration::from_secs(5),
+        || metric(&prefill2.metrics, "fission_prefill_prompts_total") > 0.0,
+    );
+    let prefill_first_request = prefill2.started.elapsed();
+    load.assert_no_failures("while scaling up");
+
+    // Drain a decode node with SIGTERM: it finishes its work and exits 0.
+    let before = load.ok();
+    decode2.signal(libc::SIGTERM);
+    let status = decode2.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "a drained node exits 0, got {status}");
+    assert!(!nodes_list(&etcd_url)
+        .iter()
+        .any(|(n, _)| n == "decode-added"));
+    wait_until("requests after the drain", Duration::from_secs(30), || {
+        load.ok() >= before + 5
+    });
+    load.assert_no_failures("across the drain");
+
+    // SIGKILL a prefill node: it leaves within the lease TTL + 2 s.
+    prefill2.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    prefill2.wait_exit(Duration::from_secs(5));
+    wait_until(
+        "the killed node leaves the pool",
+        Duration::from_secs(LEASE_TTL_S + 2),
+        || {
+            !nodes_list(&etcd_url)
+                .iter()
+                .any(|(n, _)| n == "prefill-added")
+        },
+    );
+    let removal = killed.elapsed();
+    let before = load.ok();
+    wait_until("requests after the kill", Duration::from_secs(30), || {
+        load.ok() >= before + 5
+    });
+    load.assert_no_failures("across the kill");
+
+    // etcd down for 10 s: serving goes on; nodes are registered again within 5 s of its return.
+    let before = load.ok();
+    etcd.stop();
+    std::thread::sleep(Duration::from_secs(10)); // the outage itself, not a wait for a condition
+    let during_outage = load.ok() - before;
+    let back = Instant::now();
+    etcd.restart().expect("etcd restarts");
+    wait_until(
+        "every node registered again",
+        Duration::from_secs(5),
+        || {
+            let nodes = nodes_list(&etcd_url);
+            ["prefill-0", "decode-0"]
+                .iter()
+                .all(|id| nodes.iter().any(|(n, s)| n == id && s == "serving"))
+        },
+    );
+    let reregistered = back.elapsed();
+    assert!(during_outage > 0, "requests completed while etcd was down");
+    let before = load.ok();
+    wait_until(
+        "requests after etcd's return",
+        Duration::from_secs(30),
+        || load.ok() >= before + 5,
+    );
+    load.assert_no_failures("across the etcd outage");
+    let total = load.ok();
+    load.stop();
+    drop(up);
+
+    println!(
+        "scaling figures (lease TTL {LEASE_TTL_S} s, stories260K, 3 closed-loop clients, 16 new tokens):\n\
+         decode node: listed after {:.2} s, first routed request after {:.2} s from process start\n\
+         prefill node: listed after {:.2} s, first routed request after {:.2} s from process start\n\
+         SIGKILLed prefill node removed after {:.2} s\n\
+         etcd outage: {during_outage} requests served during the 10 s outage; all nodes registered {:.2} s after etcd was started again\n\
+         throughput: 1P+1D {tput_1p1d:.1} req/s, 1P+2D {tput_1p2d:.1} req/s (ratio {:.2}x)\n\
+         {total} requests, 0 failed",
+        decode_listed.as_secs_f64(),
+        decode_first_request.as_secs_f64(),
+        prefill_listed.as_secs_f64(),
+        prefill_first_request.as_secs_f64(),
+        removal.as_secs_f64(),
+        reregistered.as_secs_f64(),
+        tput_1p2d / tput_1p1d,
+    );
+}
+
+#[test]
+fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = cluster::LocalEtcd::start(dir.path()).expect("etcd starts");
+    let etcd_url = etcd.endpoint();
+    let log = dir.path().join("up.log");
+    let up = Up::start(&etcd_url, 2, 1, &log);
+
+    // A decode node serving other weights (same shape family, other config) registers but is
+    // never routed to, and the gateway says why.
+    let other = dir.path().join("other-model");
+    let st = fission()
+        .args(["make-random-model", "--shape", "tiny", "--out"])
+        .arg(&other)
+        .arg("--tokenizer-from")
+        .arg(stories_dir())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _stranger = Added::start(
+        "decode",
+        "decode-stranger",
+        &other,
+        &etcd_url,
+        &dir.path().join("stranger.log"),
+    );
+    wait_until("the stranger registers", Duration::from_secs(20), || {
+        nodes_list(&etcd_url)
+            .iter()
+            .any(|(n, _)| n == "decode-stranger")
+    });
+    wait_until(
+        "the gateway logs the refusal",
+        Duration::from_secs(5),
+        || {
+            let mut s = String::new();
+            std::fs::File::open(&log)
+                .unwrap()
+                .read_to_string(&mut s)
+                .unwrap();
+            s.lines().any(|l| {
+                l.contains("node refused by routing")
+                    && l.contains("decode-stranger")
+                    && l.contains("fingerprint")
+            })
+        },
+    );
+    let info = http_get(&format!("{}/info", up.url)).unwrap();
+    assert!(
+        !info.contains("decode-stranger"),
+        "the refused node is not in the gateway's pools: {info}"
+    );
+
+    // A long shared prefix (well over one 16-token block), then variations of its ending.
+    let prefix = "Once upon a time there was a little girl named Lily who loved to play in the park with her friends every day. ".repeat(4);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = reqwest::Client::new();
+    let send = |suffix: String| {
+        let (client, url, prefix) = (client.clone(), up.url.clone(), prefix.clone());
+        async move {
+            let r = client
+                .post(format!("{url}/generate"))
+                .json(&json!({"inputs": format!("{prefix}{suffix}"), "parameters": {"max_new_tokens": 4}}))
+                .send()
+                .await
+                .unwrap();
+            assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+        }
+    };
+    rt.block_on(send("First.".into()));
+    let prompts = |n: &str| metric(&up.metrics_of(n), "fission_prefill_prompts_total");
+    let holder = if prompts("prefill-0") > 0.0 {
+        "prefill-0"
+    } else {
+        "prefill-1"
+    };
+    let other_node = if holder == "prefill-0" {
+        "prefill-1"
+    } else {
+        "prefill-0"
+    };
+    // The gateway learns the holder's blocks from its cache events.
+    wait_until(
+        "the gateway indexes the prefix",
+        Duration::from_secs(5),
+        || {
+            let info: Value =
+                serde_json::from_str(&http_get(&format!("{}/info", up.url)).unwrap()).unwrap();
+            info["backend"]["nodes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|n| n["node_id"] == holder && n["cached_blocks"].as_u64().unwrap_or(0) >= 4)
+        },
+    );
+    let hits_before = metric(
+        &up.metrics_of(holder),
+        "fission_prefill_prefix_cache_hit_blocks",
+    );
+    let other_before = prompts(other_node);
+    for i in 0..6 {
+        rt.block_on(send(format!("Variation {i}.")));
+    }
+    let hits_after = metric(
+        &up.metrics_of(holder),
+        "fission_prefill_prefix_cache_hit_blocks",
+    );
+    assert_eq!(
+        prompts(other_node),
+        other_before,
+        "no shared-prefix request went to the node without the prefix"
+    );
+    assert!(
+        hits_after >= hits_before + 6.0 * 4.0,
+        "the holder reused the prefix: hit blocks {hits_before} -> {hits_after}"
+    );
+    println!(
+        "cache-aware routing: 6/6 shared-prefix requests went to {holder}; its prefix-cache hit blocks rose {hits_before} -> {hits_after}"
+    );
+}
