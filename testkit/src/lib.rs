@@ -3,8 +3,9 @@
 //!
 //! This crate writes files and nothing else. It must not depend on `engine` (the engine's tests
 //! use it to build the models they load, so it stays independent of the code under test) and
-//! does no networking.
+//! does no networking, except `phoenix`, which starts a local trace backend and reads it back.
 
+pub mod phoenix;
 pub mod random_model;
 
 use std::path::PathBuf;

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the real backends the observability tests talk to:
+#   - Arize Phoenix (an OTLP trace backend, from PyPI) into the ignored venv .peers/phoenix-venv
+#   - promtool (Debian's `prometheus` package), which validates /metrics expositions
+# Idempotent: each step is skipped when its tool is already there. The Phoenix venv path can be
+# overridden with FISSION_PHOENIX_VENV; the tests read the same variable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${FISSION_PHOENIX_VENV:-.peers/phoenix-venv}"
+if [ ! -x "$venv/bin/phoenix" ]; then
+  echo "installing arize-phoenix into $venv (about a minute, 850 MB)" >&2
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$venv/bin/pip" install --quiet arize-phoenix
+fi
+
+if ! command -v promtool >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "installing with apt: prometheus (for promtool)" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
