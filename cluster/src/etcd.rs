@@ -62,7 +62,9 @@ impl EtcdConfig {
         self.validate()?;
         let options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_millis(self.connect_timeout_ms))
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+            // etcd answers pings more often than every 5 s (its --grpc-keepalive-min-time)
+            // with GOAWAY, which broke every watch every few seconds; 10 s stays clear of it.
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
         Client::connect(&self.endpoints, Some(options))
             .await
             .map_err(ClusterError::etcd("connect"))

@@ -12,7 +12,9 @@ use engine::error::EngineError;
 use engine::ids::{BlockId, SeqId};
 use engine::sampling::SampledToken;
 use engine::stopping::FinishReason;
+use telemetry::OpenTelemetrySpanExt;
 use tokio::sync::{mpsc as tmpsc, oneshot};
+use tracing::Span;
 
 use node_common::engine_state::EngineState;
 use node_common::NodeError;
@@ -37,11 +39,13 @@ enum Command {
         first: SampledToken,
         tokens: TokenTx,
         reply: oneshot::Sender<Result<Option<FinishReason>, EngineError>>,
+        span: Span,
     },
     Generate {
         req: Request,
         tokens: TokenTx,
         reply: oneshot::Sender<Result<(), EngineError>>,
+        span: Span,
     },
     Cancel {
         seq_id: SeqId,
@@ -91,25 +95,36 @@ impl EngineHandle {
         })
     }
 
+    /// `trace` is the context of the request that reserved the sequence (the gateway's), so
+    /// the `decode` span joins its trace rather than the prefill node's Done call.
     pub async fn activate(
         &self,
         seq_id: SeqId,
         first: SampledToken,
         tokens: TokenTx,
+        trace: telemetry::Context,
     ) -> Result<Option<FinishReason>, NodeError> {
+        let span = decode_span();
+        telemetry::set_parent(&span, trace);
         let (reply, rx) = oneshot::channel();
         self.send(Command::Activate {
             seq_id,
             first,
             tokens,
             reply,
+            span,
         })?;
         Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
     }
 
     pub async fn generate(&self, req: Request, tokens: TokenTx) -> Result<(), NodeError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Generate { req, tokens, reply })?;
+        self.send(Command::Generate {
+            req,
+            tokens,
+            reply,
+            span: decode_span(),
+        })?;
         Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
     }
 
@@ -119,9 +134,44 @@ impl EngineHandle {
     }
 }
 
+/// The `decode` span of a sequence, a child of the caller's span: tokens and steps are recorded
+/// on it, with no span per token.
+fn decode_span() -> Span {
+    tracing::info_span!(
+        "decode",
+        tokens = tracing::field::Empty,
+        steps = tracing::field::Empty,
+        finish_reason = tracing::field::Empty,
+    )
+}
+
+/// A running sequence's spans.
+struct SeqSpans {
+    span: Span,
+    /// Open from admission until the first step that includes the sequence.
+    queue_wait: Option<Span>,
+    steps: i64,
+    tokens: i64,
+    admitted: Instant,
+}
+
+impl SeqSpans {
+    fn new(span: Span) -> Self {
+        let queue_wait = Some(tracing::info_span!(parent: &span, "queue_wait"));
+        SeqSpans {
+            span,
+            queue_wait,
+            steps: 0,
+            tokens: 0,
+            admitted: Instant::now(),
+        }
+    }
+}
+
 struct Task {
     engine: Engine,
     streams: HashMap<SeqId, TokenTx>,
+    spans: HashMap<SeqId, SeqSpans>,
     /// Sequences with a failed layer import: their activation must fail.
     poisoned: HashMap<SeqId, String>,
 }
@@ -136,6 +186,7 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
     let mut t = Task {
         engine,
         streams: HashMap::new(),
+        spans: HashMap::new(),
         poisoned: HashMap::new(),
     };
     loop {
@@ -192,7 +243,7 @@ impl Task {
                     .import_blocks(layer, &blocks, &payload)
                 {
                     Ok(()) => {
-                        metrics::counter!("fission_kv_transfer_received_bytes_total")
+                        metrics::counter!("fission_decode_kv_received_bytes_total")
                             .increment(payload.len() as u64);
                         metrics::histogram!("fission_decode_kv_import_seconds")
                             .record(started.elapsed().as_secs_f64());
@@ -208,6 +259,7 @@ impl Task {
                 first,
                 tokens,
                 reply,
+                span,
             } => {
                 if let Some(reason) = self.poisoned.remove(&seq_id) {
                     self.engine.release_reservation(seq_id);
@@ -221,14 +273,21 @@ impl Task {
                 let result = self.engine.activate(seq_id, first);
                 if let Ok(None) = result {
                     self.streams.insert(seq_id, tokens);
+                    self.spans.insert(seq_id, SeqSpans::new(span));
                 }
                 let _ = reply.send(result);
             }
-            Command::Generate { req, tokens, reply } => {
+            Command::Generate {
+                req,
+                tokens,
+                reply,
+                span,
+            } => {
                 let seq_id = req.seq_id;
                 let result = self.engine.add_request(req);
                 if result.is_ok() {
                     self.streams.insert(seq_id, tokens);
+                    self.spans.insert(seq_id, SeqSpans::new(span));
                 }
                 let _ = reply.send(result);
             }
@@ -238,12 +297,29 @@ impl Task {
                     metrics::counter!("fission_decode_cancelled_total").increment(1);
                 }
                 self.streams.remove(&seq_id);
+                self.spans.remove(&seq_id);
             }
         }
     }
 
     fn step(&mut self) {
         let started = Instant::now();
+        // One span per engine step, linked to the sequences it serves (a root: a batch belongs
+        // to no single trace).
+        let batch = tracing::info_span!(
+            parent: None,
+            "decode_batch",
+            sequences = self.spans.len() as i64
+        );
+        for s in self.spans.values_mut() {
+            telemetry::add_link(&batch, &s.span.context());
+            if s.queue_wait.take().is_some() {
+                metrics::histogram!("fission_decode_queue_time_seconds")
+                    .record(s.admitted.elapsed().as_secs_f64());
+            }
+            s.steps += 1;
+        }
+        let _in_batch = batch.enter();
         match self.engine.step() {
             Ok(events) => {
                 metrics::histogram!("fission_decode_step_seconds")
@@ -254,16 +330,28 @@ impl Task {
                 for ev in events {
                     let seq_id = ev.seq_id;
                     let done = ev.finish.is_some();
+                    let finish = ev.finish.clone();
+                    if let Some(s) = self.spans.get_mut(&seq_id) {
+                        s.tokens += 1;
+                    }
                     let delivered = self
                         .streams
                         .get(&seq_id)
                         .is_some_and(|tx| tx.send(Ok(ev)).is_ok());
                     if done {
                         self.streams.remove(&seq_id);
+                        if let Some(s) = self.spans.remove(&seq_id) {
+                            s.span.record("tokens", s.tokens);
+                            s.span.record("steps", s.steps);
+                            if let Some(f) = &finish {
+                                s.span.record("finish_reason", format!("{f:?}").as_str());
+                            }
+                        }
                     } else if !delivered {
                         // The receiver is gone: the client left. Free its blocks now.
                         self.engine.cancel(seq_id);
                         self.streams.remove(&seq_id);
+                        self.spans.remove(&seq_id);
                         metrics::counter!("fission_decode_cancelled_total").increment(1);
                     }
                 }
@@ -271,6 +359,7 @@ impl Task {
             Err(e) => {
                 // A failed step leaves no sequence in a usable state: end them all loudly.
                 tracing::error!(error = %e, "decode step failed");
+                self.spans.clear();
                 for (seq_id, tx) in self.streams.drain() {
                     let _ = tx.send(Err(format!("decode step failed: {e}")));
                     self.engine.cancel(seq_id);
@@ -281,7 +370,7 @@ impl Task {
 
     fn publish_gauges(&self) {
         let s = self.engine.stats();
-        metrics::gauge!("fission_decode_kv_blocks_total").set(s.num_blocks_total as f64);
+        metrics::gauge!("fission_decode_kv_blocks_capacity").set(s.num_blocks_total as f64);
         metrics::gauge!("fission_decode_kv_blocks_used")
             .set((s.num_blocks_used - self.engine.num_reserved_blocks()) as f64);
         metrics::gauge!("fission_decode_kv_blocks_reserved")
@@ -293,5 +382,7 @@ impl Task {
         metrics::gauge!("fission_decode_running_sequences").set(s.num_running as f64);
         metrics::gauge!("fission_decode_waiting_sequences").set(s.num_waiting as f64);
         metrics::gauge!("fission_decode_preemptions").set(s.preemptions as f64);
+        metrics::gauge!("fission_decode_prefix_cache_hit_ratio")
+            .set(s.prefix_hit_blocks as f64 / s.prefix_query_blocks.max(1) as f64);
     }
 }

@@ -20,6 +20,7 @@ use proto::ErrorCode;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::actor::{EngineHandle, TokenMsg, TokenTx};
 
@@ -27,6 +28,8 @@ use crate::actor::{EngineHandle, TokenMsg, TokenTx};
 struct Pending {
     seq_id: SeqId,
     epoch: u64,
+    /// The reserving request's trace context, for the sequence's `decode` span.
+    trace: telemetry::Context,
     tokens_tx: TokenTx,
     /// Taken by the Stream call.
     tokens_rx: Option<mpsc::UnboundedReceiver<TokenMsg>>,
@@ -109,6 +112,7 @@ impl Decode for DecodeService {
         &self,
         request: Request<v1::ReserveRequest>,
     ) -> Result<Response<v1::ReserveResponse>, Status> {
+        let trace = telemetry::extract_grpc(request.metadata());
         let r = request.into_inner();
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let req = convert::request(
@@ -152,6 +156,7 @@ impl Decode for DecodeService {
                 Pending {
                     seq_id,
                     epoch,
+                    trace,
                     tokens_tx,
                     tokens_rx: Some(tokens_rx),
                 },
@@ -197,6 +202,7 @@ impl Decode for DecodeService {
         &self,
         request: Request<v1::StreamRequest>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        let span = stream_span(&request);
         let xfer_id = request.into_inner().xfer_id;
         let (seq_id, rx) = {
             let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
@@ -232,6 +238,8 @@ impl Decode for DecodeService {
             rx,
             guard,
             _work: self.work.begin(),
+            span,
+            tokens: 0,
         })))
     }
 
@@ -241,6 +249,7 @@ impl Decode for DecodeService {
         &self,
         request: Request<v1::LocalGenerateRequest>,
     ) -> Result<Response<Self::LocalGenerateStream>, Status> {
+        let span = stream_span(&request);
         let r = request.into_inner();
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let req = convert::request(
@@ -252,6 +261,7 @@ impl Decode for DecodeService {
         let (tx, rx) = mpsc::unbounded_channel();
         self.handle
             .generate(req, tx)
+            .instrument(span.clone())
             .await
             .map_err(|e| e.to_status())?;
         metrics::counter!("fission_decode_local_prefill_total").increment(1);
@@ -265,6 +275,8 @@ impl Decode for DecodeService {
             rx,
             guard,
             _work: self.work.begin(),
+            span,
+            tokens: 0,
         })))
     }
 
@@ -273,12 +285,12 @@ impl Decode for DecodeService {
         request: Request<v1::DoneRequest>,
     ) -> Result<Response<v1::DoneResponse>, Status> {
         let d = request.into_inner();
-        let (seq_id, epoch, tokens_tx) = {
+        let (seq_id, epoch, tokens_tx, trace) = {
             let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             let p = pending.get(&d.xfer_id).ok_or_else(|| {
                 ErrorCode::NotFound.status(format!("no reservation {}", d.xfer_id))
             })?;
-            (p.seq_id, p.epoch, p.tokens_tx.clone())
+            (p.seq_id, p.epoch, p.tokens_tx.clone(), p.trace.clone())
         };
         if d.epoch != epoch {
             return Err(ErrorCode::Validation.status(format!(
@@ -329,7 +341,7 @@ impl Decode for DecodeService {
         }
         // Fence: no write into these blocks runs after this returns.
         self.registry.deregister(d.xfer_id).await;
-        metrics::counter!("fission_kv_transfer_completed_total").increment(1);
+        metrics::counter!("fission_decode_kv_transfers_completed_total").increment(1);
         metrics::histogram!("fission_decode_kv_transfer_bytes")
             .record(progress.payload_bytes as f64);
         // The entry leaves `pending` now, so the lease can no longer fire for it.
@@ -339,7 +351,7 @@ impl Decode for DecodeService {
             .remove(&d.xfer_id);
         match self
             .handle
-            .activate(seq_id, convert::sampled(first), tokens_tx)
+            .activate(seq_id, convert::sampled(first), tokens_tx, trace)
             .await
         {
             Ok(_) => Ok(Response::new(v1::DoneResponse {})),
@@ -414,6 +426,16 @@ struct EngineTokens {
     rx: mpsc::UnboundedReceiver<TokenMsg>,
     guard: CancelOnDrop,
     _work: WorkGuard,
+    /// The `stream` span: open while tokens flow to the caller.
+    span: tracing::Span,
+    tokens: i64,
+}
+
+/// The `stream` span of a token stream, a child of the caller's span.
+fn stream_span<T>(request: &Request<T>) -> tracing::Span {
+    let span = tracing::info_span!("stream", tokens = tracing::field::Empty);
+    telemetry::set_parent(&span, telemetry::extract_grpc(request.metadata()));
+    span
 }
 
 impl Stream for EngineTokens {
@@ -422,8 +444,10 @@ impl Stream for EngineTokens {
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         match self.rx.poll_recv(cx) {
             Poll::Ready(Some(Ok(ev))) => {
+                self.tokens += 1;
                 if ev.finish.is_some() {
                     self.guard.finished = true;
+                    self.span.record("tokens", self.tokens);
                 }
                 Poll::Ready(Some(Ok(convert::token(&ev))))
             }

@@ -43,14 +43,18 @@ fn main() -> anyhow::Result<()> {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    // Services install their own subscriber, with trace export (see `cmd::serve`).
+    if !matches!(cli.command, Command::Node(_) | Command::Gateway(_)) {
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    match cli.command {
         Command::Generate(args) => cmd::generate::run(args),
         Command::MakeRandomModel(args) => cmd::random_model::run(args),
         Command::Bench(c) => cmd::bench::run(c),

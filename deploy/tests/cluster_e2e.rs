@@ -278,8 +278,8 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     assert!(last["generated_text"].is_string());
     assert!(events[..11].iter().all(|e| e["generated_text"].is_null()));
     // The KV really crossed the network, and everything was given back.
-    assert!(cluster.metric("decode-0", "fission_kv_transfer_received_bytes_total") > 0.0);
-    assert!(cluster.metric("prefill-0", "fission_kv_transfer_bytes_total") > 0.0);
+    assert!(cluster.metric("decode-0", "fission_decode_kv_received_bytes_total") > 0.0);
+    assert!(cluster.metric("prefill-0", "fission_prefill_kv_transfer_bytes_total") > 0.0);
     assert_eq!(
         cluster.metric("decode-0", "fission_decode_kv_blocks_used"),
         0.0
@@ -303,7 +303,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
         assert_eq!(ids, expected(r, 32), "colocated prompt {}", r["prompt"]);
     }
     assert_eq!(
-        colocated.metric("decode-0", "fission_kv_transfer_received_bytes_total"),
+        colocated.metric("decode-0", "fission_decode_kv_received_bytes_total"),
         0.0
     );
     drop(colocated);
@@ -322,7 +322,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     assert_eq!(ids, expected(r, 32));
     assert!(conditional.metric("decode-0", "fission_decode_local_prefill_total") >= 1.0);
     assert_eq!(
-        conditional.metric("decode-0", "fission_kv_transfer_received_bytes_total"),
+        conditional.metric("decode-0", "fission_decode_kv_received_bytes_total"),
         0.0
     );
     assert_eq!(

@@ -39,6 +39,7 @@ impl Generation {
     /// the whole generation, this call included. Cancelling `abort` (shutdown's drain deadline)
     /// ends the generation with an `Unavailable` error.
     pub(crate) async fn start(
+        model: &str,
         backend: &dyn Backend,
         request: ValidRequest,
         admission: Admission,
@@ -51,12 +52,15 @@ impl Generation {
         let received_at = request.received_at;
         let deadline = tokio::time::Instant::from_std(received_at)
             + std::time::Duration::from_millis(timeout_ms);
+        // Counts are recorded as i64: tracing-opentelemetry exports u64 fields as strings.
         let span = tracing::info_span!(
             "generate",
             request_id = %request_id,
-            prompt_tokens,
-            max_new_tokens = request.stopping.max_new_tokens,
+            model = %model,
+            prompt_tokens = prompt_tokens as i64,
+            max_new_tokens = request.stopping.max_new_tokens as i64,
             ttft_ms = field::Empty,
+            tpot_ms = field::Empty,
             generated_tokens = field::Empty,
             finish_reason = field::Empty,
         );
@@ -66,7 +70,9 @@ impl Generation {
             request_id: request_id.clone(),
             timeout_ms,
         };
-        let started = tokio::time::timeout_at(deadline, backend.generate(request));
+        // Called inside the span so the backend's spans (`route`) are its children.
+        let started =
+            tokio::time::timeout_at(deadline, span.in_scope(|| backend.generate(request)));
         let inner = tokio::select! {
             () = abort.cancelled() => return Err(shutting_down()),
             started = started.instrument(span.clone()) => started.map_err(|_| timeout())??,
@@ -179,7 +185,7 @@ impl Guard {
             self.first_token_at = Some(now);
             let ttft = now - self.received_at;
             ::metrics::histogram!(metrics::TIME_TO_FIRST_TOKEN).record(ttft.as_secs_f64());
-            self.span.record("ttft_ms", ttft.as_millis() as u64);
+            self.span.record("ttft_ms", ttft.as_secs_f64() * 1e3);
         }
         let Some(finish_reason) = token.finish_reason else {
             return;
@@ -192,8 +198,9 @@ impl Guard {
         if let (Some(first), true) = (self.first_token_at, self.generated > 1) {
             let per_token = (now - first).as_secs_f64() / (self.generated - 1) as f64;
             ::metrics::histogram!(metrics::TIME_PER_OUTPUT_TOKEN).record(per_token);
+            self.span.record("tpot_ms", per_token * 1e3);
         }
-        self.span.record("generated_tokens", self.generated);
+        self.span.record("generated_tokens", self.generated as i64);
         self.span
             .record("finish_reason", finish_reason.as_tgi_str());
         tracing::debug!(parent: &self.span, "generation finished");

@@ -15,17 +15,18 @@ struct Cli {
     addr: String,
     #[command(flatten)]
     args: gateway::cli::GatewayArgs,
+    #[command(flatten)]
+    telemetry: telemetry::TelemetryArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let _telemetry = telemetry::init(
+        "fission-gateway",
+        cli.telemetry.otlp_endpoint.clone(),
+        "info",
+    )?;
     let listener = tokio::net::TcpListener::bind(&cli.addr)
         .await
         .with_context(|| format!("binding {}", cli.addr))?;

@@ -47,6 +47,8 @@ async fn http_request_span(request: Request, next: Next) -> Response {
         path = request.uri().path(),
         status = tracing::field::Empty,
     );
+    // The client's `traceparent` makes this span part of its trace; without one it is a root.
+    telemetry::set_parent(&span, telemetry::extract_http(request.headers()));
     let response = next.run(request).instrument(span.clone()).await;
     span.record("status", response.status().as_u16());
     response

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tracing::Instrument;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -99,6 +100,7 @@ impl AppState {
             .validate(prompt, parameters, fields, received_at)
             .await?;
         Generation::start(
+            &self.inner.config.model_id,
             self.inner.backend.as_ref(),
             request,
             admission,
@@ -127,13 +129,17 @@ impl AppState {
         received_at: Instant,
     ) -> Result<ValidRequest, GatewayError> {
         let validator = Arc::clone(&self.inner.validator);
-        tokio::task::spawn_blocking(move || {
+        let span = tracing::info_span!("validate", prompt_tokens = tracing::field::Empty);
+        let request = tokio::task::spawn_blocking(move || {
             validator.validate(prompt, parameters, fields, received_at)
         })
+        .instrument(span.clone())
         .await
         .map_err(|e| GatewayError::Internal {
             message: format!("validation task: {e}"),
-        })?
+        })??;
+        span.record("prompt_tokens", request.prompt_ids.len() as i64);
+        Ok(request)
     }
 }
 

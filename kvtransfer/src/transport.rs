@@ -164,15 +164,19 @@ where
         }
     };
     let h = &frame.header;
-    let span = tracing::debug_span!(
+    // One span per received layer, a child of the sender's `kv_transfer` span through the
+    // frame's traceparent, so one request's trace shows both ends of the transfer.
+    let span = tracing::info_span!(
         "kv_receive",
-        xfer_id = h.xfer_id,
-        epoch = h.epoch,
-        layer = h.layer,
-        payload_bytes = frame.payload_len,
-        traceparent = h.traceparent.as_deref().unwrap_or(""),
+        xfer_id = h.xfer_id as i64,
+        epoch = h.epoch as i64,
+        layer = h.layer as i64,
+        payload_bytes = frame.payload_len as i64,
         peer,
     );
+    if let Some(tp) = h.traceparent.as_deref() {
+        telemetry::set_parent(&span, telemetry::context_from_traceparent(tp));
+    }
     async {
         let (claim, verdict) = match ctx.registry.admit(&frame) {
             Ok(Admission::Accept(claim)) => (Some(claim), Verdict::Accepted),

@@ -2,32 +2,16 @@
 
 use axum::routing::get;
 use axum::Router;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::NodeError;
 
-/// Installs the global Prometheus recorder once per process and returns its handle.
+/// Installs the global Prometheus recorder once per process and returns its handle, with
+/// buckets that fit LLM latencies (see [`telemetry::prometheus_builder`]).
 pub fn install_recorder() -> PrometheusHandle {
-    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
-    HANDLE
-        .get_or_init(|| {
-            let buckets = [
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                60.0, 120.0, 300.0,
-            ];
-            let recorder = PrometheusBuilder::new()
-                .set_buckets(&buckets)
-                .expect("static bucket list is non-empty")
-                .build_recorder();
-            let handle = recorder.handle();
-            if metrics::set_global_recorder(recorder).is_err() {
-                tracing::warn!("a metrics recorder was already installed");
-            }
-            handle
-        })
-        .clone()
+    telemetry::install_prometheus_recorder()
 }
 
 /// Serves `/metrics` and `/health` until `shutdown`.

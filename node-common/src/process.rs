@@ -3,18 +3,19 @@
 use tokio_util::sync::CancellationToken;
 
 /// Sets the thread count candle reads (it re-reads /proc/cpuinfo per op otherwise) and installs
-/// a stderr logger honouring `RUST_LOG`.
-pub fn init_process(default_filter: &str) {
+/// the stderr logger honouring `RUST_LOG`, plus OTLP trace export as `service_name` when an
+/// endpoint is configured (the argument or `OTEL_EXPORTER_OTLP_ENDPOINT`). Keep the guard until
+/// exit: dropping it flushes the last spans, within a bound.
+pub fn init_process(
+    service_name: &str,
+    default_filter: &str,
+    otlp_endpoint: Option<String>,
+) -> Result<telemetry::TelemetryGuard, telemetry::TelemetryError> {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    telemetry::init(service_name, otlp_endpoint, default_filter)
 }
 
 /// Cancels `shutdown` on SIGTERM or Ctrl-C.

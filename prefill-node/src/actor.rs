@@ -10,7 +10,9 @@ use bytes::{Bytes, BytesMut};
 use engine::engine::{Engine, LayerDone, Request, TokenEvent};
 use engine::error::EngineError;
 use engine::ids::SeqId;
+use telemetry::OpenTelemetrySpanExt;
 use tokio::sync::{mpsc as tmpsc, oneshot};
+use tracing::Span;
 
 use node_common::engine_state::EngineState;
 use node_common::NodeError;
@@ -34,6 +36,8 @@ enum Command {
         req: Request,
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
         reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
+        /// The request's `prefill` span: queue time and chunks are recorded under it.
+        span: Span,
     },
     Cancel {
         seq_id: SeqId,
@@ -62,8 +66,14 @@ impl EngineHandle {
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
     ) -> Result<PrefillOutcome, NodeError> {
         let (reply, rx) = oneshot::channel();
+        let span = Span::current();
         self.tx
-            .send(Command::Prefill { req, layers, reply })
+            .send(Command::Prefill {
+                req,
+                layers,
+                reply,
+                span,
+            })
             .map_err(|_| NodeError::EngineStopped)?;
         Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
     }
@@ -78,6 +88,11 @@ struct Pending {
     reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
     admitted: Instant,
     prompt_tokens: u64,
+    span: Span,
+    /// Open from admission until the first step that computes part of this prompt.
+    queue_wait: Option<Span>,
+    /// Steps that computed part of this prompt (its chunks).
+    chunks: i64,
 }
 
 fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
@@ -99,7 +114,12 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
         let mut next = first;
         while let Some(c) = next {
             match c {
-                Command::Prefill { req, layers, reply } => {
+                Command::Prefill {
+                    req,
+                    layers,
+                    reply,
+                    span,
+                } => {
                     let seq_id = req.seq_id;
                     let prompt_tokens = req.prompt_ids.len() as u64;
                     match engine.add_prefill_request(req) {
@@ -111,6 +131,11 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
                                     reply,
                                     admitted: Instant::now(),
                                     prompt_tokens,
+                                    queue_wait: Some(
+                                        tracing::info_span!(parent: &span, "queue_wait"),
+                                    ),
+                                    span,
+                                    chunks: 0,
                                 },
                             );
                         }
@@ -133,12 +158,16 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
         }
         let s = engine.stats();
         metrics::gauge!("fission_prefill_kv_blocks_used").set(s.num_blocks_used as f64);
-        metrics::gauge!("fission_prefill_kv_blocks_total").set(s.num_blocks_total as f64);
+        metrics::gauge!("fission_prefill_kv_blocks_capacity").set(s.num_blocks_total as f64);
         metrics::gauge!("fission_prefill_queued_sequences")
             .set((s.num_waiting + s.num_running) as f64);
         metrics::gauge!("fission_prefill_prefix_cache_hit_blocks").set(s.prefix_hit_blocks as f64);
         metrics::gauge!("fission_prefill_prefix_cache_queried_blocks")
             .set(s.prefix_query_blocks as f64);
+        metrics::gauge!("fission_prefill_prefix_cache_hit_ratio")
+            .set(s.prefix_hit_blocks as f64 / s.prefix_query_blocks.max(1) as f64);
+        metrics::gauge!("fission_prefill_kv_usage_ratio")
+            .set(s.num_blocks_used as f64 / s.num_blocks_total.max(1) as f64);
         // Tokens of prompts admitted and not yet answered: what a router weighs a node by.
         let queued: u64 = pending.values().map(|p| p.prompt_tokens).sum();
         metrics::gauge!("fission_prefill_queued_prefill_tokens").set(queued as f64);
@@ -148,6 +177,23 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
 
 fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
     let started = Instant::now();
+    // One span per engine step, linked to every request it serves (a root: a batch belongs to
+    // no single trace). Every admitted prompt is in the step: chunked prefill gives each a
+    // chunk per step within the token budget.
+    let batch = tracing::info_span!(
+        parent: None,
+        "prefill_batch",
+        sequences = pending.len() as i64
+    );
+    for p in pending.values_mut() {
+        telemetry::add_link(&batch, &p.span.context());
+        if p.queue_wait.take().is_some() {
+            metrics::histogram!("fission_prefill_queue_time_seconds")
+                .record(p.admitted.elapsed().as_secs_f64());
+        }
+        p.chunks += 1;
+    }
+    let _in_batch = batch.enter();
     let result = engine.step_with_layer_hook(&mut |done: LayerDone<'_>| {
         let now = Instant::now();
         for (seq_id, blocks) in done.completing {
@@ -174,6 +220,7 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
             for ev in events {
                 if let Some(p) = pending.remove(&ev.seq_id) {
                     metrics::counter!("fission_prefill_prompts_total").increment(1);
+                    p.span.record("chunks", p.chunks);
                     let _ = p.reply.send(Ok(PrefillOutcome {
                         first: ev,
                         elapsed: p.admitted.elapsed(),

@@ -9,6 +9,8 @@ use tokio_util::sync::CancellationToken;
 struct Cli {
     #[command(flatten)]
     config: prefill_node::PrefillConfig,
+    #[command(flatten)]
+    telemetry: telemetry::TelemetryArgs,
     #[arg(long, env = "FISSION_GRPC_ADDR", default_value = "127.0.0.1:7000")]
     grpc_addr: String,
     #[arg(long, env = "FISSION_METRICS_ADDR", default_value = "127.0.0.1:9000")]
@@ -17,8 +19,12 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    node_common::init_process("info");
     let cli = Cli::parse();
+    let _telemetry = node_common::init_process(
+        "fission-prefill",
+        "info",
+        cli.telemetry.otlp_endpoint.clone(),
+    )?;
     let grpc = tokio::net::TcpListener::bind(&cli.grpc_addr)
         .await
         .with_context(|| format!("binding {}", cli.grpc_addr))?;

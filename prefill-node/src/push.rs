@@ -51,6 +51,19 @@ impl Transport {
     }
 }
 
+/// Runs `fut` on a task of its own, where no span is current. Connections made there (QUIC
+/// dials, gRPC channels) spawn driver tasks that take the current span as their parent and
+/// live as long as the pooled connection; made inside `kv_transfer`, they would hold that span,
+/// and the request's whole trace, open forever. (Entering `Span::none()` does not help: it
+/// leaves the current span as it was.)
+async fn outside_span<F, T>(fut: F) -> Result<T, String>
+where
+    F: std::future::Future<Output = T> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::spawn(fut).await.map_err(|e| e.to_string())
+}
+
 /// gRPC clients of decode nodes, one per endpoint.
 #[derive(Default, Clone)]
 pub struct DecodeClients {
@@ -102,11 +115,19 @@ pub async fn run_push_task(
     first_rx: oneshot::Receiver<v1::Token>,
     num_tokens: u32,
 ) -> Result<PushReport, String> {
+    let started = Instant::now();
+    // The frames carry this span's context, so the decode side's receive spans join the trace.
+    let traceparent = telemetry::current_traceparent();
     let result = async {
-        let conn = transport
-            .connect(&dest.kv_endpoint)
-            .await
-            .map_err(|e| e.to_string())?;
+        // Connections outlive this transfer (they are pooled), and the tasks that drive them
+        // take the span current at creation as their parent: made outside the `kv_transfer`
+        // span, they do not keep it (and the request's trace) open forever.
+        let conn = {
+            let (transport, endpoint) = (Arc::clone(&transport), dest.kv_endpoint.clone());
+            outside_span(async move { transport.connect(&endpoint).await })
+                .await?
+                .map_err(|e| e.to_string())?
+        };
         let block_ids: Arc<[u32]> = dest.block_ids.clone().into();
         let mut checksums = vec![0u32; num_layers as usize];
         let mut sends = JoinSet::new();
@@ -120,17 +141,18 @@ pub async fn run_push_task(
                 num_layers,
                 layout,
                 block_ids: Arc::clone(&block_ids),
-                traceparent: None,
+                traceparent: traceparent.clone(),
             };
             let frame = FrameHeader::for_payload(header, &lp.bytes);
             checksums[lp.layer] = frame.payload_crc32c;
             last_computed = Some(lp.computed_at);
             received += 1;
             let conn = conn.clone();
+            let layer = lp.layer;
             sends.spawn(async move {
                 conn.send(frame, lp.bytes)
                     .await
-                    .map(|s| (s, Instant::now()))
+                    .map(|s| (layer, s, Instant::now()))
             });
         }
         if received != num_layers {
@@ -141,12 +163,18 @@ pub async fn run_push_task(
         let mut kv_bytes = 0;
         let mut last_ack = None::<Instant>;
         while let Some(joined) = sends.join_next().await {
-            let (stat, at) = joined
+            let (layer, stat, at) = joined
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
             kv_bytes += stat.payload_bytes;
-            metrics::histogram!("fission_kv_transfer_layer_seconds")
+            metrics::histogram!("fission_prefill_kv_transfer_layer_seconds")
                 .record(stat.elapsed.as_secs_f64());
+            tracing::info!(
+                layer = layer as i64,
+                bytes = stat.payload_bytes as i64,
+                duration_ms = stat.elapsed.as_secs_f64() * 1e3,
+                "layer sent"
+            );
             last_ack = Some(last_ack.map_or(at, |l: Instant| l.max(at)));
         }
         let tail = match (last_computed, last_ack) {
@@ -156,35 +184,45 @@ pub async fn run_push_task(
         let first = first_rx
             .await
             .map_err(|_| "the prefill ended without a first token".to_string())?;
-        let mut client = clients
-            .get(&dest.decode_endpoint)
-            .await
-            .map_err(|e| e.to_string())?;
-        client
-            .done(v1::DoneRequest {
-                xfer_id: dest.xfer_id,
-                epoch: dest.epoch,
-                first_token: Some(first),
-                num_tokens,
-                checksums,
-            })
-            .await
+        let mut client = {
+            let (clients, endpoint) = (clients.clone(), dest.decode_endpoint.clone());
+            outside_span(async move { clients.get(&endpoint).await })
+                .await?
+                .map_err(|e| e.to_string())?
+        };
+        let done = telemetry::with_trace(v1::DoneRequest {
+            xfer_id: dest.xfer_id,
+            epoch: dest.epoch,
+            first_token: Some(first),
+            num_tokens,
+            checksums,
+        });
+        // The context travels in `done`'s metadata; the call itself runs outside the span
+        // (see `outside_span`).
+        outside_span(async move { client.done(done).await })
+            .await?
             .map_err(|s| format!("done rejected: {}", s.message()))?;
         Ok(PushReport { kv_bytes, tail })
     }
     .await;
     match &result {
         Ok(r) => {
-            metrics::counter!("fission_kv_transfer_bytes_total").increment(r.kv_bytes);
+            let took = started.elapsed().as_secs_f64();
+            metrics::counter!("fission_prefill_kv_transfer_bytes_total").increment(r.kv_bytes);
+            metrics::counter!("fission_prefill_kv_transfers_total").increment(1);
+            metrics::histogram!("fission_prefill_kv_transfer_duration_seconds").record(took);
             metrics::histogram!("fission_prefill_kv_transfer_tail_seconds")
                 .record(r.tail.as_secs_f64());
-            if r.tail.as_secs_f64() > 0.0 {
-                metrics::histogram!("fission_kv_transfer_gigabytes_per_second")
-                    .record(r.kv_bytes as f64 / 1e9 / r.tail.as_secs_f64().max(1e-6));
-            }
+            // Over the whole transfer, which overlaps the prompt's compute: a lower bound on
+            // what the link could carry.
+            metrics::histogram!("fission_prefill_kv_transfer_gigabytes_per_second")
+                .record(r.kv_bytes as f64 / 1e9 / took.max(1e-6));
+            let span = tracing::Span::current();
+            span.record("bytes", r.kv_bytes as i64);
+            span.record("tail_ms", r.tail.as_secs_f64() * 1e3);
         }
         Err(e) => {
-            metrics::counter!("fission_kv_transfer_failures_total").increment(1);
+            metrics::counter!("fission_prefill_kv_transfer_failures_total").increment(1);
             tracing::warn!(xfer_id = dest.xfer_id, error = %e, "kv push failed");
             if let Ok(mut c) = clients.get(&dest.decode_endpoint).await {
                 let _ = c

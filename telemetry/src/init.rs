@@ -273,6 +273,21 @@ impl TelemetryGuard {
         self.export.as_ref().map(|e| e.endpoint.as_str())
     }
 
+    /// Sends the spans queued so far, without stopping the exporter (tests read an in-process
+    /// exporter after this; a shutdown may clear it).
+    pub fn force_flush(&self) -> Result<(), TelemetryError> {
+        match &self.export {
+            Some(export) => export
+                .provider
+                .force_flush()
+                .map_err(|e| TelemetryError::Shutdown {
+                    endpoint: export.endpoint.clone(),
+                    reason: e.to_string(),
+                }),
+            None => Ok(()),
+        }
+    }
+
     /// Sends the queued spans and stops the exporter, giving up after [`SHUTDOWN_BOUND`]
     /// (the spans still queued are then dropped). A second call does nothing.
     pub fn shutdown(&mut self) -> Result<(), TelemetryError> {

@@ -68,6 +68,8 @@ fn with_free_ports(role: NodeRole, rest: Vec<String>) -> Vec<String> {
 pub struct PrefillArgs {
     #[command(flatten)]
     config: prefill_node::PrefillConfig,
+    #[command(flatten)]
+    telemetry: telemetry::TelemetryArgs,
     #[arg(long, env = "FISSION_GRPC_ADDR", default_value = "127.0.0.1:7000")]
     grpc_addr: String,
     #[arg(long, env = "FISSION_METRICS_ADDR", default_value = "127.0.0.1:9000")]
@@ -78,6 +80,8 @@ pub struct PrefillArgs {
 pub struct DecodeArgs {
     #[command(flatten)]
     config: decode_node::DecodeConfig,
+    #[command(flatten)]
+    telemetry: telemetry::TelemetryArgs,
     #[arg(long, env = "FISSION_GRPC_ADDR", default_value = "127.0.0.1:7100")]
     grpc_addr: String,
     #[arg(long, env = "FISSION_METRICS_ADDR", default_value = "127.0.0.1:9100")]
@@ -92,6 +96,8 @@ pub struct GatewayCmd {
     addr: String,
     #[command(flatten)]
     args: gateway::cli::GatewayArgs,
+    #[command(flatten)]
+    telemetry: telemetry::TelemetryArgs,
 }
 
 async fn bind(addr: &str) -> anyhow::Result<tokio::net::TcpListener> {
@@ -141,6 +147,8 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
         match cmd {
             NodeCommand::Start(_) => unreachable!("resolved above"),
             NodeCommand::Prefill(a) => {
+                let _telemetry =
+                    telemetry::init("fission-prefill", a.telemetry.otlp_endpoint.clone(), "warn")?;
                 let listeners = prefill_node::PrefillListeners {
                     grpc: bind(&a.grpc_addr).await?,
                     metrics: bind(&a.metrics_addr).await?,
@@ -149,6 +157,8 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
                 prefill_node::run(a.config, listeners, shutdown).await?;
             }
             NodeCommand::Decode(a) => {
+                let _telemetry =
+                    telemetry::init("fission-decode", a.telemetry.otlp_endpoint.clone(), "warn")?;
                 let listeners = decode_node::DecodeListeners {
                     grpc: bind(&a.grpc_addr).await?,
                     metrics: bind(&a.metrics_addr).await?,
@@ -164,6 +174,11 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
 
 pub fn run_gateway(cmd: GatewayCmd) -> anyhow::Result<()> {
     runtime()?.block_on(async move {
+        let _telemetry = telemetry::init(
+            "fission-gateway",
+            cmd.telemetry.otlp_endpoint.clone(),
+            "warn",
+        )?;
         let shutdown = CancellationToken::new();
         node_common::spawn_signal_handler(shutdown.clone());
         let listener = bind(&cmd.addr).await?;

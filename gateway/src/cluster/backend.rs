@@ -13,6 +13,7 @@ use futures::future::BoxFuture;
 use futures::{Stream, StreamExt};
 use proto::v1::{self, reserve_response};
 use proto::ErrorCode;
+use tracing::Instrument;
 
 use super::discovery::Role;
 use super::pool::{InFlight, Node, Pools};
@@ -51,7 +52,19 @@ impl Backend for ClusterBackend {
         let pools = Arc::clone(&self.pools);
         let config = self.config.clone();
         let policy = Arc::clone(&self.policy);
-        Box::pin(async move { route(&pools, &config, policy.as_ref(), request).await })
+        let span = tracing::info_span!(
+            "route",
+            policy = policy.name(),
+            mode = tracing::field::Empty,
+            decode_node = tracing::field::Empty,
+            prefill_node = tracing::field::Empty,
+            decode_reason = tracing::field::Empty,
+            prefill_reason = tracing::field::Empty,
+            attempts = tracing::field::Empty,
+        );
+        Box::pin(
+            async move { route(&pools, &config, policy.as_ref(), request).await }.instrument(span),
+        )
     }
 
     fn is_ready(&self) -> bool {
@@ -221,10 +234,18 @@ async fn route(
         };
         metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => why)
             .increment(1);
+        let span = tracing::Span::current();
+        span.record("mode", "colocated");
+        span.record("prefill_reason", why);
+        span.record("decode_reason", decodes.reason.as_str());
         tracing::debug!(request_id = %r.request_id, mode = "colocated", reason = why, decode_reason = %decodes.reason, "route");
         return colocated(&decodes.nodes, &r).await;
     }
     metrics::counter!("fission_gateway_route_total", "mode" => "disaggregated", "reason" => "default").increment(1);
+    let span = tracing::Span::current();
+    span.record("mode", "disaggregated");
+    span.record("decode_reason", decodes.reason.as_str());
+    span.record("prefill_reason", prefills.reason.as_str());
     tracing::debug!(
         request_id = %r.request_id,
         mode = "disaggregated",
@@ -236,7 +257,8 @@ async fn route(
     // A prefill node that fails before answering (killed, restarting) costs a retry on the
     // next one, with a fresh reservation: the failed push may have written part of the old.
     let mut last_err = None;
-    for prefill in prefills.nodes.iter().take(MAX_PREFILL_ATTEMPTS) {
+    for (attempt, prefill) in prefills.nodes.iter().take(MAX_PREFILL_ATTEMPTS).enumerate() {
+        span.record("attempts", attempt as i64 + 1);
         match disaggregated(&decodes.nodes, prefill, &r).await {
             Ok(stream) => return Ok(stream),
             Err(Attempt::Retry(e)) => {
@@ -274,14 +296,15 @@ async fn colocated(decodes: &[Arc<Node>], r: &ValidRequest) -> Result<TokenStrea
     let mut last = None;
     for node in decodes {
         let in_flight = InFlight::new(Arc::clone(node));
+        tracing::Span::current().record("decode_node", node.entry.node_id.as_str());
         let call = node
             .decode_client()
-            .local_generate(v1::LocalGenerateRequest {
+            .local_generate(telemetry::with_trace(v1::LocalGenerateRequest {
                 request_id: r.request_id.to_string(),
                 prompt_ids: r.prompt_ids.clone(),
                 sampling: Some(sampling(r)),
                 stopping: Some(stopping(r)),
-            })
+            }))
             .await;
         match call {
             Ok(stream) => {
@@ -318,12 +341,12 @@ async fn disaggregated(
     for node in decodes {
         let resp = node
             .decode_client()
-            .reserve(v1::ReserveRequest {
+            .reserve(telemetry::with_trace(v1::ReserveRequest {
                 request_id: r.request_id.to_string(),
                 prompt_ids: r.prompt_ids.clone(),
                 sampling: Some(sampling(r)),
                 stopping: Some(stopping(r)),
-            })
+            }))
             .await;
         match resp.map(|x| x.into_inner().result) {
             Ok(Some(reserve_response::Result::Reserved(res))) => {
@@ -358,9 +381,9 @@ async fn disaggregated(
     // 2. Open the token stream before the KV can arrive, so no token is missed.
     let tokens = match decode
         .decode_client()
-        .stream(v1::StreamRequest {
+        .stream(telemetry::with_trace(v1::StreamRequest {
             xfer_id: res.xfer_id,
-        })
+        }))
         .await
     {
         Ok(s) => s.into_inner(),
@@ -371,6 +394,9 @@ async fn disaggregated(
     };
     // 3. Prefill, pushing into the reserved blocks.
     let prefill_guard = InFlight::new(Arc::clone(prefill));
+    let span = tracing::Span::current();
+    span.record("decode_node", decode.entry.node_id.as_str());
+    span.record("prefill_node", prefill.entry.node_id.as_str());
     tracing::debug!(
         request_id = %r.request_id,
         decode = %decode.entry.node_id,
@@ -380,7 +406,7 @@ async fn disaggregated(
     );
     let resp = prefill
         .prefill_client()
-        .prefill(v1::PrefillRequest {
+        .prefill(telemetry::with_trace(v1::PrefillRequest {
             request_id: r.request_id.to_string(),
             prompt_ids: r.prompt_ids.clone(),
             sampling: Some(sampling(r)),
@@ -393,7 +419,7 @@ async fn disaggregated(
                 decode_endpoint: decode.entry.grpc_endpoint.clone(),
                 layout: res.layout.clone(),
             }),
-        })
+        }))
         .await;
     drop(prefill_guard);
     let first = match resp {
