@@ -4,6 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source deploy/install-deps.sh
 export PATH="$HOME/.cargo/bin:$PATH"
+# The observability tests' real backends: Arize Phoenix (OTLP traces) and promtool. With them
+# required, a missing tool fails those tests instead of skipping them.
+./deploy/install-test-tools.sh
+export FISSION_REQUIRE_TEST_TOOLS=1
 
 if cargo fmt --version >/dev/null 2>&1; then
   cargo fmt --all -- --check

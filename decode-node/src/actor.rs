@@ -381,7 +381,7 @@ impl Task {
             .set(s.num_blocks_used as f64 / s.num_blocks_total.max(1) as f64);
         metrics::gauge!("fission_decode_running_sequences").set(s.num_running as f64);
         metrics::gauge!("fission_decode_waiting_sequences").set(s.num_waiting as f64);
-        metrics::gauge!("fission_decode_preemptions").set(s.preemptions as f64);
+        metrics::counter!("fission_decode_preemptions_total").absolute(s.preemptions);
         metrics::gauge!("fission_decode_prefix_cache_hit_ratio")
             .set(s.prefix_hit_blocks as f64 / s.prefix_query_blocks.max(1) as f64);
     }

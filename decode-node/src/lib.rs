@@ -6,6 +6,7 @@
 //! thread.
 
 mod actor;
+mod metrics;
 mod service;
 mod sink;
 
@@ -56,6 +57,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let metrics = node_common::metrics_http::install_recorder();
+    crate::metrics::describe();
     let node_id = config
         .node_id
         .clone()

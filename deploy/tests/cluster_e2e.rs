@@ -132,6 +132,15 @@ impl Cluster {
         }
     }
 
+    fn metrics_url(&self, node: &str) -> &str {
+        &self
+            .metrics
+            .iter()
+            .find(|(n, _)| n == node)
+            .expect("node")
+            .1
+    }
+
     fn metric(&self, node: &str, name: &str) -> f64 {
         let url = &self
             .metrics
@@ -288,6 +297,29 @@ async fn disaggregated_cluster_serves_reference_tokens() {
         cluster.metric("decode-0", "fission_decode_kv_blocks_reserved"),
         0.0
     );
+    // Every component's exposition passes promtool, and its names say whose they are.
+    let gateway_metrics = format!("{}/metrics", cluster.url);
+    for (component, url) in [
+        ("gateway", gateway_metrics.as_str()),
+        ("prefill", cluster.metrics_url("prefill-0")),
+        ("decode", cluster.metrics_url("decode-0")),
+    ] {
+        let text = reqwest::blocking_get(url);
+        let prefix = format!("fission_{component}_");
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            assert!(
+                name.starts_with(&prefix),
+                "{component} exposes {name}, not named {prefix}<what>_<unit>"
+            );
+        }
+        if let Some(report) = testkit::promtool::check(&text).expect("promtool passes") {
+            println!("promtool check metrics ({component}): ok {report}");
+        }
+    }
     drop(cluster);
 
     // Colocated (no prefill node): the same ids.

@@ -72,6 +72,34 @@ pub fn install_recorder() -> PrometheusHandle {
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "fission_gateway_route_total",
+        "Routing decisions, by mode (disaggregated or colocated) and reason."
+    );
+    describe_counter!(
+        "fission_gateway_prefill_retries_total",
+        "Prefill attempts retried on another node after a node failed."
+    );
+    describe_counter!(
+        "fission_gateway_no_capacity_total",
+        "Requests refused because every decode node was out of KV blocks."
+    );
+    describe_counter!(
+        "fission_gateway_client_cancelled_total",
+        "Streams cancelled upstream because the client left."
+    );
+    describe_counter!(
+        "fission_gateway_nodes_refused_total",
+        "Nodes refused by routing (other model or KV layout), by role."
+    );
+    describe_counter!(
+        "fission_gateway_cache_event_resyncs_total",
+        "Prefix-cache event streams resynced from a snapshot after a gap."
+    );
+    describe_gauge!(
+        "fission_gateway_cluster_nodes",
+        "Nodes in etcd by role and state (serving, draining, refused)."
+    );
     describe_counter!(REQUESTS_TOTAL, "Generation requests received, by endpoint.");
     describe_counter!(ERRORS_TOTAL, "Errors sent to clients, by error_type.");
     describe_counter!(

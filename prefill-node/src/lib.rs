@@ -3,6 +3,7 @@
 //! the first token. It must not route requests or hold sequences past their first token.
 
 mod actor;
+mod metrics;
 mod push;
 mod service;
 
@@ -44,6 +45,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let metrics = node_common::metrics_http::install_recorder();
+    crate::metrics::describe();
     let node_id = config
         .node_id
         .clone()

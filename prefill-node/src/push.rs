@@ -215,8 +215,8 @@ pub async fn run_push_task(
                 .record(r.tail.as_secs_f64());
             // Over the whole transfer, which overlaps the prompt's compute: a lower bound on
             // what the link could carry.
-            metrics::histogram!("fission_prefill_kv_transfer_gigabytes_per_second")
-                .record(r.kv_bytes as f64 / 1e9 / took.max(1e-6));
+            metrics::histogram!("fission_prefill_kv_transfer_bytes_per_second")
+                .record(r.kv_bytes as f64 / took.max(1e-6));
             let span = tracing::Span::current();
             span.record("bytes", r.kv_bytes as i64);
             span.record("tail_ms", r.tail.as_secs_f64() * 1e3);

@@ -22,6 +22,11 @@ fn byte_buckets() -> Vec<f64> {
     (5..=16).map(|p| 4f64.powi(p)).collect()
 }
 
+/// Bytes per second: powers of two from 1 MiB/s to 64 GiB/s (a transfer's throughput).
+fn throughput_buckets() -> Vec<f64> {
+    (20..=36).map(|p| 2f64.powi(p)).collect()
+}
+
 /// A builder whose histograms render as Prometheus histograms (not summaries): `*_seconds`
 /// get [`latency_buckets_seconds`], `*_bytes` get byte buckets, and every other histogram
 /// gets [`size_buckets`].
@@ -32,7 +37,11 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
             Matcher::Suffix("_seconds".into()),
             &latency_buckets_seconds(),
         )?
-        .set_buckets_for_metric(Matcher::Suffix("_bytes".into()), &byte_buckets())
+        .set_buckets_for_metric(Matcher::Suffix("_bytes".into()), &byte_buckets())?
+        .set_buckets_for_metric(
+            Matcher::Suffix("_bytes_per_second".into()),
+            &throughput_buckets(),
+        )
 }
 
 /// Installs [`prometheus_builder`]'s recorder as the global `metrics` recorder once per

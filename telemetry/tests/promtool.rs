@@ -4,50 +4,6 @@
 //! Needs promtool (Debian's `prometheus` package): `./deploy/install-test-tools.sh`. Without it
 //! the test prints why and passes, unless `FISSION_REQUIRE_TEST_TOOLS=1`.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
-
-use anyhow::{bail, Context};
-
-fn promtool_check(text: &str) -> anyhow::Result<Option<String>> {
-    let child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let msg = "promtool is not installed: install it with ./deploy/install-test-tools.sh (Debian package `prometheus`)";
-            if testkit::phoenix::tools_required() {
-                bail!("{msg} (FISSION_REQUIRE_TEST_TOOLS is set)");
-            }
-            eprintln!("\n*** SKIPPED: {msg} ***\n");
-            return Ok(None);
-        }
-        Err(e) => return Err(e).context("starting promtool"),
-    };
-    child
-        .stdin
-        .take()
-        .context("promtool stdin")?
-        .write_all(text.as_bytes())?;
-    let out = child.wait_with_output()?;
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    if !out.status.success() || !report.trim().is_empty() {
-        bail!(
-            "promtool check metrics ({}):\n{report}\n--- exposition ---\n{text}",
-            out.status
-        );
-    }
-    Ok(Some(report))
-}
-
 #[test]
 fn dashboard_metric_names_pass_promtool() -> anyhow::Result<()> {
     let recorder = telemetry::prometheus_builder()?.build_recorder();
@@ -82,7 +38,7 @@ fn dashboard_metric_names_pass_promtool() -> anyhow::Result<()> {
         }
     });
     let text = handle.render();
-    if let Some(report) = promtool_check(&text)? {
+    if let Some(report) = testkit::promtool::check(&text)? {
         eprintln!("promtool: clean {report}");
     }
     Ok(())

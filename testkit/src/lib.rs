@@ -6,6 +6,7 @@
 //! does no networking, except `phoenix`, which starts a local trace backend and reads it back.
 
 pub mod phoenix;
+pub mod promtool;
 pub mod random_model;
 
 use std::path::PathBuf;
