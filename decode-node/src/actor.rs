@@ -168,10 +168,18 @@ impl SeqSpans {
     }
 }
 
+/// The span of the current batch composition.
+struct BatchSpan {
+    span: Span,
+    members: Vec<SeqId>,
+    steps: i64,
+}
+
 struct Task {
     engine: Engine,
     streams: HashMap<SeqId, TokenTx>,
     spans: HashMap<SeqId, SeqSpans>,
+    batch: Option<BatchSpan>,
     /// Sequences with a failed layer import: their activation must fail.
     poisoned: HashMap<SeqId, String>,
 }
@@ -187,6 +195,7 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
         engine,
         streams: HashMap::new(),
         spans: HashMap::new(),
+        batch: None,
         poisoned: HashMap::new(),
     };
     loop {
@@ -304,21 +313,44 @@ impl Task {
 
     fn step(&mut self) {
         let started = Instant::now();
-        // One span per engine step, linked to the sequences it serves (a root: a batch belongs
-        // to no single trace).
-        let batch = tracing::info_span!(
-            parent: None,
-            "decode_batch",
-            sequences = self.spans.len() as i64
-        );
+        // One span per batch composition, linked to the sequences in it (a root: a batch
+        // belongs to no single trace). A new one starts when a sequence joins or leaves; a span
+        // per step would cost more than a small model's step.
+        let members: Vec<SeqId> = {
+            let mut m: Vec<SeqId> = self.spans.keys().copied().collect();
+            m.sort_unstable();
+            m
+        };
+        if self.batch.as_ref().is_none_or(|b| b.members != members) {
+            let span = tracing::info_span!(
+                parent: None,
+                "decode_batch",
+                sequences = members.len() as i64,
+                steps = tracing::field::Empty
+            );
+            for s in self.spans.values() {
+                telemetry::add_link(&span, &s.span.context());
+            }
+            // The previous batch span ends here.
+            self.batch = Some(BatchSpan {
+                span,
+                members,
+                steps: 0,
+            });
+        }
         for s in self.spans.values_mut() {
-            telemetry::add_link(&batch, &s.span.context());
             if s.queue_wait.take().is_some() {
                 metrics::histogram!("fission_decode_queue_time_seconds")
                     .record(s.admitted.elapsed().as_secs_f64());
             }
             s.steps += 1;
         }
+        let batch = self.batch.as_mut().map(|b| {
+            b.steps += 1;
+            b.span.record("steps", b.steps);
+            b.span.clone()
+        });
+        let batch = batch.unwrap_or_else(tracing::Span::none);
         let _in_batch = batch.enter();
         match self.engine.step() {
             Ok(events) => {

@@ -1,6 +1,7 @@
 //! `fission-loadtest`: `ttft` runs prompts of exact lengths one at a time (latency without
 //! queueing); `open-loop` sends Poisson arrivals at a fixed rate, whatever the server's pace,
-//! and reports TTFT/TPOT percentiles and goodput.
+//! and reports TTFT/TPOT percentiles and goodput; `closed-loop` keeps a fixed number of requests
+//! in flight and reports throughput (what the server sustains, for A/B comparisons).
 
 use std::time::{Duration, Instant};
 
@@ -33,6 +34,20 @@ enum Mode {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
         #[arg(long, default_value_t = 16)]
+        max_new_tokens: usize,
+    },
+    /// `concurrency` clients, each sending its next request when the last one ends, for
+    /// `duration_s` after a warm-up: requests/s and generated tokens/s.
+    ClosedLoop {
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 20)]
+        duration_s: u64,
+        #[arg(long, default_value_t = 3)]
+        warmup_s: u64,
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 32)]
         max_new_tokens: usize,
     },
     /// Poisson arrivals at `rate` requests/s for `duration_s`.
@@ -88,6 +103,64 @@ async fn main() -> anyhow::Result<()> {
                     samples[0].tokens
                 );
             }
+        }
+        Mode::ClosedLoop {
+            concurrency,
+            duration_s,
+            warmup_s,
+            prompt_tokens,
+            max_new_tokens,
+        } => {
+            let start = Instant::now();
+            let measure_from = start + Duration::from_secs(warmup_s);
+            let end = measure_from + Duration::from_secs(duration_s);
+            let workers: Vec<_> = (0..concurrency)
+                .map(|w| {
+                    let (client, url) = (client.clone(), cli.url.clone());
+                    let (first_extra_id, vocab) = (cli.first_extra_id, cli.vocab);
+                    tokio::spawn(async move {
+                        let (mut ok, mut failed, mut tokens) = (0usize, 0usize, 0usize);
+                        let mut i = 0;
+                        while Instant::now() < end {
+                            let p = exact_prompt(
+                                prompt_tokens,
+                                100_000 * (w + 1) + i,
+                                first_extra_id,
+                                vocab,
+                            );
+                            i += 1;
+                            let s = stream_once(&client, &url, &p, max_new_tokens).await?;
+                            // Only requests that both start and end in the window count.
+                            let done = Instant::now();
+                            if done - s.e2e >= measure_from && done <= end {
+                                if s.ok {
+                                    ok += 1;
+                                    tokens += s.tokens;
+                                } else {
+                                    failed += 1;
+                                }
+                            }
+                        }
+                        anyhow::Ok((ok, failed, tokens))
+                    })
+                })
+                .collect();
+            let (mut ok, mut failed, mut tokens) = (0, 0, 0);
+            for w in workers {
+                let (o, f, t) = w.await??;
+                ok += o;
+                failed += f;
+                tokens += t;
+            }
+            let secs = duration_s as f64;
+            println!(
+                "requests ok {ok} failed {failed} in {duration_s} s, concurrency {concurrency}"
+            );
+            println!(
+                "throughput req_per_s {:.2} tokens_per_s {:.1}",
+                ok as f64 / secs,
+                tokens as f64 / secs
+            );
         }
         Mode::OpenLoop {
             rate,
