@@ -14,7 +14,7 @@ const CLIENT_SPAN_ID: &str = "00f067aa0ba902b7";
 #[test]
 fn request_spans_join_the_client_trace() {
     let exporter = InMemorySpanExporter::default();
-    let (dispatch, mut guard) = telemetry::build_with_exporter(
+    let (dispatch, guard) = telemetry::build_with_exporter(
         &telemetry::TelemetrySettings {
             service_name: "fission-gateway".into(),
             otlp_endpoint: None,
