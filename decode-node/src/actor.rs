@@ -186,6 +186,9 @@ struct Task {
 
 fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
     engine.enable_cache_events();
+    // The idle engine's figures, before the loop blocks waiting for work: routers read free
+    // blocks from this, and a node that reported none would never be picked.
+    state.publish(&mut engine, 0);
     // Test-only: slows every step so tests can act mid-generation on a tiny model.
     let step_delay = std::env::var("FISSION_DEBUG_STEP_DELAY_MS")
         .ok()

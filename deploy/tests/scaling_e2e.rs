@@ -83,6 +83,20 @@ fn nodes_list(etcd: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The free KV blocks `node_id` last published, from `fission nodes list --json`.
+fn free_blocks(etcd: &str, node_id: &str) -> Option<u64> {
+    let out = fission()
+        .args(["nodes", "list", "--json", "--etcd", etcd])
+        .output()
+        .ok()?;
+    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+    v["nodes"]
+        .as_array()?
+        .iter()
+        .find(|n| n["node_id"] == node_id)?["load"]["free_blocks"]
+        .as_u64()
+}
+
 fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
     while !cond() {
@@ -356,6 +370,12 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
             .any(|(n, _)| n == "decode-added")
     });
     let decode_listed = decode2.started.elapsed();
+    // An idle new node publishes its free blocks: routers rank a node without room last.
+    wait_until(
+        "decode-added publishes its free blocks",
+        Duration::from_secs(5),
+        || free_blocks(&etcd_url, "decode-added").is_some_and(|f| f > 0),
+    );
     wait_until("decode-added gets requests", Duration::from_secs(5), || {
         metric(&decode2.metrics, "fission_decode_generated_tokens_total") > 0.0
     });

@@ -97,6 +97,9 @@ struct Pending {
 
 fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
     engine.enable_cache_events();
+    // The idle engine's figures, before the loop blocks waiting for work: routers read free
+    // blocks from this, and a node that reported none would never be picked.
+    state.publish(&mut engine, 0);
     let mut pending: HashMap<SeqId, Pending> = HashMap::new();
     loop {
         let first = if engine.has_work() {
