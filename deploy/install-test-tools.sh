@@ -8,8 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${FISSION_PHOENIX_VENV:-.peers/phoenix-venv}"
-if [ ! -x "$venv/bin/phoenix" ]; then
+# A venv that was moved or whose python went away has broken scripts: check it imports.
+if ! "$venv/bin/python" -c 'import phoenix' >/dev/null 2>&1; then
   echo "installing arize-phoenix into $venv (about a minute, 850 MB)" >&2
+  rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --upgrade pip
