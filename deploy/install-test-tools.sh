@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${FISSION_PHOENIX_VENV:-.peers/phoenix-venv}"
-# A venv that was moved or whose python went away has broken scripts: check it imports.
-if ! "$venv/bin/python" -c 'import phoenix' >/dev/null 2>&1; then
+# A venv that was moved has scripts whose #! line names the old path: check that line too.
+interp=$(head -1 "$venv/bin/phoenix" 2>/dev/null | sed 's/^#!//')
+if [ ! -x "${interp:-/nonexistent}" ] || ! "$venv/bin/python" -c 'import phoenix' >/dev/null 2>&1; then
   echo "installing arize-phoenix into $venv (about a minute, 850 MB)" >&2
   rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
