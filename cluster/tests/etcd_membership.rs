@@ -178,11 +178,16 @@ async fn filter_excludes_other_fingerprints() -> anyhow::Result<()> {
     let disco = discovery(&etcd, filter).await;
     let mut members = disco.members();
     let mut changes = disco.subscribe();
-    let _bad =
+    let bad =
         Registration::start(reg_config(&etcd, 5), record("bad", Role::Decode, "other")).await?;
     let mut odd_layout = record("odd", Role::Decode, "good");
     odd_layout.kv_layout.head_dim = 128;
-    let _odd = Registration::start(reg_config(&etcd, 5), odd_layout).await?;
+    let odd = Registration::start(reg_config(&etcd, 5), odd_layout).await?;
+    // Registration returns before its put lands: wait until the refused two are in etcd, so
+    // that the good one is registered after them.
+    for reg in [&bad, &odd] {
+        tokio::time::timeout(WAIT, reg.lease_watch().wait_for(|l| l.is_some())).await??;
+    }
     let good =
         Registration::start(reg_config(&etcd, 5), record("good", Role::Decode, "good")).await?;
 
