@@ -42,9 +42,10 @@ impl Cluster {
         Self::start_with(prefill, decode, extra_env, &[])
     }
 
-    /// Starts a cluster, retrying when start-up times out: an intermittent start-up stall
-    /// (a gateway probe that never completes, under heavy CPU load) is a known open bug, and
-    /// these tests are about serving, not about it.
+    /// Starts a cluster, retrying when start-up times out. The start-up stall this guarded
+    /// against (a sequential gateway probe that never completed) is gone: `fission up` now
+    /// uses etcd, and static probes run concurrently under a timeout. The retry stays as a
+    /// safety net for a machine under heavy load; these tests are about serving.
     fn start_with(
         prefill: usize,
         decode: usize,
