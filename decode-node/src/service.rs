@@ -387,10 +387,10 @@ impl Decode for DecodeService {
         &self,
         _: Request<v1::DrainRequest>,
     ) -> Result<Response<v1::DrainResponse>, Status> {
-        let started = !self.drain.is_cancelled();
-        tracing::info!(node_id = %self.info.node_id, started, "drain requested over gRPC");
-        self.drain.cancel();
-        Ok(Response::new(v1::DrainResponse { started }))
+        Ok(Response::new(node_common::membership::request_drain(
+            &self.drain,
+            &self.info.node_id,
+        )))
     }
 
     type CacheEventsStream = CacheEventStream;

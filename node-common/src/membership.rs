@@ -95,6 +95,17 @@ pub fn random_node_id(role: &str) -> String {
     format!("{role}-{:x}{:06x}", std::process::id(), nanos & 0xff_ffff)
 }
 
+/// Answers the Drain RPC: starts the same drain as SIGTERM by cancelling `shutdown`.
+pub fn request_drain(
+    shutdown: &tokio_util::sync::CancellationToken,
+    node_id: &str,
+) -> proto::v1::DrainResponse {
+    let started = !shutdown.is_cancelled();
+    tracing::info!(%node_id, started, "drain requested over gRPC");
+    shutdown.cancel();
+    proto::v1::DrainResponse { started }
+}
+
 /// The record a node registers, built from what it reports in `Info`.
 pub fn node_record(
     info: &proto::v1::NodeInfo,

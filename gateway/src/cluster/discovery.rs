@@ -6,20 +6,8 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
+/// A node's role, as the cluster crate names it (and etcd records spell it).
+pub use cluster::Role;
 
 /// One node as discovery knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]

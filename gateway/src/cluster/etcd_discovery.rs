@@ -117,11 +117,7 @@ impl Admission {
             let refused = self
                 .refused
                 .keys()
-                .filter(|id| {
-                    records
-                        .iter()
-                        .any(|r| &r.node_id == *id && role_of(r) == role)
-                })
+                .filter(|id| records.iter().any(|r| &r.node_id == *id && r.role == role))
                 .count();
             metrics::gauge!("fission_gateway_cluster_nodes", "role" => role.as_str(), "state" => "refused").set(refused as f64);
         }
@@ -154,17 +150,10 @@ impl Admission {
     }
 }
 
-fn role_of(r: &NodeRecord) -> Role {
-    match r.role {
-        cluster::Role::Prefill => Role::Prefill,
-        cluster::Role::Decode => Role::Decode,
-    }
-}
-
 fn entry(r: &NodeRecord) -> NodeEntry {
     NodeEntry {
         node_id: r.node_id.clone(),
-        role: role_of(r),
+        role: r.role,
         grpc_endpoint: r.grpc_endpoint.clone(),
         draining: r.draining,
         registered: true,
