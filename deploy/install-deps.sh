@@ -3,6 +3,12 @@
 # Idempotent: each step is skipped when its tool is already there.
 set -euo pipefail
 
+# A CI runner may start us without HOME; cargo and rustup need it, and `set -u` would stop here.
+if [ -z "${HOME:-}" ]; then
+  HOME="$(getent passwd "$(id -u)" | cut -d: -f6)"
+  export HOME="${HOME:-/root}"
+fi
+
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
