@@ -1,17 +1,19 @@
-//! Following the cluster's members: a prefix get, then a watch from the next revision, and a new
-//! get and watch whenever the watch breaks. The last known membership stays in place while etcd
-//! is unreachable.
+//! Following the cluster's members (through [`follow_prefix`]): the accepted records as a
+//! snapshot and as a change stream. The last known membership stays in place while etcd is
+//! unreachable.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use std::time::Duration;
+
+use etcd_client::{Event, EventType, KeyValue};
 use tokio::sync::{broadcast, watch};
-use tokio::time::sleep;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::error::ClusterError;
-use crate::etcd::{call, EtcdConfig};
+use crate::etcd::EtcdConfig;
+use crate::prefix_watch::{follow_prefix, PrefixFollower};
 use crate::record::{nodes_prefix, KvLayout, NodeRecord, Role};
 
 /// A membership snapshot, sorted by key (role, then node id).
@@ -93,16 +95,20 @@ impl EtcdDiscovery {
         let (members_tx, members_rx) = watch::channel(Arc::new(Vec::new()));
         let (changes_tx, _) = broadcast::channel(config.change_capacity.max(1));
         let cancel = CancellationToken::new();
-        let task = DiscoveryTask {
-            prefix: nodes_prefix(&config.etcd.cluster, config.role),
-            client,
-            config,
+        let prefix = nodes_prefix(&config.etcd.cluster, config.role);
+        let follower = MemberFollower {
+            filter: config.filter,
             known: BTreeMap::new(),
             members_tx,
             changes_tx: changes_tx.clone(),
-            cancel: cancel.clone(),
         };
-        tokio::spawn(run_discovery_task(task));
+        tokio::spawn(follow_prefix(
+            client,
+            config.etcd,
+            prefix,
+            follower,
+            cancel.clone(),
+        ));
         Ok(EtcdDiscovery {
             members_rx,
             changes_tx,
@@ -122,57 +128,19 @@ impl EtcdDiscovery {
     }
 }
 
-struct DiscoveryTask {
-    prefix: String,
-    client: Client,
-    config: DiscoveryConfig,
+/// The accepted members under the nodes prefix.
+struct MemberFollower {
+    filter: MembershipFilter,
     /// Accepted members by key.
     known: BTreeMap<String, NodeRecord>,
     members_tx: watch::Sender<Members>,
     changes_tx: broadcast::Sender<ClusterChange>,
-    cancel: CancellationToken,
 }
 
-async fn run_discovery_task(mut task: DiscoveryTask) {
-    let mut backoff = task.config.etcd.backoff();
-    loop {
-        match task.sync_and_watch(&mut backoff).await {
-            Ok(()) => return,
-            Err(error) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(
-                    prefix = %task.prefix,
-                    %error,
-                    members = task.known.len(),
-                    retry_in_ms = delay.as_millis() as u64,
-                    "etcd discovery interrupted, keeping the last known members"
-                );
-                tokio::select! {
-                    _ = task.cancel.cancelled() => return,
-                    _ = sleep(delay) => {}
-                }
-            }
-        }
-    }
-}
-
-impl DiscoveryTask {
-    /// Loads the members, then applies watch events until cancelled (`Ok`) or the watch breaks.
-    async fn sync_and_watch(
-        &mut self,
-        backoff: &mut crate::etcd::Backoff,
-    ) -> Result<(), ClusterError> {
-        let timeout = self.config.etcd.request_timeout();
-        let resp = call(
-            "get",
-            timeout,
-            self.client
-                .get(self.prefix.clone(), Some(GetOptions::new().with_prefix())),
-        )
-        .await?;
-        let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+impl PrefixFollower for MemberFollower {
+    fn reset(&mut self, kvs: &[KeyValue]) {
         let mut fresh = BTreeMap::new();
-        for kv in resp.kvs() {
+        for kv in kvs {
             let key = String::from_utf8_lossy(kv.key()).into_owned();
             if let Some(record) = self.accept(&key, kv.value()) {
                 fresh.insert(key, record);
@@ -181,69 +149,51 @@ impl DiscoveryTask {
         let changes = diff(&self.known, &fresh);
         self.known = fresh;
         self.publish(changes);
-        tracing::debug!(prefix = %self.prefix, revision, members = self.known.len(), "etcd members loaded");
-
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
-        let mut stream = call(
-            "watch",
-            timeout,
-            self.client.watch(self.prefix.clone(), Some(options)),
-        )
-        .await?;
-        backoff.reset();
-        loop {
-            let msg = tokio::select! {
-                _ = self.cancel.cancelled() => return Ok(()),
-                msg = stream.message() => msg.map_err(ClusterError::etcd("watch"))?,
-            };
-            let Some(resp) = msg else {
-                return Err(ClusterError::Etcd {
-                    op: "watch",
-                    source: etcd_client::Error::WatchError("watch stream closed".into()),
-                });
-            };
-            if resp.canceled() {
-                return Err(ClusterError::Etcd {
-                    op: "watch",
-                    source: etcd_client::Error::WatchError(format!(
-                        "watch cancelled (compact revision {}): {}",
-                        resp.compact_revision(),
-                        resp.cancel_reason()
-                    )),
-                });
-            }
-            let mut changes = Vec::new();
-            for event in resp.events() {
-                let Some(kv) = event.kv() else { continue };
-                let key = String::from_utf8_lossy(kv.key()).into_owned();
-                let accepted = match event.event_type() {
-                    EventType::Put => self.accept(&key, kv.value()),
-                    EventType::Delete => None,
-                };
-                match (accepted, self.known.remove(&key)) {
-                    (Some(record), None) => {
-                        changes.push(ClusterChange::Add(record.clone()));
-                        self.known.insert(key, record);
-                    }
-                    (Some(record), Some(old)) => {
-                        if record != old {
-                            changes.push(ClusterChange::Update(record.clone()));
-                        }
-                        self.known.insert(key, record);
-                    }
-                    (None, Some(old)) => changes.push(ClusterChange::Remove {
-                        role: old.role,
-                        node_id: old.node_id,
-                    }),
-                    (None, None) => {}
-                }
-            }
-            self.publish(changes);
-        }
+        tracing::debug!(members = self.known.len(), "etcd members loaded");
     }
 
+    fn apply(&mut self, events: &[Event]) {
+        let mut changes = Vec::new();
+        for event in events {
+            let Some(kv) = event.kv() else { continue };
+            let key = String::from_utf8_lossy(kv.key()).into_owned();
+            let accepted = match event.event_type() {
+                EventType::Put => self.accept(&key, kv.value()),
+                EventType::Delete => None,
+            };
+            match (accepted, self.known.remove(&key)) {
+                (Some(record), None) => {
+                    changes.push(ClusterChange::Add(record.clone()));
+                    self.known.insert(key, record);
+                }
+                (Some(record), Some(old)) => {
+                    if record != old {
+                        changes.push(ClusterChange::Update(record.clone()));
+                    }
+                    self.known.insert(key, record);
+                }
+                (None, Some(old)) => changes.push(ClusterChange::Remove {
+                    role: old.role,
+                    node_id: old.node_id,
+                }),
+                (None, None) => {}
+            }
+        }
+        self.publish(changes);
+    }
+
+    fn interrupted(&self, prefix: &str, error: &ClusterError, retry_in: Duration) {
+        tracing::warn!(
+            %prefix,
+            %error,
+            members = self.known.len(),
+            retry_in_ms = retry_in.as_millis() as u64,
+            "etcd discovery interrupted, keeping the last known members"
+        );
+    }
+}
+
+impl MemberFollower {
     /// Parses and filters one record; `None` (with a warning) when it is not a member.
     fn accept(&self, key: &str, value: &[u8]) -> Option<NodeRecord> {
         let record: NodeRecord = match serde_json::from_slice(value) {
@@ -253,7 +203,7 @@ impl DiscoveryTask {
                 return None;
             }
         };
-        if let Some(why) = self.config.filter.rejects(&record) {
+        if let Some(why) = self.filter.rejects(&record) {
             tracing::warn!(node_id = %record.node_id, role = %record.role, %why, "node excluded from membership");
             return None;
         }

@@ -17,6 +17,7 @@ mod etcd;
 mod fingerprint;
 mod load;
 mod local_etcd;
+mod prefix_watch;
 mod record;
 mod registration;
 

@@ -6,13 +6,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use etcd_client::{Client, EventType, GetOptions, WatchOptions};
+use std::time::Duration;
+
+use etcd_client::{Event, EventType, GetOptions, KeyValue};
 use tokio::sync::watch;
-use tokio::time::sleep;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::error::ClusterError;
 use crate::etcd::{call, EtcdConfig};
+use crate::prefix_watch::{follow_prefix, PrefixFollower};
 use crate::record::{load_prefix, nodes_prefix, NodeLoad, NodeRecord};
 
 /// Latest load by node id.
@@ -31,7 +33,18 @@ impl LoadWatch {
         let client = etcd.connect().await?;
         let (tx, rx) = watch::channel(Loads::default());
         let cancel = CancellationToken::new();
-        tokio::spawn(run_load_watch(client, etcd, tx, cancel.clone()));
+        let prefix = load_prefix(&etcd.cluster);
+        let follower = LoadFollower {
+            loads: HashMap::new(),
+            tx,
+        };
+        tokio::spawn(follow_prefix(
+            client,
+            etcd,
+            prefix,
+            follower,
+            cancel.clone(),
+        ));
         Ok(LoadWatch {
             rx,
             _task_guard: cancel.drop_guard(),
@@ -43,78 +56,28 @@ impl LoadWatch {
     }
 }
 
-async fn run_load_watch(
-    mut client: Client,
-    etcd: EtcdConfig,
+/// The loads under the load prefix, republished whole after every change.
+struct LoadFollower {
+    loads: HashMap<String, NodeLoad>,
     tx: watch::Sender<Loads>,
-    cancel: CancellationToken,
-) {
-    let prefix = load_prefix(&etcd.cluster);
-    let mut backoff = etcd.backoff();
-    loop {
-        match follow(&mut client, &etcd, &prefix, &tx, &cancel, &mut backoff).await {
-            Ok(()) => return,
-            Err(error) => {
-                let delay = backoff.next_delay();
-                tracing::debug!(%prefix, %error, retry_in_ms = delay.as_millis() as u64, "etcd load watch interrupted");
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = sleep(delay) => {}
-                }
-            }
-        }
-    }
 }
 
-async fn follow(
-    client: &mut Client,
-    etcd: &EtcdConfig,
-    prefix: &str,
-    tx: &watch::Sender<Loads>,
-    cancel: &CancellationToken,
-    backoff: &mut crate::etcd::Backoff,
-) -> Result<(), ClusterError> {
-    let timeout = etcd.request_timeout();
-    let resp = call(
-        "get",
-        timeout,
-        client.get(prefix, Some(GetOptions::new().with_prefix())),
-    )
-    .await?;
-    let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
-    let mut loads = HashMap::new();
-    for kv in resp.kvs() {
-        if let (Some(id), Ok(load)) = (
-            node_id_of(kv.key()),
-            serde_json::from_slice::<NodeLoad>(kv.value()),
-        ) {
-            loads.insert(id, load);
-        }
+impl PrefixFollower for LoadFollower {
+    fn reset(&mut self, kvs: &[KeyValue]) {
+        self.loads = kvs
+            .iter()
+            .filter_map(|kv| {
+                Some((
+                    node_id_of(kv.key())?,
+                    serde_json::from_slice(kv.value()).ok()?,
+                ))
+            })
+            .collect();
+        self.tx.send_replace(Arc::new(self.loads.clone()));
     }
-    tx.send_replace(Arc::new(loads.clone()));
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
-    let mut stream = call("watch", timeout, client.watch(prefix, Some(options))).await?;
-    backoff.reset();
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            msg = stream.message() => msg.map_err(ClusterError::etcd("watch"))?,
-        };
-        let Some(resp) = msg else {
-            return Err(ClusterError::Etcd {
-                op: "watch",
-                source: etcd_client::Error::WatchError("watch stream closed".into()),
-            });
-        };
-        if resp.canceled() {
-            return Err(ClusterError::Etcd {
-                op: "watch",
-                source: etcd_client::Error::WatchError(resp.cancel_reason().to_string()),
-            });
-        }
-        for event in resp.events() {
+
+    fn apply(&mut self, events: &[Event]) {
+        for event in events {
             let Some(kv) = event.kv() else { continue };
             let Some(id) = node_id_of(kv.key()) else {
                 continue;
@@ -122,15 +85,19 @@ async fn follow(
             match event.event_type() {
                 EventType::Put => {
                     if let Ok(load) = serde_json::from_slice::<NodeLoad>(kv.value()) {
-                        loads.insert(id, load);
+                        self.loads.insert(id, load);
                     }
                 }
                 EventType::Delete => {
-                    loads.remove(&id);
+                    self.loads.remove(&id);
                 }
             }
         }
-        tx.send_replace(Arc::new(loads.clone()));
+        self.tx.send_replace(Arc::new(self.loads.clone()));
+    }
+
+    fn interrupted(&self, prefix: &str, error: &ClusterError, retry_in: Duration) {
+        tracing::debug!(%prefix, %error, retry_in_ms = retry_in.as_millis() as u64, "etcd load watch interrupted");
     }
 }
 
