@@ -3,7 +3,10 @@
 # the same cluster exporting OTLP to a closed port (a dead collector), alternating runs, in one
 # session. A tiny random model (2 layers, hidden 64, SmolLM2's vocab) keeps per-request work
 # small, so per-span costs show as much as they can. MODEL=DIR measures another model instead.
-# Output: .bench/otlp-<time>/results.csv and a summary line with medians and their ratio.
+# Besides throughput (which swings by about ±5% between runs on a shared machine), each run
+# records the CPU time the cluster's processes spent per request, read from /proc: the cost
+# that tracing adds, whatever else the machine is doing. RUNS=N sets the runs per mode (3).
+# Output: .bench/otlp-<time>/results.csv and a summary line with medians and their ratios.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p deploy -p loadtest
@@ -21,10 +24,16 @@ JSON
 fi
 OUT=.bench/otlp-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$OUT"
-echo "run,mode,req_per_s,tokens_per_s" > "$OUT/results.csv"
+echo "run,mode,req_per_s,tokens_per_s,cpu_ms_per_req" > "$OUT/results.csv"
+# CPU ticks (user + system) of the given processes.
+cpu_ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
+hz=$(getconf CLK_TCK)
 closed_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-for run in 1 2 3; do
-  for mode in off dead; do
+for run in $(seq "${RUNS:-3}"); do
+  # ABBA order: whatever drifts across a session (or the run before) hits both modes alike.
+  order="off dead"
+  [ $((run % 2)) = 0 ] && order="dead off"
+  for mode in $order; do
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
     env_args=(env -u OTEL_EXPORTER_OTLP_ENDPOINT)
     [ "$mode" = dead ] && env_args=(env OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$closed_port")
@@ -35,17 +44,30 @@ for run in 1 2 3; do
       kill -0 $up 2>/dev/null || { echo "fission up failed"; cat "$OUT/up-$mode-$run.log"; exit 1; }
       sleep 0.2
     done
-    line=$(target/release/fission-loadtest --url "http://127.0.0.1:$port" closed-loop \
-      --concurrency 8 --duration-s 20 --prompt-tokens 64 --max-new-tokens 32 | grep throughput)
+    # The gateway and the nodes are `fission up`'s children; warm up, then measure 20 s.
+    pids=$(pgrep -P $up | tr '\n' ' ')
+    target/release/fission-loadtest --url "http://127.0.0.1:$port" closed-loop \
+      --concurrency 8 --warmup-s 0 --duration-s 3 --prompt-tokens 64 --max-new-tokens 32 >/dev/null
+    t0=$(cpu_ticks $pids)
+    out=$(target/release/fission-loadtest --url "http://127.0.0.1:$port" closed-loop \
+      --concurrency 8 --warmup-s 0 --duration-s 20 --prompt-tokens 64 --max-new-tokens 32)
+    t1=$(cpu_ticks $pids)
     kill -TERM $up; wait $up || true
+    line=$(echo "$out" | grep throughput)
+    ok=$(echo "$out" | grep -oE 'requests ok [0-9]+' | awk '{print $3}')
     rps=$(echo "$line" | awk '{print $3}'); tps=$(echo "$line" | awk '{print $5}')
-    echo "$run,$mode,$rps,$tps" >> "$OUT/results.csv"
-    echo "run $run $mode: $line"
+    cpu=$(python3 -c "print(f'{($t1 - $t0) * 1000 / $hz / max($ok, 1):.3f}')")
+    echo "$run,$mode,$rps,$tps,$cpu" >> "$OUT/results.csv"
+    echo "run $run $mode: $line, cluster CPU $cpu ms per request"
   done
 done
 python3 - "$OUT/results.csv" <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-med = {m: statistics.median(float(r["tokens_per_s"]) for r in rows if r["mode"] == m) for m in ("off", "dead")}
-print(f"median tokens/s: tracing off {med['off']:.1f}, OTLP to a closed port {med['dead']:.1f}, ratio {med['dead']/med['off']:.3f}")
+def med(mode, col):
+    return statistics.median(float(r[col]) for r in rows if r["mode"] == mode)
+tps = {m: med(m, "tokens_per_s") for m in ("off", "dead")}
+cpu = {m: med(m, "cpu_ms_per_req") for m in ("off", "dead")}
+print(f"median tokens/s: tracing off {tps['off']:.1f}, OTLP to a closed port {tps['dead']:.1f}, ratio {tps['dead']/tps['off']:.3f}")
+print(f"median cluster CPU per request: tracing off {cpu['off']:.2f} ms, OTLP to a closed port {cpu['dead']:.2f} ms, ratio {cpu['dead']/cpu['off']:.3f}")
 PY

@@ -225,9 +225,13 @@ where
         .with_resource(resource)
         .build();
     // busy/idle time and thread attributes cost per span and say nothing a waterfall does not.
+    // Context activation attaches the span's OpenTelemetry context on every enter, that is on
+    // every poll of an instrumented future (per streamed token in the gateway), and only
+    // OpenTelemetry-native instrumentation reads it; our propagation reads `span.context()`.
     let otel_layer = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("fission"))
         .with_tracked_inactivity(false)
+        .with_context_activation(false)
         .with_threads(false)
         .with_filter(trace_filter()?);
     let dispatch = tracing::Dispatch::new(
