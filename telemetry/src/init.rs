@@ -18,6 +18,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 use crate::error::TelemetryError;
+use crate::export_guard::ExportGuard;
 use crate::sampler::sampler_from_env;
 
 /// The longest [`TelemetryGuard::shutdown`] waits for the last spans to leave. A dead
@@ -108,6 +109,7 @@ pub fn build(
         return Ok((dispatch, TelemetryGuard { export: None }));
     };
     let (runtime, exporter) = otlp_exporter(&endpoint)?;
+    let exporter = ExportGuard::new(exporter, endpoint.clone());
     assemble(settings, fmt_layer, exporter, endpoint, Some(runtime))
 }
 

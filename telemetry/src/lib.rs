@@ -9,11 +9,12 @@
 //!
 //! With no endpoint, [`init`] installs only the logger: no span is exported, and the
 //! propagation helpers cost a failed downcast. With an endpoint, spans go to a bounded queue
-//! drained by a background thread; a dead collector makes that thread drop batches, never the
-//! caller wait.
+//! drained by a background thread; a dead collector makes that thread drop batches (dialling it
+//! again after a doubling pause, with one warning per outage), never the caller wait.
 
 mod buckets;
 mod error;
+mod export_guard;
 mod init;
 mod propagation;
 mod sampler;

@@ -75,18 +75,38 @@ impl Phoenix {
     /// `Ok(None)` after printing why when Phoenix is not installed (an error instead when
     /// [`tools_required`]).
     pub fn start() -> anyhow::Result<Option<Self>> {
-        let bin = venv_dir().join("bin").join("phoenix");
-        if !bin.is_file() {
-            let msg = format!(
-                "Arize Phoenix is not installed at {}: {INSTALL_HINT}",
-                bin.display()
-            );
-            if tools_required() {
-                bail!("{msg} (FISSION_REQUIRE_TEST_TOOLS is set)");
-            }
-            eprintln!("\n*** SKIPPED: {msg} ***\n");
+        Self::start_with_grpc_port(None)
+    }
+
+    fn bin() -> PathBuf {
+        venv_dir().join("bin").join("phoenix")
+    }
+
+    /// Whether Phoenix is installed. When it is not, prints why and returns `false`, or fails
+    /// when [`tools_required`].
+    pub fn installed_or_skip() -> anyhow::Result<bool> {
+        let bin = Self::bin();
+        if bin.is_file() {
+            return Ok(true);
+        }
+        let msg = format!(
+            "Arize Phoenix is not installed at {}: {INSTALL_HINT}",
+            bin.display()
+        );
+        if tools_required() {
+            bail!("{msg} (FISSION_REQUIRE_TEST_TOOLS is set)");
+        }
+        eprintln!("\n*** SKIPPED: {msg} ***\n");
+        Ok(false)
+    }
+
+    /// [`Phoenix::start`] with OTLP/gRPC on `grpc_port` (a free one when `None`): for tests
+    /// whose exporter already points at the port before the collector exists.
+    pub fn start_with_grpc_port(grpc_port: Option<u16>) -> anyhow::Result<Option<Self>> {
+        if !Self::installed_or_skip()? {
             return Ok(None);
         }
+        let bin = Self::bin();
         let work_dir = std::env::temp_dir().join(format!(
             "fission-phoenix-{}-{}",
             std::process::id(),
@@ -99,7 +119,10 @@ impl Phoenix {
         let log = std::fs::File::create(work_dir.join("phoenix.log"))?;
         // Hold both ports until just before the spawn, so they are not handed out twice.
         let (http_l, http_port) = free_port()?;
-        let (grpc_l, grpc_port) = free_port()?;
+        let (grpc_l, grpc_port) = match grpc_port {
+            Some(port) => (None, port),
+            None => free_port().map(|(l, port)| (Some(l), port))?,
+        };
         drop((http_l, grpc_l));
         let child = Command::new(&bin)
             .arg("serve")

@@ -1,0 +1,75 @@
+//! A collector that is down when a service starts, and comes up later, gets the service's
+//! spans without a restart: export failures pause sending (dropping spans, never blocking),
+//! and the next attempt after the pause reaches the collector.
+//!
+//! Needs Phoenix: `./deploy/install-test-tools.sh`. Without it the test prints why and passes,
+//! unless `FISSION_REQUIRE_TEST_TOOLS=1`.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use telemetry::TelemetrySettings;
+use testkit::phoenix::Phoenix;
+
+#[test]
+fn export_resumes_when_the_collector_comes_up() -> anyhow::Result<()> {
+    if !Phoenix::installed_or_skip()? {
+        return Ok(());
+    }
+    // A port with no listener yet: the collector is down.
+    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let service = format!("fission-outage-test-{}", std::process::id());
+    let (dispatch, mut guard) = telemetry::build(&TelemetrySettings {
+        service_name: service.clone(),
+        otlp_endpoint: Some(format!("http://127.0.0.1:{port}")),
+        default_filter: "warn".into(),
+    })?;
+
+    // Exported into the outage: the flush returns (the failure is logged once, not raised),
+    // and the span is dropped.
+    tracing::dispatcher::with_default(&dispatch, || {
+        drop(tracing::info_span!("during_outage"));
+    });
+    let started = Instant::now();
+    guard.force_flush()?;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a flush into a dead collector took {:?}",
+        started.elapsed()
+    );
+
+    let Some(phoenix) = Phoenix::start_with_grpc_port(Some(port))? else {
+        return Ok(());
+    };
+    let up = Instant::now();
+    // Keep sending until one span arrives: the ones inside the pause are dropped by design.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut sent = 0;
+    let spans = loop {
+        tracing::dispatcher::with_default(&dispatch, || {
+            drop(tracing::info_span!("after_recovery", attempt = sent));
+        });
+        sent += 1;
+        guard.force_flush()?;
+        let spans = phoenix.spans(&service).unwrap_or_default();
+        if spans.iter().any(|s| s.name == "after_recovery") {
+            break spans;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no span reached the collector within 60 s of its start ({sent} sent):\n{}",
+            phoenix.log_tail()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    eprintln!(
+        "export resumed {:?} after the collector came up ({sent} spans sent)",
+        up.elapsed()
+    );
+    assert!(
+        spans.iter().all(|s| s.name != "during_outage"),
+        "a span exported into the outage cannot have arrived"
+    );
+    guard.shutdown()?;
+    Ok(())
+}
