@@ -70,4 +70,12 @@ tps = {m: med(m, "tokens_per_s") for m in ("off", "dead")}
 cpu = {m: med(m, "cpu_ms_per_req") for m in ("off", "dead")}
 print(f"median tokens/s: tracing off {tps['off']:.1f}, OTLP to a closed port {tps['dead']:.1f}, ratio {tps['dead']/tps['off']:.3f}")
 print(f"median cluster CPU per request: tracing off {cpu['off']:.2f} ms, OTLP to a closed port {cpu['dead']:.2f} ms, ratio {cpu['dead']/cpu['off']:.3f}")
+# Each run's pair ran back to back, so its ratio cancels the drift between runs.
+pairs = sorted(
+    float(d["tokens_per_s"]) / float(o["tokens_per_s"])
+    for d in rows if d["mode"] == "dead"
+    for o in rows if o["mode"] == "off" and o["run"] == d["run"]
+)
+print("per-run tokens/s ratios (dead/off): " + ", ".join(f"{r:.3f}" for r in pairs)
+      + f"; median {statistics.median(pairs):.3f}")
 PY
