@@ -64,15 +64,7 @@ struct LoadFollower {
 
 impl PrefixFollower for LoadFollower {
     fn reset(&mut self, kvs: &[KeyValue]) {
-        self.loads = kvs
-            .iter()
-            .filter_map(|kv| {
-                Some((
-                    node_id_of(kv.key())?,
-                    serde_json::from_slice(kv.value()).ok()?,
-                ))
-            })
-            .collect();
+        self.loads = loads_of(kvs);
         self.tx.send_replace(Arc::new(self.loads.clone()));
     }
 
@@ -99,6 +91,18 @@ impl PrefixFollower for LoadFollower {
     fn interrupted(&self, prefix: &str, error: &ClusterError, retry_in: Duration) {
         tracing::debug!(%prefix, %error, retry_in_ms = retry_in.as_millis() as u64, "etcd load watch interrupted");
     }
+}
+
+/// The loads in a prefix read, by node id; values that do not parse are skipped.
+fn loads_of(kvs: &[KeyValue]) -> HashMap<String, NodeLoad> {
+    kvs.iter()
+        .filter_map(|kv| {
+            Some((
+                node_id_of(kv.key())?,
+                serde_json::from_slice(kv.value()).ok()?,
+            ))
+        })
+        .collect()
 }
 
 /// The last path segment of `/fission/{c}/load/{role}/{node_id}`.
@@ -137,16 +141,7 @@ pub async fn list_nodes(etcd: &EtcdConfig) -> Result<Vec<NodeStatus>, ClusterErr
         ),
     )
     .await?;
-    let loads: HashMap<String, NodeLoad> = loads
-        .kvs()
-        .iter()
-        .filter_map(|kv| {
-            Some((
-                node_id_of(kv.key())?,
-                serde_json::from_slice(kv.value()).ok()?,
-            ))
-        })
-        .collect();
+    let loads = loads_of(loads.kvs());
     let mut out = Vec::new();
     for kv in nodes.kvs() {
         match serde_json::from_slice::<NodeRecord>(kv.value()) {
