@@ -3,7 +3,9 @@
 # Idempotent: each step is skipped when its tool is already there.
 set -euo pipefail
 
-# A CI runner may start us without HOME; cargo and rustup need it, and `set -u` would stop here.
+# A CI runner may start us with a bare environment: no PATH or HOME (cargo and rustup need
+# HOME, and `set -u` would stop at the first use of either).
+export PATH="${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}"
 if [ -z "${HOME:-}" ]; then
   HOME="$(getent passwd "$(id -u)" | cut -d: -f6)"
   export HOME="${HOME:-/root}"
