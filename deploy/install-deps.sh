@@ -5,10 +5,17 @@ set -euo pipefail
 
 # A CI runner may start us with a bare environment: no PATH or HOME (cargo and rustup need
 # HOME, and `set -u` would stop at the first use of either).
-export PATH="${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}"
+# (`env -i bash` sets a PATH of its own that ends in `.`: drop that entry.)
+PATH="${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}"
+PATH="${PATH%:.}"
+export PATH
 if [ -z "${HOME:-}" ]; then
-  HOME="$(getent passwd "$(id -u)" | cut -d: -f6)"
-  export HOME="${HOME:-/root}"
+  HOME="$( (getent passwd "$(id -u)" || true) | cut -d: -f6)"
+  if [ -z "$HOME" ]; then
+    # No passwd entry (an arbitrary-uid container): root's home, or a fresh one.
+    if [ "$(id -u)" -eq 0 ]; then HOME=/root; else HOME="$(mktemp -d)"; fi
+  fi
+  export HOME
 fi
 
 need_apt=()

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 
 venv="${FISSION_PHOENIX_VENV:-.peers/phoenix-venv}"
 # A venv that was moved has scripts whose #! line names the old path: check that line too.
-interp=$(head -1 "$venv/bin/phoenix" 2>/dev/null | sed 's/^#!//')
+# (`|| true`: on a fresh clone there is no script yet, and pipefail would end us here.)
+interp=$( (head -1 "$venv/bin/phoenix" 2>/dev/null || true) | sed 's/^#!//')
 if [ ! -x "${interp:-/nonexistent}" ] || ! "$venv/bin/python" -c 'import phoenix' >/dev/null 2>&1; then
   echo "installing arize-phoenix into $venv (about a minute, 850 MB)" >&2
   rm -rf "$venv"

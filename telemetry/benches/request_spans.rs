@@ -217,14 +217,19 @@ fn main() -> anyhow::Result<()> {
         for (_, d, _) in &variants {
             round(d, layers, &headers); // warm-up
         }
-        // Alternate the modes so drift on a shared machine hits them alike.
-        for _ in 0..ROUNDS {
-            for (i, (_, d, _)) in variants.iter().enumerate() {
+        // Alternate the modes, starting each round with the next one, so that drift on a
+        // shared machine hits them alike; flush each mode's export thread before the next
+        // mode's timed round, so no round pays for another's export.
+        for r in 0..ROUNDS {
+            for k in 0..variants.len() {
+                let i = (r + k) % variants.len();
+                let (_, d, guard) = variants[i];
                 times[i].push(round(d, layers, &headers));
+                guard.force_flush().ok();
             }
         }
         let base = median_us(&mut times[0]);
-        for (i, (name, _, guard)) in variants.iter().enumerate() {
+        for (i, (name, _, _)) in variants.iter().enumerate() {
             let us = median_us(&mut times[i]);
             let added = if i == 0 {
                 "baseline".to_string()
@@ -232,7 +237,6 @@ fn main() -> anyhow::Result<()> {
                 format!("+{:.1} us", us - base)
             };
             println!("{layers:>6}  {name:<22} {us:>12.1} {added:>14}");
-            guard.force_flush().ok();
         }
     }
     Ok(())

@@ -1,9 +1,11 @@
 //! What a dead collector costs the process: one warning when export starts failing, one line
 //! when it recovers, and between the two a backoff during which batches are dropped without a
 //! connection attempt. Without it the SDK logs an ERROR per failed batch (one a second per
-//! process) and dials the collector for every batch.
+//! process) and dials the collector for every batch. An explicit flush (and the one at
+//! shutdown) always tries to send, and reports its failure.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -15,12 +17,28 @@ const MIN_PAUSE: Duration = Duration::from_secs(1);
 /// Caps how long spans are dropped after a collector comes back.
 const MAX_PAUSE: Duration = Duration::from_secs(10);
 
-/// Wraps the real exporter; see the module docs. Export errors never reach the SDK (which would
-/// log each one), so `force_flush` reports success while the collector is down.
+/// Set while the service flushes or shuts down: the SDK's batch processor calls the exporter's
+/// plain `export` for those too, so the guard learns of them through this flag.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Flushing(Arc<AtomicBool>);
+
+impl Flushing {
+    pub(crate) fn set(&self, on: bool) {
+        self.0.store(on, Ordering::SeqCst);
+    }
+
+    fn get(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Wraps the real exporter; see the module docs. Outside a flush, export errors never reach
+/// the SDK (which would log each one).
 #[derive(Debug)]
 pub(crate) struct ExportGuard<E> {
     inner: E,
     endpoint: String,
+    flushing: Flushing,
     state: Mutex<Outage>,
 }
 
@@ -41,10 +59,11 @@ enum Plan {
 }
 
 impl<E: SpanExporter> ExportGuard<E> {
-    pub(crate) fn new(inner: E, endpoint: String) -> Self {
+    pub(crate) fn new(inner: E, endpoint: String, flushing: Flushing) -> Self {
         ExportGuard {
             inner,
             endpoint,
+            flushing,
             state: Mutex::new(Outage::default()),
         }
     }
@@ -96,18 +115,32 @@ impl<E: SpanExporter> ExportGuard<E> {
 impl<E: SpanExporter> SpanExporter for ExportGuard<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
         let spans = batch.len();
-        if let Plan::Drop = self.plan(Instant::now(), spans) {
-            return Ok(());
+        // A flush is the last chance for these spans (at shutdown) or a caller waiting on
+        // them: send through any pause.
+        let flushing = self.flushing.get();
+        if !flushing {
+            if let Plan::Drop = self.plan(Instant::now(), spans) {
+                return Ok(());
+            }
         }
         match self.inner.export(batch).await {
             Ok(()) => self.succeeded(Instant::now()),
-            Err(error) => self.failed(Instant::now(), spans, &error),
+            Err(error) => {
+                self.failed(Instant::now(), spans, &error);
+                if flushing {
+                    return Err(error);
+                }
+            }
         }
         Ok(())
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
         self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn shutdown(&self) -> OTelSdkResult {
+        self.inner.shutdown()
     }
 
     fn force_flush(&self) -> OTelSdkResult {
@@ -162,7 +195,11 @@ mod tests {
     fn a_dead_collector_is_dialled_once_per_pause_and_never_reported_as_an_sdk_error() {
         let flaky = Flaky::default();
         flaky.down.store(true, Ordering::SeqCst);
-        let guard = ExportGuard::new(flaky.clone(), "http://127.0.0.1:1".into());
+        let guard = ExportGuard::new(
+            flaky.clone(),
+            "http://127.0.0.1:1".into(),
+            Flushing::default(),
+        );
         for _ in 0..20 {
             assert!(export(&guard).is_ok(), "errors stay out of the SDK's log");
         }
@@ -177,7 +214,7 @@ mod tests {
     #[test]
     fn pauses_double_up_to_the_cap_and_reset_on_recovery() {
         let flaky = Flaky::default();
-        let guard = ExportGuard::new(flaky.clone(), "x".into());
+        let guard = ExportGuard::new(flaky.clone(), "x".into(), Flushing::default());
         let t0 = Instant::now();
         for i in 0..8 {
             guard.failed(t0, 10, &"refused");
@@ -195,9 +232,26 @@ mod tests {
     }
 
     #[test]
+    fn a_flush_sends_through_the_pause_and_reports_the_failure() {
+        let flaky = Flaky::default();
+        flaky.down.store(true, Ordering::SeqCst);
+        let flushing = Flushing::default();
+        let guard = ExportGuard::new(flaky.clone(), "x".into(), flushing.clone());
+        export(&guard).unwrap(); // fails quietly and opens a pause
+        export(&guard).unwrap(); // dropped inside the pause
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 1);
+        flushing.set(true);
+        assert!(export(&guard).is_err(), "a failed flush is reported");
+        assert_eq!(flaky.calls.load(Ordering::SeqCst), 2, "the flush was sent");
+        flaky.down.store(false, Ordering::SeqCst);
+        export(&guard).unwrap();
+        assert!(guard.state.lock().unwrap().since.is_none(), "recovered");
+    }
+
+    #[test]
     fn a_live_collector_gets_every_batch() {
         let flaky = Flaky::default();
-        let guard = ExportGuard::new(flaky.clone(), "x".into());
+        let guard = ExportGuard::new(flaky.clone(), "x".into(), Flushing::default());
         for _ in 0..5 {
             export(&guard).unwrap();
         }

@@ -18,7 +18,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 use crate::error::TelemetryError;
-use crate::export_guard::ExportGuard;
+use crate::export_guard::{ExportGuard, Flushing};
 use crate::sampler::sampler_from_env;
 
 /// The longest [`TelemetryGuard::shutdown`] waits for the last spans to leave. A dead
@@ -109,8 +109,16 @@ pub fn build(
         return Ok((dispatch, TelemetryGuard { export: None }));
     };
     let (runtime, exporter) = otlp_exporter(&endpoint)?;
-    let exporter = ExportGuard::new(exporter, endpoint.clone());
-    assemble(settings, fmt_layer, exporter, endpoint, Some(runtime))
+    let flushing = Flushing::default();
+    let exporter = ExportGuard::new(exporter, endpoint.clone(), flushing.clone());
+    assemble(
+        settings,
+        fmt_layer,
+        exporter,
+        endpoint,
+        Some(runtime),
+        flushing,
+    )
 }
 
 /// [`build`] with spans going to `exporter` (through the same batch processor, sampler and
@@ -125,7 +133,14 @@ where
 {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let fmt_layer = fmt_layer(&settings.default_filter)?;
-    assemble(settings, fmt_layer, exporter, "in-process".to_owned(), None)
+    assemble(
+        settings,
+        fmt_layer,
+        exporter,
+        "in-process".to_owned(),
+        None,
+        Flushing::default(),
+    )
 }
 
 type FmtLayer = tracing_subscriber::filter::Filtered<
@@ -196,6 +211,7 @@ fn assemble<E>(
     exporter: E,
     endpoint: String,
     runtime: Option<tokio::runtime::Runtime>,
+    flushing: Flushing,
 ) -> Result<(tracing::Dispatch, TelemetryGuard), TelemetryError>
 where
     E: SpanExporter + Send + 'static,
@@ -252,6 +268,7 @@ where
         runtime,
         endpoint,
         service_name,
+        flushing,
     };
     Ok((
         dispatch,
@@ -283,13 +300,15 @@ impl TelemetryGuard {
     /// exporter after this; a shutdown may clear it).
     pub fn force_flush(&self) -> Result<(), TelemetryError> {
         match &self.export {
-            Some(export) => export
-                .provider
-                .force_flush()
-                .map_err(|e| TelemetryError::Shutdown {
+            Some(export) => {
+                export.flushing.set(true);
+                let flushed = export.provider.force_flush();
+                export.flushing.set(false);
+                flushed.map_err(|e| TelemetryError::Shutdown {
                     endpoint: export.endpoint.clone(),
                     reason: e.to_string(),
-                }),
+                })
+            }
             None => Ok(()),
         }
     }
@@ -326,6 +345,8 @@ struct Export {
     runtime: Option<tokio::runtime::Runtime>,
     endpoint: String,
     service_name: String,
+    /// Tells the export guard that a flush is under way, so it sends through an outage pause.
+    flushing: Flushing,
 }
 
 impl Export {
@@ -336,8 +357,11 @@ impl Export {
             provider,
             runtime,
             endpoint,
+            flushing,
             ..
         } = self;
+        // The last spans go out even inside an outage pause; the bound below still holds.
+        flushing.set(true);
         let (done_tx, done_rx) = mpsc::sync_channel(1);
         let spawned = std::thread::Builder::new()
             .name("otel-shutdown".into())

@@ -1,6 +1,6 @@
 //! A collector that is down when a service starts, and comes up later, gets the service's
-//! spans without a restart: export failures pause sending (dropping spans, never blocking),
-//! and the next attempt after the pause reaches the collector.
+//! spans without a restart: a flush into the outage reports its failure in bounded time, and
+//! the scheduled export reaches the collector once it is up (after at most one outage pause).
 //!
 //! Needs Phoenix: `./deploy/install-test-tools.sh`. Without it the test prints why and passes,
 //! unless `FISSION_REQUIRE_TEST_TOOLS=1`.
@@ -25,13 +25,16 @@ fn export_resumes_when_the_collector_comes_up() -> anyhow::Result<()> {
         default_filter: "warn".into(),
     })?;
 
-    // Exported into the outage: the flush returns (the failure is logged once, not raised),
-    // and the span is dropped.
+    // Flushed into the outage: the flush is attempted, reports the failure, and returns in
+    // bounded time.
     tracing::dispatcher::with_default(&dispatch, || {
         drop(tracing::info_span!("during_outage"));
     });
     let started = Instant::now();
-    guard.force_flush()?;
+    assert!(
+        guard.force_flush().is_err(),
+        "a flush into a dead collector must say it failed"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "a flush into a dead collector took {:?}",
@@ -42,18 +45,19 @@ fn export_resumes_when_the_collector_comes_up() -> anyhow::Result<()> {
         return Ok(());
     };
     let up = Instant::now();
-    // Keep sending until one span arrives: the ones inside the pause are dropped by design.
+    // Keep making spans until one arrives: the ones inside the pause are dropped by design.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut sent = 0;
-    let spans = loop {
+    loop {
         tracing::dispatcher::with_default(&dispatch, || {
             drop(tracing::info_span!("after_recovery", attempt = sent));
         });
         sent += 1;
-        guard.force_flush()?;
+        // No flush: the batch processor's own schedule must get through once the outage
+        // pause is over.
         let spans = phoenix.spans(&service).unwrap_or_default();
         if spans.iter().any(|s| s.name == "after_recovery") {
-            break spans;
+            break;
         }
         assert!(
             Instant::now() < deadline,
@@ -61,14 +65,10 @@ fn export_resumes_when_the_collector_comes_up() -> anyhow::Result<()> {
             phoenix.log_tail()
         );
         std::thread::sleep(Duration::from_millis(250));
-    };
+    }
     eprintln!(
         "export resumed {:?} after the collector came up ({sent} spans sent)",
         up.elapsed()
-    );
-    assert!(
-        spans.iter().all(|s| s.name != "during_outage"),
-        "a span exported into the outage cannot have arrived"
     );
     guard.shutdown()?;
     Ok(())
