@@ -269,6 +269,7 @@ mod tests {
                 head_dim: 64,
             },
             total_kv_blocks: 10,
+            kv_transport: "tcp".into(),
             draining: false,
         }
     }

@@ -27,5 +27,5 @@ pub use etcd::EtcdConfig;
 pub use fingerprint::model_fingerprint;
 pub use load::{list_nodes, LoadWatch, Loads, NodeStatus};
 pub use local_etcd::LocalEtcd;
-pub use record::{KvLayout, NodeLoad, NodeRecord, Role};
+pub use record::{KvLayout, NodeKey, NodeLoad, NodeRecord, Role};
 pub use registration::{Registration, RegistrationConfig};

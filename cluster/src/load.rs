@@ -15,10 +15,10 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use crate::error::ClusterError;
 use crate::etcd::{call, EtcdConfig};
 use crate::prefix_watch::{follow_prefix, PrefixFollower};
-use crate::record::{load_prefix, nodes_prefix, NodeLoad, NodeRecord};
+use crate::record::{key_identity, load_prefix, nodes_prefix, NodeKey, NodeLoad, NodeRecord};
 
-/// Latest load by node id.
-pub type Loads = Arc<HashMap<String, NodeLoad>>;
+/// Latest load by node (role and id).
+pub type Loads = Arc<HashMap<NodeKey, NodeLoad>>;
 
 /// Follows `/fission/{cluster}/load/`. Dropping it stops the watch task. While etcd is down the
 /// last loads stay in place: stale load only skews a routing cost, it never routes to a node
@@ -58,7 +58,7 @@ impl LoadWatch {
 
 /// The loads under the load prefix, republished whole after every change.
 struct LoadFollower {
-    loads: HashMap<String, NodeLoad>,
+    loads: HashMap<NodeKey, NodeLoad>,
     tx: watch::Sender<Loads>,
 }
 
@@ -71,7 +71,7 @@ impl PrefixFollower for LoadFollower {
     fn apply(&mut self, events: &[Event]) {
         for event in events {
             let Some(kv) = event.kv() else { continue };
-            let Some(id) = node_id_of(kv.key()) else {
+            let Some(id) = key_identity(kv.key()) else {
                 continue;
             };
             match event.event_type() {
@@ -93,22 +93,16 @@ impl PrefixFollower for LoadFollower {
     }
 }
 
-/// The loads in a prefix read, by node id; values that do not parse are skipped.
-fn loads_of(kvs: &[KeyValue]) -> HashMap<String, NodeLoad> {
+/// The loads in a prefix read, by node; values that do not parse are skipped.
+fn loads_of(kvs: &[KeyValue]) -> HashMap<NodeKey, NodeLoad> {
     kvs.iter()
         .filter_map(|kv| {
             Some((
-                node_id_of(kv.key())?,
+                key_identity(kv.key())?,
                 serde_json::from_slice(kv.value()).ok()?,
             ))
         })
         .collect()
-}
-
-/// The last path segment of `/fission/{c}/load/{role}/{node_id}`.
-fn node_id_of(key: &[u8]) -> Option<String> {
-    let key = std::str::from_utf8(key).ok()?;
-    key.rsplit('/').next().map(str::to_string)
 }
 
 /// One member as an operator sees it: the record and its last published load.
@@ -116,6 +110,9 @@ fn node_id_of(key: &[u8]) -> Option<String> {
 pub struct NodeStatus {
     pub record: NodeRecord,
     pub load: Option<NodeLoad>,
+    /// The lease the record lives under: it changes when the node registers again (after an
+    /// etcd outage), which is how an operator tells a fresh registration from a stale one.
+    pub lease_id: i64,
 }
 
 /// Reads every registered node and its load once, sorted by role then node id. Records that do
@@ -146,8 +143,12 @@ pub async fn list_nodes(etcd: &EtcdConfig) -> Result<Vec<NodeStatus>, ClusterErr
     for kv in nodes.kvs() {
         match serde_json::from_slice::<NodeRecord>(kv.value()) {
             Ok(record) => {
-                let load = loads.get(&record.node_id).copied();
-                out.push(NodeStatus { record, load });
+                let load = loads.get(&(record.role, record.node_id.clone())).copied();
+                out.push(NodeStatus {
+                    record,
+                    load,
+                    lease_id: kv.lease(),
+                });
             }
             Err(error) => {
                 tracing::warn!(key = %String::from_utf8_lossy(kv.key()), %error, "node record does not parse")
@@ -156,17 +157,4 @@ pub async fn list_nodes(etcd: &EtcdConfig) -> Result<Vec<NodeStatus>, ClusterErr
     }
     out.sort_by(|a, b| (a.record.role, &a.record.node_id).cmp(&(b.record.role, &b.record.node_id)));
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn node_id_is_the_last_segment() {
-        assert_eq!(
-            node_id_of(b"/fission/c/load/decode/d-1").as_deref(),
-            Some("d-1")
-        );
-    }
 }

@@ -55,6 +55,10 @@ pub struct NodeRecord {
     pub block_size: u32,
     pub kv_layout: KvLayout,
     pub total_kv_blocks: u64,
+    /// The KV-transfer backend the node speaks (`quic` or `tcp`): a prefill node can only push
+    /// into a decode node that speaks its own. Empty in records written before the field existed.
+    #[serde(default)]
+    pub kv_transport: String,
     /// A draining node takes no new requests.
     pub draining: bool,
 }
@@ -68,6 +72,9 @@ impl NodeRecord {
         load_key(cluster, self.role, &self.node_id)
     }
 }
+
+/// A node's identity in the cluster: ids are unique per role, not across roles.
+pub type NodeKey = (Role, String);
 
 /// A node's current load, stored as JSON under a key apart from its record so that membership
 /// watches do not wake up on every load change.
@@ -97,9 +104,32 @@ pub(crate) fn load_key(cluster: &str, role: Role, node_id: &str) -> String {
     format!("/fission/{cluster}/load/{role}/{node_id}")
 }
 
+/// The role and node id that end a node or load key (`.../{role}/{node_id}`).
+pub(crate) fn key_identity(key: &[u8]) -> Option<NodeKey> {
+    let key = std::str::from_utf8(key).ok()?;
+    let mut parts = key.rsplit('/');
+    let node_id = parts.next().filter(|id| !id.is_empty())?;
+    let role = match parts.next()? {
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        _ => return None,
+    };
+    Some((role, node_id.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn records_without_a_transport_still_parse() {
+        let json = r#"{"node_id":"n","role":"decode","version":"0","grpc_endpoint":"a:1",
+            "kv_endpoint":"a:2","model_id":"m","model_fingerprint":"f","block_size":16,
+            "kv_layout":{"dtype":"f32","num_layers":2,"num_kv_heads":2,"head_dim":8},
+            "total_kv_blocks":10,"draining":false}"#;
+        let r: NodeRecord = serde_json::from_str(json).unwrap();
+        assert_eq!(r.kv_transport, "");
+    }
 
     #[test]
     fn keys_and_role_spelling() {
@@ -112,6 +142,12 @@ mod tests {
             "/fission/c1/load/decode/n2"
         );
         assert_eq!(nodes_prefix("c1", None), "/fission/c1/nodes/");
+        assert_eq!(
+            key_identity(b"/fission/c/load/decode/d-1"),
+            Some((Role::Decode, "d-1".to_string()))
+        );
+        assert_eq!(key_identity(b"/fission/c/load/other/d-1"), None);
+        assert_eq!(key_identity(b"/fission/c/load/decode/"), None);
         assert_eq!(
             serde_json::to_string(&Role::Decode).unwrap(),
             "\"decode\"".to_string()

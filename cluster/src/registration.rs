@@ -229,7 +229,17 @@ impl RegistrationActor {
             self.client.lease_grant(self.config.lease_ttl_s, None),
         )
         .await?;
-        self.put_record(grant.id()).await?;
+        if let Err(error) = self.put_record(grant.id()).await {
+            // Without the record the lease holds nothing: give it back now rather than leave
+            // it to run out.
+            let _ = call(
+                "lease revoke",
+                timeout,
+                self.client.lease_revoke(grant.id()),
+            )
+            .await;
+            return Err(error);
+        }
         Ok(grant.id())
     }
 

@@ -7,20 +7,25 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use engine::engine::{Engine, Request, TokenEvent};
+use engine::engine::{Engine, Request, ScheduledSeq, StepObserver, TokenEvent};
 use engine::error::EngineError;
 use engine::ids::{BlockId, SeqId};
 use engine::sampling::SampledToken;
 use engine::stopping::FinishReason;
+use kvtransfer::KvTransferError;
+use proto::ErrorCode;
 use telemetry::OpenTelemetrySpanExt;
 use tokio::sync::{mpsc as tmpsc, oneshot};
+use tracing::span::EnteredSpan;
 use tracing::Span;
 
 use node_common::engine_state::EngineState;
 use node_common::NodeError;
 
+use crate::errors::{self, Failure};
+
 /// Tokens of one sequence, or the error that ended it.
-pub type TokenMsg = Result<TokenEvent, String>;
+pub type TokenMsg = Result<TokenEvent, Failure>;
 pub type TokenTx = tmpsc::UnboundedSender<TokenMsg>;
 
 enum Command {
@@ -38,13 +43,13 @@ enum Command {
         seq_id: SeqId,
         first: SampledToken,
         tokens: TokenTx,
-        reply: oneshot::Sender<Result<Option<FinishReason>, EngineError>>,
+        reply: oneshot::Sender<Result<Option<FinishReason>, NodeError>>,
         span: Span,
     },
     Generate {
         req: Request,
         tokens: TokenTx,
-        reply: oneshot::Sender<Result<(), EngineError>>,
+        reply: oneshot::Sender<Result<(), NodeError>>,
         span: Span,
     },
     Cancel {
@@ -103,8 +108,9 @@ impl EngineHandle {
         first: SampledToken,
         tokens: TokenTx,
         trace: telemetry::Context,
+        request_id: &str,
     ) -> Result<Option<FinishReason>, NodeError> {
-        let span = decode_span();
+        let span = decode_span(request_id);
         telemetry::set_parent(&span, trace);
         let (reply, rx) = oneshot::channel();
         self.send(Command::Activate {
@@ -114,18 +120,23 @@ impl EngineHandle {
             reply,
             span,
         })?;
-        Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
+        rx.await.map_err(|_| NodeError::EngineStopped)?
     }
 
-    pub async fn generate(&self, req: Request, tokens: TokenTx) -> Result<(), NodeError> {
+    pub async fn generate(
+        &self,
+        req: Request,
+        tokens: TokenTx,
+        request_id: &str,
+    ) -> Result<(), NodeError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Generate {
             req,
             tokens,
             reply,
-            span: decode_span(),
+            span: decode_span(request_id),
         })?;
-        Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
+        rx.await.map_err(|_| NodeError::EngineStopped)?
     }
 
     /// Cancels a sequence or reservation; unknown ids are ignored.
@@ -136,12 +147,15 @@ impl EngineHandle {
 
 /// The `decode` span of a sequence, a child of the caller's span: tokens and steps are recorded
 /// on it, with no span per token.
-fn decode_span() -> Span {
+fn decode_span(request_id: &str) -> Span {
     tracing::info_span!(
         "decode",
+        request_id,
         tokens = tracing::field::Empty,
         steps = tracing::field::Empty,
         finish_reason = tracing::field::Empty,
+        error_type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
     )
 }
 
@@ -153,10 +167,12 @@ struct SeqSpans {
     steps: i64,
     tokens: i64,
     admitted: Instant,
+    /// When its last token was known: the gap to the next is its time per output token.
+    last_token_at: Option<Instant>,
 }
 
 impl SeqSpans {
-    fn new(span: Span) -> Self {
+    fn new(span: Span, last_token_at: Option<Instant>) -> Self {
         let queue_wait = Some(tracing::info_span!(parent: &span, "queue_wait"));
         SeqSpans {
             span,
@@ -164,7 +180,15 @@ impl SeqSpans {
             steps: 0,
             tokens: 0,
             admitted: Instant::now(),
+            last_token_at,
         }
+    }
+
+    /// Records what the sequence did; `finish` is the finish reason, or why it ended.
+    fn end(self, finish: &str) {
+        self.span.record("tokens", self.tokens);
+        self.span.record("steps", self.steps);
+        self.span.record("finish_reason", finish);
     }
 }
 
@@ -179,41 +203,25 @@ struct Task {
     engine: Engine,
     streams: HashMap<SeqId, TokenTx>,
     spans: HashMap<SeqId, SeqSpans>,
+    /// Open while the same sequences run; none while the engine is idle.
     batch: Option<BatchSpan>,
     /// Sequences with a failed layer import: their activation must fail.
-    poisoned: HashMap<SeqId, String>,
+    poisoned: HashMap<SeqId, KvTransferError>,
 }
 
-fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
-    engine.enable_cache_events();
+fn run_engine_task(engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
+    let mut t = Task::new(engine);
     // The idle engine's figures, before the loop blocks waiting for work: routers read free
     // blocks from this, and a node that reported none would never be picked.
-    state.publish(&mut engine, 0);
+    state.publish(&mut t.engine, 0);
     // Test-only: slows every step so tests can act mid-generation on a tiny model.
     let step_delay = std::env::var("FISSION_DEBUG_STEP_DELAY_MS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .map(std::time::Duration::from_millis);
-    let mut t = Task {
-        engine,
-        streams: HashMap::new(),
-        spans: HashMap::new(),
-        batch: None,
-        poisoned: HashMap::new(),
-    };
     loop {
-        // Block only when there is nothing to compute.
-        let first = if t.engine.has_work() {
-            match rx.try_recv() {
-                Ok(c) => Some(c),
-                Err(mpsc::TryRecvError::Empty) => None,
-                Err(mpsc::TryRecvError::Disconnected) => return,
-            }
-        } else {
-            match rx.recv() {
-                Ok(c) => Some(c),
-                Err(_) => return,
-            }
+        let Ok(first) = t.next_command(&rx) else {
+            return;
         };
         if let Some(c) = first {
             t.handle(c);
@@ -233,6 +241,35 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
 }
 
 impl Task {
+    fn new(mut engine: Engine) -> Self {
+        engine.enable_cache_events();
+        Task {
+            engine,
+            streams: HashMap::new(),
+            spans: HashMap::new(),
+            batch: None,
+            poisoned: HashMap::new(),
+        }
+    }
+
+    /// Whatever command is queued while there is work; otherwise blocks for the next one,
+    /// ending the batch span first (it would otherwise stay open, idle, until the next batch
+    /// starts). `Err` once every handle is gone.
+    fn next_command(
+        &mut self,
+        rx: &mpsc::Receiver<Command>,
+    ) -> Result<Option<Command>, mpsc::RecvError> {
+        if self.engine.has_work() {
+            return match rx.try_recv() {
+                Ok(c) => Ok(Some(c)),
+                Err(mpsc::TryRecvError::Empty) => Ok(None),
+                Err(mpsc::TryRecvError::Disconnected) => Err(mpsc::RecvError),
+            };
+        }
+        self.batch = None;
+        rx.recv().map(Some)
+    }
+
     fn handle(&mut self, c: Command) {
         match c {
             Command::Reserve { req, reply } => {
@@ -243,29 +280,7 @@ impl Task {
                 layer,
                 blocks,
                 payload,
-            } => {
-                if !self.engine.is_reserved(seq_id) {
-                    metrics::counter!("fission_decode_kv_late_imports_total").increment(1);
-                    return;
-                }
-                let started = Instant::now();
-                match self
-                    .engine
-                    .cache_mut()
-                    .import_blocks(layer, &blocks, &payload)
-                {
-                    Ok(()) => {
-                        metrics::counter!("fission_decode_kv_received_bytes_total")
-                            .increment(payload.len() as u64);
-                        metrics::histogram!("fission_decode_kv_import_seconds")
-                            .record(started.elapsed().as_secs_f64());
-                    }
-                    Err(e) => {
-                        tracing::error!(%seq_id, layer, error = %e, "kv import failed");
-                        self.poisoned.insert(seq_id, e.to_string());
-                    }
-                }
-            }
+            } => self.import(seq_id, layer, &blocks, &payload),
             Command::Activate {
                 seq_id,
                 first,
@@ -273,19 +288,12 @@ impl Task {
                 reply,
                 span,
             } => {
-                if let Some(reason) = self.poisoned.remove(&seq_id) {
-                    self.engine.release_reservation(seq_id);
-                    let _ = reply.send(Err(EngineError::InvalidParameter {
-                        field: "kv",
-                        reason: format!("a layer import failed: {reason}"),
-                        given: seq_id.to_string(),
-                    }));
-                    return;
-                }
-                let result = self.engine.activate(seq_id, first);
+                let result = self.activate(seq_id, first, &tokens, &span);
                 if let Ok(None) = result {
                     self.streams.insert(seq_id, tokens);
-                    self.spans.insert(seq_id, SeqSpans::new(span));
+                    // The first token (the prefill node's) is known now.
+                    self.spans
+                        .insert(seq_id, SeqSpans::new(span, Some(Instant::now())));
                 }
                 let _ = reply.send(result);
             }
@@ -296,10 +304,13 @@ impl Task {
                 span,
             } => {
                 let seq_id = req.seq_id;
-                let result = self.engine.add_request(req);
-                if result.is_ok() {
-                    self.streams.insert(seq_id, tokens);
-                    self.spans.insert(seq_id, SeqSpans::new(span));
+                let result = self.engine.add_request(req).map_err(NodeError::from);
+                match &result {
+                    Ok(()) => {
+                        self.streams.insert(seq_id, tokens);
+                        self.spans.insert(seq_id, SeqSpans::new(span, None));
+                    }
+                    Err(e) => errors::mark_failed(&span, e.code()),
                 }
                 let _ = reply.send(result);
             }
@@ -309,94 +320,133 @@ impl Task {
                     metrics::counter!("fission_decode_cancelled_total").increment(1);
                 }
                 self.streams.remove(&seq_id);
-                self.spans.remove(&seq_id);
+                if let Some(s) = self.spans.remove(&seq_id) {
+                    s.end("cancelled");
+                }
             }
         }
     }
 
+    fn import(&mut self, seq_id: SeqId, layer: usize, blocks: &[BlockId], payload: &Bytes) {
+        if !self.engine.is_reserved(seq_id) {
+            metrics::counter!("fission_decode_kv_late_imports_total").increment(1);
+            return;
+        }
+        let started = Instant::now();
+        match self
+            .engine
+            .cache_mut()
+            .import_blocks(layer, blocks, payload)
+        {
+            Ok(()) => {
+                metrics::counter!("fission_decode_kv_received_bytes_total")
+                    .increment(payload.len() as u64);
+                metrics::histogram!("fission_decode_kv_import_seconds")
+                    .record(started.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                // A received frame that failed, like one the data plane refuses.
+                errors::count(ErrorCode::KvTransfer);
+                tracing::error!(%seq_id, layer, error = %e, "kv import failed");
+                self.poisoned.insert(
+                    seq_id,
+                    KvTransferError::Sink {
+                        xfer_id: seq_id.0,
+                        layer: layer as u32,
+                        reason: e.to_string(),
+                    },
+                );
+            }
+        }
+    }
+
+    /// Joins a reservation whose KV arrived to the running batch. On failure the sequence's
+    /// stream and span learn why.
+    fn activate(
+        &mut self,
+        seq_id: SeqId,
+        first: SampledToken,
+        tokens: &TokenTx,
+        span: &Span,
+    ) -> Result<Option<FinishReason>, NodeError> {
+        let result = match self.poisoned.remove(&seq_id) {
+            Some(e) => {
+                self.engine.release_reservation(seq_id);
+                let e = NodeError::KvTransfer(e);
+                let _ = tokens.send(Err(Failure::new(e.code(), e.to_string())));
+                Err(e)
+            }
+            None => self.engine.activate(seq_id, first).map_err(NodeError::from),
+        };
+        if let Err(e) = &result {
+            errors::mark_failed(span, e.code());
+        }
+        result
+    }
+
     fn step(&mut self) {
         let started = Instant::now();
-        // One span per batch composition, linked to the sequences in it (a root: a batch
-        // belongs to no single trace). A new one starts when a sequence joins or leaves; a span
-        // per step would cost more than a small model's step.
-        let members: Vec<SeqId> = {
-            let mut m: Vec<SeqId> = self.spans.keys().copied().collect();
-            m.sort_unstable();
-            m
+        let mut tracker = StepTracker {
+            spans: &mut self.spans,
+            batch: &mut self.batch,
+            entered: None,
+            started,
         };
-        if self.batch.as_ref().is_none_or(|b| b.members != members) {
-            let span = tracing::info_span!(
-                parent: None,
-                "decode_batch",
-                sequences = members.len() as i64,
-                steps = tracing::field::Empty
-            );
-            for s in self.spans.values() {
-                telemetry::add_link(&span, &s.span.context());
-            }
-            // The previous batch span ends here.
-            self.batch = Some(BatchSpan {
-                span,
-                members,
-                steps: 0,
-            });
-        }
-        for s in self.spans.values_mut() {
-            if s.queue_wait.take().is_some() {
-                metrics::histogram!("fission_decode_queue_time_seconds")
-                    .record(s.admitted.elapsed().as_secs_f64());
-            }
-            s.steps += 1;
-        }
-        let batch = self.batch.as_mut().map(|b| {
-            b.steps += 1;
-            b.span.record("steps", b.steps);
-            b.span.clone()
-        });
-        let batch = batch.unwrap_or_else(tracing::Span::none);
-        let _in_batch = batch.enter();
-        match self.engine.step() {
+        let result = self.engine.step_with_observer(&mut tracker);
+        // In the batch span while its tokens are handed out.
+        let _in_batch = tracker.entered.take();
+        let now = Instant::now();
+        match result {
             Ok(events) => {
                 metrics::histogram!("fission_decode_step_seconds")
-                    .record(started.elapsed().as_secs_f64());
+                    .record(now.duration_since(started).as_secs_f64());
                 metrics::histogram!("fission_decode_batch_size").record(events.len() as f64);
                 metrics::counter!("fission_decode_generated_tokens_total")
                     .increment(events.len() as u64);
+                let tpot = metrics::histogram!("fission_decode_time_per_output_token_seconds");
                 for ev in events {
                     let seq_id = ev.seq_id;
-                    let done = ev.finish.is_some();
-                    let finish = ev.finish.clone();
+                    let finish = ev.finish;
                     if let Some(s) = self.spans.get_mut(&seq_id) {
                         s.tokens += 1;
+                        if let Some(last) = s.last_token_at {
+                            tpot.record(now.duration_since(last).as_secs_f64());
+                        }
+                        s.last_token_at = Some(now);
                     }
                     let delivered = self
                         .streams
                         .get(&seq_id)
                         .is_some_and(|tx| tx.send(Ok(ev)).is_ok());
-                    if done {
+                    if let Some(f) = finish {
                         self.streams.remove(&seq_id);
                         if let Some(s) = self.spans.remove(&seq_id) {
-                            s.span.record("tokens", s.tokens);
-                            s.span.record("steps", s.steps);
-                            if let Some(f) = &finish {
-                                s.span.record("finish_reason", format!("{f:?}").as_str());
-                            }
+                            s.end(f.as_str());
                         }
                     } else if !delivered {
                         // The receiver is gone: the client left. Free its blocks now.
                         self.engine.cancel(seq_id);
                         self.streams.remove(&seq_id);
-                        self.spans.remove(&seq_id);
+                        if let Some(s) = self.spans.remove(&seq_id) {
+                            s.end("cancelled");
+                        }
                         metrics::counter!("fission_decode_cancelled_total").increment(1);
                     }
                 }
             }
             Err(e) => {
                 // A failed step leaves no sequence in a usable state: end them all loudly.
+                // Each stream counts its error where it ends.
                 tracing::error!(error = %e, "decode step failed");
-                self.spans.clear();
+                for (_, s) in self.spans.drain() {
+                    errors::mark_failed(&s.span, ErrorCode::Internal);
+                    s.end("error");
+                }
                 for (seq_id, tx) in self.streams.drain() {
-                    let _ = tx.send(Err(format!("decode step failed: {e}")));
+                    let _ = tx.send(Err(Failure::new(
+                        ErrorCode::Internal,
+                        format!("decode step failed: {e}"),
+                    )));
                     self.engine.cancel(seq_id);
                 }
             }
@@ -417,7 +467,308 @@ impl Task {
         metrics::gauge!("fission_decode_running_sequences").set(s.num_running as f64);
         metrics::gauge!("fission_decode_waiting_sequences").set(s.num_waiting as f64);
         metrics::counter!("fission_decode_preemptions_total").absolute(s.preemptions);
+        // Lifetime counts, as counters: rate(hit) / rate(queried) is the recent hit rate.
+        metrics::counter!("fission_decode_prefix_cache_hit_blocks_total")
+            .absolute(s.prefix_hit_blocks);
+        metrics::counter!("fission_decode_prefix_cache_queried_blocks_total")
+            .absolute(s.prefix_query_blocks);
         metrics::gauge!("fission_decode_prefix_cache_hit_ratio")
             .set(s.prefix_hit_blocks as f64 / s.prefix_query_blocks.max(1) as f64);
+    }
+}
+
+/// Follows one step: the batch span is that of the sequences the scheduler put in the step
+/// (waiting ones are not in it), and only those end their queue wait and count a step.
+struct StepTracker<'a> {
+    spans: &'a mut HashMap<SeqId, SeqSpans>,
+    batch: &'a mut Option<BatchSpan>,
+    /// The batch span, entered from scheduling until the step's tokens are handed out.
+    entered: Option<EnteredSpan>,
+    started: Instant,
+}
+
+impl StepObserver for StepTracker<'_> {
+    fn scheduled(&mut self, seqs: &[ScheduledSeq]) {
+        let mut members: Vec<SeqId> = seqs
+            .iter()
+            .map(|s| s.seq_id)
+            .filter(|id| self.spans.contains_key(id))
+            .collect();
+        members.sort_unstable();
+        if members.is_empty() {
+            *self.batch = None;
+            return;
+        }
+        // One span per batch composition, linked to the sequences in it (a root: a batch
+        // belongs to no single trace). A new one starts when a sequence joins or leaves; a
+        // span per step would cost more than a small model's step.
+        if self.batch.as_ref().is_none_or(|b| b.members != members) {
+            let span = tracing::info_span!(
+                parent: None,
+                "decode_batch",
+                sequences = members.len() as i64,
+                steps = tracing::field::Empty
+            );
+            for id in &members {
+                telemetry::add_link(&span, &self.spans[id].span.context());
+            }
+            // The previous batch span ends here.
+            *self.batch = Some(BatchSpan {
+                span,
+                members,
+                steps: 0,
+            });
+        }
+        let queue_time = metrics::histogram!("fission_decode_queue_time_seconds");
+        for s in seqs {
+            let Some(spans) = self.spans.get_mut(&s.seq_id) else {
+                continue;
+            };
+            if spans.queue_wait.take().is_some() {
+                queue_time.record(
+                    self.started
+                        .saturating_duration_since(spans.admitted)
+                        .as_secs_f64(),
+                );
+            }
+            spans.steps += 1;
+        }
+        if let Some(b) = self.batch.as_mut() {
+            b.steps += 1;
+            b.span.record("steps", b.steps);
+            self.entered = Some(b.span.clone().entered());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use clap::Parser;
+    use node_common::engine_args::EngineArgs;
+
+    use super::*;
+    use crate::span_capture::{Captured, Value};
+
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn stories_dir() -> PathBuf {
+        let root = std::env::var_os("FISSION_SHARED_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
+        root.join("models/stories260K")
+    }
+
+    /// stories260K with blocks of 4 and a prefill budget of 8 tokens per step.
+    fn task() -> Task {
+        let dir = stories_dir();
+        let args = Args::parse_from([
+            "decode",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--num-kv-blocks",
+            "64",
+            "--block-size",
+            "4",
+            "--max-batch-prefill-tokens",
+            "8",
+        ]);
+        let model = args.engine.load_model().expect("stories260K loads");
+        Task::new(Engine::new(model, args.engine.engine_config()).expect("engine starts"))
+    }
+
+    /// Queues a local generation of `max_new_tokens` after an 8-token prompt.
+    fn generate(t: &mut Task, id: u64, max_new_tokens: u32) -> tmpsc::UnboundedReceiver<TokenMsg> {
+        let (tokens, rx) = tmpsc::unbounded_channel();
+        let (reply, mut done) = oneshot::channel();
+        let stopping = proto::v1::StoppingCriteria {
+            max_new_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let prompt_ids = (0..8).map(|i| 300 + i).collect();
+        t.handle(Command::Generate {
+            req: node_common::convert::request(SeqId(id), prompt_ids, None, Some(&stopping)),
+            tokens,
+            reply,
+            span: decode_span(&format!("req-{id}")),
+        });
+        done.try_recv().expect("answered").expect("admitted");
+        rx
+    }
+
+    fn sample(text: &str, name: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    fn field(capture: &Captured, span: &str, field: &str) -> Vec<Option<Value>> {
+        capture
+            .named(span)
+            .into_iter()
+            .map(|(_, s)| s.field(field).cloned())
+            .collect()
+    }
+
+    #[test]
+    fn queue_time_and_steps_count_only_scheduled_sequences() {
+        let mut t = task();
+        let capture = Captured::default();
+        let recorder = telemetry::prometheus_builder()
+            .expect("buckets")
+            .build_recorder();
+        let metrics = recorder.handle();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        metrics::with_local_recorder(&recorder, || {
+            let _first = generate(&mut t, 1, 3);
+            let _second = generate(&mut t, 2, 3);
+            // Two 8-token prompts, 8 prefill tokens per step: the second waits.
+            t.step();
+            assert_eq!(t.spans[&SeqId(1)].steps, 1);
+            assert_eq!(t.spans[&SeqId(2)].steps, 0, "not in step 1's plan");
+            assert!(t.spans[&SeqId(2)].queue_wait.is_some());
+            assert_eq!(
+                t.batch.as_ref().map(|b| b.members.clone()),
+                Some(vec![SeqId(1)])
+            );
+            assert_eq!(
+                sample(&metrics.render(), "fission_decode_queue_time_seconds_count"),
+                1.0
+            );
+            t.step();
+            assert_eq!((t.spans[&SeqId(1)].steps, t.spans[&SeqId(2)].steps), (2, 1));
+            assert!(t.spans[&SeqId(2)].queue_wait.is_none());
+            assert_eq!(
+                t.batch.as_ref().map(|b| b.members.clone()),
+                Some(vec![SeqId(1), SeqId(2)])
+            );
+            assert_eq!(
+                sample(&metrics.render(), "fission_decode_queue_time_seconds_count"),
+                2.0
+            );
+        });
+        assert_eq!(
+            field(&capture, "decode_batch", "sequences"),
+            vec![Some(Value::I64(1)), Some(Value::I64(2))]
+        );
+        let queue_waits = capture.named("queue_wait");
+        assert_eq!(queue_waits.len(), 2);
+        assert!(queue_waits.iter().all(|(_, s)| s.closed));
+    }
+
+    #[test]
+    fn tokens_time_and_idle_batch_span() {
+        let mut t = task();
+        let capture = Captured::default();
+        let recorder = telemetry::prometheus_builder()
+            .expect("buckets")
+            .build_recorder();
+        let metrics = recorder.handle();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let (tx, rx) = mpsc::channel();
+        metrics::with_local_recorder(&recorder, || {
+            let mut tokens = generate(&mut t, 1, 4);
+            while t.engine.has_work() {
+                t.step();
+            }
+            let mut n = 0;
+            while let Ok(Ok(_)) = tokens.try_recv() {
+                n += 1;
+            }
+            assert_eq!(n, 4);
+            // Idle: the batch span is still held until the loop goes to wait for a command.
+            assert!(t.batch.is_some());
+            tx.send(Command::Cancel { seq_id: SeqId(99) })
+                .expect("queued");
+            assert!(matches!(t.next_command(&rx), Ok(Some(_))));
+            assert!(t.batch.is_none(), "an idle engine holds no batch span");
+            t.publish_gauges();
+        });
+        let batches = capture.named("decode_batch");
+        assert_eq!(batches.len(), 1);
+        assert!(batches[0].1.closed, "the idle batch span ended");
+        let text = metrics.render();
+        // Four tokens, the first one's time is time to first token: three gaps.
+        assert_eq!(
+            sample(&text, "fission_decode_time_per_output_token_seconds_count"),
+            3.0,
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE fission_decode_prefix_cache_hit_blocks_total counter"),
+            "{text}"
+        );
+        assert_eq!(
+            field(&capture, "decode", "finish_reason"),
+            vec![Some(Value::Str("length".into()))]
+        );
+    }
+
+    #[test]
+    fn a_cancelled_sequence_records_what_it_did() {
+        let mut t = task();
+        let capture = Captured::default();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _tokens = generate(&mut t, 1, 10);
+        t.step();
+        t.step();
+        t.handle(Command::Cancel { seq_id: SeqId(1) });
+        let (_, decode) = capture.named("decode").remove(0);
+        assert_eq!(
+            decode.field("request_id"),
+            Some(&Value::Str("req-1".into()))
+        );
+        assert_eq!(decode.field("tokens"), Some(&Value::I64(2)));
+        assert_eq!(decode.field("steps"), Some(&Value::I64(2)));
+        assert_eq!(
+            decode.field("finish_reason"),
+            Some(&Value::Str("cancelled".into()))
+        );
+        assert!(decode.closed);
+    }
+
+    #[test]
+    fn a_failed_import_fails_activation_stream_and_span() {
+        let mut t = task();
+        let capture = Captured::default();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let stopping = proto::v1::StoppingCriteria {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        let req = node_common::convert::request(SeqId(5), vec![300; 8], None, Some(&stopping));
+        let blocks = t.engine.reserve(req).expect("reserved");
+        // A payload of the wrong size cannot be imported.
+        t.import(SeqId(5), 0, &blocks, &Bytes::from_static(b"short"));
+        let (tokens, mut tokens_rx) = tmpsc::unbounded_channel();
+        let span = decode_span("req-5");
+        let first = SampledToken {
+            token_id: 310,
+            logprob: 0.0,
+            top_logprobs: Vec::new(),
+        };
+        let err = t
+            .activate(SeqId(5), first, &tokens, &span)
+            .expect_err("activation fails");
+        assert_eq!(err.code(), ErrorCode::KvTransfer);
+        let ended = tokens_rx.try_recv().expect("the stream learns why");
+        assert_eq!(ended.expect_err("an error").code, ErrorCode::KvTransfer);
+        drop(span);
+        let (_, decode) = capture.named("decode").remove(0);
+        assert_eq!(
+            decode.field("error_type"),
+            Some(&Value::Str("kv_transfer".into()))
+        );
+        assert_eq!(
+            decode.field("otel.status_code"),
+            Some(&Value::Str("ERROR".into()))
+        );
+        assert_eq!(t.engine.num_reservations(), 0, "its blocks are freed");
     }
 }

@@ -6,9 +6,14 @@
 //! thread.
 
 mod actor;
+mod errors;
 mod metrics;
 mod service;
 mod sink;
+// Not every test reads every kind of field it records.
+#[cfg(test)]
+#[allow(dead_code)]
+mod span_capture;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,10 +27,15 @@ use node_common::kv::{KvArgs, KvBackend};
 use node_common::membership::{node_record, ClusterArgs, Membership};
 use node_common::NodeError;
 use proto::v1::decode_server::DecodeServer;
+use proto::ErrorCode;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use actor::EngineHandle;
+
+/// How long a stopping gRPC server may wait for its connections to end before they are cut:
+/// a stream this node does not know how to end must not keep the process alive.
+const GRPC_STOP_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Args, Debug, Clone)]
 pub struct DecodeConfig {
@@ -75,16 +85,21 @@ pub async fn run(
     });
     // The data plane and /metrics outlive `shutdown`: a draining node still receives KV.
     let kv_shutdown = CancellationToken::new();
+    // kvtransfer has no metrics of its own: a refused frame counts as this node's error.
+    let count_refusal = |_: &kvtransfer::KvTransferError| errors::count(ErrorCode::KvTransfer);
     let (kv_port, kv_task) = match config.kv.kv_transport {
         KvBackend::Quic => {
             let server =
-                QuicServer::bind(listeners.kv_addr, &config.kv.tls()?, QuicConfig::default())?;
+                QuicServer::bind(listeners.kv_addr, &config.kv.tls()?, QuicConfig::default())?
+                    .on_refusal(count_refusal);
             let port = server.local_addr()?.port();
             let task = tokio::spawn(server.serve(registry.clone(), sink, kv_shutdown.clone()));
             (port, task)
         }
         KvBackend::Tcp => {
-            let server = TcpServer::bind(listeners.kv_addr, TcpConfig::default()).await?;
+            let server = TcpServer::bind(listeners.kv_addr, TcpConfig::default())
+                .await?
+                .on_refusal(count_refusal);
             let port = server.local_addr()?.port();
             let task = tokio::spawn(server.serve(registry.clone(), sink, kv_shutdown.clone()));
             (port, task)
@@ -92,16 +107,20 @@ pub async fn run(
     };
     let kv_endpoint = format!("{}:{kv_port}", config.cluster.advertise_host);
     info.kv_endpoint = kv_endpoint.clone();
-    let service = service::DecodeService::new(
+    // Cancelled once the drain is over: the server stops and the streams that never end by
+    // themselves (CacheEvents) end.
+    let server_stop = CancellationToken::new();
+    let service = service::DecodeService::new(service::ServiceParts {
         handle,
         registry,
         layout,
-        kv_endpoint.clone(),
-        Duration::from_millis(config.lease_ms),
-        info.clone(),
-        Arc::clone(&state_rx.cache),
-        shutdown.clone(),
-    );
+        kv_endpoint: kv_endpoint.clone(),
+        lease: Duration::from_millis(config.lease_ms),
+        info: info.clone(),
+        cache_log: Arc::clone(&state_rx.cache),
+        drain: shutdown.clone(),
+        stop_streams: server_stop.clone(),
+    });
     let work = service.work.clone();
     let metrics_task = tokio::spawn(node_common::metrics_http::serve(
         listeners.metrics,
@@ -116,7 +135,6 @@ pub async fn run(
             source,
         })?;
     tracing::info!(%node_id, %grpc_addr, %kv_endpoint, "decode node serving");
-    let server_stop = CancellationToken::new();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(DecodeServer::new(service))
@@ -130,18 +148,37 @@ pub async fn run(
         cluster::Role::Decode,
         format!("{}:{}", config.cluster.advertise_host, grpc_addr.port()),
         kv_endpoint,
+        config.kv.kv_transport,
     );
     let membership = Membership::join(&config.cluster, record, state_rx.load.clone()).await?;
     shutdown.cancelled().await;
     membership.drain(state_rx.load.clone(), &work).await;
     server_stop.cancel();
-    server
-        .await
-        .map_err(|e| NodeError::Grpc(e.to_string()))?
-        .map_err(|e| NodeError::Grpc(e.to_string()))?;
+    stop_server(server, GRPC_STOP_GRACE).await?;
     kv_shutdown.cancel();
     let _ = kv_task.await;
     let _ = metrics_task.await;
     tracing::info!(%node_id, "decode node stopped");
     Ok(())
+}
+
+/// Waits for the gRPC server's graceful stop for at most `grace`, then cuts the connections
+/// left.
+async fn stop_server(
+    mut server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    grace: Duration,
+) -> Result<(), NodeError> {
+    match tokio::time::timeout(grace, &mut server).await {
+        Ok(joined) => joined
+            .map_err(|e| NodeError::Grpc(e.to_string()))?
+            .map_err(|e| NodeError::Grpc(e.to_string())),
+        Err(_) => {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "grpc server still had open connections after the grace period; closing them"
+            );
+            server.abort();
+            Ok(())
+        }
+    }
 }

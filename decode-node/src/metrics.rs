@@ -10,6 +10,20 @@ pub fn describe() {
         "Sequences and reservations cancelled (client gone, Cancel RPC)."
     );
     describe_counter!(
+        crate::errors::ERRORS_TOTAL,
+        "Failures by error_type: RPCs answered with an error, token streams ended by one, and received KV frames that failed (refused, or their import)."
+    );
+    describe_counter!(
+        "fission_decode_prefix_cache_hit_blocks_total",
+        Unit::Count,
+        "Prompt blocks found in the prefix cache; over the queried rate, the hit rate."
+    );
+    describe_counter!(
+        "fission_decode_prefix_cache_queried_blocks_total",
+        Unit::Count,
+        "Prompt blocks looked up in the prefix cache."
+    );
+    describe_counter!(
         "fission_decode_generated_tokens_total",
         Unit::Count,
         "Tokens generated; its rate is the node's tokens/s."
@@ -100,6 +114,11 @@ pub fn describe() {
         "fission_decode_queue_time_seconds",
         Unit::Seconds,
         "From admission to the first step that includes the sequence."
+    );
+    describe_histogram!(
+        "fission_decode_time_per_output_token_seconds",
+        Unit::Seconds,
+        "Per sequence, the time from one output token to the next on this node (from activation for the first decoded token)."
     );
     describe_histogram!(
         "fission_decode_step_seconds",

@@ -20,19 +20,36 @@ use proto::ErrorCode;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
 use crate::actor::{EngineHandle, TokenMsg, TokenTx};
+use crate::errors::{self, Failure};
 
 /// A reservation whose KV is on its way.
 struct Pending {
     seq_id: SeqId,
     epoch: u64,
+    request_id: String,
     /// The reserving request's trace context, for the sequence's `decode` span.
     trace: telemetry::Context,
     tokens_tx: TokenTx,
     /// Taken by the Stream call.
     tokens_rx: Option<mpsc::UnboundedReceiver<TokenMsg>>,
+}
+
+/// What the service is made of.
+pub(crate) struct ServiceParts {
+    pub handle: EngineHandle,
+    pub registry: TransferRegistry,
+    pub layout: engine::kv::cache::KvLayoutDesc,
+    pub kv_endpoint: String,
+    pub lease: Duration,
+    pub info: v1::NodeInfo,
+    pub cache_log: Arc<CacheEventLog>,
+    /// Cancelled by the Drain RPC: the same path as SIGTERM. Once it is, new work is refused.
+    pub drain: CancellationToken,
+    /// Cancelled when the gRPC server stops: ends the streams that never end by themselves.
+    pub stop_streams: CancellationToken,
 }
 
 pub struct DecodeService {
@@ -47,38 +64,45 @@ pub struct DecodeService {
     /// Token streams in flight: a draining node waits for them.
     pub(crate) work: WorkTracker,
     pub(crate) cache_log: Arc<CacheEventLog>,
-    /// Cancelled by the Drain RPC: the same path as SIGTERM.
     pub(crate) drain: CancellationToken,
+    stop_streams: CancellationToken,
 }
 
 impl DecodeService {
-    pub(crate) fn new(
-        handle: EngineHandle,
-        registry: TransferRegistry,
-        layout: engine::kv::cache::KvLayoutDesc,
-        kv_endpoint: String,
-        lease: Duration,
-        info: v1::NodeInfo,
-        cache_log: Arc<CacheEventLog>,
-        drain: CancellationToken,
-    ) -> Self {
+    pub(crate) fn new(p: ServiceParts) -> Self {
         DecodeService {
-            handle,
-            registry,
-            layout,
-            kv_endpoint,
-            lease,
-            info,
+            handle: p.handle,
+            registry: p.registry,
+            layout: p.layout,
+            kv_endpoint: p.kv_endpoint,
+            lease: p.lease,
+            info: p.info,
             pending: Arc::new(Mutex::new(HashMap::new())),
             next_seq: AtomicU64::new(1),
             work: WorkTracker::default(),
-            cache_log,
-            drain,
+            cache_log: p.cache_log,
+            drain: p.drain,
+            stop_streams: p.stop_streams,
         }
     }
 
     fn wire_layout(&self) -> WireLayout {
         node_common::kv::wire_layout(&self.layout)
+    }
+
+    /// New work (a reservation, a local generation) is refused once the drain has started;
+    /// the gateway takes Unavailable as "try another node". Work already here carries on.
+    fn refuse_if_draining(&self, what: &str) -> Result<(), Failure> {
+        if self.drain.is_cancelled() {
+            return Err(Failure::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "decode node {} is draining and takes no new {what}",
+                    self.info.node_id
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Ends a reservation that will not be activated: frees its blocks, fences its KV writes
@@ -88,7 +112,7 @@ impl DecodeService {
         handle: &EngineHandle,
         registry: &TransferRegistry,
         xfer_id: u64,
-        why: &str,
+        why: Failure,
     ) -> bool {
         let p = pending
             .lock()
@@ -99,7 +123,7 @@ impl DecodeService {
         };
         registry.deregister(xfer_id).await;
         handle.cancel(p.seq_id);
-        let _ = p.tokens_tx.send(Err(why.to_string()));
+        let _ = p.tokens_tx.send(Err(why));
         true
     }
 }
@@ -113,7 +137,96 @@ impl Decode for DecodeService {
         request: Request<v1::ReserveRequest>,
     ) -> Result<Response<v1::ReserveResponse>, Status> {
         let trace = telemetry::extract_grpc(request.metadata());
-        let r = request.into_inner();
+        self.reserve_in(request.into_inner(), trace)
+            .await
+            .map_err(|f| f.report(&Span::none()))
+    }
+
+    type StreamStream = TokenStream;
+
+    async fn stream(
+        &self,
+        request: Request<v1::StreamRequest>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
+        let span = stream_span(&request);
+        self.stream_in(request.into_inner().xfer_id, span.clone())
+            .map_err(|f| f.report(&span))
+    }
+
+    type LocalGenerateStream = TokenStream;
+
+    async fn local_generate(
+        &self,
+        request: Request<v1::LocalGenerateRequest>,
+    ) -> Result<Response<Self::LocalGenerateStream>, Status> {
+        let span = stream_span(&request);
+        self.local_generate_in(request.into_inner(), span.clone())
+            .await
+            .map_err(|f| f.report(&span))
+    }
+
+    async fn done(
+        &self,
+        request: Request<v1::DoneRequest>,
+    ) -> Result<Response<v1::DoneResponse>, Status> {
+        self.done_in(request.into_inner())
+            .await
+            .map_err(|f| f.report(&Span::none()))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<v1::CancelRequest>,
+    ) -> Result<Response<v1::CancelResponse>, Status> {
+        let c = request.into_inner();
+        let found = Self::abandon(
+            &self.pending,
+            &self.handle,
+            &self.registry,
+            c.xfer_id,
+            Failure::new(ErrorCode::Cancelled, "cancelled"),
+        )
+        .await;
+        if !found {
+            // Already activated: cancel the running sequence.
+            self.handle.cancel(SeqId(c.xfer_id));
+        }
+        Ok(Response::new(v1::CancelResponse { found }))
+    }
+
+    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn drain(
+        &self,
+        _: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        Ok(Response::new(node_common::membership::request_drain(
+            &self.drain,
+            &self.info.node_id,
+        )))
+    }
+
+    type CacheEventsStream = CacheEventStream;
+
+    async fn cache_events(
+        &self,
+        _: Request<v1::CacheEventsRequest>,
+    ) -> Result<Response<Self::CacheEventsStream>, Status> {
+        Ok(Response::new(
+            self.cache_log.stream_until(self.stop_streams.clone()),
+        ))
+    }
+}
+
+impl DecodeService {
+    async fn reserve_in(
+        &self,
+        r: v1::ReserveRequest,
+        trace: telemetry::Context,
+    ) -> Result<Response<v1::ReserveResponse>, Failure> {
+        self.refuse_if_draining("reservations")?;
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let req = convert::request(
             seq_id,
@@ -129,7 +242,7 @@ impl Decode for DecodeService {
                     result: Some(reserve_response::Result::Busy(e.to_string())),
                 }));
             }
-            Err(e) => return Err(e.to_status()),
+            Err(e) => return Err(e.into()),
         };
         let xfer_id = seq_id.0;
         let epoch = 1;
@@ -145,7 +258,7 @@ impl Decode for DecodeService {
             .await
             .map_err(|e| {
                 self.handle.cancel(seq_id);
-                ErrorCode::Internal.status(e.to_string())
+                Failure::new(ErrorCode::Internal, e.to_string())
             })?;
         let (tokens_tx, tokens_rx) = mpsc::unbounded_channel();
         self.pending
@@ -156,6 +269,7 @@ impl Decode for DecodeService {
                 Pending {
                     seq_id,
                     epoch,
+                    request_id: r.request_id.clone(),
                     trace,
                     tokens_tx,
                     tokens_rx: Some(tokens_rx),
@@ -175,7 +289,10 @@ impl Decode for DecodeService {
                 &handle,
                 &registry,
                 xfer_id,
-                "kv lease expired before the transfer completed",
+                Failure::new(
+                    ErrorCode::Timeout,
+                    "kv lease expired before the transfer completed",
+                ),
             )
             .await
             {
@@ -196,21 +313,18 @@ impl Decode for DecodeService {
         }))
     }
 
-    type StreamStream = TokenStream;
-
-    async fn stream(
-        &self,
-        request: Request<v1::StreamRequest>,
-    ) -> Result<Response<Self::StreamStream>, Status> {
-        let span = stream_span(&request);
-        let xfer_id = request.into_inner().xfer_id;
+    fn stream_in(&self, xfer_id: u64, span: Span) -> Result<Response<TokenStream>, Failure> {
         let (seq_id, rx) = {
             let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            let p = pending
-                .get_mut(&xfer_id)
-                .ok_or_else(|| ErrorCode::NotFound.status(format!("no reservation {xfer_id}")))?;
+            let p = pending.get_mut(&xfer_id).ok_or_else(|| {
+                Failure::new(ErrorCode::NotFound, format!("no reservation {xfer_id}"))
+            })?;
+            span.record("request_id", p.request_id.as_str());
             let rx = p.tokens_rx.take().ok_or_else(|| {
-                ErrorCode::Validation.status(format!("reservation {xfer_id} is already streamed"))
+                Failure::new(
+                    ErrorCode::Validation,
+                    format!("reservation {xfer_id} is already streamed"),
+                )
             })?;
             (p.seq_id, rx)
         };
@@ -243,14 +357,13 @@ impl Decode for DecodeService {
         })))
     }
 
-    type LocalGenerateStream = TokenStream;
-
-    async fn local_generate(
+    async fn local_generate_in(
         &self,
-        request: Request<v1::LocalGenerateRequest>,
-    ) -> Result<Response<Self::LocalGenerateStream>, Status> {
-        let span = stream_span(&request);
-        let r = request.into_inner();
+        r: v1::LocalGenerateRequest,
+        span: Span,
+    ) -> Result<Response<TokenStream>, Failure> {
+        span.record("request_id", r.request_id.as_str());
+        self.refuse_if_draining("requests")?;
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let req = convert::request(
             seq_id,
@@ -260,10 +373,9 @@ impl Decode for DecodeService {
         );
         let (tx, rx) = mpsc::unbounded_channel();
         self.handle
-            .generate(req, tx)
+            .generate(req, tx, &r.request_id)
             .instrument(span.clone())
-            .await
-            .map_err(|e| e.to_status())?;
+            .await?;
         metrics::counter!("fission_decode_local_prefill_total").increment(1);
         let guard = CancelOnDrop {
             handle: self.handle.clone(),
@@ -280,28 +392,33 @@ impl Decode for DecodeService {
         })))
     }
 
-    async fn done(
-        &self,
-        request: Request<v1::DoneRequest>,
-    ) -> Result<Response<v1::DoneResponse>, Status> {
-        let d = request.into_inner();
-        let (seq_id, epoch, tokens_tx, trace) = {
+    async fn done_in(&self, d: v1::DoneRequest) -> Result<Response<v1::DoneResponse>, Failure> {
+        let (seq_id, epoch, tokens_tx, trace, request_id) = {
             let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             let p = pending.get(&d.xfer_id).ok_or_else(|| {
-                ErrorCode::NotFound.status(format!("no reservation {}", d.xfer_id))
+                Failure::new(ErrorCode::NotFound, format!("no reservation {}", d.xfer_id))
             })?;
-            (p.seq_id, p.epoch, p.tokens_tx.clone(), p.trace.clone())
+            (
+                p.seq_id,
+                p.epoch,
+                p.tokens_tx.clone(),
+                p.trace.clone(),
+                p.request_id.clone(),
+            )
         };
         if d.epoch != epoch {
-            return Err(ErrorCode::Validation.status(format!(
-                "done for xfer {} carries epoch {}, current is {epoch}",
-                d.xfer_id, d.epoch
-            )));
+            return Err(Failure::new(
+                ErrorCode::Validation,
+                format!(
+                    "done for xfer {} carries epoch {}, current is {epoch}",
+                    d.xfer_id, d.epoch
+                ),
+            ));
         }
         let first = d
             .first_token
             .as_ref()
-            .ok_or_else(|| ErrorCode::Validation.status("done without first_token"))?;
+            .ok_or_else(|| Failure::new(ErrorCode::Validation, "done without first_token"))?;
         // Every layer must have landed with the checksum the sender computed.
         let progress = match self
             .registry
@@ -310,15 +427,19 @@ impl Decode for DecodeService {
         {
             Ok(p) => p,
             Err(e) => {
+                let why = Failure::new(
+                    ErrorCode::KvTransfer,
+                    format!("kv transfer incomplete: {e}"),
+                );
                 Self::abandon(
                     &self.pending,
                     &self.handle,
                     &self.registry,
                     d.xfer_id,
-                    "kv transfer incomplete",
+                    why.clone(),
                 )
                 .await;
-                return Err(ErrorCode::KvTransfer.status(e.to_string()));
+                return Err(why);
             }
         };
         let received: Vec<u32> = progress
@@ -327,17 +448,19 @@ impl Decode for DecodeService {
             .map(|c| c.unwrap_or(0))
             .collect();
         if !d.checksums.is_empty() && d.checksums != received {
+            let why = Failure::new(
+                ErrorCode::KvTransfer,
+                format!("kv checksums differ for xfer {}", d.xfer_id),
+            );
             Self::abandon(
                 &self.pending,
                 &self.handle,
                 &self.registry,
                 d.xfer_id,
-                "kv checksum mismatch",
+                why.clone(),
             )
             .await;
-            return Err(
-                ErrorCode::KvTransfer.status(format!("checksums differ for xfer {}", d.xfer_id))
-            );
+            return Err(why);
         }
         // Fence: no write into these blocks runs after this returns.
         self.registry.deregister(d.xfer_id).await;
@@ -349,57 +472,16 @@ impl Decode for DecodeService {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&d.xfer_id);
-        match self
-            .handle
-            .activate(seq_id, convert::sampled(first), tokens_tx, trace)
-            .await
-        {
-            Ok(_) => Ok(Response::new(v1::DoneResponse {})),
-            Err(e) => Err(e.to_status()),
-        }
-    }
-
-    async fn cancel(
-        &self,
-        request: Request<v1::CancelRequest>,
-    ) -> Result<Response<v1::CancelResponse>, Status> {
-        let c = request.into_inner();
-        let found = Self::abandon(
-            &self.pending,
-            &self.handle,
-            &self.registry,
-            c.xfer_id,
-            "cancelled",
-        )
-        .await;
-        if !found {
-            // Already activated: cancel the running sequence.
-            self.handle.cancel(SeqId(c.xfer_id));
-        }
-        Ok(Response::new(v1::CancelResponse { found }))
-    }
-
-    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn drain(
-        &self,
-        _: Request<v1::DrainRequest>,
-    ) -> Result<Response<v1::DrainResponse>, Status> {
-        Ok(Response::new(node_common::membership::request_drain(
-            &self.drain,
-            &self.info.node_id,
-        )))
-    }
-
-    type CacheEventsStream = CacheEventStream;
-
-    async fn cache_events(
-        &self,
-        _: Request<v1::CacheEventsRequest>,
-    ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        Ok(Response::new(self.cache_log.stream()))
+        self.handle
+            .activate(
+                seq_id,
+                convert::sampled(first),
+                tokens_tx,
+                trace,
+                &request_id,
+            )
+            .await?;
+        Ok(Response::new(v1::DoneResponse {}))
     }
 }
 
@@ -427,13 +509,19 @@ struct EngineTokens {
     guard: CancelOnDrop,
     _work: WorkGuard,
     /// The `stream` span: open while tokens flow to the caller.
-    span: tracing::Span,
+    span: Span,
     tokens: i64,
 }
 
 /// The `stream` span of a token stream, a child of the caller's span.
-fn stream_span<T>(request: &Request<T>) -> tracing::Span {
-    let span = tracing::info_span!("stream", tokens = tracing::field::Empty);
+fn stream_span<T>(request: &Request<T>) -> Span {
+    let span = tracing::info_span!(
+        "stream",
+        request_id = tracing::field::Empty,
+        tokens = tracing::field::Empty,
+        error_type = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    );
     telemetry::set_parent(&span, telemetry::extract_grpc(request.metadata()));
     span
 }
@@ -453,20 +541,25 @@ impl Stream for EngineTokens {
             }
             Poll::Ready(Some(Err(why))) => {
                 self.guard.finished = true;
-                let code = if why.contains("lease") {
-                    ErrorCode::Timeout
-                } else if why == "cancelled" {
-                    ErrorCode::Cancelled
-                } else {
-                    ErrorCode::Internal
-                };
-                Poll::Ready(Some(Err(code.status(why))))
+                self.span.record("tokens", self.tokens);
+                errors::count(why.code);
+                errors::mark_failed(&self.span, why.code);
+                Poll::Ready(Some(Err(why.code.status(why.message))))
             }
             Poll::Ready(None) => {
                 self.guard.finished = true;
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for EngineTokens {
+    fn drop(&mut self) {
+        if !self.guard.finished {
+            // The caller left mid-stream: what it got is still worth knowing.
+            self.span.record("tokens", self.tokens);
         }
     }
 }

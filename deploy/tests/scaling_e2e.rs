@@ -62,17 +62,7 @@ fn metric(metrics_url: &str, name: &str) -> f64 {
 
 /// `fission nodes list --json`, as the node ids it lists with their state.
 fn nodes_list(etcd: &str) -> Vec<(String, String)> {
-    let out = fission()
-        .args(["nodes", "list", "--json", "--etcd", etcd])
-        .output()
-        .expect("fission nodes list runs");
-    if !out.status.success() {
-        return Vec::new();
-    }
-    let v: Value = serde_json::from_slice(&out.stdout).expect("nodes list prints JSON");
-    v["nodes"]
-        .as_array()
-        .expect("nodes array")
+    nodes_json(etcd)
         .iter()
         .map(|n| {
             (
@@ -81,6 +71,45 @@ fn nodes_list(etcd: &str) -> Vec<(String, String)> {
             )
         })
         .collect()
+}
+
+/// The lease each listed node's record lives under, by node id.
+fn leases(etcd: &str) -> Vec<(String, i64)> {
+    nodes_json(etcd)
+        .iter()
+        .map(|n| {
+            (
+                n["node_id"].as_str().unwrap().to_string(),
+                n["lease_id"].as_i64().expect("lease_id"),
+            )
+        })
+        .collect()
+}
+
+/// The gateway's pools, as the node ids `/info` lists.
+fn gateway_nodes(url: &str) -> Vec<String> {
+    let info: Value = serde_json::from_str(&http_get(&format!("{url}/info")).unwrap_or_default())
+        .unwrap_or_default();
+    info["backend"]["nodes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|n| n["node_id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn nodes_json(etcd: &str) -> Vec<Value> {
+    let out = fission()
+        .args(["nodes", "list", "--json", "--etcd", etcd])
+        .output()
+        .expect("fission nodes list runs");
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nodes list prints JSON");
+    v["nodes"].as_array().expect("nodes array").clone()
 }
 
 /// The free KV blocks `node_id` last published, from `fission nodes list --json`.
@@ -196,6 +225,17 @@ struct Added {
 
 impl Added {
     fn start(role: &str, node_id: &str, model: &Path, etcd: &str, log: &Path) -> Added {
+        Self::start_with(role, node_id, model, etcd, log, &[])
+    }
+
+    fn start_with(
+        role: &str,
+        node_id: &str,
+        model: &Path,
+        etcd: &str,
+        log: &Path,
+        extra: &[&str],
+    ) -> Added {
         let started = Instant::now();
         let mut child = fission()
             .args(["node", "start", "--role", role, "--model"])
@@ -203,6 +243,7 @@ impl Added {
             .args(["--etcd", etcd, "--node-id", node_id])
             .args(["--num-kv-blocks", "512", "--kv-transport", "tcp"])
             .args(["--lease-ttl-s", &LEASE_TTL_S.to_string()])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log).unwrap())
@@ -380,6 +421,10 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
         metric(&decode2.metrics, "fission_decode_generated_tokens_total") > 0.0
     });
     let decode_first_request = decode2.started.elapsed();
+    assert!(
+        decode_first_request < Duration::from_secs(5),
+        "the added decode node got its first request {decode_first_request:?} after it started"
+    );
     let tput_1p2d = load.throughput(Duration::from_secs(8));
 
     // Scale the prefill pool up.
@@ -406,6 +451,10 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
         || metric(&prefill2.metrics, "fission_prefill_prompts_total") > 0.0,
     );
     let prefill_first_request = prefill2.started.elapsed();
+    assert!(
+        prefill_first_request < Duration::from_secs(5),
+        "the added prefill node got its first request {prefill_first_request:?} after it started"
+    );
     load.assert_no_failures("while scaling up");
 
     // Drain a decode node with SIGTERM: it finishes its work and exits 0.
@@ -432,6 +481,7 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
             !nodes_list(&etcd_url)
                 .iter()
                 .any(|(n, _)| n == "prefill-added")
+                && !gateway_nodes(&up.url).iter().any(|n| n == "prefill-added")
         },
     );
     let removal = killed.elapsed();
@@ -443,19 +493,25 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
 
     // etcd down for 10 s: serving goes on; nodes are registered again within 5 s of its return.
     let before = load.ok();
+    let leases_before = leases(&etcd_url);
     etcd.stop();
     std::thread::sleep(Duration::from_secs(10)); // the outage itself, not a wait for a condition
     let during_outage = load.ok() - before;
     let back = Instant::now();
     etcd.restart().expect("etcd restarts");
+    // etcd keeps leases across a restart, so the old records are still listed for a while:
+    // a node counts as registered again when its record is under a new lease.
     wait_until(
         "every node registered again",
         Duration::from_secs(5),
         || {
-            let nodes = nodes_list(&etcd_url);
-            ["prefill-0", "decode-0"]
-                .iter()
-                .all(|id| nodes.iter().any(|(n, s)| n == id && s == "serving"))
+            let nodes = nodes_json(&etcd_url);
+            ["prefill-0", "decode-0"].iter().all(|id| {
+                let old = leases_before.iter().find(|(n, _)| n == id).map(|l| l.1);
+                nodes.iter().any(|n| {
+                    n["node_id"] == *id && n["state"] == "serving" && n["lease_id"].as_i64() != old
+                })
+            })
         },
     );
     let reregistered = back.elapsed();
@@ -537,10 +593,32 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
             })
         },
     );
-    let info = http_get(&format!("{}/info", up.url)).unwrap();
+    // Same weights, another block size: its KV could not be read by the others.
+    let _odd = Added::start_with(
+        "decode",
+        "decode-odd-blocks",
+        &stories_dir(),
+        &etcd_url,
+        &dir.path().join("odd.log"),
+        &["--block-size", "32"],
+    );
+    wait_until(
+        "the gateway logs the layout refusal",
+        Duration::from_secs(20),
+        || {
+            std::fs::read_to_string(&log).unwrap().lines().any(|l| {
+                l.contains("node refused by routing")
+                    && l.contains("decode-odd-blocks")
+                    && l.contains("KV layout")
+            })
+        },
+    );
+    let pools = gateway_nodes(&up.url);
     assert!(
-        !info.contains("decode-stranger"),
-        "the refused node is not in the gateway's pools: {info}"
+        !pools
+            .iter()
+            .any(|n| n == "decode-stranger" || n == "decode-odd-blocks"),
+        "refused nodes are not in the gateway's pools: {pools:?}"
     );
 
     // A long shared prefix (well over one 16-token block), then variations of its ending.
@@ -590,7 +668,7 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
     );
     let hits_before = metric(
         &up.metrics_of(holder),
-        "fission_prefill_prefix_cache_hit_blocks",
+        "fission_prefill_prefix_cache_hit_blocks_total",
     );
     let other_before = prompts(other_node);
     for i in 0..6 {
@@ -598,7 +676,7 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
     }
     let hits_after = metric(
         &up.metrics_of(holder),
-        "fission_prefill_prefix_cache_hit_blocks",
+        "fission_prefill_prefix_cache_hit_blocks_total",
     );
     assert_eq!(
         prompts(other_node),
@@ -611,5 +689,30 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
     );
     println!(
         "cache-aware routing: 6/6 shared-prefix requests went to {holder}; its prefix-cache hit blocks rose {hits_before} -> {hits_after}"
+    );
+
+    // `fission nodes drain`: the holder leaves (exit 0, as `fission up` reports), and the
+    // shared-prefix requests go on, on the other node.
+    let out = fission()
+        .args(["nodes", "drain", holder, "--etcd", &etcd_url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fission nodes drain: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until("the drained node exits 0", Duration::from_secs(30), || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains(&format!("{holder} exited (exit status: 0)"))
+    });
+    assert!(!nodes_list(&etcd_url).iter().any(|(n, _)| n == holder));
+    let served_before = prompts(other_node);
+    rt.block_on(send("After the drain.".into()));
+    assert_eq!(
+        prompts(other_node),
+        served_before + 1.0,
+        "the remaining prefill node took the request"
     );
 }

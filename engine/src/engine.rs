@@ -18,8 +18,10 @@ use crate::stopping::{FinishReason, StoppingCriteria};
 
 mod cache_events;
 mod disagg;
+mod observer;
 pub use crate::kv::allocator::CacheEvent;
 pub use disagg::{LayerDone, LayerHook};
+pub use observer::{ScheduledSeq, StepObserver};
 
 /// Sizing and batching limits of one engine.
 #[derive(Debug, Clone)]
@@ -326,8 +328,29 @@ impl Engine {
     /// prompt completes in this step, so a prefill node can push that layer's KV while the
     /// next layer computes.
     pub fn step_with_layer_hook(&mut self, hook: &mut LayerHook<'_>) -> Result<Vec<TokenEvent>> {
+        self.step_with_observer(&mut observer::LayerHookObserver(hook))
+    }
+
+    /// Like [`step`](Self::step), telling `observer` which sequences the step computes before
+    /// its forward pass, and handing it each finished layer as
+    /// [`step_with_layer_hook`](Self::step_with_layer_hook) does.
+    pub fn step_with_observer(
+        &mut self,
+        observer: &mut dyn StepObserver,
+    ) -> Result<Vec<TokenEvent>> {
         let plan = self.scheduler.schedule();
         self.preemptions += plan.preempted.len() as u64;
+        let scheduled: Vec<ScheduledSeq> = plan
+            .items
+            .iter()
+            .map(|item| ScheduledSeq {
+                seq_id: item.seq_id,
+                num_tokens: item.token_ids.len(),
+                is_prefill: item.is_prefill,
+                samples: item.sample,
+            })
+            .collect();
+        observer.scheduled(&scheduled);
         if plan.items.is_empty() {
             return Ok(Vec::new());
         }
@@ -340,7 +363,7 @@ impl Engine {
                 &fb,
                 &mut self.cache,
                 &mut |layer, cache| {
-                    hook(LayerDone {
+                    observer.layer_done(LayerDone {
                         layer,
                         cache,
                         completing: &completing,

@@ -63,6 +63,8 @@ impl Generation {
             tpot_ms = field::Empty,
             generated_tokens = field::Empty,
             finish_reason = field::Empty,
+            error_type = field::Empty,
+            otel.status_code = field::Empty,
         );
         ::metrics::histogram!(metrics::INPUT_TOKENS).record(prompt_tokens as f64);
 
@@ -73,10 +75,11 @@ impl Generation {
         // Called inside the span so the backend's spans (`route`) are its children.
         let started =
             tokio::time::timeout_at(deadline, span.in_scope(|| backend.generate(request)));
-        let inner = tokio::select! {
-            () = abort.cancelled() => return Err(shutting_down()),
-            started = started.instrument(span.clone()) => started.map_err(|_| timeout())??,
+        let started = tokio::select! {
+            () = abort.cancelled() => Err(shutting_down()),
+            started = started.instrument(span.clone()) => started.map_err(|_| timeout()).and_then(|r| r),
         };
+        let inner = started.inspect_err(|error| record_failure(&span, error))?;
 
         let guard = Guard {
             inner: Some(inner),
@@ -132,6 +135,14 @@ impl Generation {
     }
 }
 
+/// Marks `generate` failed, with the `error_type` the errors metric and the nodes' spans use
+/// (`ErrorCode::as_str`). A failure after the stream started reaches the client as an SSE event
+/// after a 200, so `http_request` (closed by then) cannot show it: this span does.
+fn record_failure(span: &Span, error: &GatewayError) {
+    span.record("otel.status_code", "ERROR");
+    span.record("error_type", error.code().as_str());
+}
+
 fn shutting_down() -> GatewayError {
     GatewayError::Unavailable {
         reason: "the gateway is shutting down".into(),
@@ -173,7 +184,10 @@ impl Guard {
         };
         match &item {
             Ok(token) => self.on_token(token),
-            Err(_) => self.inner = None,
+            Err(error) => {
+                self.inner = None;
+                record_failure(&self.span, error);
+            }
         }
         Some(item)
     }

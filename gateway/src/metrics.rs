@@ -1,8 +1,9 @@
-//! The gateway's Prometheus metrics: their names, their buckets, and installing the recorder.
+//! The gateway's Prometheus metrics: their names and help texts, and installing the recorder
+//! (shared with every component, buckets included: see [`telemetry::prometheus_builder`]).
 
-use std::sync::OnceLock;
+use std::sync::Once;
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Generation requests received, by `endpoint`.
 pub const REQUESTS_TOTAL: &str = "fission_gateway_requests_total";
@@ -19,55 +20,17 @@ pub const REQUEST_DURATION: &str = "fission_gateway_request_duration_seconds";
 pub const INPUT_TOKENS: &str = "fission_gateway_input_tokens";
 pub const GENERATED_TOKENS: &str = "fission_gateway_generated_tokens";
 
-/// TTFT and end-to-end latency: milliseconds to ten minutes.
-const LATENCY_SECONDS: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-];
-/// Inter-token latency: a millisecond to a few seconds.
-const TOKEN_SECONDS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
-];
-/// Token counts: powers of two up to 128k.
-const TOKEN_COUNTS: &[f64] = &[
-    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
-    16384.0, 32768.0, 65536.0, 131072.0,
-];
-
-/// A builder with the gateway's histogram buckets (without them histograms render as summaries).
-pub fn prometheus_builder() -> PrometheusBuilder {
-    let buckets = [
-        (TIME_TO_FIRST_TOKEN, LATENCY_SECONDS),
-        (REQUEST_DURATION, LATENCY_SECONDS),
-        (TIME_PER_OUTPUT_TOKEN, TOKEN_SECONDS),
-        (INPUT_TOKENS, TOKEN_COUNTS),
-        (GENERATED_TOKENS, TOKEN_COUNTS),
-    ];
-    buckets
-        .into_iter()
-        .fold(PrometheusBuilder::new(), |builder, (name, values)| {
-            builder
-                .set_buckets_for_metric(Matcher::Full(name.to_string()), values)
-                .expect("bucket lists are constant and non-empty")
-        })
-}
-
 /// Installs the process-wide recorder once and returns its handle; later calls (a second
-/// gateway in one test process) share it. When another recorder was installed first, the
-/// gateway's `/metrics` renders a detached, empty registry and a warning is logged.
+/// gateway in one test process) share it. It is the recorder every Fission component uses
+/// ([`telemetry::install_prometheus_recorder`]): histograms get its buckets by name suffix
+/// (`*_seconds` from 1 ms to 10 minutes, token counts from 1 to 2^20), and its upkeep runs in
+/// the background, so samples do not pile up between scrapes. When another recorder was
+/// installed first, `/metrics` renders a detached, empty registry and a warning is logged.
 pub fn install_recorder() -> PrometheusHandle {
-    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE
-        .get_or_init(|| match prometheus_builder().install_recorder() {
-            Ok(handle) => {
-                describe();
-                handle
-            }
-            Err(error) => {
-                tracing::warn!(%error, "a metrics recorder is already installed; /metrics stays empty");
-                prometheus_builder().build_recorder().handle()
-            }
-        })
-        .clone()
+    static DESCRIBED: Once = Once::new();
+    let handle = telemetry::install_prometheus_recorder();
+    DESCRIBED.call_once(describe);
+    handle
 }
 
 fn describe() {
@@ -128,4 +91,49 @@ fn describe() {
         Unit::Count,
         "Generated tokens per finished request."
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gateway's histograms render with the shared buckets: milliseconds to ten minutes
+    /// for every latency (TPOT included), and token counts past 128k.
+    #[test]
+    fn histograms_use_the_shared_buckets() {
+        let recorder = telemetry::prometheus_builder()
+            .expect("static buckets")
+            .build_recorder();
+        let handle = recorder.handle();
+        ::metrics::with_local_recorder(&recorder, || {
+            for name in [TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, REQUEST_DURATION] {
+                ::metrics::histogram!(name).record(4.0);
+            }
+            ::metrics::histogram!(INPUT_TOKENS).record(200_000.0);
+            ::metrics::histogram!(GENERATED_TOKENS).record(3.0);
+        });
+        let text = handle.render();
+        for name in [TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, REQUEST_DURATION] {
+            for bucket in [
+                r#"le="0.001"} 0"#,
+                r#"le="2.5"} 0"#,
+                r#"le="5"} 1"#,
+                r#"le="600"} 1"#,
+            ] {
+                assert!(
+                    text.contains(&format!("{name}_bucket{{{bucket}")),
+                    "{name} {bucket}:\n{text}"
+                );
+            }
+        }
+        assert!(
+            text.contains(&format!(r#"{INPUT_TOKENS}_bucket{{le="262144"}} 1"#)),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(r#"{GENERATED_TOKENS}_bucket{{le="4"}} 1"#)),
+            "{text}"
+        );
+        assert!(!text.contains("quantile"), "histograms, not summaries");
+    }
 }

@@ -6,6 +6,7 @@
 //! `GET /health`, `POST /tokenize`, `GET /metrics` and `GET /v1/models`. Unknown routes get a JSON
 //! 404.
 
+use axum::body::{Body, HttpBody};
 use axum::extract::{Request, State};
 use axum::http::{header, Method, Uri};
 use axum::middleware::Next;
@@ -13,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::{Deserialize, Serialize};
-use tracing::Instrument;
+use tracing::{field, Instrument};
 
 use crate::error::GatewayError;
 use crate::json::Json;
@@ -23,35 +24,94 @@ use crate::tgi;
 
 /// The gateway's router.
 pub fn app(state: AppState) -> Router {
-    Router::new()
+    // Only the API is traced: a scrape of /metrics or a /health probe every few seconds would
+    // each start a root trace and bury the requests in Jaeger.
+    let api = Router::new()
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/v1/completions", post(openai::completions::completions))
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/tokenize", post(tokenize))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            http_request_span,
+        ));
+    Router::new()
         .route("/v1/models", get(models))
         .route("/info", get(info))
         .route("/health", get(health))
-        .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics))
+        .merge(api)
         .fallback(not_found)
-        .layer(axum::middleware::from_fn(http_request_span))
         .with_state(state)
 }
 
-/// Every request runs in an `http_request` span; the `generate` span of a generation is its
-/// child and outlives it while the stream is written.
-async fn http_request_span(request: Request, next: Next) -> Response {
+/// Every API request runs in an `http_request` span; the `generate` span of a generation is
+/// its child and outlives it while the stream is written. `request_id` and the prompt's sizes
+/// are recorded once validation made them ([`AppState::generate`]).
+///
+/// Any error answer marks the span failed (`otel.status_code = "ERROR"`, with the body's
+/// `error_type`), client errors included: a 429 or a 422 is what an operator looks for, and
+/// `error_type` tells client errors from server ones. Errors after a stream started are
+/// recorded on `generate`.
+async fn http_request_span(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
     let span = tracing::info_span!(
         "http_request",
         method = %request.method(),
         path = request.uri().path(),
-        status = tracing::field::Empty,
+        model = %state.config().model_id,
+        request_id = field::Empty,
+        prompt_tokens = field::Empty,
+        max_new_tokens = field::Empty,
+        status = field::Empty,
+        error_type = field::Empty,
+        otel.status_code = field::Empty,
     );
     // The client's `traceparent` makes this span part of its trace; without one it is a root.
     telemetry::set_parent(&span, telemetry::extract_http(request.headers()));
     let response = next.run(request).instrument(span.clone()).await;
-    span.record("status", response.status().as_u16());
+    let status = response.status();
+    span.record("status", i64::from(status.as_u16()));
+    if !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let (response, error_type) = error_type_of(response).await;
+    span.record("otel.status_code", "ERROR");
+    span.record("error_type", error_type.as_deref().unwrap_or("unknown"));
     response
+}
+
+/// The `error_type` of an error response, read back from its `{"error", "error_type"}` body.
+/// Error bodies are small and already complete, and only failed requests pay for this; a body
+/// of unknown or large size (not one of ours) is passed on untouched.
+async fn error_type_of(response: Response) -> (Response, Option<String>) {
+    const MAX_ERROR_BODY_BYTES: u64 = 64 * 1024;
+    let (parts, body) = response.into_parts();
+    let small = HttpBody::size_hint(&body)
+        .exact()
+        .is_some_and(|n| n <= MAX_ERROR_BODY_BYTES);
+    if !small {
+        return (Response::from_parts(parts, body), None);
+    }
+    match axum::body::to_bytes(body, MAX_ERROR_BODY_BYTES as usize).await {
+        Ok(bytes) => {
+            let error_type = serde_json::from_slice::<ErrorTypeOnly>(&bytes)
+                .ok()
+                .map(|b| b.error_type);
+            (Response::from_parts(parts, Body::from(bytes)), error_type)
+        }
+        // A complete in-memory body does not fail to read.
+        Err(_) => (Response::from_parts(parts, Body::empty()), None),
+    }
+}
+
+#[derive(Deserialize)]
+struct ErrorTypeOnly {
+    error_type: String,
 }
 
 #[derive(Debug, Serialize)]

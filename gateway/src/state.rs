@@ -99,6 +99,12 @@ impl AppState {
         let request = self
             .validate(prompt, parameters, fields, received_at)
             .await?;
+        // The handler runs inside `http_request` (the server's middleware), which declares these
+        // fields: the id only exists from here on. Any other current span ignores them.
+        let http_request = tracing::Span::current();
+        http_request.record("request_id", request.request_id.as_str());
+        http_request.record("prompt_tokens", request.prompt_ids.len() as i64);
+        http_request.record("max_new_tokens", request.stopping.max_new_tokens as i64);
         Generation::start(
             &self.inner.config.model_id,
             self.inner.backend.as_ref(),

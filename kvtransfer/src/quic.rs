@@ -29,7 +29,7 @@ use crate::sink::KvSink;
 use crate::tls::TlsIdentity;
 use crate::transport::{
     receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
-    TransferStat,
+    RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
 
@@ -201,6 +201,7 @@ pub(crate) fn new_endpoint(
 pub struct QuicServer {
     endpoint: quinn::Endpoint,
     config: QuicConfig,
+    on_refusal: Option<RefusalObserver>,
 }
 
 impl QuicServer {
@@ -212,7 +213,19 @@ impl QuicServer {
     ) -> Result<Self, KvTransferError> {
         let server = tls.quic_server_config(Arc::new(config.transport_config()?))?;
         let endpoint = new_endpoint(addr, &config, Some(server))?;
-        Ok(Self { endpoint, config })
+        Ok(Self {
+            endpoint,
+            config,
+            on_refusal: None,
+        })
+    }
+
+    /// Calls `f` with the error of every frame this server refuses (a bad header, a frame the
+    /// registry or the sink refuses, a stream cut inside a payload), so the service can count
+    /// them. Ignored frames (stale epoch, closed transfer) are not refusals.
+    pub fn on_refusal(mut self, f: impl Fn(&KvTransferError) + Send + Sync + 'static) -> Self {
+        self.on_refusal = Some(Arc::new(f));
+        self
     }
 }
 
@@ -238,6 +251,7 @@ impl KvServer for QuicServer {
             registry,
             sink,
             limits: self.config.limits,
+            on_refusal: self.on_refusal,
         });
         let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
         let mut connections = JoinSet::new();
@@ -515,14 +529,81 @@ impl KvConnection for QuicConnection {
         payload: Bytes,
     ) -> Result<TransferStat, KvTransferError> {
         let h = &frame.header;
+        // A child of the caller's span (the node's `kv_transfer`); integers as i64, which OTLP
+        // exports as ints (u64 becomes a string).
         let span = tracing::debug_span!(
-            "kv_transfer",
-            xfer_id = h.xfer_id,
-            epoch = h.epoch,
-            layer = h.layer,
-            payload_bytes = payload.len(),
+            "kv_send_layer",
+            xfer_id = h.xfer_id as i64,
+            epoch = h.epoch as i64,
+            layer = i64::from(h.layer),
+            payload_bytes = payload.len() as i64,
             endpoint = %self.endpoint,
         );
         self.send_frame_inner(frame, payload).instrument(span).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::sink::DiscardSink;
+    use crate::tls::generate_dev_ca;
+
+    #[tokio::test]
+    async fn refused_frames_reach_the_observer() {
+        let ca = generate_dev_ca().unwrap();
+        let server_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("decode-0").unwrap()).unwrap();
+        let client_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("prefill-0").unwrap()).unwrap();
+        let refusals = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&refusals);
+        let server = QuicServer::bind(
+            ([127, 0, 0, 1], 0).into(),
+            &server_tls,
+            QuicConfig::default(),
+        )
+        .unwrap()
+        .on_refusal(move |e| seen.lock().unwrap().push(e.error_type()));
+        let endpoint = server.local_addr().unwrap().to_string();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(server.serve(
+            TransferRegistry::default(),
+            Arc::new(DiscardSink::default()),
+            shutdown.clone(),
+        ));
+        let layout = KvLayout {
+            dtype: KvDtype::F32,
+            block_size: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+        };
+        let header = LayerHeader {
+            xfer_id: 99,
+            epoch: 1,
+            layer: 0,
+            num_layers: 2,
+            layout,
+            block_ids: Arc::from(vec![3u32]),
+            traceparent: None,
+        };
+        let transport = QuicTransport::new(&client_tls, QuicConfig::default()).unwrap();
+        let conn = transport.connect(&endpoint).await.unwrap();
+        let payload = Bytes::from(vec![1u8; 2 * layout.block_bytes() as usize]);
+        let err = conn.send_layer(header, payload).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KvTransferError::Rejected {
+                    verdict: Verdict::UnknownTransfer,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(*refusals.lock().unwrap(), vec!["unknown_transfer"]);
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
     }
 }

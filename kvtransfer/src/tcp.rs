@@ -28,7 +28,7 @@ use crate::sink::KvSink;
 use crate::stream_io;
 use crate::transport::{
     receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
-    TransferStat,
+    RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
 
@@ -57,6 +57,7 @@ impl Default for TcpConfig {
 pub struct TcpServer {
     listener: TcpListener,
     config: TcpConfig,
+    on_refusal: Option<RefusalObserver>,
 }
 
 impl TcpServer {
@@ -67,7 +68,19 @@ impl TcpServer {
                 addr: addr.to_string(),
                 source,
             })?;
-        Ok(Self { listener, config })
+        Ok(Self {
+            listener,
+            config,
+            on_refusal: None,
+        })
+    }
+
+    /// Calls `f` with the error of every frame this server refuses (a bad header, a frame the
+    /// registry or the sink refuses, a stream cut inside a payload), so the service can count
+    /// them. Ignored frames (stale epoch, closed transfer) are not refusals.
+    pub fn on_refusal(mut self, f: impl Fn(&KvTransferError) + Send + Sync + 'static) -> Self {
+        self.on_refusal = Some(Arc::new(f));
+        self
     }
 }
 
@@ -93,6 +106,7 @@ impl KvServer for TcpServer {
             registry,
             sink,
             limits: self.config.limits,
+            on_refusal: self.on_refusal,
         });
         let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
         let mut connections = JoinSet::new();
@@ -408,14 +422,95 @@ impl KvConnection for TcpConnection {
         payload: Bytes,
     ) -> Result<TransferStat, KvTransferError> {
         let h = &frame.header;
+        // A child of the caller's span (the node's `kv_transfer`); integers as i64, which OTLP
+        // exports as ints (u64 becomes a string).
         let span = tracing::debug_span!(
-            "kv_transfer",
-            xfer_id = h.xfer_id,
-            epoch = h.epoch,
-            layer = h.layer,
-            payload_bytes = payload.len(),
+            "kv_send_layer",
+            xfer_id = h.xfer_id as i64,
+            epoch = h.epoch as i64,
+            layer = i64::from(h.layer),
+            payload_bytes = payload.len() as i64,
             endpoint = %self.pool.endpoint,
         );
         self.send_frame_inner(frame, payload).instrument(span).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::registry::Reservation;
+    use crate::sink::DiscardSink;
+
+    const LAYOUT: KvLayout = KvLayout {
+        dtype: KvDtype::F32,
+        block_size: 2,
+        num_kv_heads: 1,
+        head_dim: 4,
+    };
+
+    fn header(xfer_id: u64, layer: u32) -> LayerHeader {
+        LayerHeader {
+            xfer_id,
+            epoch: 1,
+            layer,
+            num_layers: 2,
+            layout: LAYOUT,
+            block_ids: Arc::from(vec![3u32]),
+            traceparent: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn refused_frames_reach_the_observer_and_accepted_ones_do_not() {
+        let refusals = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&refusals);
+        let server = TcpServer::bind(([127, 0, 0, 1], 0).into(), TcpConfig::default())
+            .await
+            .unwrap()
+            .on_refusal(move |e| seen.lock().unwrap().push(e.error_type()));
+        let endpoint = server.local_addr().unwrap().to_string();
+        let registry = TransferRegistry::default();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(server.serve(
+            registry.clone(),
+            Arc::new(DiscardSink::default()),
+            shutdown.clone(),
+        ));
+        registry
+            .register(Reservation {
+                xfer_id: 7,
+                epoch: 1,
+                block_ids: Arc::from(vec![3u32]),
+                num_layers: 2,
+                layout: LAYOUT,
+            })
+            .await
+            .unwrap();
+        let payload = Bytes::from(vec![1u8; 2 * LAYOUT.block_bytes() as usize]);
+        let conn = TcpTransport::default().connect(&endpoint).await.unwrap();
+        conn.send_layer(header(7, 0), payload.clone())
+            .await
+            .unwrap();
+        let err = conn
+            .send_layer(header(99, 0), payload.clone())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                KvTransferError::Rejected {
+                    verdict: Verdict::UnknownTransfer,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(*refusals.lock().unwrap(), vec!["unknown_transfer"]);
+        shutdown.cancel();
+        task.await.unwrap().unwrap();
     }
 }

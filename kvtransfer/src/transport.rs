@@ -114,11 +114,25 @@ pub async fn send_all_layers<C: KvConnection>(
     Ok(stats)
 }
 
+/// Told of every frame the receiving side refuses, with why: kvtransfer has no metrics of its
+/// own, so a service counts refusals under its names through this (see the servers'
+/// `on_refusal`). Called on the receiving task: keep it cheap.
+pub(crate) type RefusalObserver = Arc<dyn Fn(&KvTransferError) + Send + Sync>;
+
 /// What the server needs for every frame.
 pub(crate) struct ReceiveCtx<S: ?Sized> {
     pub registry: TransferRegistry,
     pub sink: Arc<S>,
     pub limits: FrameLimits,
+    pub on_refusal: Option<RefusalObserver>,
+}
+
+impl<S: ?Sized> ReceiveCtx<S> {
+    fn refused(&self, e: &KvTransferError) {
+        if let Some(f) = &self.on_refusal {
+            f(e);
+        }
+    }
 }
 
 /// What to do with the payload of a frame refused from its header alone.
@@ -160,6 +174,7 @@ where
         Ok(None) => return Handled::Eof,
         Err(e) => {
             tracing::warn!(peer, error = %e, error_type = e.error_type(), "kv frame header refused");
+            ctx.refused(&e);
             return Handled::Fatal(e.verdict());
         }
     };
@@ -186,6 +201,7 @@ where
             }
             Err(e) => {
                 tracing::warn!(error = %e, error_type = e.error_type(), "kv frame refused");
+                ctx.refused(&e);
                 (None, e.verdict())
             }
         };
@@ -206,6 +222,7 @@ where
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(error = %e, "kv stream ended inside a payload");
+                ctx.refused(&e);
                 return Handled::Fatal(Verdict::Malformed);
             }
         };
@@ -216,6 +233,7 @@ where
             }
             Err(e) => {
                 tracing::warn!(error = %e, error_type = e.error_type(), "kv layer refused");
+                ctx.refused(&e);
                 Handled::Answer(e.verdict())
             }
         }

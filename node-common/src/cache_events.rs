@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures::{Stream, StreamExt as _};
 use proto::v1;
 use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 
 /// Batches a slow follower may fall behind before it is cut off and must resync.
 const FOLLOWER_LAG: usize = 1024;
@@ -111,6 +112,13 @@ impl CacheEventLog {
         });
         Box::pin(first.chain(rest).take_while_ok())
     }
+
+    /// [`stream`](Self::stream), ending when `stop` is cancelled. A router holds this stream
+    /// open for as long as the node lives, and a gRPC server's graceful shutdown waits for
+    /// every open stream: a node must end it to be able to stop.
+    pub fn stream_until(self: &Arc<Self>, stop: CancellationToken) -> CacheEventStream {
+        Box::pin(self.stream().take_until(stop.cancelled_owned()))
+    }
 }
 
 /// Ends a stream after its first error (yielding that error).
@@ -171,6 +179,23 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_stopped_stream_ends_after_what_it_was_sent() {
+        let log = CacheEventLog::new(16);
+        let stop = CancellationToken::new();
+        let mut s = log.stream_until(stop.clone());
+        assert!(s.next().await.unwrap().unwrap().snapshot);
+        log.publish([(1, true)]);
+        assert_eq!(s.next().await.unwrap().unwrap().seq, 1);
+        stop.cancel();
+        let end = tokio::time::timeout(std::time::Duration::from_secs(5), s.next())
+            .await
+            .expect("the stream ends once stopped, with no event pending");
+        assert!(end.is_none());
+        // A follower that subscribes after the stop gets nothing at all.
+        assert!(log.stream_until(stop).next().await.is_none());
     }
 
     #[tokio::test]

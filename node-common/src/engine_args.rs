@@ -70,15 +70,20 @@ impl EngineArgs {
 
 /// The identity of the served weights (see [`cluster::model_fingerprint`]); nodes whose
 /// fingerprints differ must never exchange KV. The dtype is not in it: the KV layout says that.
-pub fn model_fingerprint(model: &LoadedModel) -> String {
+///
+/// A model that cannot be fingerprinted is an error, not a placeholder: two such nodes would
+/// share a placeholder and be paired although their weights may differ.
+pub fn model_fingerprint(model: &LoadedModel) -> Result<String, NodeError> {
     let dir = model
         .files
         .config
         .parent()
         .unwrap_or(std::path::Path::new("."));
-    cluster::model_fingerprint(dir).unwrap_or_else(|e| {
-        tracing::warn!(dir = %dir.display(), error = %e, "cannot fingerprint the model files");
-        "unknown".to_string()
+    cluster::model_fingerprint(dir).map_err(|e| {
+        NodeError::Config(format!(
+            "cannot fingerprint the model files in {}: {e}",
+            dir.display()
+        ))
     })
 }
 
@@ -103,7 +108,7 @@ impl EngineArgs {
         let (node_id, role) = (node_id.to_string(), role.to_string());
         tokio::task::spawn_blocking(move || {
             let model = args.load_model()?;
-            let fingerprint = model_fingerprint(&model);
+            let fingerprint = model_fingerprint(&model)?;
             let model_id = model.model_id.clone();
             let max_context = model.config().max_context as u32;
             let engine = engine::engine::Engine::new(model, args.engine_config())?;

@@ -15,6 +15,17 @@ pub enum KvBackend {
     Tcp,
 }
 
+impl KvBackend {
+    /// The name nodes publish in their registration, so routers pair only nodes that speak
+    /// the same backend.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvBackend::Quic => "quic",
+            KvBackend::Tcp => "tcp",
+        }
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
     #[arg(long, env = "FISSION_KV_TRANSPORT", value_enum, default_value_t = KvBackend::Quic)]

@@ -112,6 +112,7 @@ pub fn node_record(
     role: Role,
     grpc_endpoint: String,
     kv_endpoint: String,
+    kv_transport: crate::kv::KvBackend,
 ) -> NodeRecord {
     let layout = info.layout.clone().unwrap_or_default();
     NodeRecord {
@@ -130,6 +131,7 @@ pub fn node_record(
             head_dim: layout.head_dim,
         },
         total_kv_blocks: u64::from(info.total_kv_blocks),
+        kv_transport: kv_transport.as_str().to_string(),
         draining: false,
     }
 }
@@ -257,6 +259,7 @@ mod tests {
             Role::Decode,
             String::new(),
             String::new(),
+            crate::kv::KvBackend::Tcp,
         );
         let m = Membership::join(&args, record, load_rx.clone())
             .await

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use engine::engine::{Engine, LayerDone, Request, TokenEvent};
+use engine::engine::{Engine, LayerDone, Request, ScheduledSeq, StepObserver, TokenEvent};
 use engine::error::EngineError;
 use engine::ids::SeqId;
 use telemetry::OpenTelemetrySpanExt;
@@ -27,8 +27,20 @@ pub struct LayerPayload {
 
 pub struct PrefillOutcome {
     pub first: TokenEvent,
-    /// From admission to the first token.
+    /// From the RPC's arrival to the first token: this node's time to first token.
     pub elapsed: Duration,
+    /// From the first step that computed part of the prompt to the first token.
+    pub compute: Duration,
+}
+
+/// When a prompt arrived and the spans it is traced under.
+pub struct Arrival {
+    /// When the RPC arrived: queue time and time to first token start here.
+    pub at: Instant,
+    /// The request's `prefill` span: chunks are recorded on it.
+    pub span: Span,
+    /// Opened at arrival; ends when a step first computes part of the prompt.
+    pub queue_wait: Span,
 }
 
 enum Command {
@@ -36,8 +48,7 @@ enum Command {
         req: Request,
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
         reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
-        /// The request's `prefill` span: queue time and chunks are recorded under it.
-        span: Span,
+        arrival: Arrival,
     },
     Cancel {
         seq_id: SeqId,
@@ -64,15 +75,15 @@ impl EngineHandle {
         &self,
         req: Request,
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
+        arrival: Arrival,
     ) -> Result<PrefillOutcome, NodeError> {
         let (reply, rx) = oneshot::channel();
-        let span = Span::current();
         self.tx
             .send(Command::Prefill {
                 req,
                 layers,
                 reply,
-                span,
+                arrival,
             })
             .map_err(|_| NodeError::EngineStopped)?;
         Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
@@ -86,10 +97,12 @@ impl EngineHandle {
 struct Pending {
     layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
     reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
-    admitted: Instant,
+    arrived: Instant,
+    /// Set by the first step that computes part of this prompt.
+    computing_since: Option<Instant>,
     prompt_tokens: u64,
     span: Span,
-    /// Open from admission until the first step that computes part of this prompt.
+    /// Open from arrival until the first step that computes part of this prompt.
     queue_wait: Option<Span>,
     /// Steps that computed part of this prompt (its chunks).
     chunks: i64,
@@ -116,61 +129,13 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
         };
         let mut next = first;
         while let Some(c) = next {
-            match c {
-                Command::Prefill {
-                    req,
-                    layers,
-                    reply,
-                    span,
-                } => {
-                    let seq_id = req.seq_id;
-                    let prompt_tokens = req.prompt_ids.len() as u64;
-                    match engine.add_prefill_request(req) {
-                        Ok(()) => {
-                            pending.insert(
-                                seq_id,
-                                Pending {
-                                    layers,
-                                    reply,
-                                    admitted: Instant::now(),
-                                    prompt_tokens,
-                                    queue_wait: Some(
-                                        tracing::info_span!(parent: &span, "queue_wait"),
-                                    ),
-                                    span,
-                                    chunks: 0,
-                                },
-                            );
-                        }
-                        Err(e) => {
-                            let _ = reply.send(Err(e));
-                        }
-                    }
-                }
-                Command::Cancel { seq_id } => {
-                    if engine.cancel(seq_id) {
-                        metrics::counter!("fission_prefill_cancelled_total").increment(1);
-                    }
-                    pending.remove(&seq_id);
-                }
-            }
+            handle(&mut engine, &mut pending, c);
             next = rx.try_recv().ok();
         }
         if engine.has_work() {
             step(&mut engine, &mut pending);
         }
-        let s = engine.stats();
-        metrics::gauge!("fission_prefill_kv_blocks_used").set(s.num_blocks_used as f64);
-        metrics::gauge!("fission_prefill_kv_blocks_capacity").set(s.num_blocks_total as f64);
-        metrics::gauge!("fission_prefill_queued_sequences")
-            .set((s.num_waiting + s.num_running) as f64);
-        metrics::gauge!("fission_prefill_prefix_cache_hit_blocks").set(s.prefix_hit_blocks as f64);
-        metrics::gauge!("fission_prefill_prefix_cache_queried_blocks")
-            .set(s.prefix_query_blocks as f64);
-        metrics::gauge!("fission_prefill_prefix_cache_hit_ratio")
-            .set(s.prefix_hit_blocks as f64 / s.prefix_query_blocks.max(1) as f64);
-        metrics::gauge!("fission_prefill_kv_usage_ratio")
-            .set(s.num_blocks_used as f64 / s.num_blocks_total.max(1) as f64);
+        publish_gauges(&engine);
         // Tokens of prompts admitted and not yet answered: what a router weighs a node by.
         let queued: u64 = pending.values().map(|p| p.prompt_tokens).sum();
         metrics::gauge!("fission_prefill_queued_prefill_tokens").set(queued as f64);
@@ -178,29 +143,99 @@ fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Co
     }
 }
 
-fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
-    let started = Instant::now();
-    // One span per engine step, linked to every request it serves (a root: a batch belongs to
-    // no single trace). Every admitted prompt is in the step: chunked prefill gives each a
-    // chunk per step within the token budget.
-    let batch = tracing::info_span!(
-        parent: None,
-        "prefill_batch",
-        sequences = pending.len() as i64
-    );
-    for p in pending.values_mut() {
-        telemetry::add_link(&batch, &p.span.context());
-        if p.queue_wait.take().is_some() {
-            metrics::histogram!("fission_prefill_queue_time_seconds")
-                .record(p.admitted.elapsed().as_secs_f64());
+fn handle(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>, c: Command) {
+    match c {
+        Command::Prefill {
+            req,
+            layers,
+            reply,
+            arrival,
+        } => {
+            let seq_id = req.seq_id;
+            let prompt_tokens = req.prompt_ids.len() as u64;
+            match engine.add_prefill_request(req) {
+                Ok(()) => {
+                    pending.insert(
+                        seq_id,
+                        Pending {
+                            layers,
+                            reply,
+                            arrived: arrival.at,
+                            computing_since: None,
+                            prompt_tokens,
+                            queue_wait: Some(arrival.queue_wait),
+                            span: arrival.span,
+                            chunks: 0,
+                        },
+                    );
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            }
         }
-        p.chunks += 1;
+        Command::Cancel { seq_id } => {
+            if engine.cancel(seq_id) {
+                metrics::counter!("fission_prefill_cancelled_total").increment(1);
+            }
+            pending.remove(&seq_id);
+        }
     }
-    let _in_batch = batch.enter();
-    let result = engine.step_with_layer_hook(&mut |done: LayerDone<'_>| {
+}
+
+fn publish_gauges(engine: &Engine) {
+    let s = engine.stats();
+    metrics::gauge!("fission_prefill_kv_blocks_used").set(s.num_blocks_used as f64);
+    metrics::gauge!("fission_prefill_kv_blocks_capacity").set(s.num_blocks_total as f64);
+    metrics::gauge!("fission_prefill_queued_sequences").set((s.num_waiting + s.num_running) as f64);
+    // Lifetime counts, as counters: rate(hit) / rate(queried) is the recent hit rate.
+    metrics::counter!("fission_prefill_prefix_cache_hit_blocks_total")
+        .absolute(s.prefix_hit_blocks);
+    metrics::counter!("fission_prefill_prefix_cache_queried_blocks_total")
+        .absolute(s.prefix_query_blocks);
+    metrics::gauge!("fission_prefill_prefix_cache_hit_ratio")
+        .set(s.prefix_hit_blocks as f64 / s.prefix_query_blocks.max(1) as f64);
+    metrics::gauge!("fission_prefill_kv_usage_ratio")
+        .set(s.num_blocks_used as f64 / s.num_blocks_total.max(1) as f64);
+}
+
+/// Follows one step for the prompts in `pending`: only those the scheduler put in the step
+/// end their queue wait and count a chunk (a tight token budget leaves others waiting).
+struct StepTracker<'a> {
+    pending: &'a mut HashMap<SeqId, Pending>,
+    batch: &'a Span,
+    started: Instant,
+}
+
+impl StepObserver for StepTracker<'_> {
+    fn scheduled(&mut self, seqs: &[ScheduledSeq]) {
+        self.batch.record("sequences", seqs.len() as i64);
+        if seqs.is_empty() {
+            return;
+        }
+        metrics::histogram!("fission_prefill_batch_size").record(seqs.len() as f64);
+        let queue_time = metrics::histogram!("fission_prefill_queue_time_seconds");
+        for s in seqs {
+            let Some(p) = self.pending.get_mut(&s.seq_id) else {
+                continue;
+            };
+            telemetry::add_link(self.batch, &p.span.context());
+            if p.queue_wait.take().is_some() {
+                queue_time.record(
+                    self.started
+                        .saturating_duration_since(p.arrived)
+                        .as_secs_f64(),
+                );
+                p.computing_since = Some(self.started);
+            }
+            p.chunks += 1;
+        }
+    }
+
+    fn layer_done(&mut self, done: LayerDone<'_>) -> engine::error::Result<()> {
         let now = Instant::now();
         for (seq_id, blocks) in done.completing {
-            let Some(p) = pending.get(seq_id) else {
+            let Some(p) = self.pending.get(seq_id) else {
                 continue;
             };
             let Some(tx) = &p.layers else {
@@ -216,6 +251,23 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
             });
         }
         Ok(())
+    }
+}
+
+fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
+    let started = Instant::now();
+    // One span per engine step, linked to every request it computes (a root: a batch belongs
+    // to no single trace).
+    let batch = tracing::info_span!(
+        parent: None,
+        "prefill_batch",
+        sequences = tracing::field::Empty
+    );
+    let _in_batch = batch.enter();
+    let result = engine.step_with_observer(&mut StepTracker {
+        pending,
+        batch: &batch,
+        started,
     });
     metrics::histogram!("fission_prefill_step_seconds").record(started.elapsed().as_secs_f64());
     match result {
@@ -226,22 +278,213 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
                     p.span.record("chunks", p.chunks);
                     let _ = p.reply.send(Ok(PrefillOutcome {
                         first: ev,
-                        elapsed: p.admitted.elapsed(),
+                        elapsed: p.arrived.elapsed(),
+                        compute: p.computing_since.unwrap_or(started).elapsed(),
                     }));
                 }
             }
         }
         Err(e) => {
+            // Every prompt of the step fails; each is counted where its RPC answers.
             tracing::error!(error = %e, "prefill step failed");
             let ids: Vec<SeqId> = pending.keys().copied().collect();
             for seq_id in ids {
                 engine.cancel(seq_id);
                 if let Some(p) = pending.remove(&seq_id) {
+                    p.span.record("chunks", p.chunks);
                     let _ = p.reply.send(Err(EngineError::InvalidConfig {
                         reason: format!("prefill step failed: {e}"),
                     }));
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use clap::Parser;
+    use node_common::engine_args::EngineArgs;
+
+    use super::*;
+    use crate::span_capture::{Captured, Value};
+
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn stories_dir() -> PathBuf {
+        let root = std::env::var_os("FISSION_SHARED_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
+        root.join("models/stories260K")
+    }
+
+    /// stories260K with blocks of 4 and a prefill budget of 8 tokens per step.
+    fn engine() -> Engine {
+        let dir = stories_dir();
+        let args = Args::parse_from([
+            "prefill",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--num-kv-blocks",
+            "64",
+            "--block-size",
+            "4",
+            "--max-batch-prefill-tokens",
+            "8",
+        ]);
+        let model = args.engine.load_model().expect("stories260K loads");
+        Engine::new(model, args.engine.engine_config()).expect("engine starts")
+    }
+
+    type Reply = oneshot::Receiver<Result<PrefillOutcome, EngineError>>;
+
+    fn admit(
+        engine: &mut Engine,
+        pending: &mut HashMap<SeqId, Pending>,
+        id: u64,
+        prompt: std::ops::Range<u32>,
+    ) -> Reply {
+        let (reply, rx) = oneshot::channel();
+        let span = tracing::info_span!("prefill", chunks = tracing::field::Empty);
+        let queue_wait = tracing::info_span!(parent: &span, "queue_wait");
+        let prompt_ids = prompt.collect();
+        let stopping = proto::v1::StoppingCriteria {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        handle(
+            engine,
+            pending,
+            Command::Prefill {
+                req: node_common::convert::request(SeqId(id), prompt_ids, None, Some(&stopping)),
+                layers: None,
+                reply,
+                arrival: Arrival {
+                    at: Instant::now(),
+                    span,
+                    queue_wait,
+                },
+            },
+        );
+        rx
+    }
+
+    fn sample(text: &str, name: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    #[test]
+    fn queue_time_and_chunks_follow_the_scheduler_not_the_pending_set() {
+        let mut engine = engine();
+        let capture = Captured::default();
+        let recorder = telemetry::prometheus_builder()
+            .expect("buckets")
+            .build_recorder();
+        let metrics = recorder.handle();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        metrics::with_local_recorder(&recorder, || {
+            let mut pending = HashMap::new();
+            // 12 + 8 prompt tokens, 8 per step: the second prompt waits for step 2.
+            let mut first = admit(&mut engine, &mut pending, 1, 100..112);
+            let mut second = admit(&mut engine, &mut pending, 2, 200..208);
+
+            step(&mut engine, &mut pending);
+            assert_eq!(pending[&SeqId(1)].chunks, 1);
+            assert!(pending[&SeqId(1)].queue_wait.is_none());
+            assert_eq!(pending[&SeqId(2)].chunks, 0, "not in step 1's plan");
+            assert!(pending[&SeqId(2)].queue_wait.is_some());
+            let text = metrics.render();
+            assert_eq!(
+                sample(&text, "fission_prefill_queue_time_seconds_count"),
+                1.0
+            );
+
+            // Step 2: prompt 1's last 4 tokens and prompt 2's first 4.
+            step(&mut engine, &mut pending);
+            assert!(first.try_recv().expect("prompt 1 answered").is_ok());
+            assert_eq!(pending[&SeqId(2)].chunks, 1);
+            assert!(pending[&SeqId(2)].queue_wait.is_none());
+            step(&mut engine, &mut pending);
+            let outcome = second
+                .try_recv()
+                .expect("prompt 2 answered")
+                .expect("prompt 2 computed");
+            assert!(outcome.compute <= outcome.elapsed);
+            assert!(pending.is_empty());
+
+            let text = metrics.render();
+            assert_eq!(
+                sample(&text, "fission_prefill_queue_time_seconds_count"),
+                2.0,
+                "{text}"
+            );
+            assert_eq!(sample(&text, "fission_prefill_batch_size_count"), 3.0);
+            assert_eq!(sample(&text, "fission_prefill_batch_size_sum"), 4.0);
+        });
+        let chunks: Vec<Option<Value>> = capture
+            .named("prefill")
+            .into_iter()
+            .map(|(_, s)| s.field("chunks").cloned())
+            .collect();
+        assert_eq!(chunks, vec![Some(Value::I64(2)), Some(Value::I64(2))]);
+        let batches: Vec<Option<Value>> = capture
+            .named("prefill_batch")
+            .into_iter()
+            .map(|(_, s)| s.field("sequences").cloned())
+            .collect();
+        assert_eq!(
+            batches,
+            vec![
+                Some(Value::I64(1)),
+                Some(Value::I64(2)),
+                Some(Value::I64(1))
+            ]
+        );
+    }
+
+    #[test]
+    fn prefix_cache_figures_are_counters() {
+        let mut engine = engine();
+        // Every test that runs traced code holds a subscriber of its own: a thread with none
+        // can register a callsite as never-enabled under another test's feet.
+        let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
+        let recorder = telemetry::prometheus_builder()
+            .expect("buckets")
+            .build_recorder();
+        let metrics = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let mut pending = HashMap::new();
+            for id in [1, 2] {
+                // The same 9-token prompt twice: the second finds its first 2 blocks cached.
+                let mut rx = admit(&mut engine, &mut pending, id, 100..109);
+                while engine.has_work() {
+                    step(&mut engine, &mut pending);
+                }
+                assert!(rx.try_recv().expect("answered").is_ok());
+                publish_gauges(&engine);
+            }
+        });
+        let text = metrics.render();
+        assert!(
+            text.contains("# TYPE fission_prefill_prefix_cache_hit_blocks_total counter"),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, "fission_prefill_prefix_cache_hit_blocks_total"),
+            2.0
+        );
+        assert_eq!(
+            sample(&text, "fission_prefill_prefix_cache_queried_blocks_total"),
+            4.0
+        );
+        assert!(!text.contains("fission_prefill_prefix_cache_hit_blocks "));
     }
 }

@@ -3,12 +3,18 @@
 //! the first token. It must not route requests or hold sequences past their first token.
 
 mod actor;
+mod errors;
 mod metrics;
 mod push;
 mod service;
+// Not every test reads every kind of field it records.
+#[cfg(test)]
+#[allow(dead_code)]
+mod span_capture;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Args;
 use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
@@ -20,6 +26,17 @@ use node_common::NodeError;
 use proto::v1::prefill_server::PrefillServer;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+
+/// Target of events that belong in a trace but not in the log (one per layer per request):
+/// [`LOG_FILTER`] turns it off, while the trace filter (`info` by default) keeps it.
+pub const TRACE_EVENTS_TARGET: &str = "fission_trace_events";
+
+/// The log filter when `RUST_LOG` is unset.
+pub const LOG_FILTER: &str = "info,fission_trace_events=off";
+
+/// How long a stopping gRPC server may wait for its connections to end before they are cut:
+/// a stream this node does not know how to end must not keep the process alive.
+const GRPC_STOP_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Args, Debug, Clone)]
 pub struct PrefillConfig {
@@ -56,6 +73,9 @@ pub async fn run(
     let layout = engine.cache().desc();
     let (state, state_rx) = EngineState::new(layout.block_size);
     let handle = actor::EngineHandle::spawn(engine, state);
+    // Cancelled once the drain is over: the server stops and the streams that never end by
+    // themselves (CacheEvents) end.
+    let server_stop = CancellationToken::new();
     let transport = match config.kv.kv_transport {
         KvBackend::Quic => push::Transport::Quic(QuicTransport::new(
             &config.kv.tls()?,
@@ -73,6 +93,7 @@ pub async fn run(
         work: WorkTracker::default(),
         cache_log: Arc::clone(&state_rx.cache),
         drain: shutdown.clone(),
+        stop_streams: server_stop.clone(),
     };
     let work = service.work.clone();
     // /metrics outlives `shutdown`: a draining node is still observed.
@@ -90,7 +111,6 @@ pub async fn run(
             source,
         })?;
     tracing::info!(%node_id, %grpc_addr, "prefill node serving");
-    let server_stop = CancellationToken::new();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(PrefillServer::new(service))
@@ -104,17 +124,72 @@ pub async fn run(
         cluster::Role::Prefill,
         format!("{}:{}", config.cluster.advertise_host, grpc_addr.port()),
         String::new(),
+        config.kv.kv_transport,
     );
     let membership = Membership::join(&config.cluster, record, state_rx.load.clone()).await?;
     shutdown.cancelled().await;
     membership.drain(state_rx.load.clone(), &work).await;
     server_stop.cancel();
-    server
-        .await
-        .map_err(|e| NodeError::Grpc(e.to_string()))?
-        .map_err(|e| NodeError::Grpc(e.to_string()))?;
+    stop_server(server, GRPC_STOP_GRACE).await?;
     metrics_stop.cancel();
     let _ = metrics_task.await;
     tracing::info!(%node_id, "prefill node stopped");
     Ok(())
+}
+
+/// Waits for the gRPC server's graceful stop for at most `grace`, then cuts the connections
+/// left.
+async fn stop_server(
+    mut server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    grace: Duration,
+) -> Result<(), NodeError> {
+    match tokio::time::timeout(grace, &mut server).await {
+        Ok(joined) => joined
+            .map_err(|e| NodeError::Grpc(e.to_string()))?
+            .map_err(|e| NodeError::Grpc(e.to_string())),
+        Err(_) => {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "grpc server still had open connections after the grace period; closing them"
+            );
+            server.abort();
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::EnvFilter;
+
+    use super::*;
+    use crate::span_capture::Captured;
+
+    /// Events seen inside a span under `filter`, by message.
+    fn seen_under(filter: &str) -> Vec<String> {
+        let capture = Captured::default();
+        let subscriber = tracing_subscriber::registry()
+            .with(EnvFilter::new(filter))
+            .with(capture.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!("kv_transfer");
+            let _in = span.enter();
+            tracing::info!(target: TRACE_EVENTS_TARGET, layer = 0i64, "layer sent");
+            tracing::info!("kv push failed");
+        });
+        capture.named("kv_transfer")[0]
+            .1
+            .events
+            .iter()
+            .filter_map(|e| Some(e.get("message")?.as_str()?.to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn trace_events_stay_out_of_the_default_log_but_not_the_trace() {
+        assert_eq!(seen_under(LOG_FILTER), vec!["kv push failed"]);
+        // The trace filter's default.
+        assert_eq!(seen_under("info"), vec!["layer sent", "kv push failed"]);
+    }
 }

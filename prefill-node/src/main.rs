@@ -22,7 +22,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let _telemetry = node_common::init_process(
         "fission-prefill",
-        "info",
+        prefill_node::LOG_FILTER,
         cli.telemetry.otlp_endpoint.clone(),
     )?;
     let grpc = tokio::net::TcpListener::bind(&cli.grpc_addr)

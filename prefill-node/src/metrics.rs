@@ -19,6 +19,20 @@ pub fn describe() {
         "KV pushes that failed (the decode reservation is cancelled)."
     );
     describe_counter!("fission_prefill_kv_transfers_total", "KV pushes completed.");
+    describe_counter!(
+        crate::errors::ERRORS_TOTAL,
+        "Failures by error_type: Prefill RPCs answered with an error, and KV pushes that failed."
+    );
+    describe_counter!(
+        "fission_prefill_prefix_cache_hit_blocks_total",
+        Unit::Count,
+        "Prompt blocks found in the prefix cache; over the queried rate, the hit rate."
+    );
+    describe_counter!(
+        "fission_prefill_prefix_cache_queried_blocks_total",
+        Unit::Count,
+        "Prompt blocks looked up in the prefix cache."
+    );
     describe_counter!("fission_prefill_prompts_total", "Prompts prefilled.");
     describe_counter!(
         "fission_prefill_tokens_total",
@@ -40,16 +54,6 @@ pub fn describe() {
         "Share of KV blocks in use."
     );
     describe_gauge!(
-        "fission_prefill_prefix_cache_hit_blocks",
-        Unit::Count,
-        "Prompt blocks found in the prefix cache since start."
-    );
-    describe_gauge!(
-        "fission_prefill_prefix_cache_queried_blocks",
-        Unit::Count,
-        "Prompt blocks looked up in the prefix cache since start."
-    );
-    describe_gauge!(
         "fission_prefill_prefix_cache_hit_ratio",
         "Prefix-cache hits over lookups since start."
     );
@@ -62,6 +66,11 @@ pub fn describe() {
         "fission_prefill_queued_sequences",
         Unit::Count,
         "Prompts admitted and not yet answered."
+    );
+    describe_histogram!(
+        "fission_prefill_batch_size",
+        Unit::Count,
+        "Prompts computed (in whole or in part) per engine step."
     );
     describe_histogram!(
         "fission_prefill_kv_transfer_duration_seconds",
@@ -85,7 +94,7 @@ pub fn describe() {
     describe_histogram!(
         "fission_prefill_queue_time_seconds",
         Unit::Seconds,
-        "From admission to the first step that computes part of the prompt."
+        "From the Prefill RPC's arrival to the first step that computes part of the prompt."
     );
     describe_histogram!(
         "fission_prefill_step_seconds",
@@ -95,6 +104,6 @@ pub fn describe() {
     describe_histogram!(
         "fission_prefill_time_to_first_token_seconds",
         Unit::Seconds,
-        "From admission to the prompt's first token on this node."
+        "From the Prefill RPC's arrival to the prompt's first token on this node."
     );
 }

@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use engine::ids::SeqId;
 use engine::kv::cache::KvLayoutDesc;
@@ -16,8 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use crate::actor::EngineHandle;
-use crate::push::{run_push_task, DecodeClients, Transport};
+use crate::actor::{Arrival, EngineHandle};
+use crate::errors::Failure;
+use crate::push::{run_push_task, DecodeClients, PushJob, Transport};
 
 pub struct PrefillService {
     pub(crate) handle: EngineHandle,
@@ -29,18 +31,22 @@ pub struct PrefillService {
     /// Prefill calls and their KV pushes in flight: a draining node waits for them.
     pub(crate) work: WorkTracker,
     pub(crate) cache_log: Arc<CacheEventLog>,
-    /// Cancelled by the Drain RPC: the same path as SIGTERM.
+    /// Cancelled by the Drain RPC: the same path as SIGTERM. Once it is, new prompts are
+    /// refused.
     pub(crate) drain: CancellationToken,
+    /// Cancelled when the gRPC server stops: ends the streams that never end by themselves.
+    pub(crate) stop_streams: CancellationToken,
 }
 
 impl PrefillService {
-    fn check_layout(&self, l: Option<&v1::KvLayout>) -> Result<(), Status> {
+    fn check_layout(&self, l: Option<&v1::KvLayout>) -> Result<(), Failure> {
         let ours = node_common::kv::proto_layout(&self.layout);
         match l {
             Some(l) if *l == ours => Ok(()),
-            other => Err(ErrorCode::Validation.status(format!(
-                "KV layout mismatch: this node has {ours:?}, the destination {other:?}"
-            ))),
+            other => Err(Failure::new(
+                ErrorCode::Validation,
+                format!("KV layout mismatch: this node has {ours:?}, the destination {other:?}"),
+            )),
         }
     }
 }
@@ -51,6 +57,7 @@ impl Prefill for PrefillService {
         &self,
         request: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
+        let arrived = Instant::now();
         let _work = self.work.begin();
         let span = tracing::info_span!(
             "prefill",
@@ -58,11 +65,20 @@ impl Prefill for PrefillService {
             prompt_tokens = tracing::field::Empty,
             chunks = tracing::field::Empty,
             compute_ms = tracing::field::Empty,
+            error_type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
         );
         telemetry::set_parent(&span, telemetry::extract_grpc(request.metadata()));
-        self.prefill_in(request.into_inner(), span.clone())
-            .instrument(span)
+        // After set_parent: a child made earlier would fix the parent's context too soon.
+        let arrival = Arrival {
+            at: arrived,
+            span: span.clone(),
+            queue_wait: tracing::info_span!(parent: &span, "queue_wait"),
+        };
+        self.prefill_in(request.into_inner(), arrival)
+            .instrument(span.clone())
             .await
+            .map_err(|f| f.report(&span))
     }
 
     async fn cancel(
@@ -93,7 +109,9 @@ impl Prefill for PrefillService {
         &self,
         _: Request<v1::CacheEventsRequest>,
     ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        Ok(Response::new(self.cache_log.stream()))
+        Ok(Response::new(
+            self.cache_log.stream_until(self.stop_streams.clone()),
+        ))
     }
 }
 
@@ -101,11 +119,22 @@ impl PrefillService {
     async fn prefill_in(
         &self,
         r: v1::PrefillRequest,
-        span: tracing::Span,
-    ) -> Result<Response<v1::PrefillResponse>, Status> {
+        arrival: Arrival,
+    ) -> Result<Response<v1::PrefillResponse>, Failure> {
+        let span = arrival.span.clone();
+        span.record("request_id", r.request_id.as_str());
+        if self.drain.is_cancelled() {
+            // The gateway takes Unavailable as "try another node".
+            return Err(Failure::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "prefill node {} is draining and takes no new prompts",
+                    self.info.node_id
+                ),
+            ));
+        }
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let num_tokens = r.prompt_ids.len();
-        span.record("request_id", r.request_id.as_str());
         span.record("prompt_tokens", num_tokens as i64);
         let req = convert::request(
             seq_id,
@@ -119,37 +148,45 @@ impl PrefillService {
                 self.check_layout(dest.layout.as_ref())?;
                 let needed = num_tokens.div_ceil(self.layout.block_size);
                 if dest.block_ids.len() != needed {
-                    return Err(ErrorCode::Validation.status(format!(
-                        "destination has {} blocks, the prompt needs {needed}",
-                        dest.block_ids.len()
-                    )));
+                    return Err(Failure::new(
+                        ErrorCode::Validation,
+                        format!(
+                            "destination has {} blocks, the prompt needs {needed}",
+                            dest.block_ids.len()
+                        ),
+                    ));
                 }
                 let (ltx, lrx) = mpsc::unbounded_channel();
                 let (ftx, frx) = oneshot::channel();
                 first_tx = Some(ftx);
-                let wire = node_common::kv::wire_layout(&self.layout);
                 let push_work = self.work.begin();
                 let kv_span = tracing::info_span!(
                     "kv_transfer",
+                    request_id = r.request_id.as_str(),
                     xfer_id = dest.xfer_id as i64,
                     kv_endpoint = %dest.kv_endpoint,
                     layers = self.layout.num_layers as i64,
                     bytes = tracing::field::Empty,
                     tail_ms = tracing::field::Empty,
+                    error_type = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
                 );
                 let push = run_push_task(
-                    Arc::clone(&self.transport),
-                    self.clients.clone(),
-                    dest,
-                    self.layout.num_layers as u32,
-                    wire,
+                    PushJob {
+                        transport: Arc::clone(&self.transport),
+                        clients: self.clients.clone(),
+                        dest,
+                        num_layers: self.layout.num_layers as u32,
+                        layout: node_common::kv::wire_layout(&self.layout),
+                        num_tokens: num_tokens as u32,
+                        request_id: r.request_id.clone(),
+                    },
                     lrx,
                     frx,
-                    num_tokens as u32,
                 );
                 tokio::spawn(
                     async move {
-                        // run_push_task logs and counts its own failures.
+                        // run_push_task counts its own failures and marks its span.
                         let _ = push.await;
                         drop(push_work);
                     }
@@ -165,23 +202,24 @@ impl PrefillService {
             seq_id,
             armed: true,
         };
-        let outcome = self.handle.prefill(req, layers_tx).await;
+        let outcome = self.handle.prefill(req, layers_tx, arrival).await;
         let mut guard = guard;
         guard.armed = false;
-        let outcome = outcome.map_err(|e| e.to_status())?;
+        let outcome = outcome?;
         let token = convert::token(&outcome.first);
         if let Some(tx) = first_tx {
             let _ = tx.send(token.clone());
         }
+        // From the RPC's arrival: queueing on the engine thread is part of this node's TTFT.
         metrics::histogram!("fission_prefill_time_to_first_token_seconds")
             .record(outcome.elapsed.as_secs_f64());
-        span.record("compute_ms", outcome.elapsed.as_secs_f64() * 1e3);
+        span.record("compute_ms", outcome.compute.as_secs_f64() * 1e3);
         metrics::counter!("fission_prefill_tokens_total").increment(num_tokens as u64);
         Ok(Response::new(v1::PrefillResponse {
             first_token: Some(token),
             num_tokens: num_tokens as u32,
             cached_tokens: 0,
-            prefill_us: outcome.elapsed.as_micros() as u64,
+            prefill_us: outcome.compute.as_micros() as u64,
             transfer_tail_us: 0,
             kv_bytes: 0,
         }))

@@ -1,8 +1,14 @@
 //! Prometheus histogram buckets that fit an LLM server: latencies from a millisecond (one
 //! decode step of a small model) to ten minutes (a long generation queued behind others), and
-//! sizes from one (a batch of one sequence) to a million (prompt tokens, blocks).
+//! sizes from one (a batch of one sequence) to a million (prompt tokens, blocks). Also the
+//! upkeep a recorder built without the exporter's own runtime needs.
+
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// How often [`install_prometheus_recorder`]'s upkeep runs; the exporter's own default.
+pub const UPKEEP_PERIOD: Duration = Duration::from_secs(5);
 
 /// Seconds: 1 ms … 10 min, about three buckets per decade.
 pub fn latency_buckets_seconds() -> Vec<f64> {
@@ -45,8 +51,8 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
 }
 
 /// Installs [`prometheus_builder`]'s recorder as the global `metrics` recorder once per
-/// process and returns its handle (render it on `/metrics`). Later calls return the same
-/// handle.
+/// process, with its upkeep running every [`UPKEEP_PERIOD`] (see [`spawn_upkeep`]), and returns
+/// its handle (render it on `/metrics`). Later calls return the same handle.
 pub fn install_prometheus_recorder() -> PrometheusHandle {
     static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
     HANDLE
@@ -58,9 +64,40 @@ pub fn install_prometheus_recorder() -> PrometheusHandle {
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed");
             }
+            spawn_upkeep(handle.clone(), UPKEEP_PERIOD);
             handle
         })
         .clone()
+}
+
+/// Runs `handle`'s upkeep every `period` on a thread of its own, for the life of the process.
+///
+/// A recorder made by `build_recorder` or `install_recorder` (rather than the exporter's
+/// `install`) gets no upkeep task: its histograms keep every sample until the next scrape
+/// drains them, so a node nobody scrapes grows without bound. A thread, not a task, so it
+/// needs no runtime and keeps running whichever runtime the caller has.
+pub fn spawn_upkeep(handle: PrometheusHandle, period: Duration) -> std::thread::JoinHandle<()> {
+    run_every(period, "prometheus-upkeep", move || {
+        handle.run_upkeep();
+        true
+    })
+}
+
+/// Calls `f` every `period` on a new thread until it returns false.
+fn run_every(
+    period: Duration,
+    name: &str,
+    mut f: impl FnMut() -> bool + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || loop {
+            std::thread::sleep(period);
+            if !f() {
+                return;
+            }
+        })
+        .expect("spawning a thread")
 }
 
 #[cfg(test)]
@@ -82,6 +119,28 @@ mod tests {
         let b = byte_buckets();
         assert!(strictly_increasing(&b));
         assert_eq!((b[0], *b.last().unwrap()), (1024.0, 4294967296.0));
+    }
+
+    #[test]
+    fn run_every_repeats_until_told_to_stop() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut runs = 0;
+        let thread = run_every(Duration::from_millis(5), "test-every", move || {
+            runs += 1;
+            tx.send(runs).is_ok() && runs < 3
+        });
+        let seen: Vec<i32> = rx.iter().collect();
+        assert_eq!(seen, vec![1, 2, 3]);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn upkeep_runs_on_its_own_thread() {
+        let recorder = prometheus_builder().unwrap().build_recorder();
+        let upkeep = spawn_upkeep(recorder.handle(), Duration::from_millis(5));
+        assert_eq!(upkeep.thread().name(), Some("prometheus-upkeep"));
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!upkeep.is_finished(), "upkeep lives as long as the process");
     }
 
     #[test]

@@ -50,8 +50,13 @@ const PROJECT_ATTRIBUTE: &str = "openinference.project.name";
 /// The `--otlp-endpoint` flag, for a service's clap struct (`#[command(flatten)]`).
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct TelemetryArgs {
-    /// OTLP/gRPC collector for traces, e.g. `http://localhost:4317`. Unset: nothing is exported.
-    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    /// OTLP/gRPC collector for traces, e.g. `http://localhost:4317`; it beats
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, which beats `OTEL_EXPORTER_OTLP_ENDPOINT`. None of
+    /// them set: nothing is exported.
+    // No clap `env`: bound to `OTEL_EXPORTER_OTLP_ENDPOINT`, the generic variable would arrive
+    // as the flag and beat the traces-specific one, against the OpenTelemetry specification.
+    // `resolve_endpoint` reads both variables in the specified order.
+    #[arg(long)]
     pub otlp_endpoint: Option<String>,
 }
 
@@ -409,14 +414,24 @@ fn non_empty_env(name: &str) -> Option<String> {
 /// The argument, else the standard variables; `None` means no export. A bare `host:port`
 /// gets `http://`.
 fn resolve_endpoint(arg: Option<&str>) -> Result<Option<String>, TelemetryError> {
-    if non_empty_env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+    resolve_endpoint_from(arg, non_empty_env)
+}
+
+/// [`resolve_endpoint`] reading variables through `env` (non-empty values only), so tests
+/// need not touch the process environment. The order is the OpenTelemetry specification's:
+/// the explicit setting, then the per-signal variable, then the generic one.
+fn resolve_endpoint_from(
+    arg: Option<&str>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<String>, TelemetryError> {
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
         return Ok(None);
     }
     let Some(raw) = arg
         .map(|a| a.trim().to_owned())
         .filter(|a| !a.is_empty())
-        .or_else(|| non_empty_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-        .or_else(|| non_empty_env("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        .or_else(|| env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))
     else {
         return Ok(None);
     };
@@ -475,12 +490,71 @@ mod tests {
         assert!(normalize_endpoint("http://").is_err());
     }
 
+    /// An environment of `(name, value)` pairs, read as `non_empty_env` reads the real one.
+    fn env_of(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+            .collect();
+        move |name| {
+            vars.iter()
+                .find(|(k, v)| k == name && !v.is_empty())
+                .map(|(_, v)| v.clone())
+        }
+    }
+
+    const TRACES: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
+    const GENERIC: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+
     #[test]
     fn an_explicit_endpoint_wins() {
         assert_eq!(
             resolve_endpoint(Some(" 127.0.0.1:9 ")).unwrap().as_deref(),
             Some("http://127.0.0.1:9")
         );
+        let both = env_of(&[(TRACES, "traces:4317"), (GENERIC, "generic:4317")]);
+        assert_eq!(
+            resolve_endpoint_from(Some("flag:4317"), both).unwrap(),
+            Some("http://flag:4317".into())
+        );
+    }
+
+    #[test]
+    fn the_traces_variable_beats_the_generic_one() {
+        let both = env_of(&[(GENERIC, "generic:4317"), (TRACES, "traces:4317")]);
+        assert_eq!(
+            resolve_endpoint_from(None, &both).unwrap(),
+            Some("http://traces:4317".into())
+        );
+        // An empty flag is no flag.
+        assert_eq!(
+            resolve_endpoint_from(Some(" "), &both).unwrap(),
+            Some("http://traces:4317".into())
+        );
+        let generic_only = env_of(&[(GENERIC, "generic:4317"), (TRACES, " ")]);
+        assert_eq!(
+            resolve_endpoint_from(None, generic_only).unwrap(),
+            Some("http://generic:4317".into())
+        );
+        assert_eq!(resolve_endpoint_from(None, env_of(&[])).unwrap(), None);
+        let disabled = env_of(&[("OTEL_SDK_DISABLED", "TRUE"), (TRACES, "traces:4317")]);
+        assert_eq!(
+            resolve_endpoint_from(Some("flag:4317"), disabled).unwrap(),
+            None
+        );
+    }
+
+    /// The generic variable must not reach the flag through clap, or it would beat the
+    /// traces-specific one.
+    #[test]
+    fn the_flag_is_not_bound_to_a_variable() {
+        use clap::Args as _;
+        let command = TelemetryArgs::augment_args(clap::Command::new("service"));
+        let flag = command
+            .get_arguments()
+            .find(|a| a.get_long() == Some("otlp-endpoint"))
+            .expect("--otlp-endpoint exists");
+        assert_eq!(flag.get_env(), None);
     }
 
     #[test]

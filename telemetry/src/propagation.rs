@@ -3,8 +3,12 @@
 //!
 //! Incoming context becomes a span's parent with [`set_parent`], which must run before the
 //! span is first entered. Outgoing context is taken from the current span (or a given one).
-//! Without the OpenTelemetry layer (no endpoint configured) spans carry no context: extraction
-//! still parses, injection writes nothing, and [`current_traceparent`] is `None`.
+//!
+//! Without the OpenTelemetry layer (no endpoint configured) spans have no context of their
+//! own, but a process that does not export must not split the client's trace when the next
+//! hop does: [`set_parent`] then keeps the incoming context on the span, and injection
+//! forwards it unchanged from that span and its descendants. With no incoming context
+//! injection writes nothing and [`current_traceparent`] is `None`.
 
 use std::collections::HashMap;
 
@@ -16,6 +20,7 @@ use opentelemetry::Context;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tonic::metadata::{KeyRef, MetadataKey, MetadataMap, MetadataValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::registry::{LookupSpan, Registry};
 
 const TRACEPARENT: &str = "traceparent";
 
@@ -56,10 +61,43 @@ fn checked(cx: Context, traceparent: Option<&str>) -> Context {
     }
 }
 
-/// The context of `span` when it is a valid (exportable) span, else `None`.
+/// What goes downstream from `span`: its own context when the OpenTelemetry layer records it,
+/// else the remote context [`set_parent`] kept on it or its nearest ancestor, else `None`.
 fn valid_context(span: &tracing::Span) -> Option<Context> {
     let cx = span.context();
-    cx.span().span_context().is_valid().then_some(cx)
+    if cx.span().span_context().is_valid() {
+        return Some(cx);
+    }
+    kept_remote_context(span)
+}
+
+/// An incoming context the OpenTelemetry layer did not take (no layer, or the span is not
+/// exported), kept in the span's registry extensions to be forwarded as is.
+struct KeptRemoteContext(Context);
+
+fn keep_remote_context(span: &tracing::Span, cx: Context) {
+    span.with_subscriber(|(id, dispatch)| {
+        if let Some(span) = dispatch
+            .downcast_ref::<Registry>()
+            .and_then(|registry| registry.span(id))
+        {
+            span.extensions_mut().replace(KeptRemoteContext(cx));
+        }
+    });
+}
+
+/// Walks from `span` to its root: spans are few per request and the walk runs once per
+/// outgoing call, not per token.
+fn kept_remote_context(span: &tracing::Span) -> Option<Context> {
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<Registry>()?;
+        registry.span(id)?.scope().find_map(|s| {
+            s.extensions()
+                .get::<KeptRemoteContext>()
+                .map(|kept| kept.0.clone())
+        })
+    })
+    .flatten()
 }
 
 // ---- HTTP ----
@@ -184,11 +222,21 @@ pub fn context_from_traceparent(traceparent: &str) -> Context {
 /// Makes the remote span in `cx` the parent of `span`, and says whether it did. A context
 /// without a valid span (no or malformed header) leaves `span`'s parent as it was. Call it
 /// before `span` is first entered: a started span keeps its parent.
+///
+/// When `span` is not exported (no OpenTelemetry layer, or filtered out of export) it cannot
+/// have a parent; `cx` is then kept on it and forwarded by the `inject_*` helpers, so the
+/// next hop still joins the caller's trace. This returns `false` in that case.
 pub fn set_parent(span: &tracing::Span, cx: Context) -> bool {
     if !cx.span().span_context().is_valid() {
         return false;
     }
-    span.set_parent(cx).is_ok()
+    match span.set_parent(cx.clone()) {
+        Ok(()) => true,
+        Err(_) => {
+            keep_remote_context(span, cx);
+            false
+        }
+    }
 }
 
 /// Links `span` to the span in `to` (a batch span to each request span it serves).
@@ -331,6 +379,58 @@ mod tests {
         assert_eq!(current_traceparent(), None);
         let request = with_trace(());
         assert!(request.metadata().is_empty());
+    }
+
+    /// A process that does not export (no OpenTelemetry layer, only the registry that
+    /// `build` installs) still forwards the client's context downstream, unchanged, from the
+    /// span that received it and from that span's descendants.
+    #[test]
+    fn without_the_layer_the_incoming_context_is_forwarded() {
+        let mut incoming = HeaderMap::new();
+        incoming.insert("traceparent", TRACEPARENT_SAMPLED.parse().unwrap());
+        let subscriber = tracing_subscriber::registry();
+        let (http, grpc, frame, unrelated) = tracing::subscriber::with_default(subscriber, || {
+            let root = tracing::info_span!("http_request");
+            assert!(
+                !set_parent(&root, extract_http(&incoming)),
+                "no layer: no parent"
+            );
+            let _root = root.enter();
+            let mut http = HeaderMap::new();
+            inject_http(&mut http);
+            let route = tracing::info_span!("route");
+            let _route = route.enter();
+            let grpc = with_trace(());
+            let frame = current_traceparent();
+            // A span outside the request's tree forwards nothing.
+            let other = tracing::info_span!(parent: None, "decode_batch");
+            let unrelated = span_traceparent(&other);
+            (http, grpc, frame, unrelated)
+        });
+        assert_eq!(http["traceparent"], TRACEPARENT_SAMPLED);
+        assert_eq!(
+            grpc.metadata().get("traceparent").unwrap(),
+            TRACEPARENT_SAMPLED
+        );
+        assert_eq!(frame.as_deref(), Some(TRACEPARENT_SAMPLED));
+        assert_eq!(unrelated, None);
+        let (trace, span, _, sampled) = ids(&extract_grpc(grpc.metadata()));
+        assert_eq!(
+            (trace.to_string(), span.to_string()),
+            (TRACE_ID.into(), SPAN_ID.into())
+        );
+        assert!(sampled, "the client's sampling decision travels on");
+    }
+
+    #[test]
+    fn without_the_layer_or_a_client_context_nothing_is_forwarded() {
+        tracing::subscriber::with_default(tracing_subscriber::registry(), || {
+            let root = tracing::info_span!("http_request");
+            assert!(!set_parent(&root, extract_http(&HeaderMap::new())));
+            let _root = root.enter();
+            assert_eq!(current_traceparent(), None);
+            assert!(with_trace(()).metadata().is_empty());
+        });
     }
 
     #[test]

@@ -135,6 +135,7 @@ pub fn record(node_id: &str, role: Role, fingerprint: &str) -> NodeRecord {
             head_dim: 64,
         },
         total_kv_blocks: 1024,
+        kv_transport: "tcp".into(),
         draining: false,
     }
 }

@@ -79,7 +79,9 @@ fn to_json(s: &NodeStatus) -> serde_json::Value {
         "block_size": r.block_size,
         "kv_layout": r.kv_layout,
         "total_kv_blocks": r.total_kv_blocks,
+        "kv_transport": r.kv_transport,
         "draining": r.draining,
+        "lease_id": s.lease_id,
         "load": s.load,
     })
 }

@@ -135,12 +135,25 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
         let cmd = match cmd {
             NodeCommand::Start(s) => {
                 let argv = with_free_ports(s.role, s.rest);
-                match s.role {
+                let cmd = match s.role {
                     NodeRole::Prefill => {
                         NodeCommand::Prefill(PrefillCli::try_parse_from(argv)?.args)
                     }
                     NodeRole::Decode => NodeCommand::Decode(DecodeCli::try_parse_from(argv)?.args),
+                };
+                // `start` joins a running cluster: without etcd the node would serve, unseen
+                // by any gateway, and look healthy while it never gets a request.
+                let etcd = match &cmd {
+                    NodeCommand::Prefill(a) => &a.config.cluster.etcd,
+                    NodeCommand::Decode(a) => &a.config.cluster.etcd,
+                    NodeCommand::Start(_) => unreachable!("just resolved"),
+                };
+                if etcd.is_empty() {
+                    anyhow::bail!(
+                        "fission node start joins a cluster through etcd: pass --etcd URL (fission up prints it) or set FISSION_ETCD"
+                    );
                 }
+                cmd
             }
             other => other,
         };

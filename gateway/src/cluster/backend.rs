@@ -84,9 +84,9 @@ impl Backend for ClusterBackend {
                     "ready": n.is_ready(),
                     "draining": n.entry.draining,
                     "registered": n.entry.registered,
-                    "in_flight": n.in_flight.load(std::sync::atomic::Ordering::Relaxed),
-                    "cached_blocks": self.pools.cached_blocks(&n.entry.node_id),
-                    "load": self.pools.load(&n.entry.node_id).map(|l| serde_json::json!({
+                    "in_flight": n.in_flight(),
+                    "cached_blocks": self.pools.cached_blocks(n),
+                    "load": self.pools.load(n).map(|l| serde_json::json!({
                         "free_blocks": l.free_blocks,
                         "queued_prefill_tokens": l.queued_prefill_tokens,
                         "running_sequences": l.running_sequences,
@@ -166,7 +166,7 @@ fn rank(
     let candidates: Vec<Candidate> = nodes
         .iter()
         .map(|n| {
-            let load = pools.load(&n.entry.node_id);
+            let load = pools.load(n);
             let total = n.total_blocks();
             Candidate {
                 node_id: n.entry.node_id.clone(),
@@ -176,8 +176,8 @@ fn rank(
                 total_blocks: total,
                 running_sequences: load.map_or(0, |l| l.running_sequences),
                 queued_prefill_tokens: load.map_or(0, |l| l.queued_prefill_tokens),
-                in_flight: n.in_flight.load(std::sync::atomic::Ordering::Relaxed) as u64,
-                cached_prefix_blocks: pools.overlap_blocks(&n.entry.node_id, hashes),
+                in_flight: n.in_flight() as u64,
+                cached_prefix_blocks: pools.overlap_blocks(n, hashes),
             }
         })
         .collect();
@@ -254,9 +254,9 @@ async fn route(
         prefill_reason = %prefills.reason,
         "route"
     );
-    // A prefill node that fails before answering (killed, restarting) costs a retry on the
-    // next one, with a fresh reservation: the failed push may have written part of the old.
-    let mut last_err = None;
+    // A prefill node that fails before answering (killed, restarting, draining) costs a retry
+    // on the next one, with a fresh reservation: the failed push may have written part of the
+    // old.
     for (attempt, prefill) in prefills.nodes.iter().take(MAX_PREFILL_ATTEMPTS).enumerate() {
         span.record("attempts", attempt as i64 + 1);
         match disaggregated(&decodes.nodes, prefill, &r).await {
@@ -264,14 +264,25 @@ async fn route(
             Err(Attempt::Retry(e)) => {
                 prefill.quarantine();
                 metrics::counter!("fission_gateway_prefill_retries_total").increment(1);
-                last_err = Some(e);
+                tracing::info!(
+                    request_id = %r.request_id,
+                    attempt = attempt as i64 + 1,
+                    prefill_node = %prefill.entry.node_id,
+                    error = %e,
+                    "prefill attempt failed; trying the next prefill node"
+                );
             }
             Err(Attempt::Fail(e)) => return Err(e),
         }
     }
-    Err(last_err.unwrap_or(GatewayError::Unavailable {
-        reason: "no prefill node answered".into(),
-    }))
+    // Every prefill node tried has failed (a pool that just lost its only node, say): the
+    // decode node can still prefill the prompt itself, which beats failing the request.
+    metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => "prefill_failed")
+        .increment(1);
+    span.record("mode", "colocated");
+    span.record("prefill_reason", "prefill_failed");
+    tracing::info!(request_id = %r.request_id, "no prefill node answered; prefilling on the decode node");
+    colocated(&decodes.nodes, &r).await
 }
 
 /// Prefill nodes tried for one request before giving up.
@@ -295,7 +306,7 @@ fn node_failed(s: &tonic::Status) -> bool {
 async fn colocated(decodes: &[Arc<Node>], r: &ValidRequest) -> Result<TokenStream, GatewayError> {
     let mut last = None;
     for node in decodes {
-        let in_flight = InFlight::new(Arc::clone(node));
+        let in_flight = InFlight::new(node);
         tracing::Span::current().record("decode_node", node.entry.node_id.as_str());
         let call = node
             .decode_client()
@@ -336,7 +347,9 @@ async fn disaggregated(
     prefill: &Arc<Node>,
     r: &ValidRequest,
 ) -> Result<TokenStream, Attempt> {
-    // 1. Reserve blocks on the best-ranked decode node that has room.
+    // 1. Reserve blocks on the best-ranked decode node that has room, and 2. open its token
+    // stream before the KV can arrive, so no token is missed. A node that fails either call as
+    // a dead or draining node does is skipped for the next one.
     let mut reserved = None;
     for node in decodes {
         let resp = node
@@ -348,13 +361,11 @@ async fn disaggregated(
                 stopping: Some(stopping(r)),
             }))
             .await;
-        match resp.map(|x| x.into_inner().result) {
-            Ok(Some(reserve_response::Result::Reserved(res))) => {
-                reserved = Some((Arc::clone(node), res));
-                break;
-            }
+        let res = match resp.map(|x| x.into_inner().result) {
+            Ok(Some(reserve_response::Result::Reserved(res))) => res,
             Ok(Some(reserve_response::Result::Busy(why))) => {
                 tracing::debug!(node_id = %node.entry.node_id, %why, "decode node busy");
+                continue;
             }
             Ok(None) => {
                 return Err(Attempt::Fail(GatewayError::backend(
@@ -362,38 +373,44 @@ async fn disaggregated(
                     "empty reserve response",
                 )))
             }
-            Err(s) if node_failed(&s) => node.quarantine(),
+            Err(s) if node_failed(&s) => {
+                decode_failed(node, "reserve", &s);
+                continue;
+            }
             Err(s) => return Err(Attempt::Fail(upstream(s))),
+        };
+        let cancel = RemoteCancel::new(Arc::clone(node), res.xfer_id);
+        match node
+            .decode_client()
+            .stream(telemetry::with_trace(v1::StreamRequest {
+                xfer_id: res.xfer_id,
+            }))
+            .await
+        {
+            Ok(tokens) => {
+                reserved = Some((Arc::clone(node), res, cancel, tokens.into_inner()));
+                break;
+            }
+            Err(s) if node_failed(&s) => {
+                cancel.fire();
+                decode_failed(node, "stream", &s);
+            }
+            Err(s) => {
+                cancel.fire();
+                return Err(Attempt::Fail(upstream(s)));
+            }
         }
     }
-    let Some((decode, res)) = reserved else {
+    let Some((decode, res, cancel, tokens)) = reserved else {
         metrics::counter!("fission_gateway_no_capacity_total").increment(1);
         return Err(Attempt::Fail(GatewayError::backend(
             ErrorCode::Overloaded,
             "every decode node is out of KV blocks",
         )));
     };
-    let decode_guard = InFlight::new(Arc::clone(&decode));
-    let cancel = RemoteCancel {
-        node: Arc::clone(&decode),
-        xfer_id: res.xfer_id,
-    };
-    // 2. Open the token stream before the KV can arrive, so no token is missed.
-    let tokens = match decode
-        .decode_client()
-        .stream(telemetry::with_trace(v1::StreamRequest {
-            xfer_id: res.xfer_id,
-        }))
-        .await
-    {
-        Ok(s) => s.into_inner(),
-        Err(s) => {
-            cancel.fire();
-            return Err(Attempt::Fail(upstream(s)));
-        }
-    };
+    let decode_guard = InFlight::new(&decode);
     // 3. Prefill, pushing into the reserved blocks.
-    let prefill_guard = InFlight::new(Arc::clone(prefill));
+    let prefill_guard = InFlight::new(prefill);
     let span = tracing::Span::current();
     span.record("decode_node", decode.entry.node_id.as_str());
     span.record("prefill_node", prefill.entry.node_id.as_str());
@@ -457,23 +474,39 @@ async fn disaggregated(
     }))
 }
 
+/// A decode node failed a call as a dead or draining node does: skip it for a while.
+fn decode_failed(node: &Node, call: &str, s: &tonic::Status) {
+    tracing::info!(node_id = %node.entry.node_id, call, code = ?s.code(), message = s.message(), "decode node failed a call; trying the next one");
+    node.quarantine();
+}
+
 /// Cancels a reservation or sequence on a decode node, without waiting.
 struct RemoteCancel {
     node: Arc<Node>,
     xfer_id: u64,
+    /// The request's span, so the cancel joins its trace even when it fires from a `Drop`.
+    span: tracing::Span,
 }
 
 impl RemoteCancel {
+    fn new(node: Arc<Node>, xfer_id: u64) -> Self {
+        RemoteCancel {
+            node,
+            xfer_id,
+            span: tracing::Span::current(),
+        }
+    }
+
     fn fire(&self) {
         let mut client = self.node.decode_client();
-        let xfer_id = self.xfer_id;
+        let request = self.span.in_scope(|| {
+            telemetry::with_trace(v1::CancelRequest {
+                request_id: String::new(),
+                xfer_id: self.xfer_id,
+            })
+        });
         tokio::spawn(async move {
-            let _ = client
-                .cancel(v1::CancelRequest {
-                    request_id: String::new(),
-                    xfer_id,
-                })
-                .await;
+            let _ = client.cancel(request).await;
         });
     }
 }

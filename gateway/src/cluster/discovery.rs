@@ -1,13 +1,17 @@
 //! How the gateway learns the cluster's members: static lists given on the command line, or
-//! etcd ([`super::etcd_discovery`]). Consumers watch whole membership snapshots, so a slow
-//! reader never misses a removal.
+//! etcd ([`super::etcd_discovery`]). Either way the pools see one ordered stream of
+//! [`MemberChange`]s, in the manner of quickwit's `ClusterChange` stream: the members present
+//! at subscription arrive as `Add`s, then every later change follows.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 
-use tokio::sync::watch;
+use tokio::sync::mpsc;
 
 /// A node's role, as the cluster crate names it (and etcd records spell it).
 pub use cluster::Role;
+
+/// A node's identity: ids are unique per role.
+pub type NodeKey = (Role, String);
 
 /// One node as discovery knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,57 +30,171 @@ pub struct NodeEntry {
     pub total_kv_blocks: u64,
 }
 
-pub type Members = Arc<Vec<NodeEntry>>;
+impl NodeEntry {
+    pub fn key(&self) -> NodeKey {
+        (self.role, self.node_id.clone())
+    }
+}
+
+/// One change to the routable membership.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemberChange {
+    Add(NodeEntry),
+    /// Same node, new record (draining, capacity, endpoint).
+    Update(NodeEntry),
+    Remove {
+        role: Role,
+        node_id: String,
+    },
+}
 
 pub trait Discovery: Send + Sync + 'static {
-    /// The current members, updated in place as the cluster changes.
-    fn watch(&self) -> watch::Receiver<Members>;
+    /// Subscribes to the membership: the current members as `Add`s, then each change in
+    /// order. The stream ends only when the discovery is dropped.
+    fn changes(&self) -> mpsc::UnboundedReceiver<MemberChange>;
 
-    /// The nodes' published load by node id, when the discovery carries it.
-    fn loads(&self) -> Option<watch::Receiver<cluster::Loads>> {
+    /// The nodes' published load, when the discovery carries it.
+    fn loads(&self) -> Option<tokio::sync::watch::Receiver<cluster::Loads>> {
         None
     }
 }
 
+/// The changes that turn the membership `old` into `new`: adds and updates in key order, then
+/// removals.
+pub fn diff(
+    old: &BTreeMap<NodeKey, NodeEntry>,
+    new: &BTreeMap<NodeKey, NodeEntry>,
+) -> Vec<MemberChange> {
+    let mut changes = Vec::new();
+    for (key, entry) in new {
+        match old.get(key) {
+            None => changes.push(MemberChange::Add(entry.clone())),
+            Some(prev) if prev != entry => changes.push(MemberChange::Update(entry.clone())),
+            Some(_) => {}
+        }
+    }
+    for (role, node_id) in old.keys() {
+        if !new.contains_key(&(*role, node_id.clone())) {
+            changes.push(MemberChange::Remove {
+                role: *role,
+                node_id: node_id.clone(),
+            });
+        }
+    }
+    changes
+}
+
 /// A fixed membership given on the command line.
 pub struct StaticDiscovery {
-    rx: watch::Receiver<Members>,
-    // Keeps the channel open: a closed channel would read as "no more updates" forever.
-    _tx: watch::Sender<Members>,
+    nodes: Vec<NodeEntry>,
+    // Subscribers' senders stay here: a closed stream would read as "the discovery is gone".
+    subscribers: std::sync::Mutex<Vec<mpsc::UnboundedSender<MemberChange>>>,
 }
 
 impl StaticDiscovery {
     pub fn new(prefill: &[String], decode: &[String]) -> Self {
-        let mut nodes = Vec::new();
-        for (i, ep) in prefill.iter().enumerate() {
-            nodes.push(NodeEntry {
-                node_id: format!("prefill-{i}"),
-                role: Role::Prefill,
-                grpc_endpoint: ep.clone(),
-                draining: false,
-                registered: false,
-                block_size: 0,
-                total_kv_blocks: 0,
-            });
+        let entry = |role: Role, i: usize, ep: &String| NodeEntry {
+            node_id: format!("{role}-{i}"),
+            role,
+            grpc_endpoint: ep.clone(),
+            draining: false,
+            registered: false,
+            block_size: 0,
+            total_kv_blocks: 0,
+        };
+        let nodes = prefill
+            .iter()
+            .enumerate()
+            .map(|(i, ep)| entry(Role::Prefill, i, ep))
+            .chain(
+                decode
+                    .iter()
+                    .enumerate()
+                    .map(|(i, ep)| entry(Role::Decode, i, ep)),
+            )
+            .collect();
+        StaticDiscovery {
+            nodes,
+            subscribers: std::sync::Mutex::new(Vec::new()),
         }
-        for (i, ep) in decode.iter().enumerate() {
-            nodes.push(NodeEntry {
-                node_id: format!("decode-{i}"),
-                role: Role::Decode,
-                grpc_endpoint: ep.clone(),
-                draining: false,
-                registered: false,
-                block_size: 0,
-                total_kv_blocks: 0,
-            });
-        }
-        let (tx, rx) = watch::channel(Arc::new(nodes));
-        StaticDiscovery { rx, _tx: tx }
     }
 }
 
 impl Discovery for StaticDiscovery {
-    fn watch(&self) -> watch::Receiver<Members> {
-        self.rx.clone()
+    fn changes(&self) -> mpsc::UnboundedReceiver<MemberChange> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        for n in &self.nodes {
+            let _ = tx.send(MemberChange::Add(n.clone()));
+        }
+        self.subscribers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(tx);
+        rx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(role: Role, id: &str) -> NodeEntry {
+        NodeEntry {
+            node_id: id.into(),
+            role,
+            grpc_endpoint: "127.0.0.1:1".into(),
+            draining: false,
+            registered: true,
+            block_size: 16,
+            total_kv_blocks: 10,
+        }
+    }
+
+    fn map(entries: &[NodeEntry]) -> BTreeMap<NodeKey, NodeEntry> {
+        entries.iter().map(|e| (e.key(), e.clone())).collect()
+    }
+
+    #[test]
+    fn diff_reports_add_update_remove_per_role() {
+        let old = map(&[entry(Role::Decode, "a"), entry(Role::Prefill, "a")]);
+        let mut drained = entry(Role::Decode, "a");
+        drained.draining = true;
+        let new = map(&[drained.clone(), entry(Role::Decode, "b")]);
+        assert_eq!(
+            diff(&old, &new),
+            vec![
+                MemberChange::Update(drained),
+                MemberChange::Add(entry(Role::Decode, "b")),
+                MemberChange::Remove {
+                    role: Role::Prefill,
+                    node_id: "a".into()
+                },
+            ]
+        );
+        assert!(diff(&new, &new).is_empty());
+    }
+
+    #[tokio::test]
+    async fn static_members_arrive_as_adds_and_the_stream_stays_open() {
+        let d = StaticDiscovery::new(&["p:1".into()], &["d:1".into(), "d:2".into()]);
+        let mut rx = d.changes();
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            match rx.recv().await.unwrap() {
+                MemberChange::Add(e) => ids.push(e.key()),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(
+            ids,
+            vec![
+                (Role::Prefill, "prefill-0".to_string()),
+                (Role::Decode, "decode-0".to_string()),
+                (Role::Decode, "decode-1".to_string()),
+            ]
+        );
+        assert!(rx
+            .try_recv()
+            .is_err_and(|e| e == mpsc::error::TryRecvError::Empty));
     }
 }

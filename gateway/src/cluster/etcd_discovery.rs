@@ -1,30 +1,34 @@
-//! Membership from etcd: the `cluster` crate's watch, narrowed to the nodes this gateway may
-//! route to, plus the nodes' published load.
+//! Membership from etcd: the `cluster` crate's [`ClusterChange`] stream, narrowed to the nodes
+//! this gateway may route to, plus the nodes' published load.
 //!
-//! A node is refused, with a log line saying why, when its model fingerprint differs from the
-//! cluster's, or its KV layout or block size differs from the cluster's: KV computed by one
-//! could not be read by another. The cluster's values are the gateway's own model fingerprint
-//! when it can compute one from its model directory, and otherwise those of the first node
-//! accepted; the layout is always pinned by the first node accepted.
+//! A node is refused, with a log line saying why, when its model fingerprint, KV layout, block
+//! size or KV transport differs from the cluster's: KV computed by one could not be read by
+//! another, or could not even reach it. The cluster's model is the gateway's own fingerprint
+//! when it can compute one from its model directory. The rest (and the model, when the gateway
+//! has no weights) is the profile most registered nodes share; the current profile stays while
+//! any node holds it and no other profile is held by more, so one misconfigured node can
+//! neither take over a running cluster nor pin a fresh one for good.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cluster::{
-    ClusterError, DiscoveryConfig, EtcdConfig, EtcdDiscovery, KvLayout, LoadWatch, Loads,
-    NodeRecord,
+    ClusterChange, ClusterError, DiscoveryConfig, EtcdConfig, EtcdDiscovery, KvLayout, LoadWatch,
+    Loads, NodeRecord,
 };
-use tokio::sync::watch;
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::discovery::{Discovery, Members, NodeEntry, Role};
+use super::discovery::{diff, Discovery, MemberChange, NodeEntry, NodeKey, Role};
 
 pub struct EtcdMembers {
-    rx: watch::Receiver<Members>,
+    discovery: Arc<EtcdDiscovery>,
     loads: watch::Receiver<Loads>,
-    _discovery: EtcdDiscovery,
+    expected_fingerprint: Option<String>,
     _load: LoadWatch,
-    _task: DropGuard,
+    /// Stops the subscribers' admission tasks when the discovery is dropped.
+    cancel: CancellationToken,
+    _cancel_guard: DropGuard,
 }
 
 impl EtcdMembers {
@@ -35,34 +39,34 @@ impl EtcdMembers {
     ) -> Result<EtcdMembers, ClusterError> {
         let discovery = EtcdDiscovery::start(DiscoveryConfig::new(etcd.clone())).await?;
         let load = LoadWatch::start(etcd).await?;
-        let (tx, rx) = watch::channel(Members::default());
         let cancel = CancellationToken::new();
-        let mut records = discovery.members();
-        let task_cancel = cancel.clone();
-        tokio::spawn(async move {
-            let mut admission = Admission::new(expected_fingerprint);
-            loop {
-                let snapshot = records.borrow_and_update().clone();
-                tx.send_replace(Arc::new(admission.admit(&snapshot)));
-                tokio::select! {
-                    _ = task_cancel.cancelled() => return,
-                    changed = records.changed() => if changed.is_err() { return },
-                }
-            }
-        });
         Ok(EtcdMembers {
-            rx,
+            discovery: Arc::new(discovery),
             loads: load.loads(),
-            _discovery: discovery,
+            expected_fingerprint,
             _load: load,
-            _task: cancel.drop_guard(),
+            _cancel_guard: cancel.clone().drop_guard(),
+            cancel,
         })
     }
 }
 
 impl Discovery for EtcdMembers {
-    fn watch(&self) -> watch::Receiver<Members> {
-        self.rx.clone()
+    fn changes(&self) -> mpsc::UnboundedReceiver<MemberChange> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        // Subscribe before reading the snapshot: a change may then be seen twice (harmless,
+        // records are keyed), never missed.
+        let upstream = self.discovery.subscribe();
+        let records: BTreeMap<NodeKey, NodeRecord> = keyed(&self.discovery.members().borrow());
+        tokio::spawn(follow(
+            Arc::clone(&self.discovery),
+            upstream,
+            records,
+            Admission::new(self.expected_fingerprint.clone()),
+            tx,
+            self.cancel.clone(),
+        ));
+        rx
     }
 
     fn loads(&self) -> Option<watch::Receiver<Loads>> {
@@ -70,82 +74,210 @@ impl Discovery for EtcdMembers {
     }
 }
 
-/// Decides which registered nodes are members, pinning the cluster's model and layout.
+fn keyed(records: &[NodeRecord]) -> BTreeMap<NodeKey, NodeRecord> {
+    records
+        .iter()
+        .map(|r| ((r.role, r.node_id.clone()), r.clone()))
+        .collect()
+}
+
+/// Applies etcd's changes to the registered records, re-admits, and sends the admitted
+/// membership's changes until the subscriber or the discovery goes away.
+async fn follow(
+    discovery: Arc<EtcdDiscovery>,
+    mut upstream: broadcast::Receiver<ClusterChange>,
+    mut records: BTreeMap<NodeKey, NodeRecord>,
+    mut admission: Admission,
+    tx: mpsc::UnboundedSender<MemberChange>,
+    cancel: CancellationToken,
+) {
+    let mut admitted = BTreeMap::new();
+    loop {
+        let now = admission.admit(&records);
+        for change in diff(&admitted, &now) {
+            if tx.send(change).is_err() {
+                return;
+            }
+        }
+        admitted = now;
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tx.closed() => return,
+            msg = upstream.recv() => msg,
+        };
+        match msg {
+            Ok(ClusterChange::Add(r)) | Ok(ClusterChange::Update(r)) => {
+                records.insert((r.role, r.node_id.clone()), r);
+            }
+            Ok(ClusterChange::Remove { role, node_id }) => {
+                records.remove(&(role, node_id));
+            }
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                tracing::info!(
+                    missed,
+                    "membership changes lagged; resyncing from the snapshot"
+                );
+                records = keyed(&discovery.members().borrow());
+            }
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// What two nodes must share to exchange KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Profile {
+    fingerprint: String,
+    layout: KvLayout,
+    block_size: u32,
+    kv_transport: String,
+}
+
+impl Profile {
+    fn of(r: &NodeRecord) -> Profile {
+        Profile {
+            fingerprint: r.model_fingerprint.clone(),
+            layout: r.kv_layout.clone(),
+            block_size: r.block_size,
+            kv_transport: r.kv_transport.clone(),
+        }
+    }
+
+    /// Why a node with profile `other` cannot join a cluster with this one.
+    fn mismatch(&self, other: &Profile, model_id: &str) -> String {
+        let mut why = Vec::new();
+        if other.fingerprint != self.fingerprint {
+            why.push(format!(
+                "model fingerprint {} (model {model_id}) differs from the cluster's {}",
+                other.fingerprint, self.fingerprint
+            ));
+        }
+        if other.layout != self.layout || other.block_size != self.block_size {
+            why.push(format!(
+                "KV layout {:?} with block size {} differs from the cluster's {:?} with block size {}",
+                other.layout, other.block_size, self.layout, self.block_size
+            ));
+        }
+        if other.kv_transport != self.kv_transport {
+            why.push(format!(
+                "KV transport {:?} differs from the cluster's {:?}",
+                other.kv_transport, self.kv_transport
+            ));
+        }
+        why.join("; ")
+    }
+}
+
+/// Decides which registered nodes are members; see the module docs.
 struct Admission {
     fingerprint: Option<String>,
-    layout: Option<(KvLayout, u32)>,
+    profile: Option<Profile>,
     /// Refusals already logged, so a refused node is reported once, not on every change.
-    refused: HashMap<String, String>,
+    refused: BTreeMap<NodeKey, String>,
 }
 
 impl Admission {
     fn new(fingerprint: Option<String>) -> Self {
         Admission {
             fingerprint,
-            layout: None,
-            refused: HashMap::new(),
+            profile: None,
+            refused: BTreeMap::new(),
         }
     }
 
-    fn admit(&mut self, records: &[NodeRecord]) -> Vec<NodeEntry> {
-        let mut out = Vec::new();
-        let mut refused_now = HashMap::new();
-        for r in records {
+    fn admit(&mut self, records: &BTreeMap<NodeKey, NodeRecord>) -> BTreeMap<NodeKey, NodeEntry> {
+        self.choose_profile(records);
+        let mut out = BTreeMap::new();
+        let mut refused_now = BTreeMap::new();
+        for (key, r) in records {
             match self.check(r) {
-                Ok(()) => out.push(entry(r)),
+                Ok(()) => {
+                    out.insert(key.clone(), entry(r));
+                }
                 Err(why) => {
-                    if self.refused.get(&r.node_id) != Some(&why) {
+                    if self.refused.get(key) != Some(&why) {
                         tracing::warn!(node_id = %r.node_id, role = %r.role, model_id = %r.model_id, %why, "node refused by routing");
                         metrics::counter!("fission_gateway_nodes_refused_total", "role" => r.role.as_str()).increment(1);
                     }
-                    refused_now.insert(r.node_id.clone(), why);
+                    refused_now.insert(key.clone(), why);
                 }
             }
         }
         self.refused = refused_now;
         for role in [Role::Prefill, Role::Decode] {
             let (mut ready, mut draining) = (0, 0);
-            for e in out.iter().filter(|e| e.role == role) {
+            for e in out.values().filter(|e| e.role == role) {
                 if e.draining {
                     draining += 1;
                 } else {
                     ready += 1;
                 }
             }
-            metrics::gauge!("fission_gateway_cluster_nodes", "role" => role.as_str(), "state" => "serving").set(ready as f64);
-            metrics::gauge!("fission_gateway_cluster_nodes", "role" => role.as_str(), "state" => "draining").set(draining as f64);
-            let refused = self
-                .refused
-                .keys()
-                .filter(|id| records.iter().any(|r| &r.node_id == *id && r.role == role))
-                .count();
-            metrics::gauge!("fission_gateway_cluster_nodes", "role" => role.as_str(), "state" => "refused").set(refused as f64);
+            let refused = self.refused.keys().filter(|(r, _)| *r == role).count();
+            for (state, n) in [
+                ("serving", ready),
+                ("draining", draining),
+                ("refused", refused),
+            ] {
+                metrics::gauge!("fission_gateway_cluster_nodes", "role" => role.as_str(), "state" => state)
+                    .set(n as f64);
+            }
         }
         out
     }
 
-    fn check(&mut self, r: &NodeRecord) -> Result<(), String> {
-        match &self.fingerprint {
-            Some(f) if *f != r.model_fingerprint => {
+    /// Keeps the current profile while a node holds it and no other is held by more nodes;
+    /// otherwise takes the most common one (the first in key order on a tie).
+    fn choose_profile(&mut self, records: &BTreeMap<NodeKey, NodeRecord>) {
+        let mut counts: Vec<(Profile, usize)> = Vec::new();
+        for r in records.values() {
+            if self
+                .fingerprint
+                .as_ref()
+                .is_some_and(|f| *f != r.model_fingerprint)
+            {
+                continue;
+            }
+            let p = Profile::of(r);
+            match counts.iter_mut().find(|(q, _)| *q == p) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((p, 1)),
+            }
+        }
+        let held = |p: &Profile| counts.iter().find(|(q, _)| q == p).map_or(0, |(_, n)| *n);
+        let mut best: Option<&(Profile, usize)> = None;
+        for c in &counts {
+            if best.is_none_or(|b| c.1 > b.1) {
+                best = Some(c);
+            }
+        }
+        let current = self.profile.as_ref().map_or(0, held);
+        match best {
+            Some((p, n)) if current == 0 || *n > current => {
+                if let Some(old) = &self.profile {
+                    if old != p && current > 0 {
+                        tracing::warn!(nodes = n, was = ?old, now = ?p, "the cluster's KV profile changed: more nodes share another one");
+                    }
+                }
+                self.profile = Some(p.clone());
+            }
+            Some(_) => {}
+            None => self.profile = None,
+        }
+    }
+
+    fn check(&self, r: &NodeRecord) -> Result<(), String> {
+        if let Some(f) = &self.fingerprint {
+            if *f != r.model_fingerprint {
                 return Err(format!(
                     "model fingerprint {} (model {}) differs from the cluster's {f}",
                     r.model_fingerprint, r.model_id
-                ))
+                ));
             }
-            Some(_) => {}
-            None => self.fingerprint = Some(r.model_fingerprint.clone()),
         }
-        let layout = (r.kv_layout.clone(), r.block_size);
-        match &self.layout {
-            Some(l) if *l != layout => Err(format!(
-                "KV layout {:?} with block size {} differs from the cluster's {:?} with block size {}",
-                r.kv_layout, r.block_size, l.0, l.1
-            )),
-            Some(_) => Ok(()),
-            None => {
-                self.layout = Some(layout);
-                Ok(())
-            }
+        match &self.profile {
+            Some(p) if *p != Profile::of(r) => Err(p.mismatch(&Profile::of(r), &r.model_id)),
+            _ => Ok(()),
         }
     }
 }
@@ -183,29 +315,86 @@ mod tests {
                 head_dim,
             },
             total_kv_blocks: 10,
+            kv_transport: "quic".into(),
             draining: false,
         }
     }
 
-    #[test]
-    fn refuses_other_models_and_layouts() {
-        let mut a = Admission::new(Some("f".into()));
-        let got = a.admit(&[
-            record("a", "f", 64),
-            record("b", "g", 64),
-            record("c", "f", 128),
-        ]);
-        let ids: Vec<&str> = got.iter().map(|e| e.node_id.as_str()).collect();
-        assert_eq!(ids, vec!["a"]);
-        assert!(a.refused["b"].contains("fingerprint"));
-        assert!(a.refused["c"].contains("KV layout"));
+    fn records(rs: &[NodeRecord]) -> BTreeMap<NodeKey, NodeRecord> {
+        rs.iter()
+            .map(|r| ((r.role, r.node_id.clone()), r.clone()))
+            .collect()
+    }
+
+    fn ids(m: &BTreeMap<NodeKey, NodeEntry>) -> Vec<&str> {
+        m.keys().map(|(_, id)| id.as_str()).collect()
     }
 
     #[test]
-    fn without_a_fingerprint_the_first_node_pins_it() {
+    fn refuses_other_models_layouts_and_transports() {
+        let mut a = Admission::new(Some("f".into()));
+        let mut tcp = record("d", "f", 64);
+        tcp.kv_transport = "tcp".into();
+        let got = a.admit(&records(&[
+            record("a", "f", 64),
+            record("a2", "f", 64),
+            record("b", "g", 64),
+            record("c", "f", 128),
+            tcp,
+        ]));
+        assert_eq!(ids(&got), vec!["a", "a2"]);
+        let why = |id: &str| a.refused[&(Role::Decode, id.to_string())].clone();
+        assert!(why("b").contains("fingerprint"), "{}", why("b"));
+        assert!(why("c").contains("KV layout"), "{}", why("c"));
+        assert!(why("d").contains("KV transport"), "{}", why("d"));
+    }
+
+    #[test]
+    fn without_a_fingerprint_the_majority_defines_the_model() {
         let mut a = Admission::new(None);
-        let got = a.admit(&[record("a", "f", 64), record("b", "g", 64)]);
-        assert_eq!(got.len(), 1);
-        assert_eq!(a.fingerprint.as_deref(), Some("f"));
+        let got = a.admit(&records(&[
+            record("a", "g", 64),
+            record("b", "f", 64),
+            record("c", "f", 64),
+        ]));
+        assert_eq!(ids(&got), vec!["b", "c"]);
+        assert!(a.refused[&(Role::Decode, "a".into())].contains("fingerprint"));
+    }
+
+    #[test]
+    fn one_odd_node_neither_takes_over_nor_pins_the_cluster_for_good() {
+        let mut a = Admission::new(Some("f".into()));
+        // The odd node comes first and is alone: it defines the profile for now.
+        let odd = record("a-odd", "f", 128);
+        assert_eq!(ids(&a.admit(&records(&[odd.clone()]))), vec!["a-odd"]);
+        // Two good nodes outnumber it: the profile moves to theirs.
+        let got = a.admit(&records(&[
+            odd.clone(),
+            record("b", "f", 64),
+            record("c", "f", 64),
+        ]));
+        assert_eq!(ids(&got), vec!["b", "c"]);
+        // A tie keeps the current profile: one more odd node does not flip the cluster back.
+        let mut odd2 = odd.clone();
+        odd2.node_id = "a-odd2".into();
+        let got = a.admit(&records(&[
+            odd.clone(),
+            odd2,
+            record("b", "f", 64),
+            record("c", "f", 64),
+        ]));
+        assert_eq!(ids(&got), vec!["b", "c"]);
+        // Once every node of the profile has left, the next node defines it again.
+        assert!(a.admit(&records(&[])).is_empty());
+        assert_eq!(ids(&a.admit(&records(&[record("d", "f", 32)]))), vec!["d"]);
+    }
+
+    #[test]
+    fn a_prefill_and_a_decode_node_may_share_an_id() {
+        let mut a = Admission::new(None);
+        let mut p = record("n1", "f", 64);
+        p.role = Role::Prefill;
+        let got = a.admit(&records(&[p, record("n1", "f", 64)]));
+        assert_eq!(got.len(), 2);
     }
 }

@@ -1,5 +1,6 @@
-//! Live node pools: a gRPC client per member, readiness, in-flight counts, published load and
-//! each node's prefix cache (followed over its `CacheEvents` stream).
+//! Live node pools, kept by applying discovery's [`MemberChange`] stream: a gRPC client per
+//! member, readiness, in-flight counts, published load and each node's prefix cache (followed
+//! over its `CacheEvents` stream).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,24 +16,33 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-use super::discovery::{Discovery, Members, NodeEntry, Role};
+use super::discovery::{Discovery, MemberChange, NodeEntry, NodeKey, Role};
 use super::prefix_index::{CacheEvent, PrefixIndex};
 
 /// How long a node that failed a call is skipped: until discovery removes it, or it recovers.
 const QUARANTINE: Duration = Duration::from_secs(3);
 /// A static node that has not answered `Info` in this long is asked again.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The pause between `Info` probes of a static node that has not answered.
+const PROBE_INTERVAL: Duration = Duration::from_millis(200);
+
+/// What the gateway knows of one node process beyond its record. It outlives record updates
+/// (a node marked draining keeps its in-flight count and quarantine), and is replaced only
+/// when the node moves to another endpoint, that is, when it is another process.
+struct NodeState {
+    /// Static members: what the node answered to `Info` (`None` until it answers).
+    info: Mutex<Option<NodeInfo>>,
+    in_flight: AtomicUsize,
+    quarantined_until: Mutex<Option<Instant>>,
+    /// Stops this node's cache-event follower and probe when the node leaves.
+    follower: CancellationToken,
+}
 
 /// One member with its client and load.
 pub struct Node {
     pub entry: NodeEntry,
     pub channel: Channel,
-    /// Static members: what the node answered to `Info` (`None` until it answers).
-    pub info: Mutex<Option<NodeInfo>>,
-    pub in_flight: AtomicUsize,
-    quarantined_until: Mutex<Option<Instant>>,
-    /// Stops this node's cache-event follower when the node leaves.
-    follower: CancellationToken,
+    state: Arc<NodeState>,
 }
 
 impl Node {
@@ -41,6 +51,7 @@ impl Node {
             return false;
         }
         let quarantined = self
+            .state
             .quarantined_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -48,19 +59,28 @@ impl Node {
         if quarantined {
             return false;
         }
-        self.entry.registered
-            || self
-                .info
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .is_some()
+        self.entry.registered || self.info().is_some()
+    }
+
+    pub fn info(&self) -> Option<NodeInfo> {
+        self.state
+            .info
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Requests the gateway is running on this node now.
+    pub fn in_flight(&self) -> usize {
+        self.state.in_flight.load(Ordering::Relaxed)
     }
 
     /// Skips this node for a while after a failed call: a dead node stays registered until its
     /// lease runs out, and requests must not keep landing on it meanwhile.
     pub fn quarantine(&self) {
-        tracing::warn!(node_id = %self.entry.node_id, "node failed a call; skipping it for a while");
+        tracing::warn!(node_id = %self.entry.node_id, role = self.entry.role.as_str(), "node failed a call; skipping it for a while");
         *self
+            .state
             .quarantined_until
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now() + QUARANTINE);
@@ -71,11 +91,8 @@ impl Node {
         if self.entry.block_size > 0 {
             return self.entry.block_size as usize;
         }
-        self.info
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .and_then(|i| i.layout.as_ref().map(|l| l.block_size as usize))
+        self.info()
+            .and_then(|i| i.layout.map(|l| l.block_size as usize))
             .unwrap_or(0)
     }
 
@@ -83,11 +100,7 @@ impl Node {
         if self.entry.total_kv_blocks > 0 {
             return self.entry.total_kv_blocks;
         }
-        self.info
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map_or(0, |i| u64::from(i.total_kv_blocks))
+        self.info().map_or(0, |i| u64::from(i.total_kv_blocks))
     }
 
     pub fn decode_client(&self) -> DecodeClient<Channel> {
@@ -99,17 +112,18 @@ impl Node {
     }
 }
 
+/// The prefix index's name for a node: ids are unique per role only.
+fn index_key(role: Role, node_id: &str) -> String {
+    format!("{role}/{node_id}")
+}
+
 /// Counts a request against a node for as long as it lives.
-pub struct InFlight(Arc<Node>);
+pub struct InFlight(Arc<NodeState>);
 
 impl InFlight {
-    pub fn new(node: Arc<Node>) -> Self {
-        node.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(node)
-    }
-
-    pub fn node(&self) -> &Arc<Node> {
-        &self.0
+    pub fn new(node: &Node) -> Self {
+        node.state.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(Arc::clone(&node.state))
     }
 }
 
@@ -120,144 +134,109 @@ impl Drop for InFlight {
 }
 
 pub struct Pools {
-    nodes: Mutex<HashMap<String, Arc<Node>>>,
+    nodes: Mutex<HashMap<NodeKey, Arc<Node>>>,
     loads: Option<watch::Receiver<Loads>>,
     prefixes: Arc<Mutex<PrefixIndex>>,
 }
 
 impl Pools {
-    /// Keeps the pools in step with discovery, probes static members until they answer `Info`,
-    /// and follows every member's prefix cache.
+    /// Keeps the pools in step with discovery's changes, probes static members until they
+    /// answer `Info`, and follows every member's prefix cache.
     pub fn spawn(discovery: Arc<dyn Discovery>) -> Arc<Self> {
         let pools = Arc::new(Pools {
             nodes: Mutex::new(HashMap::new()),
             loads: discovery.loads(),
             prefixes: Arc::new(Mutex::new(PrefixIndex::new())),
         });
-        let mut rx = discovery.watch();
+        let mut changes = discovery.changes();
         let p = Arc::clone(&pools);
         tokio::spawn(async move {
             // Owns the discovery: its watch tasks live as long as this loop.
             let _discovery = discovery;
-            loop {
-                let members: Members = rx.borrow_and_update().clone();
-                p.apply(&members);
-                p.probe().await;
-                let waiting = p.all().iter().any(|n| !n.is_ready() && !n.entry.registered);
-                tokio::select! {
-                    changed = rx.changed() => if changed.is_err() { return },
-                    // Re-probe static nodes that have not answered yet.
-                    _ = tokio::time::sleep(Duration::from_millis(200)), if waiting => {},
-                }
+            while let Some(change) = changes.recv().await {
+                p.apply(change);
             }
         });
         pools
     }
 
-    fn apply(&self, members: &[NodeEntry]) {
+    fn apply(&self, change: MemberChange) {
         let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
-        nodes.retain(|id, n| {
-            let keep = members.iter().any(|m| &m.node_id == id);
-            if !keep {
-                tracing::info!(node_id = %id, role = n.entry.role.as_str(), "node left the pool");
-                n.follower.cancel();
-                self.prefixes
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove_node(id);
-            }
-            keep
-        });
-        for m in members {
-            let old = nodes.get(&m.node_id).cloned();
-            if old.as_ref().is_some_and(|n| n.entry == *m) {
-                continue;
-            }
-            // Same endpoint: keep the connection, the follower and the counts' meaning.
-            let (channel, info, follower) = match &old {
-                Some(n) if n.entry.grpc_endpoint == m.grpc_endpoint => (
-                    n.channel.clone(),
-                    n.info
+        let m = match change {
+            MemberChange::Remove { role, node_id } => {
+                if let Some(n) = nodes.remove(&(role, node_id.clone())) {
+                    tracing::info!(%node_id, role = role.as_str(), "node left the pool");
+                    n.state.follower.cancel();
+                    self.prefixes
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
-                        .clone(),
-                    n.follower.clone(),
-                ),
-                _ => {
-                    if let Some(n) = &old {
-                        n.follower.cancel();
-                    }
-                    let Ok(ep) = Endpoint::from_shared(format!("http://{}", m.grpc_endpoint))
-                    else {
-                        tracing::warn!(node_id = %m.node_id, endpoint = %m.grpc_endpoint, "bad endpoint");
-                        continue;
-                    };
-                    let channel = ep
-                        .connect_timeout(Duration::from_secs(2))
-                        .tcp_nodelay(true)
-                        .connect_lazy();
-                    let follower = CancellationToken::new();
-                    tokio::spawn(follow_cache(
-                        m.node_id.clone(),
-                        m.role,
-                        channel.clone(),
-                        Arc::clone(&self.prefixes),
-                        follower.clone(),
-                    ));
-                    (channel, None, follower)
+                        .remove_node(&index_key(role, &node_id));
                 }
-            };
-            if old.is_none() {
-                tracing::info!(node_id = %m.node_id, role = m.role.as_str(), endpoint = %m.grpc_endpoint, registered = m.registered, "node joined the pool");
-            } else if m.draining {
-                tracing::info!(node_id = %m.node_id, role = m.role.as_str(), "node is draining");
+                return;
             }
-            let in_flight = old
-                .as_ref()
-                .map_or(0, |n| n.in_flight.load(Ordering::Relaxed));
-            nodes.insert(
-                m.node_id.clone(),
-                Arc::new(Node {
-                    entry: m.clone(),
-                    channel,
-                    info: Mutex::new(info),
-                    in_flight: AtomicUsize::new(in_flight),
-                    quarantined_until: Mutex::new(None),
-                    follower,
-                }),
-            );
+            MemberChange::Add(m) | MemberChange::Update(m) => m,
+        };
+        let old = nodes.get(&m.key()).cloned();
+        if old.as_ref().is_some_and(|n| n.entry == m) {
+            return;
         }
-    }
-
-    /// Asks every static member that has not answered yet for its `Info`, all at once and each
-    /// under a timeout: a node whose listener is bound but whose server is not up yet would
-    /// otherwise hold the others up.
-    async fn probe(&self) {
-        let unprobed: Vec<Arc<Node>> = self
-            .all()
-            .into_iter()
-            .filter(|n| {
-                !n.entry.registered
-                    && n.info
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .is_none()
-            })
-            .collect();
-        let probes = unprobed.into_iter().map(|n| async move {
-            let call = async {
-                match n.entry.role {
-                    Role::Decode => n.decode_client().info(InfoRequest {}).await,
-                    Role::Prefill => n.prefill_client().info(InfoRequest {}).await,
-                }
-            };
-            if let Ok(Ok(info)) = tokio::time::timeout(PROBE_TIMEOUT, call).await {
-                let info = info.into_inner();
-                tracing::info!(node_id = %n.entry.node_id, role = n.entry.role.as_str(), model = %info.model_id, "node ready");
-                *n.info.lock().unwrap_or_else(PoisonError::into_inner) = Some(info);
+        // Same endpoint: the same process, so keep its connection, follower and counts.
+        let (channel, state) = match &old {
+            Some(n) if n.entry.grpc_endpoint == m.grpc_endpoint => {
+                (n.channel.clone(), Arc::clone(&n.state))
             }
-        });
-        futures::future::join_all(probes).await;
+            _ => {
+                if let Some(n) = &old {
+                    n.state.follower.cancel();
+                }
+                let Ok(ep) = Endpoint::from_shared(format!("http://{}", m.grpc_endpoint)) else {
+                    tracing::warn!(node_id = %m.node_id, endpoint = %m.grpc_endpoint, "bad endpoint");
+                    return;
+                };
+                let channel = ep
+                    .connect_timeout(Duration::from_secs(2))
+                    .tcp_nodelay(true)
+                    .connect_lazy();
+                let state = Arc::new(NodeState {
+                    info: Mutex::new(None),
+                    in_flight: AtomicUsize::new(0),
+                    quarantined_until: Mutex::new(None),
+                    follower: CancellationToken::new(),
+                });
+                tokio::spawn(follow_cache(
+                    index_key(m.role, &m.node_id),
+                    m.role,
+                    channel.clone(),
+                    Arc::clone(&self.prefixes),
+                    state.follower.clone(),
+                ));
+                if !m.registered {
+                    tokio::spawn(probe_until_answered(
+                        m.clone(),
+                        channel.clone(),
+                        Arc::clone(&state),
+                    ));
+                }
+                (channel, state)
+            }
+        };
+        match &old {
+            None => {
+                tracing::info!(node_id = %m.node_id, role = m.role.as_str(), endpoint = %m.grpc_endpoint, registered = m.registered, "node joined the pool")
+            }
+            Some(o) if m.draining && !o.entry.draining => {
+                tracing::info!(node_id = %m.node_id, role = m.role.as_str(), "node is draining")
+            }
+            Some(_) => {}
+        }
+        nodes.insert(
+            m.key(),
+            Arc::new(Node {
+                entry: m,
+                channel,
+                state,
+            }),
+        );
     }
 
     pub fn all(&self) -> Vec<Arc<Node>> {
@@ -268,7 +247,7 @@ impl Pools {
             .values()
             .cloned()
             .collect();
-        v.sort_by(|a, b| a.entry.node_id.cmp(&b.entry.node_id));
+        v.sort_by(|a, b| a.entry.key().cmp(&b.entry.key()));
         v
     }
 
@@ -281,33 +260,69 @@ impl Pools {
     }
 
     /// The node's last published load, if discovery carries load.
-    pub fn load(&self, node_id: &str) -> Option<NodeLoad> {
+    pub fn load(&self, node: &Node) -> Option<NodeLoad> {
         self.loads
             .as_ref()
-            .and_then(|rx| rx.borrow().get(node_id).copied())
+            .and_then(|rx| rx.borrow().get(&node.entry.key()).copied())
     }
 
-    /// Block hashes `node_id` is known to hold in its prefix cache.
-    pub fn cached_blocks(&self, node_id: &str) -> usize {
+    /// Block hashes `node` is known to hold in its prefix cache.
+    pub fn cached_blocks(&self, node: &Node) -> usize {
         self.prefixes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .num_blocks(node_id)
+            .num_blocks(&index_key(node.entry.role, &node.entry.node_id))
     }
 
-    /// Leading blocks of `hashes` that `node_id` holds in its prefix cache.
-    pub fn overlap_blocks(&self, node_id: &str, hashes: &[u64]) -> usize {
+    /// Leading blocks of `hashes` that `node` holds in its prefix cache.
+    pub fn overlap_blocks(&self, node: &Node, hashes: &[u64]) -> usize {
         self.prefixes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .overlap_blocks(node_id, hashes)
+            .overlap_blocks(&index_key(node.entry.role, &node.entry.node_id), hashes)
     }
 }
 
-/// Follows one node's prefix cache until `stop`: a snapshot, then numbered batches. A gap or a
+/// Asks a static member for its `Info` until it answers (it is routable from then on) or it
+/// leaves the pool. Each probe runs under a timeout: a node whose listener is bound but whose
+/// server is not up yet must not hold the probe forever.
+async fn probe_until_answered(entry: NodeEntry, channel: Channel, state: Arc<NodeState>) {
+    loop {
+        let call = async {
+            match entry.role {
+                Role::Decode => {
+                    DecodeClient::new(channel.clone())
+                        .info(InfoRequest {})
+                        .await
+                }
+                Role::Prefill => {
+                    PrefillClient::new(channel.clone())
+                        .info(InfoRequest {})
+                        .await
+                }
+            }
+        };
+        let answered = tokio::select! {
+            _ = state.follower.cancelled() => return,
+            r = tokio::time::timeout(PROBE_TIMEOUT, call) => r,
+        };
+        if let Ok(Ok(info)) = answered {
+            let info = info.into_inner();
+            tracing::info!(node_id = %entry.node_id, role = entry.role.as_str(), model = %info.model_id, "node ready");
+            *state.info.lock().unwrap_or_else(PoisonError::into_inner) = Some(info);
+            return;
+        }
+        tokio::select! {
+            _ = state.follower.cancelled() => return,
+            _ = tokio::time::sleep(PROBE_INTERVAL) => {}
+        }
+    }
+}
+
+/// Follows one node's prefix cache (under `key` in the index) until `stop`: a snapshot, then numbered batches. A gap or a
 /// broken stream means a fresh call and a fresh snapshot.
 async fn follow_cache(
-    node_id: String,
+    key: String,
     role: Role,
     channel: Channel,
     index: Arc<Mutex<PrefixIndex>>,
@@ -341,7 +356,7 @@ async fn follow_cache(
                 backoff = Duration::from_millis(200);
                 let mut index = index.lock().unwrap_or_else(PoisonError::into_inner);
                 if batch.snapshot {
-                    index.apply_snapshot(&node_id, batch.seq, batch.events.iter().map(|e| e.hash));
+                    index.apply_snapshot(&key, batch.seq, batch.events.iter().map(|e| e.hash));
                     continue;
                 }
                 let events: Vec<CacheEvent> = batch
@@ -355,8 +370,8 @@ async fn follow_cache(
                         }
                     })
                     .collect();
-                if let Err(gap) = index.apply_events(&node_id, batch.seq, &events) {
-                    tracing::info!(%gap, "cache events lost; resyncing from a snapshot");
+                if let Err(gap) = index.apply_events(&key, batch.seq, &events) {
+                    tracing::info!(node = %key, %gap, "cache events lost; resyncing from a snapshot");
                     metrics::counter!("fission_gateway_cache_event_resyncs_total").increment(1);
                     break;
                 }

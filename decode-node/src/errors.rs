@@ -1,0 +1,50 @@
+//! Where a failure on this node is counted and marked on its span, in one place. Counted once
+//! each, by the error table's code: RPCs answered with an error, token streams that end in one,
+//! and received KV frames that failed (refused by the data plane, or their import).
+
+use node_common::NodeError;
+use proto::ErrorCode;
+use tracing::Span;
+
+/// Counted under `fission_decode_errors_total{error_type}`.
+pub const ERRORS_TOTAL: &str = "fission_decode_errors_total";
+
+/// A failed RPC or token stream: its code in the error table and the message the caller gets.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// Counts the failure, marks `span` failed, and gives the gRPC status.
+    pub fn report(self, span: &Span) -> tonic::Status {
+        count(self.code);
+        mark_failed(span, self.code);
+        self.code.status(self.message)
+    }
+}
+
+impl From<NodeError> for Failure {
+    fn from(e: NodeError) -> Self {
+        Failure::new(e.code(), e.to_string())
+    }
+}
+
+pub fn count(code: ErrorCode) {
+    metrics::counter!(ERRORS_TOTAL, "error_type" => code.as_str()).increment(1);
+}
+
+/// `error_type` for people, and `otel.status_code`, which tracing-opentelemetry turns into the
+/// span's error status. Declare both fields (`Empty`) on the span.
+pub fn mark_failed(span: &Span, code: ErrorCode) {
+    span.record("error_type", code.as_str());
+    span.record("otel.status_code", "ERROR");
+}
