@@ -182,3 +182,23 @@ async fn stop_server(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_server_that_does_not_stop_is_cut_after_the_grace() {
+        let server = tokio::spawn(std::future::pending());
+        let abort = server.abort_handle();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            stop_server(server, Duration::from_millis(20)),
+        )
+        .await
+        .expect("bounded by the grace")
+        .expect("a cut server is not an error");
+        tokio::task::yield_now().await;
+        assert!(abort.is_finished(), "the server task is aborted");
+    }
+}

@@ -236,6 +236,18 @@ impl Added {
         log: &Path,
         extra: &[&str],
     ) -> Added {
+        Self::start_env(role, node_id, model, etcd, log, extra, &[])
+    }
+
+    fn start_env(
+        role: &str,
+        node_id: &str,
+        model: &Path,
+        etcd: &str,
+        log: &Path,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Added {
         let started = Instant::now();
         let mut child = fission()
             .args(["node", "start", "--role", role, "--model"])
@@ -244,6 +256,7 @@ impl Added {
             .args(["--num-kv-blocks", "512", "--kv-transport", "tcp"])
             .args(["--lease-ttl-s", &LEASE_TTL_S.to_string()])
             .args(extra)
+            .envs(envs.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(log).unwrap())
@@ -715,4 +728,106 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
         served_before + 1.0,
         "the remaining prefill node took the request"
     );
+}
+
+#[test]
+fn a_prefill_node_killed_before_its_push_ends_costs_no_request() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = cluster::LocalEtcd::start(dir.path()).expect("etcd starts");
+    let etcd_url = etcd.endpoint();
+    let up = Up::start(&etcd_url, 0, 1, &dir.path().join("up.log"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let generate = |url: String| {
+        let body = json!({"inputs": "Once upon a time, in a small town,", "parameters": {"max_new_tokens": 24}});
+        async move {
+            let r = reqwest::Client::new()
+                .post(format!("{url}/generate"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status();
+            let text = r.text().await.unwrap();
+            assert!(status.is_success(), "{status}: {text}");
+            serde_json::from_str::<Value>(&text).unwrap()["generated_text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    // No prefill node yet: the decode node prefills, which gives the expected text.
+    let expected = rt.block_on(generate(up.url.clone()));
+
+    // A prefill node that answers at once but holds its KV push back for 5 s (a test
+    // failpoint), so that the kill below lands between its answer and the push's end.
+    let mut prefill = Added::start_env(
+        "prefill",
+        "prefill-slow-push",
+        &stories_dir(),
+        &etcd_url,
+        &dir.path().join("prefill.log"),
+        &[],
+        &[("FISSION_FAILPOINT_PUSH_DELAY_MS", "5000")],
+    );
+    wait_until(
+        "the gateway routes to the prefill node",
+        Duration::from_secs(10),
+        || {
+            http_get(&format!("{}/info", up.url)).is_some_and(|i| {
+                let v: Value = serde_json::from_str(&i).unwrap_or_default();
+                v["backend"]["nodes"].as_array().is_some_and(|a| {
+                    a.iter()
+                        .any(|n| n["node_id"] == "prefill-slow-push" && n["ready"] == true)
+                })
+            })
+        },
+    );
+    let url = up.url.clone();
+    let request = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(generate(url))
+    });
+    // The gateway has the first token (the first request counted one already): the prefill
+    // node has answered, and its push is being held back.
+    wait_until("the prefill node answers", Duration::from_secs(10), || {
+        metric(
+            &format!("{}/metrics", up.url),
+            "fission_gateway_time_to_first_token_seconds_count",
+        ) >= 2.0
+    });
+    assert_eq!(
+        metric(&prefill.metrics, "fission_prefill_prompts_total"),
+        1.0,
+        "the request went to the prefill node"
+    );
+    prefill.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    prefill.wait_exit(Duration::from_secs(5));
+    let text = request.join().expect("the request completes");
+    let after_kill = killed.elapsed();
+    assert_eq!(
+        text, expected,
+        "the resumed request gives the uninterrupted text"
+    );
+    // The decode node's reservation lease (10 s) is what the request would wait otherwise.
+    assert!(
+        after_kill < Duration::from_secs(5),
+        "the request ended {after_kill:?} after the kill"
+    );
+    let resumed = http_get(&format!("{}/metrics", up.url))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("fission_gateway_resumed_total"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert!(resumed >= 1.0, "the gateway counted the resume");
+    println!("prefill node killed mid-push: the request completed {after_kill:?} after the kill, with the uninterrupted text");
+    drop(up);
 }

@@ -50,9 +50,10 @@ pub fn app(state: AppState) -> Router {
 /// its child and outlives it while the stream is written. `request_id` and the prompt's sizes
 /// are recorded once validation made them ([`AppState::generate`]).
 ///
-/// Any error answer marks the span failed (`otel.status_code = "ERROR"`, with the body's
-/// `error_type`), client errors included: a 429 or a 422 is what an operator looks for, and
-/// `error_type` tells client errors from server ones. Errors after a stream started are
+/// An error answer records the body's `error_type`; a server error (5xx) also marks the span
+/// failed (`otel.status_code = "ERROR"`). Client errors (a 422, a 429) leave the status unset,
+/// as OpenTelemetry's HTTP conventions ask of server spans: the request was refused, the
+/// service did not fail, and `error_type` still finds them. Errors after a stream started are
 /// recorded on `generate`.
 async fn http_request_span(
     State(state): State<AppState>,
@@ -80,7 +81,9 @@ async fn http_request_span(
         return response;
     }
     let (response, error_type) = error_type_of(response).await;
-    span.record("otel.status_code", "ERROR");
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
     span.record("error_type", error_type.as_deref().unwrap_or("unknown"));
     response
 }

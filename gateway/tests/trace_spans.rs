@@ -96,6 +96,12 @@ impl Trace {
         assert_eq!(self.text(name, "error_type"), error_type, "{name}");
     }
 
+    /// A refused request: its `error_type` is recorded, its status is left unset.
+    fn assert_refused(&self, name: &str, error_type: &str) {
+        assert_eq!(self.status(name), "Unset", "{name}");
+        assert_eq!(self.text(name, "error_type"), error_type, "{name}");
+    }
+
     fn assert_not_failed(&self, name: &str) {
         assert_eq!(self.status(name), "Unset", "{name}");
         assert_eq!(self.attr(name, "error_type"), None, "{name}");
@@ -200,9 +206,10 @@ fn request_spans_join_the_client_trace_and_carry_the_request() {
     let roots = spans.iter().filter(|s| s.name == "http_request").count();
     assert_eq!(roots, 4, "one http_request per API call, none per probe");
 
-    // A request refused at validation: the root says why; there is no generation.
+    // A request refused at validation (a client error): the root says why without being
+    // marked failed; there is no generation.
     let invalid = Trace::of(&spans, TRACE_INVALID);
-    invalid.assert_failed("http_request", "validation");
+    invalid.assert_refused("http_request", "validation");
     assert_eq!(invalid.attr("http_request", "status"), Some("422".into()));
     assert_eq!(invalid.text("http_request", "model"), "stories260K");
     assert!(!invalid.0.contains_key("generate"));

@@ -43,6 +43,8 @@ pub struct Arrival {
     pub queue_wait: Span,
 }
 
+// One Prefill per request moves through the channel once; boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     Prefill {
         req: Request,
@@ -170,6 +172,7 @@ fn handle(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>, c: Command
                     );
                 }
                 Err(e) => {
+                    arrival.span.record("chunks", 0i64);
                     let _ = reply.send(Err(e));
                 }
             }
@@ -178,7 +181,9 @@ fn handle(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>, c: Command
             if engine.cancel(seq_id) {
                 metrics::counter!("fission_prefill_cancelled_total").increment(1);
             }
-            pending.remove(&seq_id);
+            if let Some(p) = pending.remove(&seq_id) {
+                p.span.record("chunks", p.chunks);
+            }
         }
     }
 }
@@ -350,6 +355,16 @@ mod tests {
         id: u64,
         prompt: std::ops::Range<u32>,
     ) -> Reply {
+        admit_at(engine, pending, id, prompt, Instant::now())
+    }
+
+    fn admit_at(
+        engine: &mut Engine,
+        pending: &mut HashMap<SeqId, Pending>,
+        id: u64,
+        prompt: std::ops::Range<u32>,
+        arrived: Instant,
+    ) -> Reply {
         let (reply, rx) = oneshot::channel();
         let span = tracing::info_span!("prefill", chunks = tracing::field::Empty);
         let queue_wait = tracing::info_span!(parent: &span, "queue_wait");
@@ -366,7 +381,7 @@ mod tests {
                 layers: None,
                 reply,
                 arrival: Arrival {
-                    at: Instant::now(),
+                    at: arrived,
                     span,
                     queue_wait,
                 },
@@ -448,6 +463,27 @@ mod tests {
                 Some(Value::I64(1))
             ]
         );
+    }
+
+    #[test]
+    fn queue_time_and_time_to_first_token_start_at_the_rpc_arrival() {
+        let mut engine = engine();
+        let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
+        let recorder = telemetry::prometheus_builder()
+            .expect("buckets")
+            .build_recorder();
+        let metrics = recorder.handle();
+        let waited = Duration::from_millis(300);
+        let mut pending = HashMap::new();
+        // The RPC arrived a while before the engine thread got the command.
+        let arrived = Instant::now() - waited;
+        let mut rx = admit_at(&mut engine, &mut pending, 1, 100..104, arrived);
+        metrics::with_local_recorder(&recorder, || step(&mut engine, &mut pending));
+        let outcome = rx.try_recv().expect("answered").expect("computed");
+        assert!(outcome.elapsed >= waited, "{:?}", outcome.elapsed);
+        assert!(outcome.compute < waited, "{:?}", outcome.compute);
+        let queued = sample(&metrics.render(), "fission_prefill_queue_time_seconds_sum");
+        assert!(queued >= waited.as_secs_f64(), "{queued}");
     }
 
     #[test]

@@ -43,3 +43,45 @@ pub fn failed(span: &Span, code: ErrorCode) {
     span.record("error_type", code.as_str());
     span.record("otel.status_code", "ERROR");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::span_capture::{Captured, Value};
+
+    #[test]
+    fn a_reported_failure_is_counted_and_marks_its_span() {
+        let capture = Captured::default();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let recorder = telemetry::prometheus_builder()
+            .expect("buckets")
+            .build_recorder();
+        let metrics = recorder.handle();
+        let status = metrics::with_local_recorder(&recorder, || {
+            let span = tracing::info_span!(
+                "rpc",
+                error_type = tracing::field::Empty,
+                otel.status_code = tracing::field::Empty,
+            );
+            Failure::new(
+                ErrorCode::InputTooLong,
+                "prompt has 9 tokens, the limit is 8",
+            )
+            .report(&span)
+        });
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert_eq!(status.message(), "prompt has 9 tokens, the limit is 8");
+        let (_, span) = capture.named("rpc").remove(0);
+        assert_eq!(
+            span.field("error_type"),
+            Some(&Value::Str("input_too_long".into()))
+        );
+        assert_eq!(
+            span.field("otel.status_code"),
+            Some(&Value::Str("ERROR".into()))
+        );
+        assert!(metrics
+            .render()
+            .contains("fission_prefill_errors_total{error_type=\"input_too_long\"} 1"));
+    }
+}

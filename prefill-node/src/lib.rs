@@ -186,6 +186,21 @@ mod tests {
             .collect()
     }
 
+    #[tokio::test]
+    async fn a_server_that_does_not_stop_is_cut_after_the_grace() {
+        let server = tokio::spawn(std::future::pending());
+        let abort = server.abort_handle();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            stop_server(server, Duration::from_millis(20)),
+        )
+        .await
+        .expect("bounded by the grace")
+        .expect("a cut server is not an error");
+        tokio::task::yield_now().await;
+        assert!(abort.is_finished(), "the server task is aborted");
+    }
+
     #[test]
     fn trace_events_stay_out_of_the_default_log_but_not_the_trace() {
         assert_eq!(seen_under(LOG_FILTER), vec!["kv push failed"]);

@@ -66,6 +66,18 @@ where
     tokio::spawn(fut).await.map_err(|e| e.to_string())
 }
 
+/// `FISSION_FAILPOINT_PUSH_DELAY_MS`, read once: how long every push waits before its first
+/// layer (tests only).
+fn push_delay() -> Option<Duration> {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("FISSION_FAILPOINT_PUSH_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    })
+}
+
 /// gRPC clients of decode nodes, one per endpoint.
 #[derive(Default, Clone)]
 pub struct DecodeClients {
@@ -204,6 +216,11 @@ async fn push(
 ) -> Result<PushReport, PushError> {
     let dest = &job.dest;
     let num_layers = job.num_layers;
+    if let Some(delay) = push_delay() {
+        // Test-only failpoint: the prompt's answer goes out while its KV is held back, so a
+        // test can kill the node between the two.
+        tokio::time::sleep(delay).await;
+    }
     // The frames carry this span's context, so the decode side's receive spans join the trace.
     let traceparent = telemetry::current_traceparent();
     // Connections outlive this transfer (they are pooled), and the tasks that drive them take
@@ -308,4 +325,317 @@ async fn push(
             status,
         })?;
     Ok(PushReport { kv_bytes, tail })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+
+    use futures::Stream;
+    use kvtransfer::{
+        DiscardSink, KvDtype, KvLayout, KvServer, Reservation, TcpConfig, TcpServer,
+        TransferRegistry,
+    };
+    use proto::v1::decode_server::{Decode, DecodeServer};
+    use tokio_util::sync::CancellationToken;
+    use tonic::{Request, Response, Status};
+
+    use super::*;
+    use crate::span_capture::{Captured, Value};
+
+    const LAYOUT: KvLayout = KvLayout {
+        dtype: KvDtype::F32,
+        block_size: 2,
+        num_kv_heads: 1,
+        head_dim: 4,
+    };
+    const NUM_LAYERS: u32 = 2;
+
+    /// What the fake decode node was called with: the RPC, its traceparent, the xfer id and
+    /// the request id.
+    type Calls = Arc<Mutex<Vec<(&'static str, Option<String>, u64, String)>>>;
+
+    /// A decode node that answers Done and Cancel only.
+    #[derive(Clone, Default)]
+    struct FakeDecode {
+        calls: Calls,
+    }
+
+    type Tokens = Pin<Box<dyn Stream<Item = Result<v1::Token, Status>> + Send>>;
+
+    fn traceparent<T>(r: &Request<T>) -> Option<String> {
+        r.metadata()
+            .get(proto::TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    }
+
+    #[tonic::async_trait]
+    impl Decode for FakeDecode {
+        async fn reserve(
+            &self,
+            _: Request<v1::ReserveRequest>,
+        ) -> Result<Response<v1::ReserveResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        type StreamStream = Tokens;
+        async fn stream(&self, _: Request<v1::StreamRequest>) -> Result<Response<Tokens>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        type LocalGenerateStream = Tokens;
+        async fn local_generate(
+            &self,
+            _: Request<v1::LocalGenerateRequest>,
+        ) -> Result<Response<Tokens>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn done(
+            &self,
+            r: Request<v1::DoneRequest>,
+        ) -> Result<Response<v1::DoneResponse>, Status> {
+            let tp = traceparent(&r);
+            let xfer_id = r.into_inner().xfer_id;
+            self.calls
+                .lock()
+                .unwrap()
+                .push(("done", tp, xfer_id, String::new()));
+            Ok(Response::new(v1::DoneResponse {}))
+        }
+        async fn cancel(
+            &self,
+            r: Request<v1::CancelRequest>,
+        ) -> Result<Response<v1::CancelResponse>, Status> {
+            let tp = traceparent(&r);
+            let c = r.into_inner();
+            self.calls
+                .lock()
+                .unwrap()
+                .push(("cancel", tp, c.xfer_id, c.request_id));
+            Ok(Response::new(v1::CancelResponse { found: true }))
+        }
+        async fn info(
+            &self,
+            _: Request<v1::InfoRequest>,
+        ) -> Result<Response<v1::NodeInfo>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        async fn drain(
+            &self,
+            _: Request<v1::DrainRequest>,
+        ) -> Result<Response<v1::DrainResponse>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+        type CacheEventsStream = node_common::cache_events::CacheEventStream;
+        async fn cache_events(
+            &self,
+            _: Request<v1::CacheEventsRequest>,
+        ) -> Result<Response<Self::CacheEventsStream>, Status> {
+            Err(Status::unimplemented("fake"))
+        }
+    }
+
+    /// A fake decode node (gRPC) and a real KV receiver holding a reservation for xfer 7.
+    struct Peers {
+        decode_endpoint: String,
+        kv_endpoint: String,
+        calls: Calls,
+        stop: CancellationToken,
+    }
+
+    async fn peers() -> Peers {
+        let stop = CancellationToken::new();
+        let fake = FakeDecode::default();
+        let calls = Arc::clone(&fake.calls);
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let decode_endpoint = grpc.local_addr().unwrap().to_string();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(DecodeServer::new(fake))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                    stop.clone().cancelled_owned(),
+                ),
+        );
+        let kv = TcpServer::bind(([127, 0, 0, 1], 0).into(), TcpConfig::default())
+            .await
+            .unwrap();
+        let kv_endpoint = kv.local_addr().unwrap().to_string();
+        let registry = TransferRegistry::default();
+        registry
+            .register(Reservation {
+                xfer_id: 7,
+                epoch: 1,
+                block_ids: Arc::from(vec![0u32]),
+                num_layers: NUM_LAYERS,
+                layout: LAYOUT,
+            })
+            .await
+            .unwrap();
+        tokio::spawn(kv.serve(registry, Arc::new(DiscardSink::default()), stop.clone()));
+        Peers {
+            decode_endpoint,
+            kv_endpoint,
+            calls,
+            stop,
+        }
+    }
+
+    fn payload_len() -> usize {
+        2 * LAYOUT.block_bytes() as usize
+    }
+
+    /// Pushes both layers of one block to `xfer_id` inside a `kv_transfer` span.
+    async fn push_two_layers(p: &Peers, xfer_id: u64) -> Result<PushReport, PushError> {
+        let job = PushJob {
+            transport: Arc::new(Transport::Tcp(TcpTransport::default())),
+            clients: DecodeClients::default(),
+            dest: KvDestination {
+                kv_endpoint: p.kv_endpoint.clone(),
+                xfer_id,
+                epoch: 1,
+                block_ids: vec![0],
+                decode_endpoint: p.decode_endpoint.clone(),
+                ..Default::default()
+            },
+            num_layers: NUM_LAYERS,
+            layout: LAYOUT,
+            num_tokens: 2,
+            request_id: format!("req-{xfer_id}"),
+        };
+        let (layers_tx, layers_rx) = mpsc::unbounded_channel();
+        let (first_tx, first_rx) = oneshot::channel();
+        for layer in 0..NUM_LAYERS as usize {
+            layers_tx
+                .send(LayerPayload {
+                    layer,
+                    bytes: bytes::Bytes::from(vec![1u8; payload_len()]),
+                    computed_at: Instant::now(),
+                })
+                .unwrap();
+        }
+        drop(layers_tx);
+        first_tx.send(v1::Token::default()).unwrap();
+        let span = tracing::info_span!(
+            "kv_transfer",
+            request_id = job.request_id.as_str(),
+            bytes = tracing::field::Empty,
+            tail_ms = tracing::field::Empty,
+            error_type = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        run_push_task(job, layers_rx, first_rx)
+            .instrument(span)
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_push_traces_each_layer_under_its_kv_transfer_span() {
+        let capture = Captured::default();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let p = peers().await;
+        let report = push_two_layers(&p, 7).await.expect("pushed");
+        assert_eq!(report.kv_bytes, 2 * payload_len() as u64);
+        assert_eq!(p.calls.lock().unwrap()[0].0, "done");
+
+        let transfers = capture.named("kv_transfer");
+        assert_eq!(transfers.len(), 1);
+        let (index, transfer) = &transfers[0];
+        assert_eq!(
+            transfer.field("bytes"),
+            Some(&Value::I64(2 * payload_len() as i64))
+        );
+        assert_eq!(transfer.field("error_type"), None);
+        let layer_events: Vec<_> = transfer
+            .events
+            .iter()
+            .filter(|e| e.get("message").and_then(Value::as_str) == Some("layer sent"))
+            .collect();
+        assert_eq!(
+            layer_events.len(),
+            NUM_LAYERS as usize,
+            "one event per layer"
+        );
+        for e in layer_events {
+            assert_eq!(
+                e.get("target").and_then(Value::as_str),
+                Some(crate::TRACE_EVENTS_TARGET)
+            );
+            assert_eq!(e.get("bytes"), Some(&Value::I64(payload_len() as i64)));
+            assert!(matches!(e.get("layer"), Some(Value::I64(_))));
+            assert!(matches!(e.get("duration_ms"), Some(Value::F64(_))));
+        }
+        let sends = capture.named("kv_send_layer");
+        assert_eq!(sends.len(), NUM_LAYERS as usize);
+        for (_, s) in &sends {
+            assert_eq!(s.parent, Some(*index), "a child of kv_transfer");
+            assert_eq!(s.field("xfer_id"), Some(&Value::I64(7)));
+            assert_eq!(s.field("epoch"), Some(&Value::I64(1)));
+            assert!(matches!(s.field("layer"), Some(Value::I64(_))));
+            assert_eq!(
+                s.field("payload_bytes"),
+                Some(&Value::I64(payload_len() as i64))
+            );
+        }
+        p.stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_failed_push_marks_its_span_and_cancels_the_reservation() {
+        let capture = Captured::default();
+        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let p = peers().await;
+        // No reservation 8 on the receiver: every layer is refused.
+        let err = push_two_layers(&p, 8).await.err().expect("refused");
+        assert_eq!(err.code(), ErrorCode::KvTransfer, "{err}");
+        let (_, transfer) = capture.named("kv_transfer").remove(0);
+        assert_eq!(
+            transfer.field("error_type"),
+            Some(&Value::Str("kv_transfer".into()))
+        );
+        assert_eq!(
+            transfer.field("otel.status_code"),
+            Some(&Value::Str("ERROR".into()))
+        );
+        let calls = p.calls.lock().unwrap().clone();
+        assert_eq!(calls.len(), 1);
+        let (rpc, _, xfer_id, request_id) = &calls[0];
+        assert_eq!(
+            (*rpc, *xfer_id, request_id.as_str()),
+            ("cancel", 8, "req-8")
+        );
+        p.stop.cancel();
+    }
+
+    /// The cancel after a failed push carries the transfer's trace context, like Done does.
+    #[test]
+    fn the_cancel_after_a_failed_push_carries_the_trace() {
+        let (dispatch, guard) = telemetry::build(&telemetry::TelemetrySettings {
+            service_name: "fission-prefill-test".into(),
+            // Nothing listens there: spans get real contexts, and their export fails quietly.
+            otlp_endpoint: Some("http://127.0.0.1:9".into()),
+            default_filter: "off".into(),
+        })
+        .unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let calls = tracing::dispatcher::with_default(&dispatch, || {
+            runtime.block_on(async {
+                let p = peers().await;
+                push_two_layers(&p, 8).await.err().expect("refused");
+                p.stop.cancel();
+                let calls = p.calls.lock().unwrap().clone();
+                calls
+            })
+        });
+        drop(runtime);
+        drop(guard);
+        let (rpc, traceparent, _, _) = &calls[0];
+        assert_eq!(*rpc, "cancel");
+        assert!(
+            traceparent.as_deref().is_some_and(|t| t.starts_with("00-")),
+            "{traceparent:?}"
+        );
+    }
 }

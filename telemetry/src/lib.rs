@@ -8,7 +8,8 @@
 //! to trace; this crate decides how it leaves the process.
 //!
 //! With no endpoint, [`init`] installs only the logger: no span is exported, and the
-//! propagation helpers cost a failed downcast. With an endpoint, spans go to a bounded queue
+//! propagation helpers only forward a client's `traceparent` (one extension lookup per call),
+//! so traced nodes behind an untraced gateway still join the client's trace. With an endpoint, spans go to a bounded queue
 //! drained by a background thread; a dead collector makes that thread drop batches (dialling it
 //! again after a doubling pause, with one warning per outage), never the caller wait.
 

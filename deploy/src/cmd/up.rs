@@ -310,7 +310,7 @@ fn reap(procs: &mut Procs) -> Option<(String, std::process::ExitStatus)> {
 /// Each child reports as its own service: a user's `OTEL_SERVICE_NAME`, inherited as is, would
 /// file the gateway's and both pools' spans under one name.
 fn otel_child(cmd: &mut Command, service_name: &str, otlp_endpoint: Option<&str>) {
-    let _ = service_name; // TEMP-CHECK
+    cmd.env("OTEL_SERVICE_NAME", service_name);
     if let Some(endpoint) = otlp_endpoint {
         cmd.arg("--otlp-endpoint").arg(endpoint);
     }

@@ -411,6 +411,8 @@ async fn disaggregated(
     let decode_guard = InFlight::new(&decode);
     // 3. Prefill, pushing into the reserved blocks.
     let prefill_guard = InFlight::new(prefill);
+    // Watched from before the call: the node may die the moment it has answered.
+    let lost = prefill.watch_lost();
     let span = tracing::Span::current();
     span.record("decode_node", decode.entry.node_id.as_str());
     span.record("prefill_node", prefill.entry.node_id.as_str());
@@ -464,6 +466,14 @@ async fn disaggregated(
         cancel.fire();
         Box::pin(futures::stream::once(async move { Ok(first) }))
     } else {
+        let resume = Resume {
+            decodes: decodes.to_vec(),
+            request: r.clone(),
+            first_id: first.id,
+            cancel: cancel.clone(),
+            prefill_node: prefill.entry.node_id.clone(),
+        };
+        let rest = watch_push(Box::pin(rest), lost, resume);
         Box::pin(futures::stream::once(async move { Ok(first) }).chain(rest))
     };
     Ok(Box::pin(Guarded {
@@ -480,7 +490,77 @@ fn decode_failed(node: &Node, call: &str, s: &tonic::Status) {
     node.quarantine();
 }
 
+/// The decode stream after the first token, watched until its first item arrives. Until then
+/// the decode node is waiting for KV that the prefill node pushes after it has answered; if the
+/// prefill node dies in that window (its connection breaks), the push will never finish, and
+/// the decode node would only give up when the reservation's lease runs out. So the request is
+/// resumed instead: see [`Resume`].
+fn watch_push(
+    mut rest: TokenStream,
+    mut lost: tokio::sync::watch::Receiver<u64>,
+    resume: Resume,
+) -> TokenStream {
+    let continuation = async move {
+        let mut watching = true;
+        let head = loop {
+            tokio::select! {
+                biased;
+                item = rest.next() => break Some(item),
+                changed = lost.changed(), if watching => match changed {
+                    Ok(()) => break None,
+                    // The node left the pool cleanly; nothing more to watch.
+                    Err(_) => watching = false,
+                },
+            }
+        };
+        match head {
+            Some(item) => Box::pin(futures::stream::iter(item).chain(rest)) as TokenStream,
+            None => resume.run().await,
+        }
+    }
+    .instrument(tracing::Span::current());
+    Box::pin(futures::stream::once(continuation).flatten())
+}
+
+/// What it takes to resume a request whose prefill node died before its KV push finished:
+/// generate the rest on a decode node with the prompt plus the first token as the prompt.
+/// Positions are unchanged, and a request's random draws depend only on its seed and the
+/// position, so the tokens are those the interrupted run would have produced.
+struct Resume {
+    decodes: Vec<Arc<Node>>,
+    request: ValidRequest,
+    first_id: u32,
+    /// The interrupted reservation, released first.
+    cancel: RemoteCancel,
+    prefill_node: String,
+}
+
+impl Resume {
+    async fn run(self) -> TokenStream {
+        self.cancel.fire();
+        metrics::counter!("fission_gateway_resumed_total", "reason" => "prefill_lost").increment(1);
+        tracing::warn!(
+            request_id = %self.request.request_id,
+            prefill_node = %self.prefill_node,
+            "prefill node lost before its KV push finished; resuming on a decode node"
+        );
+        let mut r = self.request;
+        r.prompt_ids.push(self.first_id);
+        r.stopping.max_new_tokens = r.stopping.max_new_tokens.saturating_sub(1);
+        match colocated(&self.decodes, &r).await {
+            Ok(stream) => Box::pin(stream.map(|t| {
+                t.map(|mut t| {
+                    t.index += 1;
+                    t
+                })
+            })),
+            Err(e) => Box::pin(futures::stream::once(async move { Err(e) })),
+        }
+    }
+}
+
 /// Cancels a reservation or sequence on a decode node, without waiting.
+#[derive(Clone)]
 struct RemoteCancel {
     node: Arc<Node>,
     xfer_id: u64,

@@ -36,6 +36,10 @@ struct NodeState {
     quarantined_until: Mutex<Option<Instant>>,
     /// Stops this node's cache-event follower and probe when the node leaves.
     follower: CancellationToken,
+    /// Counts the times this node's `CacheEvents` stream broke with an error: the connection
+    /// died under it, as it does at once when the process is killed. Requests that depend on
+    /// work the node still does after answering (a KV push) watch it.
+    lost: watch::Sender<u64>,
 }
 
 /// One member with its client and load.
@@ -68,6 +72,11 @@ impl Node {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Changes when the connection to this node breaks; see [`NodeState::lost`].
+    pub fn watch_lost(&self) -> watch::Receiver<u64> {
+        self.state.lost.subscribe()
     }
 
     /// Requests the gateway is running on this node now.
@@ -202,13 +211,14 @@ impl Pools {
                     in_flight: AtomicUsize::new(0),
                     quarantined_until: Mutex::new(None),
                     follower: CancellationToken::new(),
+                    lost: watch::channel(0).0,
                 });
                 tokio::spawn(follow_cache(
                     index_key(m.role, &m.node_id),
                     m.role,
                     channel.clone(),
                     Arc::clone(&self.prefixes),
-                    state.follower.clone(),
+                    Arc::clone(&state),
                 ));
                 if !m.registered {
                     tokio::spawn(probe_until_answered(
@@ -326,8 +336,9 @@ async fn follow_cache(
     role: Role,
     channel: Channel,
     index: Arc<Mutex<PrefixIndex>>,
-    stop: CancellationToken,
+    state: Arc<NodeState>,
 ) {
+    let stop = state.follower.clone();
     let mut backoff = Duration::from_millis(200);
     loop {
         let call = async {
@@ -352,7 +363,16 @@ async fn follow_cache(
                     _ = stop.cancelled() => return,
                     m = stream.next() => m,
                 };
-                let Some(Ok(batch)) = msg else { break };
+                let batch = match msg {
+                    Some(Ok(batch)) => batch,
+                    Some(Err(status)) => {
+                        tracing::debug!(node = %key, %status, "cache-event stream broke");
+                        state.lost.send_modify(|n| *n += 1);
+                        break;
+                    }
+                    // A clean end: the node shut down after finishing its work.
+                    None => break,
+                };
                 backoff = Duration::from_millis(200);
                 let mut index = index.lock().unwrap_or_else(PoisonError::into_inner);
                 if batch.snapshot {
