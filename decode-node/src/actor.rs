@@ -7,22 +7,22 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use engine::engine::{Engine, Request, ScheduledSeq, StepObserver, TokenEvent};
+use engine::engine::{Engine, Request, TokenEvent};
 use engine::error::EngineError;
 use engine::ids::{BlockId, SeqId};
 use engine::sampling::SampledToken;
 use engine::stopping::FinishReason;
 use kvtransfer::KvTransferError;
 use proto::ErrorCode;
-use telemetry::OpenTelemetrySpanExt;
 use tokio::sync::{mpsc as tmpsc, oneshot};
-use tracing::span::EnteredSpan;
 use tracing::Span;
 
 use node_common::engine_state::EngineState;
+use node_common::failure::{mark_failed, Failure};
 use node_common::NodeError;
 
-use crate::errors::{self, Failure};
+use crate::metrics::ERRORS;
+use crate::spans::{decode_span, BatchSpan, SeqSpans, StepTracker};
 
 /// Tokens of one sequence, or the error that ended it.
 pub type TokenMsg = Result<TokenEvent, Failure>;
@@ -145,60 +145,6 @@ impl EngineHandle {
     }
 }
 
-/// The `decode` span of a sequence, a child of the caller's span: tokens and steps are recorded
-/// on it, with no span per token.
-fn decode_span(request_id: &str) -> Span {
-    tracing::info_span!(
-        "decode",
-        request_id,
-        tokens = tracing::field::Empty,
-        steps = tracing::field::Empty,
-        finish_reason = tracing::field::Empty,
-        error_type = tracing::field::Empty,
-        otel.status_code = tracing::field::Empty,
-    )
-}
-
-/// A running sequence's spans.
-struct SeqSpans {
-    span: Span,
-    /// Open from admission until the first step that includes the sequence.
-    queue_wait: Option<Span>,
-    steps: i64,
-    tokens: i64,
-    admitted: Instant,
-    /// When its last token was known: the gap to the next is its time per output token.
-    last_token_at: Option<Instant>,
-}
-
-impl SeqSpans {
-    fn new(span: Span, last_token_at: Option<Instant>) -> Self {
-        let queue_wait = Some(tracing::info_span!(parent: &span, "queue_wait"));
-        SeqSpans {
-            span,
-            queue_wait,
-            steps: 0,
-            tokens: 0,
-            admitted: Instant::now(),
-            last_token_at,
-        }
-    }
-
-    /// Records what the sequence did; `finish` is the finish reason, or why it ended.
-    fn end(self, finish: &str) {
-        self.span.record("tokens", self.tokens);
-        self.span.record("steps", self.steps);
-        self.span.record("finish_reason", finish);
-    }
-}
-
-/// The span of the current batch composition.
-struct BatchSpan {
-    span: Span,
-    members: Vec<SeqId>,
-    steps: i64,
-}
-
 struct Task {
     engine: Engine,
     streams: HashMap<SeqId, TokenTx>,
@@ -310,7 +256,7 @@ impl Task {
                         self.streams.insert(seq_id, tokens);
                         self.spans.insert(seq_id, SeqSpans::new(span, None));
                     }
-                    Err(e) => errors::mark_failed(&span, e.code()),
+                    Err(e) => mark_failed(&span, e.code()),
                 }
                 let _ = reply.send(result);
             }
@@ -346,7 +292,7 @@ impl Task {
             }
             Err(e) => {
                 // A received frame that failed, like one the data plane refuses.
-                errors::count(ErrorCode::KvTransfer);
+                ERRORS.count(ErrorCode::KvTransfer);
                 tracing::error!(%seq_id, layer, error = %e, "kv import failed");
                 self.poisoned.insert(
                     seq_id,
@@ -379,7 +325,7 @@ impl Task {
             None => self.engine.activate(seq_id, first).map_err(NodeError::from),
         };
         if let Err(e) = &result {
-            errors::mark_failed(span, e.code());
+            mark_failed(span, e.code());
         }
         result
     }
@@ -439,7 +385,7 @@ impl Task {
                 // Each stream counts its error where it ends.
                 tracing::error!(error = %e, "decode step failed");
                 for (_, s) in self.spans.drain() {
-                    errors::mark_failed(&s.span, ErrorCode::Internal);
+                    mark_failed(&s.span, ErrorCode::Internal);
                     s.end("error");
                 }
                 for (seq_id, tx) in self.streams.drain() {
@@ -477,109 +423,17 @@ impl Task {
     }
 }
 
-/// Follows one step: the batch span is that of the sequences the scheduler put in the step
-/// (waiting ones are not in it), and only those end their queue wait and count a step.
-struct StepTracker<'a> {
-    spans: &'a mut HashMap<SeqId, SeqSpans>,
-    batch: &'a mut Option<BatchSpan>,
-    /// The batch span, entered from scheduling until the step's tokens are handed out.
-    entered: Option<EnteredSpan>,
-    started: Instant,
-}
-
-impl StepObserver for StepTracker<'_> {
-    fn scheduled(&mut self, seqs: &[ScheduledSeq]) {
-        let mut members: Vec<SeqId> = seqs
-            .iter()
-            .map(|s| s.seq_id)
-            .filter(|id| self.spans.contains_key(id))
-            .collect();
-        members.sort_unstable();
-        if members.is_empty() {
-            *self.batch = None;
-            return;
-        }
-        // One span per batch composition, linked to the sequences in it (a root: a batch
-        // belongs to no single trace). A new one starts when a sequence joins or leaves; a
-        // span per step would cost more than a small model's step.
-        if self.batch.as_ref().is_none_or(|b| b.members != members) {
-            let span = tracing::info_span!(
-                parent: None,
-                "decode_batch",
-                sequences = members.len() as i64,
-                steps = tracing::field::Empty
-            );
-            for id in &members {
-                telemetry::add_link(&span, &self.spans[id].span.context());
-            }
-            // The previous batch span ends here.
-            *self.batch = Some(BatchSpan {
-                span,
-                members,
-                steps: 0,
-            });
-        }
-        let queue_time = metrics::histogram!("fission_decode_queue_time_seconds");
-        for s in seqs {
-            let Some(spans) = self.spans.get_mut(&s.seq_id) else {
-                continue;
-            };
-            if spans.queue_wait.take().is_some() {
-                queue_time.record(
-                    self.started
-                        .saturating_duration_since(spans.admitted)
-                        .as_secs_f64(),
-                );
-            }
-            spans.steps += 1;
-        }
-        if let Some(b) = self.batch.as_mut() {
-            b.steps += 1;
-            b.span.record("steps", b.steps);
-            self.entered = Some(b.span.clone().entered());
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
-
-    use clap::Parser;
-    use node_common::engine_args::EngineArgs;
+    use node_common::test_util::{local_recorder, stories_engine};
+    use testkit::metrics::sample;
+    use testkit::span_capture::{Captured, Value};
 
     use super::*;
-    use crate::span_capture::{Captured, Value};
-
-    #[derive(Parser)]
-    struct Args {
-        #[command(flatten)]
-        engine: EngineArgs,
-    }
-
-    fn stories_dir() -> PathBuf {
-        let root = std::env::var_os("FISSION_SHARED_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
-        root.join("models/stories260K")
-    }
 
     /// stories260K with blocks of 4 and a prefill budget of 8 tokens per step.
     fn task() -> Task {
-        let dir = stories_dir();
-        let args = Args::parse_from([
-            "decode",
-            "--model",
-            dir.to_str().expect("utf-8 path"),
-            "--num-kv-blocks",
-            "64",
-            "--block-size",
-            "4",
-            "--max-batch-prefill-tokens",
-            "8",
-        ]);
-        let model = args.engine.load_model().expect("stories260K loads");
-        Task::new(Engine::new(model, args.engine.engine_config()).expect("engine starts"))
+        Task::new(stories_engine())
     }
 
     /// Queues a local generation of `max_new_tokens` after an 8-token prompt.
@@ -602,12 +456,6 @@ mod tests {
         rx
     }
 
-    fn sample(text: &str, name: &str) -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or(0.0)
-    }
-
     fn field(capture: &Captured, span: &str, field: &str) -> Vec<Option<Value>> {
         capture
             .named(span)
@@ -620,10 +468,7 @@ mod tests {
     fn queue_time_and_steps_count_only_scheduled_sequences() {
         let mut t = task();
         let capture = Captured::default();
-        let recorder = telemetry::prometheus_builder()
-            .expect("buckets")
-            .build_recorder();
-        let metrics = recorder.handle();
+        let (recorder, metrics) = local_recorder();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
         metrics::with_local_recorder(&recorder, || {
             let _first = generate(&mut t, 1, 3);
@@ -666,10 +511,7 @@ mod tests {
     fn tokens_time_and_idle_batch_span() {
         let mut t = task();
         let capture = Captured::default();
-        let recorder = telemetry::prometheus_builder()
-            .expect("buckets")
-            .build_recorder();
-        let metrics = recorder.handle();
+        let (recorder, metrics) = local_recorder();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
         let (tx, rx) = mpsc::channel();
         metrics::with_local_recorder(&recorder, || {

@@ -6,14 +6,10 @@
 //! thread.
 
 mod actor;
-mod errors;
 mod metrics;
 mod service;
 mod sink;
-// Not every test reads every kind of field it records.
-#[cfg(test)]
-#[allow(dead_code)]
-mod span_capture;
+mod spans;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,6 +19,7 @@ use clap::Args;
 use kvtransfer::{KvServer, QuicConfig, QuicServer, TcpConfig, TcpServer, TransferRegistry};
 use node_common::engine_args::EngineArgs;
 use node_common::engine_state::EngineState;
+use node_common::grpc::{stop_server, GRPC_STOP_GRACE};
 use node_common::kv::{KvArgs, KvBackend};
 use node_common::membership::{node_record, ClusterArgs, Membership};
 use node_common::NodeError;
@@ -31,11 +28,9 @@ use proto::ErrorCode;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use actor::EngineHandle;
+use crate::metrics::ERRORS;
 
-/// How long a stopping gRPC server may wait for its connections to end before they are cut:
-/// a stream this node does not know how to end must not keep the process alive.
-const GRPC_STOP_GRACE: Duration = Duration::from_secs(10);
+pub use actor::EngineHandle;
 
 #[derive(Args, Debug, Clone)]
 pub struct DecodeConfig {
@@ -86,7 +81,7 @@ pub async fn run(
     // The data plane and /metrics outlive `shutdown`: a draining node still receives KV.
     let kv_shutdown = CancellationToken::new();
     // kvtransfer has no metrics of its own: a refused frame counts as this node's error.
-    let count_refusal = |_: &kvtransfer::KvTransferError| errors::count(ErrorCode::KvTransfer);
+    let count_refusal = |_: &kvtransfer::KvTransferError| ERRORS.count(ErrorCode::KvTransfer);
     let (kv_port, kv_task) = match config.kv.kv_transport {
         KvBackend::Quic => {
             let server =
@@ -160,45 +155,4 @@ pub async fn run(
     let _ = metrics_task.await;
     tracing::info!(%node_id, "decode node stopped");
     Ok(())
-}
-
-/// Waits for the gRPC server's graceful stop for at most `grace`, then cuts the connections
-/// left.
-async fn stop_server(
-    mut server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
-    grace: Duration,
-) -> Result<(), NodeError> {
-    match tokio::time::timeout(grace, &mut server).await {
-        Ok(joined) => joined
-            .map_err(|e| NodeError::Grpc(e.to_string()))?
-            .map_err(|e| NodeError::Grpc(e.to_string())),
-        Err(_) => {
-            tracing::warn!(
-                grace_ms = grace.as_millis() as u64,
-                "grpc server still had open connections after the grace period; closing them"
-            );
-            server.abort();
-            Ok(())
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_server_that_does_not_stop_is_cut_after_the_grace() {
-        let server = tokio::spawn(std::future::pending());
-        let abort = server.abort_handle();
-        tokio::time::timeout(
-            Duration::from_secs(5),
-            stop_server(server, Duration::from_millis(20)),
-        )
-        .await
-        .expect("bounded by the grace")
-        .expect("a cut server is not an error");
-        tokio::task::yield_now().await;
-        assert!(abort.is_finished(), "the server task is aborted");
-    }
 }

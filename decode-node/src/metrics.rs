@@ -3,6 +3,10 @@
 //! TPOT at the gateway.
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use node_common::failure::ErrorCounter;
+
+/// Failures, counted once each under `fission_decode_errors_total{error_type}`.
+pub const ERRORS: ErrorCounter = ErrorCounter::new("fission_decode_errors_total");
 
 pub fn describe() {
     describe_counter!(
@@ -10,7 +14,7 @@ pub fn describe() {
         "Sequences and reservations cancelled (client gone, Cancel RPC)."
     );
     describe_counter!(
-        crate::errors::ERRORS_TOTAL,
+        ERRORS.name(),
         "Failures by error_type: RPCs answered with an error, token streams ended by one, and received KV frames that failed (refused, or their import)."
     );
     describe_counter!(

@@ -13,7 +13,8 @@ use futures::Stream;
 use kvtransfer::{KvLayout as WireLayout, Reservation, TransferRegistry};
 use node_common::cache_events::{CacheEventLog, CacheEventStream};
 use node_common::convert;
-use node_common::membership::{WorkGuard, WorkTracker};
+use node_common::failure::Failure;
+use node_common::membership::{refuse_if_draining, WorkGuard, WorkTracker};
 use proto::v1::decode_server::Decode;
 use proto::v1::{self, reserve_response};
 use proto::ErrorCode;
@@ -23,7 +24,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, Span};
 
 use crate::actor::{EngineHandle, TokenMsg, TokenTx};
-use crate::errors::{self, Failure};
+use crate::metrics::ERRORS;
 
 /// A reservation whose KV is on its way.
 struct Pending {
@@ -90,21 +91,6 @@ impl DecodeService {
         node_common::kv::wire_layout(&self.layout)
     }
 
-    /// New work (a reservation, a local generation) is refused once the drain has started;
-    /// the gateway takes Unavailable as "try another node". Work already here carries on.
-    fn refuse_if_draining(&self, what: &str) -> Result<(), Failure> {
-        if self.drain.is_cancelled() {
-            return Err(Failure::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "decode node {} is draining and takes no new {what}",
-                    self.info.node_id
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Ends a reservation that will not be activated: frees its blocks, fences its KV writes
     /// and tells a waiting stream why.
     async fn abandon(
@@ -139,7 +125,7 @@ impl Decode for DecodeService {
         let trace = telemetry::extract_grpc(request.metadata());
         self.reserve_in(request.into_inner(), trace)
             .await
-            .map_err(|f| f.report(&Span::none()))
+            .map_err(|f| ERRORS.report(f, &Span::none()))
     }
 
     type StreamStream = TokenStream;
@@ -150,7 +136,7 @@ impl Decode for DecodeService {
     ) -> Result<Response<Self::StreamStream>, Status> {
         let span = stream_span(&request);
         self.stream_in(request.into_inner().xfer_id, span.clone())
-            .map_err(|f| f.report(&span))
+            .map_err(|f| ERRORS.report(f, &span))
     }
 
     type LocalGenerateStream = TokenStream;
@@ -162,7 +148,7 @@ impl Decode for DecodeService {
         let span = stream_span(&request);
         self.local_generate_in(request.into_inner(), span.clone())
             .await
-            .map_err(|f| f.report(&span))
+            .map_err(|f| ERRORS.report(f, &span))
     }
 
     async fn done(
@@ -171,7 +157,7 @@ impl Decode for DecodeService {
     ) -> Result<Response<v1::DoneResponse>, Status> {
         self.done_in(request.into_inner())
             .await
-            .map_err(|f| f.report(&Span::none()))
+            .map_err(|f| ERRORS.report(f, &Span::none()))
     }
 
     async fn cancel(
@@ -226,7 +212,7 @@ impl DecodeService {
         r: v1::ReserveRequest,
         trace: telemetry::Context,
     ) -> Result<Response<v1::ReserveResponse>, Failure> {
-        self.refuse_if_draining("reservations")?;
+        refuse_if_draining(&self.drain, &self.info, "reservations")?;
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let req = convert::request(
             seq_id,
@@ -363,7 +349,7 @@ impl DecodeService {
         span: Span,
     ) -> Result<Response<TokenStream>, Failure> {
         span.record("request_id", r.request_id.as_str());
-        self.refuse_if_draining("requests")?;
+        refuse_if_draining(&self.drain, &self.info, "requests")?;
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let req = convert::request(
             seq_id,
@@ -542,9 +528,7 @@ impl Stream for EngineTokens {
             Poll::Ready(Some(Err(why))) => {
                 self.guard.finished = true;
                 self.span.record("tokens", self.tokens);
-                errors::count(why.code);
-                errors::mark_failed(&self.span, why.code);
-                Poll::Ready(Some(Err(why.code.status(why.message))))
+                Poll::Ready(Some(Err(ERRORS.report(why, &self.span))))
             }
             Poll::Ready(None) => {
                 self.guard.finished = true;

@@ -3,35 +3,22 @@
 //! although a router still holds its never-ending CacheEvents stream open. A real decode node
 //! over real sockets, in-process.
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use clap::Parser;
-use decode_node::{DecodeConfig, DecodeListeners};
 use kvtransfer::{KvConnection, KvDtype, KvLayout, KvTransport, LayerHeader, TcpTransport};
-use proto::v1::decode_client::DecodeClient;
+use node_common::test_util::{
+    assert_drain_started, assert_exits_with_cache_events_open, assert_refused_as_draining,
+    follow_cache_events,
+};
 use proto::v1::{
     reserve_response, CacheEventsRequest, DoneRequest, DrainRequest, LocalGenerateRequest,
     ReserveRequest, StoppingCriteria, StreamRequest, Token,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
-
-#[derive(Parser)]
-struct Args {
-    #[command(flatten)]
-    config: DecodeConfig,
-}
-
-fn stories_dir() -> PathBuf {
-    let root = std::env::var_os("FISSION_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
-    root.join("models/stories260K")
-}
+use testkit::metrics::{assert_exposition, scrape};
 
 fn reserve_request() -> ReserveRequest {
     ReserveRequest {
@@ -44,18 +31,6 @@ fn reserve_request() -> ReserveRequest {
             ..Default::default()
         }),
     }
-}
-
-async fn get_metrics(addr: std::net::SocketAddr) -> String {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("request");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("response");
-    out.split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default()
 }
 
 /// Sends every layer of `r`'s reservation, zeros: their content does not matter here.
@@ -121,77 +96,27 @@ async fn check_metrics_while_draining(
     conn.send_layer(stray, Bytes::from(vec![0u8; 128]))
         .await
         .expect_err("refused");
-    let text = get_metrics(metrics_addr).await;
-    for line in [
-        "fission_decode_errors_total{error_type=\"kv_transfer\"} 1",
-        "fission_decode_errors_total{error_type=\"unavailable\"} 2",
-        "# TYPE fission_decode_prefix_cache_hit_blocks_total counter",
-    ] {
-        assert!(text.contains(line), "{line} in\n{text}");
-    }
-    if let Some(report) = testkit::promtool::check(&text).expect("promtool passes") {
-        println!("promtool check metrics: ok {report}");
-    }
+    assert_exposition(
+        &scrape(metrics_addr).await,
+        &[
+            "fission_decode_errors_total{error_type=\"kv_transfer\"} 1",
+            "fission_decode_errors_total{error_type=\"unavailable\"} 2",
+            "# TYPE fission_decode_prefix_cache_hit_blocks_total counter",
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
-    let dir = stories_dir();
-    let args = Args::parse_from([
-        "decode",
-        "--model",
-        dir.to_str().expect("utf-8 path"),
-        "--num-kv-blocks",
-        "32",
-        "--block-size",
-        "4",
-        "--kv-transport",
-        "tcp",
-    ]);
-    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let metrics = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let (addr, metrics_addr) = (
-        grpc.local_addr().expect("addr"),
-        metrics.local_addr().expect("addr"),
-    );
-    let shutdown = CancellationToken::new();
-    let mut node = tokio::spawn(decode_node::run(
-        args.config,
-        DecodeListeners {
-            grpc,
-            metrics,
-            kv_addr: "127.0.0.1:0".parse().expect("addr"),
-        },
-        shutdown.clone(),
-    ));
-    let mut client: DecodeClient<Channel> = loop {
-        if let Ok(c) = DecodeClient::connect(format!("http://{addr}")).await {
-            if c.clone().info(proto::v1::InfoRequest {}).await.is_ok() {
-                break c;
-            }
-        }
-        assert!(!node.is_finished(), "the node stopped during start-up");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let common::TestNode {
+        mut client,
+        metrics_addr,
+        task: mut node,
+        shutdown,
+    } = common::start(&["--num-kv-blocks", "32"]).await;
 
     // A router follows the node's cache events for as long as it lives.
-    let mut events = client
-        .cache_events(CacheEventsRequest {})
-        .await
-        .expect("cache events")
-        .into_inner();
-    assert!(
-        events
-            .message()
-            .await
-            .expect("snapshot")
-            .expect("snapshot")
-            .snapshot
-    );
+    let mut events = follow_cache_events(client.cache_events(CacheEventsRequest {}).await).await;
 
     // Work the node holds when the drain starts: a reservation with its stream open.
     let Some(reserve_response::Result::Reserved(kept)) = client
@@ -211,24 +136,12 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
         .expect("stream")
         .into_inner();
 
-    assert!(
-        client
-            .drain(DrainRequest {})
-            .await
-            .expect("drain")
-            .into_inner()
-            .started
-    );
+    assert_drain_started(client.drain(DrainRequest {}).await);
     let refused = client
         .reserve(reserve_request())
         .await
         .expect_err("no new reservation while draining");
-    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
-    assert!(
-        refused.message().contains("draining"),
-        "{}",
-        refused.message()
-    );
+    assert_refused_as_draining(&refused);
     let refused = client
         .local_generate(LocalGenerateRequest {
             request_id: "late".into(),
@@ -238,7 +151,7 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
         })
         .await
         .expect_err("no new local generation while draining");
-    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert_refused_as_draining(&refused);
 
     check_metrics_while_draining(&kept, metrics_addr).await;
 
@@ -270,18 +183,6 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
 
     // With nothing left, the node exits, well within its gRPC stop grace, although the
     // CacheEvents stream was never closed by its follower.
-    let started = Instant::now();
-    tokio::time::timeout(Duration::from_secs(5), &mut node)
-        .await
-        .expect("the drained node exits although a CacheEvents stream was open")
-        .expect("join")
-        .expect("clean shutdown");
-    assert!(started.elapsed() < Duration::from_secs(5));
-    // Its follower gets what was published before the stop, then the end of the stream.
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while let Ok(Some(_)) = events.message().await {}
-    })
-    .await
-    .expect("the cache events stream ends");
+    assert_exits_with_cache_events_open(&mut node, Duration::from_secs(5), &mut events).await;
     assert!(shutdown.is_cancelled());
 }

@@ -35,6 +35,8 @@ struct Cluster {
     url: String,
     /// node name -> metrics URL
     metrics: Vec<(String, String)>,
+    /// The `fission node start ...` command `fission up` prints for adding a node.
+    join: String,
 }
 
 impl Cluster {
@@ -98,11 +100,16 @@ impl Cluster {
         let out = child.stdout.take().expect("stdout");
         let mut metrics = Vec::new();
         let mut url = None;
+        let mut join = String::new();
         for line in BufReader::new(out).lines() {
             let line = line.expect("line");
             if let Some(rest) = line.strip_prefix("Fission is up: ") {
                 url = Some(rest.trim().to_string());
                 break;
+            }
+            if let Some(rest) = line.strip_prefix("add a node: ") {
+                join = rest.to_string();
+                continue;
             }
             if let Some((name, m)) = line.split_once(" grpc=") {
                 let m = m.split("metrics=").nth(1).expect("metrics url").to_string();
@@ -113,6 +120,7 @@ impl Cluster {
             child,
             url: url.unwrap_or_default(),
             metrics,
+            join,
         };
         // Dropping a cluster that did not come up stops whatever it started.
         if cluster.url.is_empty() {
@@ -321,6 +329,74 @@ async fn disaggregated_cluster_serves_reference_tokens() {
             println!("promtool check metrics ({component}): ok {report}");
         }
     }
+
+    // A node added with the command `fission up` printed joins the QUIC cluster (the shared
+    // dev-CA certificate), and serves once the original prefill node is drained.
+    let mut argv: Vec<String> = cluster
+        .join
+        .split_whitespace()
+        .map(|a| a.replace("decode|prefill", "prefill"))
+        .collect();
+    assert_eq!(
+        argv.first().map(String::as_str),
+        Some("fission"),
+        "{}",
+        cluster.join
+    );
+    assert!(cluster.join.contains("--tls-cert"), "{}", cluster.join);
+    argv.remove(0);
+    let etcd = argv[argv.iter().position(|a| a == "--etcd").expect("--etcd") + 1].clone();
+    let mut joined = Command::new(env!("CARGO_BIN_EXE_fission"))
+        .args(&argv)
+        .args(["--node-id", "prefill-joined", "--num-kv-blocks=512"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the printed command starts a node");
+    let mut announce = String::new();
+    BufReader::new(joined.stdout.take().expect("stdout"))
+        .read_line(&mut announce)
+        .expect("announce");
+    let joined_metrics = announce
+        .split("metrics=")
+        .nth(1)
+        .unwrap_or_else(|| panic!("node announces its metrics URL, got {announce:?}"))
+        .trim()
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !reqwest::blocking_get(&format!("{}/info", cluster.url)).contains("prefill-joined") {
+        assert!(
+            Instant::now() < deadline,
+            "the joined node never reached the gateway"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let drained = Command::new(env!("CARGO_BIN_EXE_fission"))
+        .args(["nodes", "drain", "prefill-0", "--etcd", &etcd])
+        .status()
+        .expect("fission nodes drain");
+    assert!(drained.success());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while reqwest::blocking_get(&format!("{}/info", cluster.url)).contains("\"prefill-0\"") {
+        assert!(Instant::now() < deadline, "prefill-0 never left");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ids = generate_ids(
+        &client,
+        &cluster.url,
+        refs[0]["prompt"].as_str().unwrap(),
+        16,
+    )
+    .await;
+    assert_eq!(ids, expected(&refs[0], 16));
+    let pushed = reqwest::blocking_get(&joined_metrics)
+        .lines()
+        .find(|l| l.starts_with("fission_prefill_kv_transfer_bytes_total"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(pushed > 0.0, "the joined node pushed KV over QUIC");
+    let _ = joined.kill();
+    let _ = joined.wait();
     drop(cluster);
 
     // Colocated (no prefill node): the same ids.

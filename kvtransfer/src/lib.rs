@@ -75,6 +75,8 @@ mod error;
 pub mod frame;
 mod layout;
 mod quic;
+#[cfg(test)]
+mod refusal_log;
 mod registry;
 mod sink;
 mod stream_io;

@@ -545,10 +545,9 @@ impl KvConnection for QuicConnection {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
     use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::refusal_log::RefusalLog;
     use crate::sink::DiscardSink;
     use crate::tls::generate_dev_ca;
 
@@ -557,15 +556,14 @@ mod tests {
         let ca = generate_dev_ca().unwrap();
         let server_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("decode-0").unwrap()).unwrap();
         let client_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("prefill-0").unwrap()).unwrap();
-        let refusals = Arc::new(Mutex::new(Vec::new()));
-        let seen = Arc::clone(&refusals);
+        let refusals = RefusalLog::default();
         let server = QuicServer::bind(
             ([127, 0, 0, 1], 0).into(),
             &server_tls,
             QuicConfig::default(),
         )
         .unwrap()
-        .on_refusal(move |e| seen.lock().unwrap().push(e.error_type()));
+        .on_refusal(refusals.observer());
         let endpoint = server.local_addr().unwrap().to_string();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(server.serve(
@@ -592,17 +590,7 @@ mod tests {
         let conn = transport.connect(&endpoint).await.unwrap();
         let payload = Bytes::from(vec![1u8; 2 * layout.block_bytes() as usize]);
         let err = conn.send_layer(header, payload).await.unwrap_err();
-        assert!(
-            matches!(
-                err,
-                KvTransferError::Rejected {
-                    verdict: Verdict::UnknownTransfer,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert_eq!(*refusals.lock().unwrap(), vec!["unknown_transfer"]);
+        refusals.assert_only_unknown_transfer(&err);
         shutdown.cancel();
         task.await.unwrap().unwrap();
     }

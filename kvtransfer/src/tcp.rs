@@ -438,10 +438,9 @@ impl KvConnection for TcpConnection {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
     use super::*;
     use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::refusal_log::RefusalLog;
     use crate::registry::Reservation;
     use crate::sink::DiscardSink;
 
@@ -466,12 +465,11 @@ mod tests {
 
     #[tokio::test]
     async fn refused_frames_reach_the_observer_and_accepted_ones_do_not() {
-        let refusals = Arc::new(Mutex::new(Vec::new()));
-        let seen = Arc::clone(&refusals);
+        let refusals = RefusalLog::default();
         let server = TcpServer::bind(([127, 0, 0, 1], 0).into(), TcpConfig::default())
             .await
             .unwrap()
-            .on_refusal(move |e| seen.lock().unwrap().push(e.error_type()));
+            .on_refusal(refusals.observer());
         let endpoint = server.local_addr().unwrap().to_string();
         let registry = TransferRegistry::default();
         let shutdown = CancellationToken::new();
@@ -499,17 +497,7 @@ mod tests {
             .send_layer(header(99, 0), payload.clone())
             .await
             .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                KvTransferError::Rejected {
-                    verdict: Verdict::UnknownTransfer,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert_eq!(*refusals.lock().unwrap(), vec!["unknown_transfer"]);
+        refusals.assert_only_unknown_transfer(&err);
         shutdown.cancel();
         task.await.unwrap().unwrap();
     }

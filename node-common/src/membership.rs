@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use clap::Args;
 use cluster::{EtcdConfig, KvLayout, NodeLoad, NodeRecord, Registration, RegistrationConfig, Role};
+use proto::ErrorCode;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::error::NodeError;
+use crate::failure::Failure;
 
 #[derive(Args, Debug, Clone)]
 pub struct ClusterArgs {
@@ -104,6 +106,25 @@ pub fn request_drain(
     tracing::info!(%node_id, started, "drain requested over gRPC");
     shutdown.cancel();
     proto::v1::DrainResponse { started }
+}
+
+/// New work (`what`: prompts, reservations, requests) is refused once the drain has started;
+/// the gateway takes Unavailable as "try another node". Work already here carries on.
+pub fn refuse_if_draining(
+    drain: &tokio_util::sync::CancellationToken,
+    info: &proto::v1::NodeInfo,
+    what: &str,
+) -> Result<(), Failure> {
+    if drain.is_cancelled() {
+        return Err(Failure::new(
+            ErrorCode::Unavailable,
+            format!(
+                "{} node {} is draining and takes no new {what}",
+                info.role, info.node_id
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The record a node registers, built from what it reports in `Info`.
@@ -238,6 +259,24 @@ impl Membership {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_draining_node_refuses_new_work_by_role_and_id() {
+        let drain = tokio_util::sync::CancellationToken::new();
+        let info = proto::v1::NodeInfo {
+            node_id: "decode-1".into(),
+            role: "decode".into(),
+            ..Default::default()
+        };
+        assert!(refuse_if_draining(&drain, &info, "reservations").is_ok());
+        drain.cancel();
+        let refused = refuse_if_draining(&drain, &info, "reservations").expect_err("draining");
+        assert_eq!(refused.code, ErrorCode::Unavailable);
+        assert_eq!(
+            refused.message,
+            "decode node decode-1 is draining and takes no new reservations"
+        );
+    }
 
     #[tokio::test]
     async fn drain_waits_for_tracked_work_and_the_engine() {

@@ -308,44 +308,11 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
-
-    use clap::Parser;
-    use node_common::engine_args::EngineArgs;
+    use node_common::test_util::{local_recorder, stories_engine};
+    use testkit::metrics::sample;
+    use testkit::span_capture::{Captured, Value};
 
     use super::*;
-    use crate::span_capture::{Captured, Value};
-
-    #[derive(Parser)]
-    struct Args {
-        #[command(flatten)]
-        engine: EngineArgs,
-    }
-
-    fn stories_dir() -> PathBuf {
-        let root = std::env::var_os("FISSION_SHARED_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
-        root.join("models/stories260K")
-    }
-
-    /// stories260K with blocks of 4 and a prefill budget of 8 tokens per step.
-    fn engine() -> Engine {
-        let dir = stories_dir();
-        let args = Args::parse_from([
-            "prefill",
-            "--model",
-            dir.to_str().expect("utf-8 path"),
-            "--num-kv-blocks",
-            "64",
-            "--block-size",
-            "4",
-            "--max-batch-prefill-tokens",
-            "8",
-        ]);
-        let model = args.engine.load_model().expect("stories260K loads");
-        Engine::new(model, args.engine.engine_config()).expect("engine starts")
-    }
 
     type Reply = oneshot::Receiver<Result<PrefillOutcome, EngineError>>;
 
@@ -390,20 +357,11 @@ mod tests {
         rx
     }
 
-    fn sample(text: &str, name: &str) -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or(0.0)
-    }
-
     #[test]
     fn queue_time_and_chunks_follow_the_scheduler_not_the_pending_set() {
-        let mut engine = engine();
+        let mut engine = stories_engine();
         let capture = Captured::default();
-        let recorder = telemetry::prometheus_builder()
-            .expect("buckets")
-            .build_recorder();
-        let metrics = recorder.handle();
+        let (recorder, metrics) = local_recorder();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
         metrics::with_local_recorder(&recorder, || {
             let mut pending = HashMap::new();
@@ -467,12 +425,9 @@ mod tests {
 
     #[test]
     fn queue_time_and_time_to_first_token_start_at_the_rpc_arrival() {
-        let mut engine = engine();
+        let mut engine = stories_engine();
         let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
-        let recorder = telemetry::prometheus_builder()
-            .expect("buckets")
-            .build_recorder();
-        let metrics = recorder.handle();
+        let (recorder, metrics) = local_recorder();
         let waited = Duration::from_millis(300);
         let mut pending = HashMap::new();
         // The RPC arrived a while before the engine thread got the command.
@@ -488,14 +443,11 @@ mod tests {
 
     #[test]
     fn prefix_cache_figures_are_counters() {
-        let mut engine = engine();
+        let mut engine = stories_engine();
         // Every test that runs traced code holds a subscriber of its own: a thread with none
         // can register a callsite as never-enabled under another test's feet.
         let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
-        let recorder = telemetry::prometheus_builder()
-            .expect("buckets")
-            .build_recorder();
-        let metrics = recorder.handle();
+        let (recorder, metrics) = local_recorder();
         metrics::with_local_recorder(&recorder, || {
             let mut pending = HashMap::new();
             for id in [1, 2] {

@@ -3,23 +3,18 @@
 //! the first token. It must not route requests or hold sequences past their first token.
 
 mod actor;
-mod errors;
 mod metrics;
 mod push;
 mod service;
-// Not every test reads every kind of field it records.
-#[cfg(test)]
-#[allow(dead_code)]
-mod span_capture;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
 
 use clap::Args;
 use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
 use node_common::engine_args::EngineArgs;
 use node_common::engine_state::EngineState;
+use node_common::grpc::{stop_server, GRPC_STOP_GRACE};
 use node_common::kv::{KvArgs, KvBackend};
 use node_common::membership::{node_record, ClusterArgs, Membership, WorkTracker};
 use node_common::NodeError;
@@ -33,10 +28,6 @@ pub const TRACE_EVENTS_TARGET: &str = "fission_trace_events";
 
 /// The log filter when `RUST_LOG` is unset.
 pub const LOG_FILTER: &str = "info,fission_trace_events=off";
-
-/// How long a stopping gRPC server may wait for its connections to end before they are cut:
-/// a stream this node does not know how to end must not keep the process alive.
-const GRPC_STOP_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Args, Debug, Clone)]
 pub struct PrefillConfig {
@@ -137,34 +128,13 @@ pub async fn run(
     Ok(())
 }
 
-/// Waits for the gRPC server's graceful stop for at most `grace`, then cuts the connections
-/// left.
-async fn stop_server(
-    mut server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
-    grace: Duration,
-) -> Result<(), NodeError> {
-    match tokio::time::timeout(grace, &mut server).await {
-        Ok(joined) => joined
-            .map_err(|e| NodeError::Grpc(e.to_string()))?
-            .map_err(|e| NodeError::Grpc(e.to_string())),
-        Err(_) => {
-            tracing::warn!(
-                grace_ms = grace.as_millis() as u64,
-                "grpc server still had open connections after the grace period; closing them"
-            );
-            server.abort();
-            Ok(())
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use testkit::span_capture::Captured;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::EnvFilter;
 
     use super::*;
-    use crate::span_capture::Captured;
 
     /// Events seen inside a span under `filter`, by message.
     fn seen_under(filter: &str) -> Vec<String> {
@@ -184,21 +154,6 @@ mod tests {
             .iter()
             .filter_map(|e| Some(e.get("message")?.as_str()?.to_owned()))
             .collect()
-    }
-
-    #[tokio::test]
-    async fn a_server_that_does_not_stop_is_cut_after_the_grace() {
-        let server = tokio::spawn(std::future::pending());
-        let abort = server.abort_handle();
-        tokio::time::timeout(
-            Duration::from_secs(5),
-            stop_server(server, Duration::from_millis(20)),
-        )
-        .await
-        .expect("bounded by the grace")
-        .expect("a cut server is not an error");
-        tokio::task::yield_now().await;
-        assert!(abort.is_finished(), "the server task is aborted");
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //! prefill tokens here and TTFT at the gateway.
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use node_common::failure::ErrorCounter;
+
+/// Failures, counted once each under `fission_prefill_errors_total{error_type}`.
+pub const ERRORS: ErrorCounter = ErrorCounter::new("fission_prefill_errors_total");
 
 pub fn describe() {
     describe_counter!(
@@ -20,7 +24,7 @@ pub fn describe() {
     );
     describe_counter!("fission_prefill_kv_transfers_total", "KV pushes completed.");
     describe_counter!(
-        crate::errors::ERRORS_TOTAL,
+        ERRORS.name(),
         "Failures by error_type: Prefill RPCs answered with an error, and KV pushes that failed."
     );
     describe_counter!(

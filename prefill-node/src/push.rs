@@ -190,7 +190,7 @@ pub async fn run_push_task(
         }
         Err(e) => {
             metrics::counter!("fission_prefill_kv_transfer_failures_total").increment(1);
-            crate::errors::failed(&span, e.code());
+            crate::metrics::ERRORS.failed(&span, e.code());
             tracing::warn!(xfer_id = job.dest.xfer_id, error_type = e.code().as_str(), error = %e, "kv push failed");
             // Carries this span's context; the call runs outside it (see `outside_span`).
             let cancel = telemetry::with_trace(v1::CancelRequest {
@@ -337,11 +337,11 @@ mod tests {
         TransferRegistry,
     };
     use proto::v1::decode_server::{Decode, DecodeServer};
+    use testkit::span_capture::{Captured, Value};
     use tokio_util::sync::CancellationToken;
     use tonic::{Request, Response, Status};
 
     use super::*;
-    use crate::span_capture::{Captured, Value};
 
     const LAYOUT: KvLayout = KvLayout {
         dtype: KvDtype::F32,

@@ -8,7 +8,8 @@ use engine::ids::SeqId;
 use engine::kv::cache::KvLayoutDesc;
 use node_common::cache_events::{CacheEventLog, CacheEventStream};
 use node_common::convert;
-use node_common::membership::WorkTracker;
+use node_common::failure::Failure;
+use node_common::membership::{refuse_if_draining, WorkTracker};
 use proto::v1::prefill_server::Prefill;
 use proto::v1::{self};
 use proto::ErrorCode;
@@ -18,7 +19,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::actor::{Arrival, EngineHandle};
-use crate::errors::Failure;
+use crate::metrics::ERRORS;
 use crate::push::{run_push_task, DecodeClients, PushJob, Transport};
 
 pub struct PrefillService {
@@ -78,7 +79,7 @@ impl Prefill for PrefillService {
         self.prefill_in(request.into_inner(), arrival)
             .instrument(span.clone())
             .await
-            .map_err(|f| f.report(&span))
+            .map_err(|f| ERRORS.report(f, &span))
     }
 
     async fn cancel(
@@ -123,16 +124,7 @@ impl PrefillService {
     ) -> Result<Response<v1::PrefillResponse>, Failure> {
         let span = arrival.span.clone();
         span.record("request_id", r.request_id.as_str());
-        if self.drain.is_cancelled() {
-            // The gateway takes Unavailable as "try another node".
-            return Err(Failure::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "prefill node {} is draining and takes no new prompts",
-                    self.info.node_id
-                ),
-            ));
-        }
+        refuse_if_draining(&self.drain, &self.info, "prompts")?;
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let num_tokens = r.prompt_ids.len();
         span.record("prompt_tokens", num_tokens as i64);

@@ -1,13 +1,18 @@
-//! Fixtures for tests and benchmarks: where the shared, read-only models live, and seeded
-//! random-weight Llama-family models written in the exact layout transformers reads.
+//! Fixtures for tests and benchmarks: where the shared, read-only models live, seeded
+//! random-weight Llama-family models written in the exact layout transformers reads, and what
+//! the services' tests share (a span capture, `/metrics` reading, start-up on real sockets).
 //!
-//! This crate writes files and nothing else. It must not depend on `engine` (the engine's tests
-//! use it to build the models they load, so it stays independent of the code under test) and
-//! does no networking, except `phoenix`, which starts a local trace backend and reads it back.
+//! It must not depend on `engine` or on the services (the engine's tests use it to build the
+//! models they load, so it stays independent of the code under test). Its networking is for
+//! tests only: `phoenix` starts a local trace backend and reads it back, `metrics` and
+//! `serving` talk to a service a test started on 127.0.0.1.
 
+pub mod metrics;
 pub mod phoenix;
 pub mod promtool;
 pub mod random_model;
+pub mod serving;
+pub mod span_capture;
 
 use std::path::PathBuf;
 

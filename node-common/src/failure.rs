@@ -1,13 +1,11 @@
-//! Where a failure on this node is counted and marked on its span, in one place. Counted once
-//! each, by the error table's code: RPCs answered with an error, token streams that end in one,
-//! and received KV frames that failed (refused by the data plane, or their import).
+//! Where a failure on a node is counted and marked on its span, in one place. Each node counts
+//! its failures once each, by the error table's code, under its own
+//! `fission_<role>_errors_total{error_type}`.
 
-use node_common::NodeError;
 use proto::ErrorCode;
 use tracing::Span;
 
-/// Counted under `fission_decode_errors_total{error_type}`.
-pub const ERRORS_TOTAL: &str = "fission_decode_errors_total";
+use crate::error::NodeError;
 
 /// A failed RPC or token stream: its code in the error table and the message the caller gets.
 #[derive(Debug, Clone)]
@@ -23,13 +21,6 @@ impl Failure {
             message: message.into(),
         }
     }
-
-    /// Counts the failure, marks `span` failed, and gives the gRPC status.
-    pub fn report(self, span: &Span) -> tonic::Status {
-        count(self.code);
-        mark_failed(span, self.code);
-        self.code.status(self.message)
-    }
 }
 
 impl From<NodeError> for Failure {
@@ -38,8 +29,37 @@ impl From<NodeError> for Failure {
     }
 }
 
-pub fn count(code: ErrorCode) {
-    metrics::counter!(ERRORS_TOTAL, "error_type" => code.as_str()).increment(1);
+/// A node's failure counter: the nodes differ only in its name.
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorCounter {
+    name: &'static str,
+}
+
+impl ErrorCounter {
+    pub const fn new(name: &'static str) -> Self {
+        ErrorCounter { name }
+    }
+
+    /// The metric's name, for its description.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn count(&self, code: ErrorCode) {
+        metrics::counter!(self.name, "error_type" => code.as_str()).increment(1);
+    }
+
+    /// Counts one failure of `code` and marks `span` failed.
+    pub fn failed(&self, span: &Span, code: ErrorCode) {
+        self.count(code);
+        mark_failed(span, code);
+    }
+
+    /// Counts `failure`, marks `span` failed, and gives the gRPC status.
+    pub fn report(&self, failure: Failure, span: &Span) -> tonic::Status {
+        self.failed(span, failure.code);
+        failure.code.status(failure.message)
+    }
 }
 
 /// `error_type` for people, and `otel.status_code`, which tracing-opentelemetry turns into the
@@ -51,28 +71,30 @@ pub fn mark_failed(span: &Span, code: ErrorCode) {
 
 #[cfg(test)]
 mod tests {
+    use testkit::span_capture::{Captured, Value};
+
     use super::*;
-    use crate::span_capture::{Captured, Value};
+    use crate::test_util::local_recorder;
 
     #[test]
     fn a_reported_failure_is_counted_and_marks_its_span() {
+        const ERRORS: ErrorCounter = ErrorCounter::new("fission_test_errors_total");
         let capture = Captured::default();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
-        let recorder = telemetry::prometheus_builder()
-            .expect("buckets")
-            .build_recorder();
-        let metrics = recorder.handle();
+        let (recorder, metrics) = local_recorder();
         let status = metrics::with_local_recorder(&recorder, || {
             let span = tracing::info_span!(
                 "rpc",
                 error_type = tracing::field::Empty,
                 otel.status_code = tracing::field::Empty,
             );
-            Failure::new(
-                ErrorCode::InputTooLong,
-                "prompt has 9 tokens, the limit is 8",
+            ERRORS.report(
+                Failure::new(
+                    ErrorCode::InputTooLong,
+                    "prompt has 9 tokens, the limit is 8",
+                ),
+                &span,
             )
-            .report(&span)
         });
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
         assert_eq!(status.message(), "prompt has 9 tokens, the limit is 8");
@@ -87,6 +109,6 @@ mod tests {
         );
         assert!(metrics
             .render()
-            .contains("fission_decode_errors_total{error_type=\"input_too_long\"} 1"));
+            .contains("fission_test_errors_total{error_type=\"input_too_long\"} 1"));
     }
 }

@@ -1,5 +1,5 @@
-//! Test only: a `tracing` layer that keeps every span's name, fields (with their types), parent
-//! and events, and whether it closed, so tests can check what an exported trace would hold.
+//! A `tracing` layer that keeps every span's name, fields (with their types), parent and
+//! events, and whether it closed, so tests can check what an exported trace would hold.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
