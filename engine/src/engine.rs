@@ -125,6 +125,8 @@ pub struct Engine {
     reserved: HashMap<SeqId, disagg::Reservation>,
     /// The most blocks reservations may hold at once.
     max_reserved_blocks: usize,
+    /// The step's plan as observers see it; kept so a step does not allocate it anew.
+    scheduled: Vec<ScheduledSeq>,
 }
 
 impl Engine {
@@ -191,6 +193,7 @@ impl Engine {
             states: HashMap::new(),
             block_size: cfg.block_size,
             preemptions: 0,
+            scheduled: Vec::new(),
             max_input_tokens: cfg
                 .max_input_tokens
                 .unwrap_or(mc.max_context)
@@ -340,17 +343,15 @@ impl Engine {
     ) -> Result<Vec<TokenEvent>> {
         let plan = self.scheduler.schedule();
         self.preemptions += plan.preempted.len() as u64;
-        let scheduled: Vec<ScheduledSeq> = plan
-            .items
-            .iter()
-            .map(|item| ScheduledSeq {
+        self.scheduled.clear();
+        self.scheduled
+            .extend(plan.items.iter().map(|item| ScheduledSeq {
                 seq_id: item.seq_id,
                 num_tokens: item.token_ids.len(),
                 is_prefill: item.is_prefill,
                 samples: item.sample,
-            })
-            .collect();
-        observer.scheduled(&scheduled);
+            }));
+        observer.scheduled(&self.scheduled);
         if plan.items.is_empty() {
             return Ok(Vec::new());
         }

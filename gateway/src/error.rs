@@ -169,9 +169,14 @@ struct ErrorBody {
 
 impl IntoResponse for GatewayError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.code().http_status())
-            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(self.reported())).into_response()
+        let code = self.code();
+        let status =
+            StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (status, axum::Json(self.reported())).into_response();
+        // For the request span (see `server::http_request_span`): the code travels with the
+        // response, so nothing has to read the body back.
+        response.extensions_mut().insert(code);
+        response
     }
 }
 

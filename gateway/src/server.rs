@@ -6,7 +6,6 @@
 //! `GET /health`, `POST /tokenize`, `GET /metrics` and `GET /v1/models`. Unknown routes get a JSON
 //! 404.
 
-use axum::body::{Body, HttpBody};
 use axum::extract::{Request, State};
 use axum::http::{header, Method, Uri};
 use axum::middleware::Next;
@@ -50,7 +49,7 @@ pub fn app(state: AppState) -> Router {
 /// its child and outlives it while the stream is written. `request_id` and the prompt's sizes
 /// are recorded once validation made them ([`AppState::generate`]).
 ///
-/// An error answer records the body's `error_type`; a server error (5xx) also marks the span
+/// An error answer records its `error_type`; a server error (5xx) also marks the span
 /// failed (`otel.status_code = "ERROR"`). Client errors (a 422, a 429) leave the status unset,
 /// as OpenTelemetry's HTTP conventions ask of server spans: the request was refused, the
 /// service did not fail, and `error_type` still finds them. Errors after a stream started are
@@ -80,41 +79,17 @@ async fn http_request_span(
     if !(status.is_client_error() || status.is_server_error()) {
         return response;
     }
-    let (response, error_type) = error_type_of(response).await;
     if status.is_server_error() {
         span.record("otel.status_code", "ERROR");
     }
-    span.record("error_type", error_type.as_deref().unwrap_or("unknown"));
+    // Set by `GatewayError::into_response`; an error that is not ours (a framework rejection)
+    // has none.
+    let error_type = response
+        .extensions()
+        .get::<proto::ErrorCode>()
+        .map_or("unknown", |code| code.error_type());
+    span.record("error_type", error_type);
     response
-}
-
-/// The `error_type` of an error response, read back from its `{"error", "error_type"}` body.
-/// Error bodies are small and already complete, and only failed requests pay for this; a body
-/// of unknown or large size (not one of ours) is passed on untouched.
-async fn error_type_of(response: Response) -> (Response, Option<String>) {
-    const MAX_ERROR_BODY_BYTES: u64 = 64 * 1024;
-    let (parts, body) = response.into_parts();
-    let small = HttpBody::size_hint(&body)
-        .exact()
-        .is_some_and(|n| n <= MAX_ERROR_BODY_BYTES);
-    if !small {
-        return (Response::from_parts(parts, body), None);
-    }
-    match axum::body::to_bytes(body, MAX_ERROR_BODY_BYTES as usize).await {
-        Ok(bytes) => {
-            let error_type = serde_json::from_slice::<ErrorTypeOnly>(&bytes)
-                .ok()
-                .map(|b| b.error_type);
-            (Response::from_parts(parts, Body::from(bytes)), error_type)
-        }
-        // A complete in-memory body does not fail to read.
-        Err(_) => (Response::from_parts(parts, Body::empty()), None),
-    }
-}
-
-#[derive(Deserialize)]
-struct ErrorTypeOnly {
-    error_type: String,
 }
 
 #[derive(Debug, Serialize)]

@@ -47,6 +47,10 @@ pub struct Node {
     pub entry: NodeEntry,
     pub channel: Channel,
     state: Arc<NodeState>,
+    /// The node's key in the published loads and its name in the prefix index
+    /// ([`index_key`]), made once: routing looks both up for every candidate of every request.
+    key: NodeKey,
+    index_key: String,
 }
 
 impl Node {
@@ -242,6 +246,8 @@ impl Pools {
         nodes.insert(
             m.key(),
             Arc::new(Node {
+                key: m.key(),
+                index_key: index_key(m.role, &m.node_id),
                 entry: m,
                 channel,
                 state,
@@ -257,7 +263,7 @@ impl Pools {
             .values()
             .cloned()
             .collect();
-        v.sort_by(|a, b| a.entry.key().cmp(&b.entry.key()));
+        v.sort_by(|a, b| a.key.cmp(&b.key));
         v
     }
 
@@ -273,7 +279,7 @@ impl Pools {
     pub fn load(&self, node: &Node) -> Option<NodeLoad> {
         self.loads
             .as_ref()
-            .and_then(|rx| rx.borrow().get(&node.entry.key()).copied())
+            .and_then(|rx| rx.borrow().get(&node.key).copied())
     }
 
     /// Block hashes `node` is known to hold in its prefix cache.
@@ -281,7 +287,7 @@ impl Pools {
         self.prefixes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .num_blocks(&index_key(node.entry.role, &node.entry.node_id))
+            .num_blocks(&node.index_key)
     }
 
     /// Leading blocks of `hashes` that `node` holds in its prefix cache.
@@ -289,7 +295,7 @@ impl Pools {
         self.prefixes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .overlap_blocks(&index_key(node.entry.role, &node.entry.node_id), hashes)
+            .overlap_blocks(&node.index_key, hashes)
     }
 }
 
