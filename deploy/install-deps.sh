@@ -43,7 +43,12 @@ if ! command -v cargo >/dev/null 2>&1; then
     export PATH="$HOME/.cargo/bin:$PATH"
   else
     echo "installing the Rust toolchain with rustup" >&2
-    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component rustfmt
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component rustfmt,clippy
     export PATH="$HOME/.cargo/bin:$PATH"
   fi
+fi
+# The tests run clippy: a toolchain installed without it gets it here.
+if ! cargo clippy --version >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; then
+  echo "adding clippy to the Rust toolchain" >&2
+  rustup component add clippy
 fi

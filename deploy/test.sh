@@ -12,6 +12,8 @@ export FISSION_REQUIRE_TEST_TOOLS=1
 if cargo fmt --version >/dev/null 2>&1; then
   cargo fmt --all -- --check
 fi
-# Tests run in release: the engine tests execute real model forwards.
+# Tests run in release: the engine tests execute real model forwards. Clippy checks the same
+# profile, so it shares the build's dependencies.
 cargo build --workspace --release --all-targets
-cargo test --workspace --release
+cargo clippy --workspace --all-targets --release -- -D warnings
+cargo test --workspace --release --no-fail-fast

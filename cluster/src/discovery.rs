@@ -1,20 +1,21 @@
-//! Following the cluster's members (through [`follow_prefix`]): the accepted records as a
-//! snapshot and as a change stream. The last known membership stays in place while etcd is
+//! Following the cluster's members (through [`follow_prefix`]): every registered record is
+//! read, [`Admission`] decides which are members, and the members are published as a snapshot
+//! and as a [`ClusterChange`] stream. The last known membership stays in place while etcd is
 //! unreachable.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{Event, EventType, KeyValue};
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use crate::admission::{Admission, Refusal};
 use crate::error::ClusterError;
 use crate::etcd::EtcdConfig;
 use crate::prefix_watch::{follow_prefix, PrefixFollower};
-use crate::record::{nodes_prefix, KvLayout, NodeRecord, Role};
+use crate::record::{key_identity, nodes_prefix, NodeKey, NodeRecord, Role};
 
 /// A membership snapshot, sorted by key (role, then node id).
 pub type Members = Arc<Vec<NodeRecord>>;
@@ -23,38 +24,12 @@ pub type Members = Arc<Vec<NodeRecord>>;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClusterChange {
     Add(NodeRecord),
+    /// Same node, new record (draining, capacity, endpoint).
     Update(NodeRecord),
-    Remove { role: Role, node_id: String },
-}
-
-/// Which records count as members. A record that fails the filter is logged and left out.
-#[derive(Debug, Clone, Default)]
-pub struct MembershipFilter {
-    pub expected_fingerprint: Option<String>,
-    pub expected_layout: Option<KvLayout>,
-}
-
-impl MembershipFilter {
-    /// Why `record` is not a member, or `None` when it is.
-    pub fn rejects(&self, record: &NodeRecord) -> Option<String> {
-        if let Some(expected) = &self.expected_fingerprint {
-            if &record.model_fingerprint != expected {
-                return Some(format!(
-                    "model_fingerprint {:?} differs from expected {:?}",
-                    record.model_fingerprint, expected
-                ));
-            }
-        }
-        if let Some(expected) = &self.expected_layout {
-            if &record.kv_layout != expected {
-                return Some(format!(
-                    "kv_layout {:?} differs from expected {:?}",
-                    record.kv_layout, expected
-                ));
-            }
-        }
-        None
-    }
+    Remove {
+        role: Role,
+        node_id: String,
+    },
 }
 
 /// What to follow.
@@ -63,10 +38,9 @@ pub struct DiscoveryConfig {
     pub etcd: EtcdConfig,
     /// Follow one role only; `None` follows both.
     pub role: Option<Role>,
-    pub filter: MembershipFilter,
-    /// Capacity of the change broadcast; a receiver that falls further behind gets `Lagged`
-    /// and should re-read [`EtcdDiscovery::members`].
-    pub change_capacity: usize,
+    /// The model every member must serve, when the follower knows it (a gateway with the
+    /// weights); otherwise the model most registered nodes serve. See [`crate::admission`].
+    pub expected_fingerprint: Option<String>,
 }
 
 impl DiscoveryConfig {
@@ -74,16 +48,26 @@ impl DiscoveryConfig {
         DiscoveryConfig {
             etcd,
             role: None,
-            filter: MembershipFilter::default(),
-            change_capacity: 256,
+            expected_fingerprint: None,
         }
     }
 }
 
+/// The admitted members and the subscribers to their changes, updated together so that a new
+/// subscriber's snapshot and the changes after it neither overlap nor leave a gap.
+#[derive(Default)]
+struct Published {
+    members: BTreeMap<NodeKey, NodeRecord>,
+    // Unbounded: membership changes are few and small, and a subscriber must never lose one
+    // (a lost Remove would keep routing to a node that is gone).
+    subscribers: Vec<mpsc::UnboundedSender<ClusterChange>>,
+}
+
 /// Follows the members in etcd. Dropping it stops the watch task.
 pub struct EtcdDiscovery {
+    published: Arc<Mutex<Published>>,
     members_rx: watch::Receiver<Members>,
-    changes_tx: broadcast::Sender<ClusterChange>,
+    refused_rx: watch::Receiver<Arc<Vec<Refusal>>>,
     _task_guard: DropGuard,
 }
 
@@ -93,14 +77,16 @@ impl EtcdDiscovery {
     pub async fn start(config: DiscoveryConfig) -> Result<EtcdDiscovery, ClusterError> {
         let client = config.etcd.connect().await?;
         let (members_tx, members_rx) = watch::channel(Arc::new(Vec::new()));
-        let (changes_tx, _) = broadcast::channel(config.change_capacity.max(1));
+        let (refused_tx, refused_rx) = watch::channel(Arc::new(Vec::new()));
+        let published = Arc::new(Mutex::new(Published::default()));
         let cancel = CancellationToken::new();
         let prefix = nodes_prefix(&config.etcd.cluster, config.role);
         let follower = MemberFollower {
-            filter: config.filter,
-            known: BTreeMap::new(),
+            registered: BTreeMap::new(),
+            admission: Admission::new(config.expected_fingerprint),
+            published: Arc::clone(&published),
             members_tx,
-            changes_tx: changes_tx.clone(),
+            refused_tx,
         };
         tokio::spawn(follow_prefix(
             client,
@@ -110,8 +96,9 @@ impl EtcdDiscovery {
             cancel.clone(),
         ));
         Ok(EtcdDiscovery {
+            published,
             members_rx,
-            changes_tx,
+            refused_rx,
             _task_guard: cancel.drop_guard(),
         })
     }
@@ -121,113 +108,119 @@ impl EtcdDiscovery {
         self.members_rx.clone()
     }
 
-    /// Changes from now on. To start from a consistent view, subscribe first and then read
-    /// [`EtcdDiscovery::members`]: a change may then appear in both, never in neither.
-    pub fn subscribe(&self) -> broadcast::Receiver<ClusterChange> {
-        self.changes_tx.subscribe()
+    /// The registered nodes that are not members, and why; replaced on every change.
+    pub fn refused(&self) -> watch::Receiver<Arc<Vec<Refusal>>> {
+        self.refused_rx.clone()
+    }
+
+    /// The members now, as `Add`s, then every later change in order. The stream ends when the
+    /// discovery is dropped.
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<ClusterChange> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut published = lock(&self.published);
+        for r in published.members.values() {
+            let _ = tx.send(ClusterChange::Add(r.clone()));
+        }
+        published.subscribers.push(tx);
+        rx
     }
 }
 
-/// The accepted members under the nodes prefix.
+fn lock(p: &Mutex<Published>) -> std::sync::MutexGuard<'_, Published> {
+    // Nothing panics while holding it; if something did, the map is still whole.
+    p.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Every registered record under the nodes prefix, and the members among them.
 struct MemberFollower {
-    filter: MembershipFilter,
-    /// Accepted members by key.
-    known: BTreeMap<String, NodeRecord>,
+    registered: BTreeMap<NodeKey, NodeRecord>,
+    admission: Admission,
+    published: Arc<Mutex<Published>>,
     members_tx: watch::Sender<Members>,
-    changes_tx: broadcast::Sender<ClusterChange>,
+    refused_tx: watch::Sender<Arc<Vec<Refusal>>>,
 }
 
 impl PrefixFollower for MemberFollower {
     fn reset(&mut self, kvs: &[KeyValue]) {
-        let mut fresh = BTreeMap::new();
-        for kv in kvs {
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            if let Some(record) = self.accept(&key, kv.value()) {
-                fresh.insert(key, record);
-            }
-        }
-        let changes = diff(&self.known, &fresh);
-        self.known = fresh;
-        self.publish(changes);
-        tracing::debug!(members = self.known.len(), "etcd members loaded");
+        self.registered = kvs
+            .iter()
+            .filter_map(|kv| parse(kv.key(), kv.value()))
+            .map(|r| (r.key(), r))
+            .collect();
+        self.publish();
+        tracing::debug!(registered = self.registered.len(), "etcd members loaded");
     }
 
     fn apply(&mut self, events: &[Event]) {
-        let mut changes = Vec::new();
         for event in events {
             let Some(kv) = event.kv() else { continue };
-            let key = String::from_utf8_lossy(kv.key()).into_owned();
-            let accepted = match event.event_type() {
-                EventType::Put => self.accept(&key, kv.value()),
+            let Some(id) = key_identity(kv.key()) else {
+                continue;
+            };
+            let record = match event.event_type() {
+                EventType::Put => parse(kv.key(), kv.value()),
                 EventType::Delete => None,
             };
-            match (accepted, self.known.remove(&key)) {
-                (Some(record), None) => {
-                    changes.push(ClusterChange::Add(record.clone()));
-                    self.known.insert(key, record);
-                }
-                (Some(record), Some(old)) => {
-                    if record != old {
-                        changes.push(ClusterChange::Update(record.clone()));
-                    }
-                    self.known.insert(key, record);
-                }
-                (None, Some(old)) => changes.push(ClusterChange::Remove {
-                    role: old.role,
-                    node_id: old.node_id,
-                }),
-                (None, None) => {}
-            }
+            match record {
+                Some(r) => self.registered.insert(id, r),
+                None => self.registered.remove(&id),
+            };
         }
-        self.publish(changes);
+        self.publish();
     }
 
     fn interrupted(&self, prefix: &str, error: &ClusterError, retry_in: Duration) {
         tracing::warn!(
             %prefix,
             %error,
-            members = self.known.len(),
+            members = self.members_tx.borrow().len(),
             retry_in_ms = retry_in.as_millis() as u64,
             "etcd discovery interrupted, keeping the last known members"
         );
     }
 }
 
-impl MemberFollower {
-    /// Parses and filters one record; `None` (with a warning) when it is not a member.
-    fn accept(&self, key: &str, value: &[u8]) -> Option<NodeRecord> {
-        let record: NodeRecord = match serde_json::from_slice(value) {
-            Ok(record) => record,
-            Err(error) => {
-                tracing::warn!(%key, %error, "node record does not parse, ignoring it");
-                return None;
-            }
-        };
-        if let Some(why) = self.filter.rejects(&record) {
-            tracing::warn!(node_id = %record.node_id, role = %record.role, %why, "node excluded from membership");
-            return None;
-        }
-        Some(record)
-    }
-
-    fn publish(&self, changes: Vec<ClusterChange>) {
-        if changes.is_empty() {
-            return;
-        }
-        let members: Vec<NodeRecord> = self.known.values().cloned().collect();
-        self.members_tx.send_replace(Arc::new(members));
-        for change in changes {
-            tracing::info!(?change, "cluster membership changed");
-            // No receivers is fine: the snapshot above is the source of truth.
-            let _ = self.changes_tx.send(change);
+/// One record; `None` (with a warning) when it does not parse.
+fn parse(key: &[u8], value: &[u8]) -> Option<NodeRecord> {
+    match serde_json::from_slice(value) {
+        Ok(record) => Some(record),
+        Err(error) => {
+            let key = String::from_utf8_lossy(key);
+            tracing::warn!(%key, %error, "node record does not parse, ignoring it");
+            None
         }
     }
 }
 
-/// The changes that turn `old` into `new`.
+impl MemberFollower {
+    /// Re-admits, then sends the members' changes to every subscriber.
+    fn publish(&mut self) {
+        let members = self.admission.admit(&self.registered);
+        let refused: Vec<Refusal> = self.admission.refused().cloned().collect();
+        if **self.refused_tx.borrow() != refused {
+            self.refused_tx.send_replace(Arc::new(refused));
+        }
+        let mut published = lock(&self.published);
+        let changes = diff(&published.members, &members);
+        if changes.is_empty() {
+            return;
+        }
+        published.members = members;
+        self.members_tx
+            .send_replace(Arc::new(published.members.values().cloned().collect()));
+        for change in changes {
+            tracing::info!(?change, "cluster membership changed");
+            published
+                .subscribers
+                .retain(|tx| tx.send(change.clone()).is_ok());
+        }
+    }
+}
+
+/// The changes that turn `old` into `new`: adds and updates in key order, then removals.
 fn diff(
-    old: &BTreeMap<String, NodeRecord>,
-    new: &BTreeMap<String, NodeRecord>,
+    old: &BTreeMap<NodeKey, NodeRecord>,
+    new: &BTreeMap<NodeKey, NodeRecord>,
 ) -> Vec<ClusterChange> {
     let mut changes = Vec::new();
     for (key, record) in new {
@@ -237,11 +230,11 @@ fn diff(
             Some(_) => {}
         }
     }
-    for (key, record) in old {
-        if !new.contains_key(key) {
+    for (role, node_id) in old.keys() {
+        if !new.contains_key(&(*role, node_id.clone())) {
             changes.push(ClusterChange::Remove {
-                role: record.role,
-                node_id: record.node_id.clone(),
+                role: *role,
+                node_id: node_id.clone(),
             });
         }
     }
@@ -250,6 +243,8 @@ fn diff(
 
 #[cfg(test)]
 mod tests {
+    use kv_types::{KvDtype, KvLayout};
+
     use super::*;
 
     fn record(id: &str, fingerprint: &str) -> NodeRecord {
@@ -261,10 +256,10 @@ mod tests {
             kv_endpoint: "127.0.0.1:2".into(),
             model_id: "m".into(),
             model_fingerprint: fingerprint.into(),
-            block_size: 16,
             kv_layout: KvLayout {
-                dtype: "f16".into(),
+                dtype: KvDtype::F16,
                 num_layers: 2,
+                block_size: 16,
                 num_kv_heads: 2,
                 head_dim: 64,
             },
@@ -274,19 +269,18 @@ mod tests {
         }
     }
 
+    fn map(rs: &[NodeRecord]) -> BTreeMap<NodeKey, NodeRecord> {
+        rs.iter().map(|r| (r.key(), r.clone())).collect()
+    }
+
     #[test]
     fn diff_reports_add_update_remove() {
-        let mut old = BTreeMap::new();
-        old.insert("a".to_string(), record("a", "f"));
-        old.insert("b".to_string(), record("b", "f"));
-        let mut new = BTreeMap::new();
+        let old = map(&[record("a", "f"), record("b", "f")]);
         let mut b = record("b", "f");
         b.draining = true;
-        new.insert("b".to_string(), b.clone());
-        new.insert("c".to_string(), record("c", "f"));
-        let changes = diff(&old, &new);
+        let new = map(&[b.clone(), record("c", "f")]);
         assert_eq!(
-            changes,
+            diff(&old, &new),
             vec![
                 ClusterChange::Update(b),
                 ClusterChange::Add(record("c", "f")),
@@ -296,19 +290,46 @@ mod tests {
                 },
             ]
         );
+        assert!(diff(&new, &new).is_empty());
     }
 
     #[test]
-    fn filter_names_the_mismatch() {
-        let filter = MembershipFilter {
-            expected_fingerprint: Some("f".into()),
-            expected_layout: Some(record("x", "f").kv_layout),
+    fn a_subscriber_gets_the_members_then_each_change_once() {
+        let (members_tx, _) = watch::channel(Arc::new(Vec::new()));
+        let (refused_tx, _) = watch::channel(Arc::new(Vec::new()));
+        let published = Arc::new(Mutex::new(Published::default()));
+        let mut follower = MemberFollower {
+            registered: map(&[record("a", "f"), record("odd", "g"), record("b", "f")]),
+            admission: Admission::new(Some("f".into())),
+            published: Arc::clone(&published),
+            members_tx,
+            refused_tx: refused_tx.clone(),
         };
-        assert!(filter.rejects(&record("a", "f")).is_none());
-        let why = filter.rejects(&record("a", "g")).unwrap();
-        assert!(why.contains("model_fingerprint"), "{why}");
-        let mut other = record("a", "f");
-        other.kv_layout.head_dim = 128;
-        assert!(filter.rejects(&other).unwrap().contains("kv_layout"));
+        follower.publish();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        for r in lock(&published).members.values() {
+            tx.send(ClusterChange::Add(r.clone())).unwrap();
+        }
+        lock(&published).subscribers.push(tx);
+        follower.registered.remove(&(Role::Decode, "a".to_string()));
+        follower.publish();
+        let mut got = Vec::new();
+        while let Ok(c) = rx.try_recv() {
+            got.push(c);
+        }
+        assert_eq!(
+            got,
+            vec![
+                ClusterChange::Add(record("a", "f")),
+                ClusterChange::Add(record("b", "f")),
+                ClusterChange::Remove {
+                    role: Role::Decode,
+                    node_id: "a".into()
+                },
+            ]
+        );
+        let refused = refused_tx.borrow();
+        assert_eq!(refused.len(), 1);
+        assert!(refused[0].reason.contains("fingerprint"), "{refused:?}");
     }
 }

@@ -2,6 +2,7 @@ use std::time::Duration;
 
 /// Everything that can go wrong in this crate.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClusterError {
     #[error("etcd {op} failed: {source}")]
     Etcd {

@@ -2,7 +2,9 @@
 //!
 //! A node keeps a [`NodeRecord`] alive under a lease through a [`Registration`] handle and
 //! publishes its load under a separate key prefix; the gateway follows the members through
-//! [`EtcdDiscovery`], as whole snapshots and as a [`ClusterChange`] stream.
+//! [`EtcdDiscovery`], as whole snapshots and as a [`ClusterChange`] stream. Which registered
+//! nodes are members (same model, KV layout and transport) is decided here, once, for every
+//! consumer.
 //!
 //! Key layout, for a cluster named `c`:
 //! - `/fission/c/nodes/{role}/{node_id}`: the JSON [`NodeRecord`], attached to the node's lease.
@@ -11,6 +13,7 @@
 //! This crate knows etcd and the record format only. It must not touch models, KV blocks or
 //! request routing: consumers decide what a member means.
 
+mod admission;
 mod discovery;
 mod error;
 mod etcd;
@@ -21,11 +24,12 @@ mod prefix_watch;
 mod record;
 mod registration;
 
-pub use discovery::{ClusterChange, DiscoveryConfig, EtcdDiscovery, Members, MembershipFilter};
+pub use admission::Refusal;
+pub use discovery::{ClusterChange, DiscoveryConfig, EtcdDiscovery, Members};
 pub use error::ClusterError;
 pub use etcd::EtcdConfig;
 pub use fingerprint::model_fingerprint;
 pub use load::{list_nodes, LoadWatch, Loads, NodeStatus};
 pub use local_etcd::LocalEtcd;
-pub use record::{KvLayout, NodeKey, NodeLoad, NodeRecord, Role};
+pub use record::{NodeKey, NodeLoad, NodeRecord, Role};
 pub use registration::{Registration, RegistrationConfig};

@@ -41,6 +41,11 @@ impl LocalEtcd {
         format!("http://127.0.0.1:{}", self.client_port)
     }
 
+    /// How to reach it, for the cluster named `cluster`.
+    pub fn config(&self, cluster: &str) -> crate::EtcdConfig {
+        crate::EtcdConfig::new(vec![self.endpoint()], cluster)
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }

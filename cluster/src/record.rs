@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use kv_types::KvLayout;
 use serde::{Deserialize, Serialize};
 
 /// The part a node plays in disaggregated serving.
@@ -27,16 +28,6 @@ impl fmt::Display for Role {
     }
 }
 
-/// How a node lays out one KV block. Two nodes can only exchange blocks when these match.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvLayout {
-    /// For example `"f16"` or `"bf16"`.
-    pub dtype: String,
-    pub num_layers: u32,
-    pub num_kv_heads: u32,
-    pub head_dim: u32,
-}
-
 /// One node's membership record, stored as JSON under [`NodeRecord::key`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRecord {
@@ -51,8 +42,7 @@ pub struct NodeRecord {
     pub model_id: String,
     /// Identifies the exact weights; nodes with different fingerprints must not share KV.
     pub model_fingerprint: String,
-    /// Tokens per KV block.
-    pub block_size: u32,
+    /// The KV cache geometry (block size included): nodes exchange KV only when theirs match.
     pub kv_layout: KvLayout,
     pub total_kv_blocks: u64,
     /// The KV-transfer backend the node speaks (`quic` or `tcp`): a prefill node can only push
@@ -64,7 +54,13 @@ pub struct NodeRecord {
 }
 
 impl NodeRecord {
-    pub fn key(&self, cluster: &str) -> String {
+    /// The node's identity: its role and id.
+    pub fn key(&self) -> NodeKey {
+        (self.role, self.node_id.clone())
+    }
+
+    /// Where the record lives in etcd.
+    pub fn etcd_key(&self, cluster: &str) -> String {
         node_key(cluster, self.role, &self.node_id)
     }
 
@@ -124,8 +120,8 @@ mod tests {
     #[test]
     fn records_without_a_transport_still_parse() {
         let json = r#"{"node_id":"n","role":"decode","version":"0","grpc_endpoint":"a:1",
-            "kv_endpoint":"a:2","model_id":"m","model_fingerprint":"f","block_size":16,
-            "kv_layout":{"dtype":"f32","num_layers":2,"num_kv_heads":2,"head_dim":8},
+            "kv_endpoint":"a:2","model_id":"m","model_fingerprint":"f",
+            "kv_layout":{"dtype":"f32","num_layers":2,"block_size":16,"num_kv_heads":2,"head_dim":8},
             "total_kv_blocks":10,"draining":false}"#;
         let r: NodeRecord = serde_json::from_str(json).unwrap();
         assert_eq!(r.kv_transport, "");

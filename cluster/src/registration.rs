@@ -95,7 +95,7 @@ impl Registration {
 
         let node_id = record.node_id.clone();
         let actor = RegistrationActor {
-            key: record.key(&config.etcd.cluster),
+            key: record.etcd_key(&config.etcd.cluster),
             client,
             config,
             record,

@@ -1,27 +1,30 @@
 //! Registration and discovery against a real etcd.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::{Duration, Instant};
 
 use cluster::{
-    ClusterChange, DiscoveryConfig, EtcdDiscovery, MembershipFilter, NodeLoad, Registration,
+    ClusterChange, DiscoveryConfig, EtcdDiscovery, LocalEtcd, NodeLoad, Registration,
     RegistrationConfig, Role,
 };
-use common::{next_change, record, wait_members, EtcdServer};
+use common::{next_change, record, start_etcd, wait_members};
 
 const WAIT: Duration = Duration::from_secs(5);
 
-fn reg_config(etcd: &EtcdServer, ttl_s: i64) -> RegistrationConfig {
+fn reg_config(etcd: &LocalEtcd, ttl_s: i64) -> RegistrationConfig {
     let mut config = RegistrationConfig::new(etcd.config("test"));
     config.lease_ttl_s = ttl_s;
     config.load_publish_interval_ms = 100;
     config
 }
 
-async fn discovery(etcd: &EtcdServer, filter: MembershipFilter) -> EtcdDiscovery {
+async fn discovery(etcd: &LocalEtcd, expected_fingerprint: Option<&str>) -> EtcdDiscovery {
     let mut config = DiscoveryConfig::new(etcd.config("test"));
-    config.filter = filter;
+    config.expected_fingerprint = expected_fingerprint.map(str::to_string);
     EtcdDiscovery::start(config)
         .await
         .expect("discovery starts")
@@ -29,8 +32,8 @@ async fn discovery(etcd: &EtcdServer, filter: MembershipFilter) -> EtcdDiscovery
 
 #[tokio::test]
 async fn two_nodes_register_update_and_revoke() -> anyhow::Result<()> {
-    let etcd = EtcdServer::start().await?;
-    let disco = discovery(&etcd, MembershipFilter::default()).await;
+    let etcd = start_etcd()?;
+    let disco = discovery(&etcd, None).await;
     let mut changes = disco.subscribe();
     let mut members = disco.members();
 
@@ -59,17 +62,17 @@ async fn two_nodes_register_update_and_revoke() -> anyhow::Result<()> {
         running_sequences: 1,
     });
     let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await?;
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let resp = client.get("/fission/test/load/prefill/p1", None).await?;
-        if let Some(kv) = resp.kvs().first() {
-            let load: NodeLoad = serde_json::from_slice(kv.value())?;
-            assert_eq!(load.free_blocks, 7);
-            break;
+    testkit::wait_until_async("the load published", WAIT, || {
+        let mut client = client.clone();
+        async move {
+            let resp = client.get("/fission/test/load/prefill/p1", None).await;
+            resp.ok()
+                .and_then(|r| r.kvs().first().map(|kv| kv.value().to_vec()))
+                .and_then(|v| serde_json::from_slice::<NodeLoad>(&v).ok())
+                .is_some_and(|load| load.free_blocks == 7)
         }
-        anyhow::ensure!(Instant::now() < deadline, "load never published");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
 
     // 2. draining shows up as an Update.
     d.set_draining(true).await?;
@@ -111,8 +114,8 @@ async fn two_nodes_register_update_and_revoke() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn dead_node_expires_within_ttl() -> anyhow::Result<()> {
-    let etcd = EtcdServer::start().await?;
-    let disco = discovery(&etcd, MembershipFilter::default()).await;
+    let etcd = start_etcd()?;
+    let disco = discovery(&etcd, None).await;
     let mut members = disco.members();
     let ttl_s = 3;
     let reg =
@@ -130,8 +133,8 @@ async fn dead_node_expires_within_ttl() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn survives_etcd_outage_and_reregisters() -> anyhow::Result<()> {
-    let mut etcd = EtcdServer::start().await?;
-    let disco = discovery(&etcd, MembershipFilter::default()).await;
+    let mut etcd = start_etcd()?;
+    let disco = discovery(&etcd, None).await;
     let mut members = disco.members();
     let reg = Registration::start(reg_config(&etcd, 2), record("d1", Role::Decode, "fp")).await?;
     wait_members(&mut members, WAIT, |m| m.len() == 1).await?;
@@ -141,7 +144,7 @@ async fn survives_etcd_outage_and_reregisters() -> anyhow::Result<()> {
         .expect("registered");
 
     // 5. etcd dies: membership is kept through the outage.
-    etcd.kill();
+    etcd.stop();
     tokio::time::timeout(WAIT, lease_rx.wait_for(|l| l.is_none())).await??;
     tokio::time::sleep(Duration::from_secs(3)).await; // the outage itself, longer than the ttl
     assert_eq!(
@@ -151,7 +154,7 @@ async fn survives_etcd_outage_and_reregisters() -> anyhow::Result<()> {
     );
 
     // etcd comes back on the same ports and data dir.
-    etcd.restart().await?;
+    etcd.restart()?;
     let back = Instant::now();
     let lease = tokio::time::timeout(WAIT, lease_rx.wait_for(|l| l.is_some()))
         .await??
@@ -169,31 +172,38 @@ async fn survives_etcd_outage_and_reregisters() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
-async fn filter_excludes_other_fingerprints() -> anyhow::Result<()> {
-    let etcd = EtcdServer::start().await?;
-    let filter = MembershipFilter {
-        expected_fingerprint: Some("good".into()),
-        expected_layout: Some(record("x", Role::Decode, "good").kv_layout),
-    };
-    let disco = discovery(&etcd, filter).await;
+async fn admission_excludes_other_models_and_layouts() -> anyhow::Result<()> {
+    let etcd = start_etcd()?;
+    let disco = discovery(&etcd, Some("good")).await;
+    let refused = disco.refused();
     let mut members = disco.members();
-    let mut changes = disco.subscribe();
     let bad =
         Registration::start(reg_config(&etcd, 5), record("bad", Role::Decode, "other")).await?;
     let mut odd_layout = record("odd", Role::Decode, "good");
     odd_layout.kv_layout.head_dim = 128;
     let odd = Registration::start(reg_config(&etcd, 5), odd_layout).await?;
     // Registration returns before its put lands: wait until the refused two are in etcd, so
-    // that the good one is registered after them.
+    // that the good ones are registered after them.
     for reg in [&bad, &odd] {
         tokio::time::timeout(WAIT, reg.lease_watch().wait_for(|l| l.is_some())).await??;
     }
+    // Alone with the cluster's model, the odd node defines the layout for now.
+    wait_members(&mut members, WAIT, |m| {
+        m.len() == 1 && m[0].node_id == "odd"
+    })
+    .await?;
+    let mut changes = disco.subscribe();
     let good =
         Registration::start(reg_config(&etcd, 5), record("good", Role::Decode, "good")).await?;
+    let good2 =
+        Registration::start(reg_config(&etcd, 5), record("good2", Role::Decode, "good")).await?;
 
-    // 6. only the matching node is a member. Wait for the good one, then make sure the others
-    // (registered before it) never showed up.
-    let snapshot = wait_members(&mut members, WAIT, |m| !m.is_empty()).await?;
+    // 6. two nodes with the common layout outnumber the odd one, which leaves; the node with
+    // another model is never a member.
+    let snapshot = wait_members(&mut members, WAIT, |m| {
+        m.iter().map(|r| r.node_id.as_str()).collect::<Vec<_>>() == ["good", "good2"]
+    })
+    .await?;
     let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await?;
     let all = client
         .get(
@@ -201,15 +211,44 @@ async fn filter_excludes_other_fingerprints() -> anyhow::Result<()> {
             Some(etcd_client::GetOptions::new().with_prefix()),
         )
         .await?;
-    assert_eq!(all.kvs().len(), 3, "all three are in etcd");
-    assert_eq!(snapshot.len(), 1);
-    assert_eq!(snapshot[0].node_id, "good");
+    assert_eq!(all.kvs().len(), 4, "all four are in etcd");
+    assert_eq!(snapshot.len(), 2);
+    let reasons: Vec<(String, String)> = refused
+        .borrow()
+        .iter()
+        .map(|r| (r.record.node_id.clone(), r.reason.clone()))
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .any(|(id, why)| id == "bad" && why.contains("fingerprint")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|(id, why)| id == "odd" && why.contains("KV layout")),
+        "{reasons:?}"
+    );
+    // The subscriber saw the odd node as a member first, then its removal.
+    let mut seen = Vec::new();
     while let Ok(change) = changes.try_recv() {
-        assert_eq!(
-            change,
-            ClusterChange::Add(record("good", Role::Decode, "good"))
-        );
+        seen.push(change);
     }
-    drop(good);
+    assert!(
+        matches!(seen.first(), Some(ClusterChange::Add(r)) if r.node_id == "odd"),
+        "{seen:?}"
+    );
+    assert!(
+        seen.contains(&ClusterChange::Remove {
+            role: Role::Decode,
+            node_id: "odd".into()
+        }),
+        "{seen:?}"
+    );
+    assert!(!seen
+        .iter()
+        .any(|c| matches!(c, ClusterChange::Add(r) if r.node_id == "bad")));
+    drop((good, good2));
     Ok(())
 }

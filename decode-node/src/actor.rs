@@ -3,7 +3,6 @@
 //! a transfer's layer imports before the activation that reads them.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -12,12 +11,14 @@ use engine::error::EngineError;
 use engine::ids::{BlockId, SeqId};
 use engine::sampling::SampledToken;
 use engine::stopping::FinishReason;
+use kv_types::TransferId;
 use kvtransfer::KvTransferError;
 use proto::ErrorCode;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 use tracing::Span;
 
 use node_common::engine_state::EngineState;
+use node_common::engine_thread::{self, Commands, EngineTask};
 use node_common::failure::{mark_failed, Failure};
 use node_common::NodeError;
 
@@ -34,6 +35,7 @@ enum Command {
         reply: oneshot::Sender<Result<Vec<BlockId>, EngineError>>,
     },
     Import {
+        xfer_id: TransferId,
         seq_id: SeqId,
         layer: usize,
         blocks: Vec<BlockId>,
@@ -59,40 +61,36 @@ enum Command {
 
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
+    commands: Commands<Command>,
 }
 
 impl EngineHandle {
     /// Starts the engine thread. It ends when every handle is dropped.
     pub fn spawn(engine: Engine, state: EngineState) -> Self {
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("decode-engine".into())
-            .spawn(move || run_engine_task(engine, state, rx))
-            .expect("spawning the engine thread");
-        EngineHandle { tx }
-    }
-
-    fn send(&self, c: Command) -> Result<(), NodeError> {
-        self.tx.send(c).map_err(|_| NodeError::EngineStopped)
+        EngineHandle {
+            commands: engine_thread::spawn("decode-engine", Task::new(engine, state)),
+        }
     }
 
     pub async fn reserve(&self, req: Request) -> Result<Vec<BlockId>, NodeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Reserve { req, reply })?;
-        Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
+        Ok(self
+            .commands
+            .call(|reply| Command::Reserve { req, reply })
+            .await??)
     }
 
     /// Queues one received layer for import; the engine thread drops it if the reservation
     /// is gone by then (cancelled or expired), so freed blocks are never written.
     pub fn import(
         &self,
+        xfer_id: TransferId,
         seq_id: SeqId,
         layer: usize,
         blocks: Vec<BlockId>,
         payload: Bytes,
     ) -> Result<(), NodeError> {
-        self.send(Command::Import {
+        self.commands.send(Command::Import {
+            xfer_id,
             seq_id,
             layer,
             blocks,
@@ -112,15 +110,15 @@ impl EngineHandle {
     ) -> Result<Option<FinishReason>, NodeError> {
         let span = decode_span(request_id);
         telemetry::set_parent(&span, trace);
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Activate {
-            seq_id,
-            first,
-            tokens,
-            reply,
-            span,
-        })?;
-        rx.await.map_err(|_| NodeError::EngineStopped)?
+        self.commands
+            .call(|reply| Command::Activate {
+                seq_id,
+                first,
+                tokens,
+                reply,
+                span,
+            })
+            .await?
     }
 
     pub async fn generate(
@@ -129,24 +127,26 @@ impl EngineHandle {
         tokens: TokenTx,
         request_id: &str,
     ) -> Result<(), NodeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Generate {
-            req,
-            tokens,
-            reply,
-            span: decode_span(request_id),
-        })?;
-        rx.await.map_err(|_| NodeError::EngineStopped)?
+        let span = decode_span(request_id);
+        self.commands
+            .call(|reply| Command::Generate {
+                req,
+                tokens,
+                reply,
+                span,
+            })
+            .await?
     }
 
     /// Cancels a sequence or reservation; unknown ids are ignored.
     pub fn cancel(&self, seq_id: SeqId) {
-        let _ = self.send(Command::Cancel { seq_id });
+        let _ = self.commands.send(Command::Cancel { seq_id });
     }
 }
 
 struct Task {
     engine: Engine,
+    state: EngineState,
     streams: HashMap<SeqId, TokenTx>,
     spans: HashMap<SeqId, SeqSpans>,
     /// Open while the same sequences run; none while the engine is idle.
@@ -155,65 +155,24 @@ struct Task {
     poisoned: HashMap<SeqId, KvTransferError>,
 }
 
-fn run_engine_task(engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
-    let mut t = Task::new(engine);
-    // The idle engine's figures, before the loop blocks waiting for work: routers read free
-    // blocks from this, and a node that reported none would never be picked.
-    state.publish(&mut t.engine, 0);
-    // Test-only: slows every step so tests can act mid-generation on a tiny model.
-    let step_delay = std::env::var("FISSION_DEBUG_STEP_DELAY_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(std::time::Duration::from_millis);
-    loop {
-        let Ok(first) = t.next_command(&rx) else {
-            return;
-        };
-        if let Some(c) = first {
-            t.handle(c);
-            while let Ok(c) = rx.try_recv() {
-                t.handle(c);
-            }
-        }
-        if t.engine.has_work() {
-            t.step();
-            if let Some(d) = step_delay {
-                std::thread::sleep(d);
-            }
-        }
-        t.publish_gauges();
-        state.publish(&mut t.engine, 0);
-    }
+/// `FISSION_DEBUG_STEP_DELAY_MS`: slows every step so tests can act mid-generation on a tiny
+/// model. A test failpoint: only builds with the `failpoints` feature read it.
+#[cfg(feature = "failpoints")]
+fn step_delay() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("FISSION_DEBUG_STEP_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(std::time::Duration::from_millis)
+    })
 }
 
-impl Task {
-    fn new(mut engine: Engine) -> Self {
-        engine.enable_cache_events();
-        Task {
-            engine,
-            streams: HashMap::new(),
-            spans: HashMap::new(),
-            batch: None,
-            poisoned: HashMap::new(),
-        }
-    }
+impl EngineTask for Task {
+    type Command = Command;
 
-    /// Whatever command is queued while there is work; otherwise blocks for the next one,
-    /// ending the batch span first (it would otherwise stay open, idle, until the next batch
-    /// starts). `Err` once every handle is gone.
-    fn next_command(
-        &mut self,
-        rx: &mpsc::Receiver<Command>,
-    ) -> Result<Option<Command>, mpsc::RecvError> {
-        if self.engine.has_work() {
-            return match rx.try_recv() {
-                Ok(c) => Ok(Some(c)),
-                Err(mpsc::TryRecvError::Empty) => Ok(None),
-                Err(mpsc::TryRecvError::Disconnected) => Err(mpsc::RecvError),
-            };
-        }
-        self.batch = None;
-        rx.recv().map(Some)
+    fn engine(&mut self) -> &mut Engine {
+        &mut self.engine
     }
 
     fn handle(&mut self, c: Command) {
@@ -222,11 +181,12 @@ impl Task {
                 let _ = reply.send(self.engine.reserve(req));
             }
             Command::Import {
+                xfer_id,
                 seq_id,
                 layer,
                 blocks,
                 payload,
-            } => self.import(seq_id, layer, &blocks, &payload),
+            } => self.import(xfer_id, seq_id, layer, &blocks, &payload),
             Command::Activate {
                 seq_id,
                 first,
@@ -273,7 +233,46 @@ impl Task {
         }
     }
 
-    fn import(&mut self, seq_id: SeqId, layer: usize, blocks: &[BlockId], payload: &Bytes) {
+    fn step(&mut self) {
+        self.step_batch();
+        #[cfg(feature = "failpoints")]
+        if let Some(d) = step_delay() {
+            std::thread::sleep(d);
+        }
+    }
+
+    fn publish(&mut self) {
+        self.publish_gauges();
+        self.state.publish(&mut self.engine, 0);
+    }
+
+    /// Ends the batch span: it would otherwise stay open, idle, until the next batch starts.
+    fn idle(&mut self) {
+        self.batch = None;
+    }
+}
+
+impl Task {
+    fn new(mut engine: Engine, state: EngineState) -> Self {
+        engine.enable_cache_events();
+        Task {
+            engine,
+            state,
+            streams: HashMap::new(),
+            spans: HashMap::new(),
+            batch: None,
+            poisoned: HashMap::new(),
+        }
+    }
+
+    fn import(
+        &mut self,
+        xfer_id: TransferId,
+        seq_id: SeqId,
+        layer: usize,
+        blocks: &[BlockId],
+        payload: &Bytes,
+    ) {
         if !self.engine.is_reserved(seq_id) {
             metrics::counter!("fission_decode_kv_late_imports_total").increment(1);
             return;
@@ -297,7 +296,7 @@ impl Task {
                 self.poisoned.insert(
                     seq_id,
                     KvTransferError::Sink {
-                        xfer_id: seq_id.0,
+                        xfer_id,
                         layer: layer as u32,
                         reason: e.to_string(),
                     },
@@ -330,7 +329,7 @@ impl Task {
         result
     }
 
-    fn step(&mut self) {
+    fn step_batch(&mut self) {
         let started = Instant::now();
         let mut tracker = StepTracker {
             spans: &mut self.spans,
@@ -433,7 +432,8 @@ mod tests {
 
     /// stories260K with blocks of 4 and a prefill budget of 8 tokens per step.
     fn task() -> Task {
-        Task::new(stories_engine())
+        let engine = stories_engine(&testkit::shared_model("stories260K"));
+        Task::new(engine, EngineState::new(4).0)
     }
 
     /// Queues a local generation of `max_new_tokens` after an 8-token prompt.
@@ -513,7 +513,6 @@ mod tests {
         let capture = Captured::default();
         let (recorder, metrics) = local_recorder();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
-        let (tx, rx) = mpsc::channel();
         metrics::with_local_recorder(&recorder, || {
             let mut tokens = generate(&mut t, 1, 4);
             while t.engine.has_work() {
@@ -526,9 +525,7 @@ mod tests {
             assert_eq!(n, 4);
             // Idle: the batch span is still held until the loop goes to wait for a command.
             assert!(t.batch.is_some());
-            tx.send(Command::Cancel { seq_id: SeqId(99) })
-                .expect("queued");
-            assert!(matches!(t.next_command(&rx), Ok(Some(_))));
+            t.idle();
             assert!(t.batch.is_none(), "an idle engine holds no batch span");
             t.publish_gauges();
         });
@@ -587,7 +584,13 @@ mod tests {
         let req = node_common::convert::request(SeqId(5), vec![300; 8], None, Some(&stopping));
         let blocks = t.engine.reserve(req).expect("reserved");
         // A payload of the wrong size cannot be imported.
-        t.import(SeqId(5), 0, &blocks, &Bytes::from_static(b"short"));
+        t.import(
+            TransferId(5),
+            SeqId(5),
+            0,
+            &blocks,
+            &Bytes::from_static(b"short"),
+        );
         let (tokens, mut tokens_rx) = tmpsc::unbounded_channel();
         let span = decode_span("req-5");
         let first = SampledToken {

@@ -3,29 +3,29 @@
 //! also prefill locally (colocated mode).
 //!
 //! It must not route requests (the gateway does) and keeps all model state in its engine
-//! thread.
+//! thread. Its life (engine start-up, `/metrics`, membership, drain) is `node_common::node`'s;
+//! this crate is the `Decode` service, its KV receiver and the engine thread behind them.
 
 mod actor;
 mod metrics;
 mod service;
 mod sink;
 mod spans;
+mod transfers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
+use cluster::Role;
 use kvtransfer::{KvServer, QuicConfig, QuicServer, TcpConfig, TcpServer, TransferRegistry};
-use node_common::engine_args::EngineArgs;
-use node_common::engine_state::EngineState;
-use node_common::grpc::{stop_server, GRPC_STOP_GRACE};
-use node_common::kv::{KvArgs, KvBackend};
-use node_common::membership::{node_record, ClusterArgs, Membership};
+use node_common::kv::KvBackend;
+use node_common::launch::NodeRole;
+use node_common::node::{NodeArgs, NodeListeners, RoleService, Started};
 use node_common::NodeError;
 use proto::v1::decode_server::DecodeServer;
 use proto::ErrorCode;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::ERRORS;
@@ -34,125 +34,106 @@ pub use actor::EngineHandle;
 
 #[derive(Args, Debug, Clone)]
 pub struct DecodeConfig {
-    /// Unique in the cluster; a random `decode-…` id by default.
-    #[arg(long, env = "FISSION_NODE_ID")]
-    pub node_id: Option<String>,
     #[command(flatten)]
-    pub engine: EngineArgs,
-    #[command(flatten)]
-    pub cluster: ClusterArgs,
-    #[command(flatten)]
-    pub kv: KvArgs,
+    pub node: NodeArgs,
+    /// UDP (QUIC) or TCP address the KV data plane listens on; port 0 picks a free one.
+    #[arg(long, env = "FISSION_KV_ADDR", default_value = "127.0.0.1:7200")]
+    pub kv_addr: SocketAddr,
     /// How long a reservation waits for its KV before its blocks are freed.
     #[arg(long, env = "FISSION_KV_LEASE_MS", default_value_t = 10_000)]
     pub lease_ms: u64,
 }
 
-/// Sockets the node serves on, bound by the caller (tests bind port 0).
-pub struct DecodeListeners {
-    pub grpc: TcpListener,
-    pub metrics: TcpListener,
-    /// UDP (QUIC) or TCP address for the KV data plane.
-    pub kv_addr: SocketAddr,
+/// The decode role, for [`node_common::launch::launch`].
+pub struct DecodeNode;
+
+impl NodeRole for DecodeNode {
+    type Config = DecodeConfig;
+    const ROLE: Role = Role::Decode;
+    const DEFAULT_GRPC_ADDR: &'static str = "127.0.0.1:7100";
+    const DEFAULT_METRICS_ADDR: &'static str = "127.0.0.1:9100";
+
+    async fn run(
+        config: DecodeConfig,
+        listeners: NodeListeners,
+        shutdown: CancellationToken,
+    ) -> Result<(), NodeError> {
+        run(config, listeners, shutdown).await
+    }
 }
 
+/// Serves a decode node on `listeners` (and its KV receiver on `config.kv_addr`) until
+/// `shutdown` and its drain end.
 pub async fn run(
     config: DecodeConfig,
-    listeners: DecodeListeners,
+    listeners: NodeListeners,
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
-    let metrics = node_common::metrics_http::install_recorder();
-    crate::metrics::describe();
-    let node_id = config
-        .node_id
-        .clone()
-        .unwrap_or_else(|| node_common::membership::random_node_id("decode"));
-    let started = config.engine.start_engine(&node_id, "decode").await?;
-    let engine = started.engine;
-    let mut info = started.info;
-    let layout = engine.cache().desc();
-    let (state, state_rx) = EngineState::new(layout.block_size);
-    let handle = EngineHandle::spawn(engine, state);
+    node_common::node::serve(Role::Decode, &config.node, listeners, shutdown, |s| async {
+        build(s, &config).await
+    })
+    .await
+}
 
+async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeError> {
+    crate::metrics::describe();
+    let handle = EngineHandle::spawn(s.engine, s.state);
     let registry = TransferRegistry::new(Default::default());
+    let transfers = transfers::Transfers::default();
     let sink = Arc::new(sink::EngineSink {
         handle: handle.clone(),
+        transfers: transfers.clone(),
     });
-    // The data plane and /metrics outlive `shutdown`: a draining node still receives KV.
-    let kv_shutdown = CancellationToken::new();
     // kvtransfer has no metrics of its own: a refused frame counts as this node's error.
     let count_refusal = |_: &kvtransfer::KvTransferError| ERRORS.count(ErrorCode::KvTransfer);
-    let (kv_port, kv_task) = match config.kv.kv_transport {
+    let kv = &config.node.kv;
+    // The data plane outlives the drain: a draining node still receives the KV of work it
+    // accepted.
+    let stop = s.data_plane_stop.clone();
+    let (kv_port, kv_task) = match kv.kv_transport {
         KvBackend::Quic => {
-            let server =
-                QuicServer::bind(listeners.kv_addr, &config.kv.tls()?, QuicConfig::default())?
-                    .on_refusal(count_refusal);
+            let server = QuicServer::bind(config.kv_addr, &kv.tls()?, QuicConfig::default())?
+                .on_refusal(count_refusal);
             let port = server.local_addr()?.port();
-            let task = tokio::spawn(server.serve(registry.clone(), sink, kv_shutdown.clone()));
-            (port, task)
+            (
+                port,
+                tokio::spawn(server.serve(registry.clone(), sink, stop)),
+            )
         }
         KvBackend::Tcp => {
-            let server = TcpServer::bind(listeners.kv_addr, TcpConfig::default())
+            let server = TcpServer::bind(config.kv_addr, TcpConfig::default())
                 .await?
                 .on_refusal(count_refusal);
             let port = server.local_addr()?.port();
-            let task = tokio::spawn(server.serve(registry.clone(), sink, kv_shutdown.clone()));
-            (port, task)
+            (
+                port,
+                tokio::spawn(server.serve(registry.clone(), sink, stop)),
+            )
         }
     };
-    let kv_endpoint = format!("{}:{kv_port}", config.cluster.advertise_host);
+    let kv_endpoint = format!("{}:{kv_port}", s.advertise_host);
+    let mut info = s.info;
     info.kv_endpoint = kv_endpoint.clone();
-    // Cancelled once the drain is over: the server stops and the streams that never end by
-    // themselves (CacheEvents) end.
-    let server_stop = CancellationToken::new();
     let service = service::DecodeService::new(service::ServiceParts {
         handle,
         registry,
-        layout,
+        transfers,
+        layout: s.layout,
         kv_endpoint: kv_endpoint.clone(),
         lease: Duration::from_millis(config.lease_ms),
         info: info.clone(),
-        cache_log: Arc::clone(&state_rx.cache),
-        drain: shutdown.clone(),
-        stop_streams: server_stop.clone(),
+        work: s.work,
+        drain: s.drain,
     });
-    let work = service.work.clone();
-    let metrics_task = tokio::spawn(node_common::metrics_http::serve(
-        listeners.metrics,
-        metrics,
-        kv_shutdown.clone(),
-    ));
-    let grpc_addr = listeners
-        .grpc
-        .local_addr()
-        .map_err(|source| NodeError::Io {
-            what: "grpc listener".into(),
-            source,
-        })?;
-    tracing::info!(%node_id, %grpc_addr, %kv_endpoint, "decode node serving");
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(DecodeServer::new(service))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
-                server_stop.clone().cancelled_owned(),
-            ),
-    );
-    let record = node_record(
-        &info,
-        cluster::Role::Decode,
-        format!("{}:{}", config.cluster.advertise_host, grpc_addr.port()),
+    let kv_task = tokio::spawn(async move {
+        if let Ok(Err(error)) = kv_task.await {
+            tracing::error!(%error, "kv receiver failed");
+        }
+    });
+    Ok(RoleService {
+        routes: tonic::service::Routes::new(DecodeServer::new(service)),
+        info,
         kv_endpoint,
-        config.kv.kv_transport,
-    );
-    let membership = Membership::join(&config.cluster, record, state_rx.load.clone()).await?;
-    shutdown.cancelled().await;
-    membership.drain(state_rx.load.clone(), &work).await;
-    server_stop.cancel();
-    stop_server(server, GRPC_STOP_GRACE).await?;
-    kv_shutdown.cancel();
-    let _ = kv_task.await;
-    let _ = metrics_task.await;
-    tracing::info!(%node_id, "decode node stopped");
-    Ok(())
+        data_plane: vec![kv_task],
+    })
 }

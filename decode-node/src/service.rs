@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use engine::ids::{BlockId, SeqId};
 use futures::Stream;
-use kvtransfer::{KvLayout as WireLayout, Reservation, TransferRegistry};
-use node_common::cache_events::{CacheEventLog, CacheEventStream};
+use kv_types::{KvLayout, TransferId};
+use kvtransfer::{Reservation, TransferRegistry};
 use node_common::convert;
 use node_common::failure::Failure;
 use node_common::membership::{refuse_if_draining, WorkGuard, WorkTracker};
@@ -25,6 +25,7 @@ use tracing::{Instrument, Span};
 
 use crate::actor::{EngineHandle, TokenMsg, TokenTx};
 use crate::metrics::ERRORS;
+use crate::transfers::Transfers;
 
 /// A reservation whose KV is on its way.
 struct Pending {
@@ -42,31 +43,29 @@ struct Pending {
 pub(crate) struct ServiceParts {
     pub handle: EngineHandle,
     pub registry: TransferRegistry,
-    pub layout: engine::kv::cache::KvLayoutDesc,
+    pub transfers: Transfers,
+    pub layout: KvLayout,
     pub kv_endpoint: String,
     pub lease: Duration,
     pub info: v1::NodeInfo,
-    pub cache_log: Arc<CacheEventLog>,
-    /// Cancelled by the Drain RPC: the same path as SIGTERM. Once it is, new work is refused.
+    /// Token streams in flight: a draining node waits for them.
+    pub work: WorkTracker,
+    /// Cancelled by the drain (SIGTERM or the Drain RPC). Once it is, new work is refused.
     pub drain: CancellationToken,
-    /// Cancelled when the gRPC server stops: ends the streams that never end by themselves.
-    pub stop_streams: CancellationToken,
 }
 
 pub struct DecodeService {
-    pub(crate) handle: EngineHandle,
-    pub(crate) registry: TransferRegistry,
-    pub(crate) layout: engine::kv::cache::KvLayoutDesc,
-    pub(crate) kv_endpoint: String,
-    pub(crate) lease: Duration,
-    pub(crate) info: v1::NodeInfo,
-    pending: Arc<Mutex<HashMap<u64, Pending>>>,
+    handle: EngineHandle,
+    registry: TransferRegistry,
+    transfers: Transfers,
+    layout: KvLayout,
+    kv_endpoint: String,
+    lease: Duration,
+    info: v1::NodeInfo,
+    pending: Arc<Mutex<HashMap<TransferId, Pending>>>,
     next_seq: AtomicU64,
-    /// Token streams in flight: a draining node waits for them.
-    pub(crate) work: WorkTracker,
-    pub(crate) cache_log: Arc<CacheEventLog>,
-    pub(crate) drain: CancellationToken,
-    stop_streams: CancellationToken,
+    work: WorkTracker,
+    drain: CancellationToken,
 }
 
 impl DecodeService {
@@ -74,30 +73,26 @@ impl DecodeService {
         DecodeService {
             handle: p.handle,
             registry: p.registry,
+            transfers: p.transfers,
             layout: p.layout,
             kv_endpoint: p.kv_endpoint,
             lease: p.lease,
             info: p.info,
             pending: Arc::new(Mutex::new(HashMap::new())),
             next_seq: AtomicU64::new(1),
-            work: WorkTracker::default(),
-            cache_log: p.cache_log,
+            work: p.work,
             drain: p.drain,
-            stop_streams: p.stop_streams,
         }
-    }
-
-    fn wire_layout(&self) -> WireLayout {
-        node_common::kv::wire_layout(&self.layout)
     }
 
     /// Ends a reservation that will not be activated: frees its blocks, fences its KV writes
     /// and tells a waiting stream why.
     async fn abandon(
-        pending: &Mutex<HashMap<u64, Pending>>,
+        pending: &Mutex<HashMap<TransferId, Pending>>,
         handle: &EngineHandle,
         registry: &TransferRegistry,
-        xfer_id: u64,
+        transfers: &Transfers,
+        xfer_id: TransferId,
         why: Failure,
     ) -> bool {
         let p = pending
@@ -108,6 +103,7 @@ impl DecodeService {
             return false;
         };
         registry.deregister(xfer_id).await;
+        transfers.close(xfer_id);
         handle.cancel(p.seq_id);
         let _ = p.tokens_tx.send(Err(why));
         true
@@ -135,7 +131,7 @@ impl Decode for DecodeService {
         request: Request<v1::StreamRequest>,
     ) -> Result<Response<Self::StreamStream>, Status> {
         let span = stream_span(&request);
-        self.stream_in(request.into_inner().xfer_id, span.clone())
+        self.stream_in(TransferId(request.into_inner().xfer_id), span.clone())
             .map_err(|f| ERRORS.report(f, &span))
     }
 
@@ -164,45 +160,24 @@ impl Decode for DecodeService {
         &self,
         request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelResponse>, Status> {
-        let c = request.into_inner();
-        let found = Self::abandon(
+        let xfer_id = TransferId(request.into_inner().xfer_id);
+        let mut found = Self::abandon(
             &self.pending,
             &self.handle,
             &self.registry,
-            c.xfer_id,
+            &self.transfers,
+            xfer_id,
             Failure::new(ErrorCode::Cancelled, "cancelled"),
         )
         .await;
         if !found {
             // Already activated: cancel the running sequence.
-            self.handle.cancel(SeqId(c.xfer_id));
+            if let Some(seq_id) = self.transfers.close(xfer_id) {
+                self.handle.cancel(seq_id);
+                found = true;
+            }
         }
         Ok(Response::new(v1::CancelResponse { found }))
-    }
-
-    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn drain(
-        &self,
-        _: Request<v1::DrainRequest>,
-    ) -> Result<Response<v1::DrainResponse>, Status> {
-        Ok(Response::new(node_common::membership::request_drain(
-            &self.drain,
-            &self.info.node_id,
-        )))
-    }
-
-    type CacheEventsStream = CacheEventStream;
-
-    async fn cache_events(
-        &self,
-        _: Request<v1::CacheEventsRequest>,
-    ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        Ok(Response::new(
-            self.cache_log.stream_until(self.stop_streams.clone()),
-        ))
     }
 }
 
@@ -230,7 +205,7 @@ impl DecodeService {
             }
             Err(e) => return Err(e.into()),
         };
-        let xfer_id = seq_id.0;
+        let xfer_id = self.transfers.open(seq_id);
         let epoch = 1;
         let block_ids: Vec<u32> = blocks.iter().map(|b: &BlockId| b.0).collect();
         self.registry
@@ -238,11 +213,11 @@ impl DecodeService {
                 xfer_id,
                 epoch,
                 block_ids: block_ids.clone().into(),
-                num_layers: self.layout.num_layers as u32,
-                layout: self.wire_layout(),
+                layout: self.layout,
             })
             .await
             .map_err(|e| {
+                self.transfers.close(xfer_id);
                 self.handle.cancel(seq_id);
                 Failure::new(ErrorCode::Internal, e.to_string())
             })?;
@@ -262,10 +237,11 @@ impl DecodeService {
                 },
             );
         // The lease: nothing is held forever if the KV never comes.
-        let (pending, handle, registry, lease) = (
+        let (pending, handle, registry, transfers, lease) = (
             Arc::clone(&self.pending),
             self.handle.clone(),
             self.registry.clone(),
+            self.transfers.clone(),
             self.lease,
         );
         tokio::spawn(async move {
@@ -274,6 +250,7 @@ impl DecodeService {
                 &pending,
                 &handle,
                 &registry,
+                &transfers,
                 xfer_id,
                 Failure::new(
                     ErrorCode::Timeout,
@@ -283,23 +260,23 @@ impl DecodeService {
             .await
             {
                 metrics::counter!("fission_decode_lease_expired_total").increment(1);
-                tracing::warn!(xfer_id, "kv lease expired");
+                tracing::warn!(%xfer_id, "kv lease expired");
             }
         });
-        tracing::debug!(request_id = %r.request_id, xfer_id, blocks = block_ids.len(), "reserved");
+        tracing::debug!(request_id = %r.request_id, %xfer_id, blocks = block_ids.len(), "reserved");
         Ok(Response::new(v1::ReserveResponse {
             result: Some(reserve_response::Result::Reserved(v1::Reserved {
-                xfer_id,
+                xfer_id: xfer_id.0,
                 epoch,
                 block_ids,
                 kv_endpoint: self.kv_endpoint.clone(),
                 lease_ms: self.lease.as_millis() as u32,
-                layout: Some(node_common::kv::proto_layout(&self.layout)),
+                layout: Some(self.layout.into()),
             })),
         }))
     }
 
-    fn stream_in(&self, xfer_id: u64, span: Span) -> Result<Response<TokenStream>, Failure> {
+    fn stream_in(&self, xfer_id: TransferId, span: Span) -> Result<Response<TokenStream>, Failure> {
         let (seq_id, rx) = {
             let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             let p = pending.get_mut(&xfer_id).ok_or_else(|| {
@@ -333,6 +310,7 @@ impl DecodeService {
                     }
                 }
             })),
+            transfer: Some((self.transfers.clone(), xfer_id)),
         };
         Ok(Response::new(Box::pin(EngineTokens {
             rx,
@@ -368,6 +346,7 @@ impl DecodeService {
             seq_id,
             finished: false,
             on_drop: None,
+            transfer: None,
         };
         Ok(Response::new(Box::pin(EngineTokens {
             rx,
@@ -379,10 +358,11 @@ impl DecodeService {
     }
 
     async fn done_in(&self, d: v1::DoneRequest) -> Result<Response<v1::DoneResponse>, Failure> {
+        let xfer_id = TransferId(d.xfer_id);
         let (seq_id, epoch, tokens_tx, trace, request_id) = {
             let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            let p = pending.get(&d.xfer_id).ok_or_else(|| {
-                Failure::new(ErrorCode::NotFound, format!("no reservation {}", d.xfer_id))
+            let p = pending.get(&xfer_id).ok_or_else(|| {
+                Failure::new(ErrorCode::NotFound, format!("no reservation {xfer_id}"))
             })?;
             (
                 p.seq_id,
@@ -408,7 +388,7 @@ impl DecodeService {
         // Every layer must have landed with the checksum the sender computed.
         let progress = match self
             .registry
-            .wait_complete(d.xfer_id, Duration::from_secs(5))
+            .wait_complete(xfer_id, Duration::from_secs(5))
             .await
         {
             Ok(p) => p,
@@ -421,7 +401,8 @@ impl DecodeService {
                     &self.pending,
                     &self.handle,
                     &self.registry,
-                    d.xfer_id,
+                    &self.transfers,
+                    xfer_id,
                     why.clone(),
                 )
                 .await;
@@ -442,14 +423,15 @@ impl DecodeService {
                 &self.pending,
                 &self.handle,
                 &self.registry,
-                d.xfer_id,
+                &self.transfers,
+                xfer_id,
                 why.clone(),
             )
             .await;
             return Err(why);
         }
         // Fence: no write into these blocks runs after this returns.
-        self.registry.deregister(d.xfer_id).await;
+        self.registry.deregister(xfer_id).await;
         metrics::counter!("fission_decode_kv_transfers_completed_total").increment(1);
         metrics::histogram!("fission_decode_kv_transfer_bytes")
             .record(progress.payload_bytes as f64);
@@ -457,7 +439,7 @@ impl DecodeService {
         self.pending
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(&d.xfer_id);
+            .remove(&xfer_id);
         self.handle
             .activate(
                 seq_id,
@@ -477,10 +459,15 @@ struct CancelOnDrop {
     seq_id: SeqId,
     finished: bool,
     on_drop: Option<Box<dyn FnOnce() + Send>>,
+    /// The transfer the sequence came from, closed when its stream ends either way.
+    transfer: Option<(Transfers, TransferId)>,
 }
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
+        if let Some((transfers, id)) = self.transfer.take() {
+            transfers.close(id);
+        }
         if !self.finished {
             self.handle.cancel(self.seq_id);
             if let Some(f) = self.on_drop.take() {

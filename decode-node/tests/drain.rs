@@ -3,20 +3,24 @@
 //! although a router still holds its never-ending CacheEvents stream open. A real decode node
 //! over real sockets, in-process.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvtransfer::{KvConnection, KvDtype, KvLayout, KvTransport, LayerHeader, TcpTransport};
+use kv_types::{KvLayout, TransferId};
+use kvtransfer::{KvConnection, KvDtype, KvTransport, LayerHeader, TcpTransport};
 use node_common::test_util::{
     assert_drain_started, assert_exits_with_cache_events_open, assert_refused_as_draining,
     follow_cache_events,
 };
 use proto::v1::{
-    reserve_response, CacheEventsRequest, DoneRequest, DrainRequest, LocalGenerateRequest,
-    ReserveRequest, StoppingCriteria, StreamRequest, Token,
+    reserve_response, CacheEventsRequest, DoneRequest, DrainRequest, FinishReason,
+    LocalGenerateRequest, ReserveRequest, StoppingCriteria, StreamRequest, Token,
 };
 use testkit::metrics::{assert_exposition, scrape};
 
@@ -35,14 +39,8 @@ fn reserve_request() -> ReserveRequest {
 
 /// Sends every layer of `r`'s reservation, zeros: their content does not matter here.
 async fn push_kv(r: &proto::v1::Reserved) {
-    let l = r.layout.clone().expect("reserved layout");
-    assert_eq!(l.dtype, "f32");
-    let layout = KvLayout {
-        dtype: KvDtype::F32,
-        block_size: l.block_size,
-        num_kv_heads: l.num_kv_heads,
-        head_dim: l.head_dim,
-    };
+    let layout = proto::convert::layout(r.layout.as_ref()).expect("reserved layout");
+    assert_eq!(layout.dtype, KvDtype::F32);
     let conn = TcpTransport::default()
         .connect(&r.kv_endpoint)
         .await
@@ -52,12 +50,11 @@ async fn push_kv(r: &proto::v1::Reserved) {
         2 * r.block_ids.len() * layout.block_bytes() as usize
     ]);
     let block_ids: Arc<[u32]> = r.block_ids.clone().into();
-    for layer in 0..l.num_layers {
+    for layer in 0..layout.num_layers {
         let header = LayerHeader {
-            xfer_id: r.xfer_id,
+            xfer_id: TransferId(r.xfer_id),
             epoch: r.epoch,
             layer,
-            num_layers: l.num_layers,
             layout,
             block_ids: Arc::clone(&block_ids),
             traceparent: None,
@@ -80,12 +77,12 @@ async fn check_metrics_while_draining(
         .await
         .expect("kv connect");
     let stray = LayerHeader {
-        xfer_id: 999,
+        xfer_id: TransferId(999),
         epoch: 1,
         layer: 0,
-        num_layers: 1,
         layout: KvLayout {
             dtype: KvDtype::F32,
+            num_layers: 1,
             block_size: 4,
             num_kv_heads: 1,
             head_dim: 4,
@@ -110,13 +107,15 @@ async fn check_metrics_while_draining(
 async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
     let common::TestNode {
         mut client,
+        node: mut node_client,
         metrics_addr,
         task: mut node,
         shutdown,
     } = common::start(&["--num-kv-blocks", "32"]).await;
 
     // A router follows the node's cache events for as long as it lives.
-    let mut events = follow_cache_events(client.cache_events(CacheEventsRequest {}).await).await;
+    let mut events =
+        follow_cache_events(node_client.cache_events(CacheEventsRequest {}).await).await;
 
     // Work the node holds when the drain starts: a reservation with its stream open.
     let Some(reserve_response::Result::Reserved(kept)) = client
@@ -136,7 +135,7 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
         .expect("stream")
         .into_inner();
 
-    assert_drain_started(client.drain(DrainRequest {}).await);
+    assert_drain_started(node_client.drain(DrainRequest {}).await);
     let refused = client
         .reserve(reserve_request())
         .await
@@ -171,13 +170,13 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
         })
         .await
         .expect("done is served while draining");
-    let mut finish = String::new();
+    let mut finish = FinishReason::Unspecified;
     let mut generated = 0;
     while let Some(t) = tokens.message().await.expect("tokens flow while draining") {
         generated += 1;
-        finish = t.finish_reason;
+        finish = t.finish_reason();
     }
-    assert_eq!((generated, finish.as_str()), (3, "length"));
+    assert_eq!((generated, finish), (3, FinishReason::Length));
 
     drop(tokens);
 

@@ -1,6 +1,9 @@
 //! A reservation whose KV never arrives expires: its blocks are freed and its token stream
 //! ends with a timeout error. A real decode node over real sockets, in-process.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::{Duration, Instant};
@@ -60,17 +63,15 @@ async fn unfilled_reservation_expires_and_frees_its_blocks() {
     assert!(err.message().contains("lease"), "{}", err.message());
     assert!(started.elapsed() < Duration::from_secs(5));
     // The blocks are back: a new reservation fits again.
-    let deadline = Instant::now() + Duration::from_secs(2);
-    loop {
-        if let Some(reserve_response::Result::Reserved(_)) = reserve(&mut client).await {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "blocks were not freed after the lease"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    testkit::wait_until_async(
+        "the blocks freed after the lease",
+        Duration::from_secs(2),
+        || {
+            let reserved = reserve(&mut client);
+            async move { matches!(reserved.await, Some(reserve_response::Result::Reserved(_))) }
+        },
+    )
+    .await;
     shutdown.cancel();
     node.await.expect("join").expect("clean shutdown");
 }

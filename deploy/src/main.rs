@@ -30,19 +30,15 @@ enum Command {
     #[command(subcommand)]
     Node(cmd::serve::NodeCommand),
     /// Run the gateway.
-    Gateway(cmd::serve::GatewayCmd),
+    Gateway(gateway::cli::GatewayCli),
     /// Inspect or drain the nodes of a running cluster.
     #[command(subcommand)]
     Nodes(cmd::nodes::NodesCommand),
 }
 
 fn main() -> anyhow::Result<()> {
-    // candle asks num_cpus (which parses /proc/cpuinfo) on every op unless this is set; set it
-    // once, before any thread exists.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
+    // Before any thread exists (see the function).
+    node_common::launch::set_engine_threads();
     let cli = Cli::parse();
     // Services install their own subscriber, with trace export (see `cmd::serve`).
     if !matches!(cli.command, Command::Node(_) | Command::Gateway(_)) {

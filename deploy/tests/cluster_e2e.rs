@@ -1,22 +1,17 @@
 //! The disaggregated path across real processes: `fission up` with 1 prefill and 1 decode
 //! node on loopback, KV over QUIC, driven through the public HTTP API with a real client.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
 
-use std::sync::Mutex;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-
-fn stories_dir() -> PathBuf {
-    let root = std::env::var_os("FISSION_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
-    root.join("models/stories260K")
-}
+use testkit::fission::{http_get, stories_dir, KillOnDrop, Up, UpConfig};
+use testkit::{wait_until, wait_until_async};
 
 fn references() -> Vec<Value> {
     let v: Value = serde_json::from_str(
@@ -27,183 +22,19 @@ fn references() -> Vec<Value> {
 }
 
 /// One cluster at a time: two at once on a 2-core CI machine would only test the scheduler.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// A running `fission up`; SIGTERM on drop, and the guard waits for it to exit.
-struct Cluster {
-    child: Child,
-    url: String,
-    /// node name -> metrics URL
-    metrics: Vec<(String, String)>,
-    /// The `fission node start ...` command `fission up` prints for adding a node.
-    join: String,
-}
+const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 
-impl Cluster {
-    fn start(prefill: usize, decode: usize, extra_env: &[(&str, &str)]) -> Cluster {
-        Self::start_with(prefill, decode, extra_env, &[])
-    }
-
-    /// Starts a cluster, retrying when start-up times out. The start-up stall this guarded
-    /// against (a sequential gateway probe that never completed) is gone: `fission up` now
-    /// uses etcd, and static probes run concurrently under a timeout. The retry stays as a
-    /// safety net for a machine under heavy load; these tests are about serving.
-    fn start_with(
-        prefill: usize,
-        decode: usize,
-        extra_env: &[(&str, &str)],
-        extra_args: &[&str],
-    ) -> Cluster {
-        for attempt in 1..=3 {
-            if let Some(c) = Self::try_start(prefill, decode, extra_env, extra_args) {
-                return c;
-            }
-            eprintln!("cluster start-up attempt {attempt} timed out; retrying");
-        }
-        panic!("fission up did not become ready in 3 attempts");
-    }
-
-    fn try_start(
-        prefill: usize,
-        decode: usize,
-        extra_env: &[(&str, &str)],
-        extra_args: &[&str],
-    ) -> Option<Cluster> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .expect("port")
-            .local_addr()
-            .expect("addr")
-            .port();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fission"));
-        cmd.args(["up", "--model"])
-            .arg(stories_dir())
-            .args([
-                "--prefill",
-                &prefill.to_string(),
-                "--decode",
-                &decode.to_string(),
-            ])
-            .args([
-                "--port",
-                &port.to_string(),
-                "--node-arg=--num-kv-blocks=512",
-                "--ready-timeout-s",
-                "60",
-            ])
-            .args(extra_args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (k, v) in extra_env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("fission up starts");
-        let out = child.stdout.take().expect("stdout");
-        let mut metrics = Vec::new();
-        let mut url = None;
-        let mut join = String::new();
-        for line in BufReader::new(out).lines() {
-            let line = line.expect("line");
-            if let Some(rest) = line.strip_prefix("Fission is up: ") {
-                url = Some(rest.trim().to_string());
-                break;
-            }
-            if let Some(rest) = line.strip_prefix("add a node: ") {
-                join = rest.to_string();
-                continue;
-            }
-            if let Some((name, m)) = line.split_once(" grpc=") {
-                let m = m.split("metrics=").nth(1).expect("metrics url").to_string();
-                metrics.push((name.to_string(), m));
-            }
-        }
-        let cluster = Cluster {
-            child,
-            url: url.unwrap_or_default(),
-            metrics,
-            join,
-        };
-        // Dropping a cluster that did not come up stops whatever it started.
-        if cluster.url.is_empty() {
-            return None;
-        }
-        // `fission up` reports healthy once a decode node answers; these tests need every
-        // node routable, so wait for /info to list them all as ready.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let info = reqwest::blocking_get(&format!("{}/info", cluster.url));
-            if info.contains("\"ready\":true") && !info.contains("\"ready\":false") {
-                return Some(cluster);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn metrics_url(&self, node: &str) -> &str {
-        &self
-            .metrics
-            .iter()
-            .find(|(n, _)| n == node)
-            .expect("node")
-            .1
-    }
-
-    fn metric(&self, node: &str, name: &str) -> f64 {
-        let url = &self
-            .metrics
-            .iter()
-            .find(|(n, _)| n == node)
-            .expect("node")
-            .1;
-        let body = reqwest::blocking_get(url);
-        body.lines()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-    }
-}
-
-mod reqwest {
-    /// Blocking GET on a fresh thread's runtime (metrics polling from sync code).
-    pub fn blocking_get(url: &str) -> String {
-        let url = url.to_string();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("rt");
-            rt.block_on(async {
-                ::reqwest::get(&url)
-                    .await
-                    .expect("get")
-                    .text()
-                    .await
-                    .expect("body")
-            })
-        })
-        .join()
-        .expect("thread")
-    }
+/// `fission up` with `prefill` and `decode` nodes (KV over QUIC), `env` and `args`.
+fn start(prefill: usize, decode: usize, env: &[(&str, &str)], args: &[&str]) -> Up {
+    let mut config = UpConfig::new(FISSION, prefill, decode);
+    config.env = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    config.args = args.iter().map(|a| a.to_string()).collect();
+    Up::start(&config)
 }
 
 async fn generate_ids(
@@ -240,8 +71,8 @@ fn expected(r: &Value, n: usize) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_cluster_serves_reference_tokens() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cluster = Cluster::start(1, 1, &[]);
+    let _serial = SERIAL.lock().await;
+    let cluster = start(1, 1, &[], &[]);
     let client = ::reqwest::Client::new();
     let refs = references();
     for r in &refs {
@@ -313,7 +144,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
         ("prefill", cluster.metrics_url("prefill-0")),
         ("decode", cluster.metrics_url("decode-0")),
     ] {
-        let text = reqwest::blocking_get(url);
+        let text = http_get(url).unwrap_or_default();
         let prefix = format!("fission_{component}_");
         for line in text
             .lines()
@@ -346,15 +177,17 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     assert!(cluster.join.contains("--tls-cert"), "{}", cluster.join);
     argv.remove(0);
     let etcd = argv[argv.iter().position(|a| a == "--etcd").expect("--etcd") + 1].clone();
-    let mut joined = Command::new(env!("CARGO_BIN_EXE_fission"))
-        .args(&argv)
-        .args(["--node-id", "prefill-joined", "--num-kv-blocks=512"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("the printed command starts a node");
+    let mut joined = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_fission"))
+            .args(&argv)
+            .args(["--node-id", "prefill-joined", "--num-kv-blocks=512"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the printed command starts a node"),
+    );
     let mut announce = String::new();
-    BufReader::new(joined.stdout.take().expect("stdout"))
+    BufReader::new(joined.0.stdout.take().expect("stdout"))
         .read_line(&mut announce)
         .expect("announce");
     let joined_metrics = announce
@@ -363,24 +196,24 @@ async fn disaggregated_cluster_serves_reference_tokens() {
         .unwrap_or_else(|| panic!("node announces its metrics URL, got {announce:?}"))
         .trim()
         .to_string();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !reqwest::blocking_get(&format!("{}/info", cluster.url)).contains("prefill-joined") {
-        assert!(
-            Instant::now() < deadline,
-            "the joined node never reached the gateway"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        "the joined node to reach the gateway",
+        Duration::from_secs(20),
+        || {
+            cluster
+                .gateway_nodes()
+                .iter()
+                .any(|n| n == "prefill-joined")
+        },
+    );
     let drained = Command::new(env!("CARGO_BIN_EXE_fission"))
         .args(["nodes", "drain", "prefill-0", "--etcd", &etcd])
         .status()
         .expect("fission nodes drain");
     assert!(drained.success());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while reqwest::blocking_get(&format!("{}/info", cluster.url)).contains("\"prefill-0\"") {
-        assert!(Instant::now() < deadline, "prefill-0 never left");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until("prefill-0 to leave", Duration::from_secs(30), || {
+        !cluster.gateway_nodes().iter().any(|n| n == "prefill-0")
+    });
     let ids = generate_ids(
         &client,
         &cluster.url,
@@ -389,18 +222,21 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     )
     .await;
     assert_eq!(ids, expected(&refs[0], 16));
-    let pushed = reqwest::blocking_get(&joined_metrics)
-        .lines()
-        .find(|l| l.starts_with("fission_prefill_kv_transfer_bytes_total"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .unwrap_or(0.0);
-    assert!(pushed > 0.0, "the joined node pushed KV over QUIC");
-    let _ = joined.kill();
-    let _ = joined.wait();
+    // The push task counts its bytes once Done is answered, which may be just after the
+    // request has ended.
+    wait_until(
+        "the joined node to count the KV it pushed over QUIC",
+        Duration::from_secs(10),
+        || {
+            testkit::fission::metric(&joined_metrics, "fission_prefill_kv_transfer_bytes_total")
+                > 0.0
+        },
+    );
+    drop(joined);
     drop(cluster);
 
     // Colocated (no prefill node): the same ids.
-    let colocated = Cluster::start(0, 1, &[]);
+    let colocated = start(0, 1, &[], &[]);
     for r in &refs {
         let ids = generate_ids(
             &client,
@@ -419,7 +255,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
 
     // Conditional disaggregation: with a prefill node up, prompts under the threshold are
     // still prefilled on the decode node.
-    let conditional = Cluster::start_with(1, 1, &[], &["--max-local-prefill-tokens", "100"]);
+    let conditional = start(1, 1, &[], &["--max-local-prefill-tokens", "100"]);
     let r = &refs[1];
     let ids = generate_ids(
         &client,
@@ -442,9 +278,9 @@ async fn disaggregated_cluster_serves_reference_tokens() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_frees_blocks_on_both_nodes() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     // 20 ms per decode step keeps the stream open long enough to leave mid-way.
-    let cluster = Cluster::start(1, 1, &[("FISSION_DEBUG_STEP_DELAY_MS", "20")]);
+    let cluster = start(1, 1, &[("FISSION_DEBUG_STEP_DELAY_MS", "20")], &[]);
     let client = ::reqwest::Client::new();
     let resp = client
         .post(format!("{}/generate_stream", cluster.url))
@@ -463,17 +299,22 @@ async fn client_disconnect_frees_blocks_on_both_nodes() {
         "mid-stream blocks are held"
     );
     drop(body);
-    let deadline = Instant::now() + Duration::from_secs(2);
-    loop {
-        let used = cluster.metric("decode-0", "fission_decode_kv_blocks_used");
-        let reserved = cluster.metric("decode-0", "fission_decode_kv_blocks_reserved");
-        let prefill_used = cluster.metric("prefill-0", "fission_prefill_kv_blocks_used");
-        if used == 0.0 && reserved == 0.0 && prefill_used == 0.0 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "blocks still held 2 s after the disconnect: used {used}, reserved {reserved}, prefill {prefill_used}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_async(
+        "every block freed within 2 s of the disconnect",
+        Duration::from_secs(2),
+        || {
+            let held = [
+                ("decode-0", "fission_decode_kv_blocks_used"),
+                ("decode-0", "fission_decode_kv_blocks_reserved"),
+                ("prefill-0", "fission_prefill_kv_blocks_used"),
+            ]
+            .iter()
+            .map(|(node, name)| cluster.metric(node, name))
+            .sum::<f64>();
+            async move { held == 0.0 }
+        },
+    )
+    .await;
     assert!(
         cluster.metric("decode-0", "fission_decode_cancelled_total") >= 1.0,
         "the decode node saw the cancellation"

@@ -1,6 +1,9 @@
 //! `fission generate --json` reproduces transformers' greedy output for every reference prompt,
 //! run as a real process.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -3,66 +3,33 @@
 //! failed request; a node serving another model is refused; prompts sharing a long prefix go
 //! to the prefill node that holds it.
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use testkit::fission::{
+    metric, metric_sum, nodes_json, stories_dir, Added, Load, NodeConfig, Up, UpConfig,
+};
+use testkit::wait_until;
 
 /// One cluster at a time: two at once on a 2-core CI machine would only test the scheduler.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 const LEASE_TTL_S: u64 = 3;
-
-fn stories_dir() -> PathBuf {
-    let root = std::env::var_os("FISSION_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
-    root.join("models/stories260K")
-}
+const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 
 fn fission() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_fission"))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn http_get(url: &str) -> Option<String> {
-    let url = url.to_string();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .ok()?;
-        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
-    })
-    .join()
-    .ok()
-    .flatten()
-}
-
-fn metric(metrics_url: &str, name: &str) -> f64 {
-    http_get(metrics_url)
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+    Command::new(FISSION)
 }
 
 /// `fission nodes list --json`, as the node ids it lists with their state.
 fn nodes_list(etcd: &str) -> Vec<(String, String)> {
-    nodes_json(etcd)
+    nodes_json(Path::new(FISSION), etcd)
         .iter()
         .map(|n| {
             (
@@ -73,9 +40,13 @@ fn nodes_list(etcd: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+fn listed(etcd: &str, node_id: &str) -> bool {
+    nodes_list(etcd).iter().any(|(n, _)| n == node_id)
+}
+
 /// The lease each listed node's record lives under, by node id.
 fn leases(etcd: &str) -> Vec<(String, i64)> {
-    nodes_json(etcd)
+    nodes_json(Path::new(FISSION), etcd)
         .iter()
         .map(|n| {
             (
@@ -86,314 +57,38 @@ fn leases(etcd: &str) -> Vec<(String, i64)> {
         .collect()
 }
 
-/// The gateway's pools, as the node ids `/info` lists.
-fn gateway_nodes(url: &str) -> Vec<String> {
-    let info: Value = serde_json::from_str(&http_get(&format!("{url}/info")).unwrap_or_default())
-        .unwrap_or_default();
-    info["backend"]["nodes"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|n| n["node_id"].as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn nodes_json(etcd: &str) -> Vec<Value> {
-    let out = fission()
-        .args(["nodes", "list", "--json", "--etcd", etcd])
-        .output()
-        .expect("fission nodes list runs");
-    if !out.status.success() {
-        return Vec::new();
-    }
-    let v: Value = serde_json::from_slice(&out.stdout).expect("nodes list prints JSON");
-    v["nodes"].as_array().expect("nodes array").clone()
-}
-
 /// The free KV blocks `node_id` last published, from `fission nodes list --json`.
 fn free_blocks(etcd: &str, node_id: &str) -> Option<u64> {
-    let out = fission()
-        .args(["nodes", "list", "--json", "--etcd", etcd])
-        .output()
-        .ok()?;
-    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    v["nodes"]
-        .as_array()?
+    nodes_json(Path::new(FISSION), etcd)
         .iter()
         .find(|n| n["node_id"] == node_id)?["load"]["free_blocks"]
         .as_u64()
 }
 
-fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    start.elapsed()
+/// `fission up` on `etcd` with KV over TCP and a short lease, logging to `log`.
+fn up(etcd: &str, prefill: usize, decode: usize, log: &Path) -> Up {
+    let mut config = UpConfig::new(FISSION, prefill, decode);
+    config.etcd = Some(etcd.to_string());
+    config.kv_transport = "tcp".into();
+    config
+        .node_args
+        .push(format!("--lease-ttl-s={LEASE_TTL_S}"));
+    config.env.push(("RUST_LOG".into(), "info".into()));
+    config.log = Some(log.to_path_buf());
+    Up::start(&config)
 }
 
-/// A running `fission up`; SIGTERM on drop.
-struct Up {
-    child: Child,
-    url: String,
-    /// node name -> metrics URL
-    metrics: Vec<(String, String)>,
-}
-
-impl Up {
-    fn start(etcd: &str, prefill: usize, decode: usize, log: &Path) -> Up {
-        let port = free_port();
-        let mut child = fission()
-            .args(["up", "--model"])
-            .arg(stories_dir())
-            .args(["--etcd", etcd])
-            .args(["--prefill", &prefill.to_string()])
-            .args(["--decode", &decode.to_string()])
-            .args(["--port", &port.to_string(), "--kv-transport", "tcp"])
-            .arg("--node-arg=--num-kv-blocks=512")
-            .arg(format!("--node-arg=--lease-ttl-s={LEASE_TTL_S}"))
-            .args(["--ready-timeout-s", "120"])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .expect("fission up starts");
-        let out = child.stdout.take().unwrap();
-        let mut metrics = Vec::new();
-        let mut url = None;
-        for line in BufReader::new(out).lines() {
-            let line = line.unwrap();
-            if let Some(rest) = line.strip_prefix("Fission is up: ") {
-                url = Some(rest.trim().to_string());
-                break;
-            }
-            if let Some((name, m)) = line.split_once(" grpc=") {
-                let m = m.split("metrics=").nth(1).unwrap().to_string();
-                metrics.push((name.to_string(), m));
-            }
-        }
-        let url = url.unwrap_or_else(|| {
-            panic!(
-                "fission up did not come up:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            )
-        });
-        Up {
-            child,
-            url,
-            metrics,
-        }
-    }
-
-    fn metrics_of(&self, node: &str) -> String {
-        self.metrics
-            .iter()
-            .find(|(n, _)| n == node)
-            .unwrap()
-            .1
-            .clone()
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-    }
-}
-
-/// A node added with `fission node start`.
-struct Added {
-    child: Child,
-    metrics: String,
-    started: Instant,
-}
-
-impl Added {
-    fn start(role: &str, node_id: &str, model: &Path, etcd: &str, log: &Path) -> Added {
-        Self::start_with(role, node_id, model, etcd, log, &[])
-    }
-
-    fn start_with(
-        role: &str,
-        node_id: &str,
-        model: &Path,
-        etcd: &str,
-        log: &Path,
-        extra: &[&str],
-    ) -> Added {
-        Self::start_env(role, node_id, model, etcd, log, extra, &[])
-    }
-
-    fn start_env(
-        role: &str,
-        node_id: &str,
-        model: &Path,
-        etcd: &str,
-        log: &Path,
-        extra: &[&str],
-        envs: &[(&str, &str)],
-    ) -> Added {
-        let started = Instant::now();
-        let mut child = fission()
-            .args(["node", "start", "--role", role, "--model"])
-            .arg(model)
-            .args(["--etcd", etcd, "--node-id", node_id])
-            .args(["--num-kv-blocks", "512", "--kv-transport", "tcp"])
-            .args(["--lease-ttl-s", &LEASE_TTL_S.to_string()])
-            .args(extra)
-            .envs(envs.iter().copied())
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(log).unwrap())
-            .spawn()
-            .expect("fission node start runs");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let metrics = line
-            .split("metrics=")
-            .nth(1)
-            .unwrap_or_else(|| panic!("node announces its metrics URL, got {line:?}"))
-            .trim()
-            .to_string();
-        Added {
-            child,
-            metrics,
-            started,
-        }
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "node did not exit in {timeout:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Added {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Closed-loop load: `workers` clients each sending one request after another until stopped.
-struct Load {
-    stop: Arc<AtomicBool>,
-    ok: Arc<AtomicU64>,
-    failures: Arc<Mutex<Vec<String>>>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(url: &str, workers: usize) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let ok = Arc::new(AtomicU64::new(0));
-        let failures = Arc::new(Mutex::new(Vec::new()));
-        let threads = (0..workers)
-            .map(|w| {
-                let (url, stop, ok, failures) = (
-                    url.to_string(),
-                    Arc::clone(&stop),
-                    Arc::clone(&ok),
-                    Arc::clone(&failures),
-                );
-                std::thread::spawn(move || {
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap();
-                    rt.block_on(async move {
-                        let client = reqwest::Client::new();
-                        let mut i = 0u64;
-                        while !stop.load(Ordering::SeqCst) {
-                            i += 1;
-                            // Distinct prompts: no prefix is shared, so load decides routing.
-                            let prompt = format!("Worker {w} request {i}: once upon a time");
-                            let resp = client
-                                .post(format!("{url}/generate"))
-                                .json(&json!({"inputs": prompt, "parameters": {"max_new_tokens": 16}}))
-                                .send()
-                                .await;
-                            match resp {
-                                Ok(r) if r.status().is_success() => {
-                                    ok.fetch_add(1, Ordering::SeqCst);
-                                }
-                                Ok(r) => failures.lock().unwrap().push(format!(
-                                    "{}: {}",
-                                    r.status(),
-                                    r.text().await.unwrap_or_default()
-                                )),
-                                Err(e) => failures.lock().unwrap().push(e.to_string()),
-                            }
-                        }
-                    });
-                })
-            })
-            .collect();
-        Load {
-            stop,
-            ok,
-            failures,
-            threads,
-        }
-    }
-
-    fn ok(&self) -> u64 {
-        self.ok.load(Ordering::SeqCst)
-    }
-
-    fn assert_no_failures(&self, when: &str) {
-        let f = self.failures.lock().unwrap();
-        assert!(
-            f.is_empty(),
-            "{} failed requests {when}: {:?}",
-            f.len(),
-            &f[..f.len().min(5)]
-        );
-    }
-
-    /// Completed requests per second over `window`.
-    fn throughput(&self, window: Duration) -> f64 {
-        let before = self.ok();
-        std::thread::sleep(window);
-        (self.ok() - before) as f64 / window.as_secs_f64()
-    }
-
-    fn stop(mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        for t in self.threads.drain(..) {
-            t.join().unwrap();
-        }
+/// A node added with `fission node start`, with the test's lease.
+fn added(role: &str, node_id: &str, model: &Path, etcd: &str, log: &Path) -> NodeConfig {
+    NodeConfig {
+        fission: FISSION.into(),
+        role: role.into(),
+        node_id: node_id.into(),
+        model: model.to_path_buf(),
+        etcd: etcd.into(),
+        args: vec!["--lease-ttl-s".into(), LEASE_TTL_S.to_string()],
+        env: Vec::new(),
+        log: log.to_path_buf(),
     }
 }
 
@@ -403,25 +98,23 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
     let dir = tempfile::tempdir().unwrap();
     let mut etcd = cluster::LocalEtcd::start(dir.path()).expect("etcd starts");
     let etcd_url = etcd.endpoint();
-    let up = Up::start(&etcd_url, 1, 1, &dir.path().join("up.log"));
-    let load = Load::start(&up.url, 3);
+    let up = up(&etcd_url, 1, 1, &dir.path().join("up.log"));
+    let load = Load::start(&up.url, 3, 16);
     wait_until("the first responses", Duration::from_secs(30), || {
         load.ok() >= 3
     });
     let tput_1p1d = load.throughput(Duration::from_secs(8));
 
     // Scale the decode pool up.
-    let mut decode2 = Added::start(
+    let mut decode2 = Added::start(&added(
         "decode",
         "decode-added",
         &stories_dir(),
         &etcd_url,
         &dir.path().join("decode-added.log"),
-    );
+    ));
     wait_until("decode-added in nodes list", Duration::from_secs(5), || {
-        nodes_list(&etcd_url)
-            .iter()
-            .any(|(n, _)| n == "decode-added")
+        listed(&etcd_url, "decode-added")
     });
     let decode_listed = decode2.started.elapsed();
     // An idle new node publishes its free blocks: routers rank a node without room last.
@@ -441,21 +134,17 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
     let tput_1p2d = load.throughput(Duration::from_secs(8));
 
     // Scale the prefill pool up.
-    let mut prefill2 = Added::start(
+    let mut prefill2 = Added::start(&added(
         "prefill",
         "prefill-added",
         &stories_dir(),
         &etcd_url,
         &dir.path().join("prefill-added.log"),
-    );
+    ));
     wait_until(
         "prefill-added in nodes list",
         Duration::from_secs(5),
-        || {
-            nodes_list(&etcd_url)
-                .iter()
-                .any(|(n, _)| n == "prefill-added")
-        },
+        || listed(&etcd_url, "prefill-added"),
     );
     let prefill_listed = prefill2.started.elapsed();
     wait_until(
@@ -475,9 +164,7 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
     decode2.signal(libc::SIGTERM);
     let status = decode2.wait_exit(Duration::from_secs(60));
     assert!(status.success(), "a drained node exits 0, got {status}");
-    assert!(!nodes_list(&etcd_url)
-        .iter()
-        .any(|(n, _)| n == "decode-added"));
+    assert!(!listed(&etcd_url, "decode-added"));
     wait_until("requests after the drain", Duration::from_secs(30), || {
         load.ok() >= before + 5
     });
@@ -491,10 +178,8 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
         "the killed node leaves the pool",
         Duration::from_secs(LEASE_TTL_S + 2),
         || {
-            !nodes_list(&etcd_url)
-                .iter()
-                .any(|(n, _)| n == "prefill-added")
-                && !gateway_nodes(&up.url).iter().any(|n| n == "prefill-added")
+            !listed(&etcd_url, "prefill-added")
+                && !up.gateway_nodes().iter().any(|n| n == "prefill-added")
         },
     );
     let removal = killed.elapsed();
@@ -518,7 +203,7 @@ fn scale_drain_kill_and_etcd_outage_under_load() {
         "every node registered again",
         Duration::from_secs(5),
         || {
-            let nodes = nodes_json(&etcd_url);
+            let nodes = nodes_json(Path::new(FISSION), &etcd_url);
             ["prefill-0", "decode-0"].iter().all(|id| {
                 let old = leases_before.iter().find(|(n, _)| n == id).map(|l| l.1);
                 nodes.iter().any(|n| {
@@ -565,7 +250,7 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
     let etcd = cluster::LocalEtcd::start(dir.path()).expect("etcd starts");
     let etcd_url = etcd.endpoint();
     let log = dir.path().join("up.log");
-    let up = Up::start(&etcd_url, 2, 1, &log);
+    let up = up(&etcd_url, 2, 1, &log);
 
     // A decode node serving other weights (same shape family, other config) registers but is
     // never routed to, and the gateway says why.
@@ -578,55 +263,49 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
         .status()
         .unwrap();
     assert!(st.success());
-    let _stranger = Added::start(
+    let _stranger = Added::start(&added(
         "decode",
         "decode-stranger",
         &other,
         &etcd_url,
         &dir.path().join("stranger.log"),
-    );
+    ));
     wait_until("the stranger registers", Duration::from_secs(20), || {
-        nodes_list(&etcd_url)
-            .iter()
-            .any(|(n, _)| n == "decode-stranger")
+        listed(&etcd_url, "decode-stranger")
     });
     wait_until(
         "the gateway logs the refusal",
         Duration::from_secs(5),
         || {
-            let mut s = String::new();
-            std::fs::File::open(&log)
-                .unwrap()
-                .read_to_string(&mut s)
-                .unwrap();
-            s.lines().any(|l| {
-                l.contains("node refused by routing")
+            std::fs::read_to_string(&log).unwrap().lines().any(|l| {
+                l.contains("node refused")
                     && l.contains("decode-stranger")
                     && l.contains("fingerprint")
             })
         },
     );
     // Same weights, another block size: its KV could not be read by the others.
-    let _odd = Added::start_with(
+    let mut odd = added(
         "decode",
         "decode-odd-blocks",
         &stories_dir(),
         &etcd_url,
         &dir.path().join("odd.log"),
-        &["--block-size", "32"],
     );
+    odd.args.extend(["--block-size".into(), "32".into()]);
+    let _odd = Added::start(&odd);
     wait_until(
         "the gateway logs the layout refusal",
         Duration::from_secs(20),
         || {
             std::fs::read_to_string(&log).unwrap().lines().any(|l| {
-                l.contains("node refused by routing")
+                l.contains("node refused")
                     && l.contains("decode-odd-blocks")
                     && l.contains("KV layout")
             })
         },
     );
-    let pools = gateway_nodes(&up.url);
+    let pools = up.gateway_nodes();
     assert!(
         !pools
             .iter()
@@ -654,7 +333,7 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
         }
     };
     rt.block_on(send("First.".into()));
-    let prompts = |n: &str| metric(&up.metrics_of(n), "fission_prefill_prompts_total");
+    let prompts = |n: &str| up.metric(n, "fission_prefill_prompts_total");
     let holder = if prompts("prefill-0") > 0.0 {
         "prefill-0"
     } else {
@@ -670,27 +349,19 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
         "the gateway indexes the prefix",
         Duration::from_secs(5),
         || {
-            let info: Value =
-                serde_json::from_str(&http_get(&format!("{}/info", up.url)).unwrap()).unwrap();
-            info["backend"]["nodes"]
+            up.info()["backend"]["nodes"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .any(|n| n["node_id"] == holder && n["cached_blocks"].as_u64().unwrap_or(0) >= 4)
         },
     );
-    let hits_before = metric(
-        &up.metrics_of(holder),
-        "fission_prefill_prefix_cache_hit_blocks_total",
-    );
+    let hits_before = up.metric(holder, "fission_prefill_prefix_cache_hit_blocks_total");
     let other_before = prompts(other_node);
     for i in 0..6 {
         rt.block_on(send(format!("Variation {i}.")));
     }
-    let hits_after = metric(
-        &up.metrics_of(holder),
-        "fission_prefill_prefix_cache_hit_blocks_total",
-    );
+    let hits_after = up.metric(holder, "fission_prefill_prefix_cache_hit_blocks_total");
     assert_eq!(
         prompts(other_node),
         other_before,
@@ -720,7 +391,7 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
             .unwrap()
             .contains(&format!("{holder} exited (exit status: 0)"))
     });
-    assert!(!nodes_list(&etcd_url).iter().any(|(n, _)| n == holder));
+    assert!(!listed(&etcd_url, holder));
     let served_before = prompts(other_node);
     rt.block_on(send("After the drain.".into()));
     assert_eq!(
@@ -736,7 +407,7 @@ fn a_prefill_node_killed_before_its_push_ends_costs_no_request() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = cluster::LocalEtcd::start(dir.path()).expect("etcd starts");
     let etcd_url = etcd.endpoint();
-    let up = Up::start(&etcd_url, 0, 1, &dir.path().join("up.log"));
+    let up = up(&etcd_url, 0, 1, &dir.path().join("up.log"));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -764,27 +435,20 @@ fn a_prefill_node_killed_before_its_push_ends_costs_no_request() {
 
     // A prefill node that answers at once but holds its KV push back for 5 s (a test
     // failpoint), so that the kill below lands between its answer and the push's end.
-    let mut prefill = Added::start_env(
+    let mut slow = added(
         "prefill",
         "prefill-slow-push",
         &stories_dir(),
         &etcd_url,
         &dir.path().join("prefill.log"),
-        &[],
-        &[("FISSION_FAILPOINT_PUSH_DELAY_MS", "5000")],
     );
+    slow.env
+        .push(("FISSION_FAILPOINT_PUSH_DELAY_MS".into(), "5000".into()));
+    let mut prefill = Added::start(&slow);
     wait_until(
         "the gateway routes to the prefill node",
         Duration::from_secs(10),
-        || {
-            http_get(&format!("{}/info", up.url)).is_some_and(|i| {
-                let v: Value = serde_json::from_str(&i).unwrap_or_default();
-                v["backend"]["nodes"].as_array().is_some_and(|a| {
-                    a.iter()
-                        .any(|n| n["node_id"] == "prefill-slow-push" && n["ready"] == true)
-                })
-            })
-        },
+        || up.is_ready("prefill-slow-push"),
     );
     let url = up.url.clone();
     let request = std::thread::spawn(move || {
@@ -821,12 +485,10 @@ fn a_prefill_node_killed_before_its_push_ends_costs_no_request() {
         after_kill < Duration::from_secs(5),
         "the request ended {after_kill:?} after the kill"
     );
-    let resumed = http_get(&format!("{}/metrics", up.url))
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.starts_with("fission_gateway_resumed_total"))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum::<f64>();
+    let resumed = metric_sum(
+        &format!("{}/metrics", up.url),
+        "fission_gateway_resumed_total",
+    );
     assert!(resumed >= 1.0, "the gateway counted the resume");
     println!("prefill node killed mid-push: the request completed {after_kill:?} after the kill, with the uninterrupted text");
     drop(up);

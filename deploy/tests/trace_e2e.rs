@@ -19,13 +19,14 @@
 //! Needs Phoenix (`./deploy/install-test-tools.sh`); without it the test says so and passes,
 //! unless `FISSION_REQUIRE_TEST_TOOLS=1` (CI sets it).
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
+use testkit::fission::{Up, UpConfig};
 use testkit::phoenix::{Phoenix, PhoenixSpan};
 
 const CLIENT_SPAN_ID: &str = "00f067aa0ba902b7";
@@ -44,23 +45,6 @@ const SERVICES: [&str; 3] = ["fission-gateway", "fission-prefill", "fission-deco
 const LEAKED_SERVICE_NAME: &str = "fission-e2e-leaked-name";
 /// Nothing listens here: a process exporting to the standard variables loses its spans.
 const DEAD_ENDPOINT: &str = "http://127.0.0.1:9";
-
-fn stories_dir() -> PathBuf {
-    let root = std::env::var_os("FISSION_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared")));
-    root.join("models/stories260K")
-}
-
-struct Up(std::process::Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
-        let _ = self.0.wait();
-    }
-}
 
 /// `POST /generate` with the client span `00f067aa0ba902b7` of `trace_id`; the status.
 fn generate(
@@ -212,40 +196,25 @@ fn requests_are_traces_across_services_named_per_process() -> anyhow::Result<()>
     let Some(phoenix) = Phoenix::start()? else {
         return Ok(());
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fission"))
-        .args(["up", "--model"])
-        .arg(stories_dir())
-        .args([
-            "--prefill",
-            "1",
-            "--decode",
-            "1",
-            "--port",
-            &port.to_string(),
-        ])
-        .arg(format!(
-            "--max-local-prefill-tokens={MAX_LOCAL_PREFILL_TOKENS}"
-        ))
-        .arg("--node-arg=--num-kv-blocks=256")
-        .args(["--otlp-endpoint", &phoenix.otlp_grpc_endpoint()])
-        // The flag must beat both variables in every process, and every process must report
-        // under its own name whatever `OTEL_SERVICE_NAME` says.
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", DEAD_ENDPOINT)
-        .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", DEAD_ENDPOINT)
-        .env("OTEL_SERVICE_NAME", LEAKED_SERVICE_NAME)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let out = child.stdout.take().expect("stdout");
-    let up = Up(child);
-    let url = BufReader::new(out)
-        .lines()
-        .map_while(Result::ok)
-        .find_map(|l| l.strip_prefix("Fission is up: ").map(str::to_string))
-        .expect("fission up comes up");
+    let mut config = UpConfig::new(env!("CARGO_BIN_EXE_fission"), 1, 1);
+    config.node_args = vec!["--num-kv-blocks=256".into()];
+    config.args = vec![
+        format!("--max-local-prefill-tokens={MAX_LOCAL_PREFILL_TOKENS}"),
+        "--otlp-endpoint".into(),
+        phoenix.otlp_grpc_endpoint(),
+    ];
+    // The flag must beat both variables in every process, and every process must report
+    // under its own name whatever `OTEL_SERVICE_NAME` says.
+    config.env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", DEAD_ENDPOINT),
+        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", DEAD_ENDPOINT),
+        ("OTEL_SERVICE_NAME", LEAKED_SERVICE_NAME),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let up = Up::start(&config);
+    let url = up.url.clone();
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -254,31 +223,31 @@ fn requests_are_traces_across_services_named_per_process() -> anyhow::Result<()>
     assert_eq!(generate(&rt, &url, TRACE_COLOCATED, SHORT_PROMPT)?, 200);
     assert_eq!(generate(&rt, &url, TRACE_REJECTED, "")?, 422);
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let by_project = loop {
-        let by_project = spans_by_project(&phoenix)?;
-        if complete(&by_project) {
-            break by_project;
-        }
-        if Instant::now() > deadline {
-            let names = |trace| -> Vec<String> {
-                in_trace(&by_project, trace)
-                    .iter()
-                    .map(|s| s.name.clone())
-                    .collect()
-            };
-            panic!(
-                "traces incomplete after 60 s: disaggregated {:?}, colocated {:?}, rejected {:?}; \
-                 projects {:?}\n{}",
-                names(TRACE_DISAGGREGATED),
-                names(TRACE_COLOCATED),
-                names(TRACE_REJECTED),
-                projects(&rt, &phoenix)?,
-                phoenix.log_tail()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    };
+    let mut by_project = HashMap::new();
+    let arrived = testkit::wait::try_wait_until(
+        "every span to reach Phoenix",
+        Duration::from_secs(60),
+        || {
+            by_project = spans_by_project(&phoenix).unwrap_or_default();
+            complete(&by_project)
+        },
+    );
+    if let Err(timed_out) = arrived {
+        let names = |trace| -> Vec<String> {
+            in_trace(&by_project, trace)
+                .iter()
+                .map(|s| s.name.clone())
+                .collect()
+        };
+        panic!(
+            "{timed_out}: disaggregated {:?}, colocated {:?}, rejected {:?}; projects {:?}\n{}",
+            names(TRACE_DISAGGREGATED),
+            names(TRACE_COLOCATED),
+            names(TRACE_REJECTED),
+            projects(&rt, &phoenix)?,
+            phoenix.log_tail()
+        );
+    }
     drop(up);
 
     // Every process reported under its own service name, none under the inherited one.

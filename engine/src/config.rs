@@ -179,7 +179,7 @@ impl LlamaConfig {
             });
         }
         let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
-        if num_kv_heads == 0 || self.num_attention_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !self.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(EngineError::InvalidConfig {
                 reason: format!(
                     "num_attention_heads {} is not a multiple of num_key_value_heads {}",
@@ -190,7 +190,7 @@ impl LlamaConfig {
         let head_dim = self
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(EngineError::InvalidConfig {
                 reason: format!("head_dim must be even and > 0, given {head_dim}"),
             });

@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kernels::{KvDtype, KvLayout};
+use kernels::KvDtype;
+use kv_types::KvLayout;
 
 use crate::detokenize::{IncrementalDetokenizer, StopStringStream};
 use crate::error::{EngineError, Result};
@@ -140,18 +141,25 @@ impl Engine {
                 given: "0".into(),
             });
         }
+        let layout = KvLayout {
+            dtype,
+            num_layers: mc.num_layers as u32,
+            block_size: cfg.block_size as u32,
+            num_kv_heads: mc.num_kv_heads as u32,
+            head_dim: mc.head_dim as u32,
+        };
+        layout
+            .validate()
+            .map_err(|e| EngineError::InvalidParameter {
+                field: e.field,
+                reason: format!("must be in 1..={}", e.max),
+                given: e.value.to_string(),
+            })?;
         let num_blocks = match cfg.num_kv_blocks {
             Some(n) => n,
             None => {
                 let bytes = (available_memory_bytes() as f64 * cfg.kv_memory_fraction) as usize;
-                KvCache::blocks_for_bytes(
-                    bytes,
-                    mc.num_layers,
-                    cfg.block_size,
-                    mc.num_kv_heads,
-                    mc.head_dim,
-                    dtype,
-                )
+                KvCache::blocks_for_bytes(bytes, &layout)
             }
         };
         let max_seq_blocks = mc.max_context.div_ceil(cfg.block_size);
@@ -162,13 +170,7 @@ impl Engine {
                 given: num_blocks.to_string(),
             });
         }
-        let layout = KvLayout {
-            num_blocks,
-            block_size: cfg.block_size,
-            num_kv_heads: mc.num_kv_heads,
-            head_dim: mc.head_dim,
-        };
-        let cache = KvCache::new(mc.num_layers, layout, dtype);
+        let cache = KvCache::new(layout, num_blocks);
         let sched_cfg = SchedulerConfig {
             max_batch_prefill_tokens: cfg.max_batch_prefill_tokens,
             max_batch_total_tokens: cfg
@@ -375,10 +377,8 @@ impl Engine {
         let vocab = self.model.config().vocab_size;
         let sampled = crate::model::logits_rows(&logits, |rows| {
             let mut out = Vec::with_capacity(fb.logits_rows.len());
-            let mut row = 0;
-            for item in plan.items.iter().filter(|i| i.sample) {
+            for (row, item) in plan.items.iter().filter(|i| i.sample).enumerate() {
                 let logits = &rows[row * vocab..(row + 1) * vocab];
-                row += 1;
                 let Some(state) = self.states.get(&item.seq_id) else {
                     continue; // cancelled between schedule and now
                 };
@@ -520,7 +520,7 @@ pub struct Completion {
 fn kv_dtype(d: candle_core::DType) -> Result<KvDtype> {
     match d {
         candle_core::DType::F32 => Ok(KvDtype::F32),
-        candle_core::DType::BF16 => Ok(KvDtype::BF16),
+        candle_core::DType::BF16 => Ok(KvDtype::Bf16),
         candle_core::DType::F16 => Ok(KvDtype::F16),
         other => Err(EngineError::UnsupportedDtype {
             dtype: format!("{other:?}"),

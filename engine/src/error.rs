@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use crate::ids::{BlockId, SeqId};
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     #[error("model file missing: {path}")]
     MissingFile { path: PathBuf },

@@ -1,4 +1,5 @@
-//! `generation_config.json` and `tokenizer_config.json` defaults the engine applies to requests.
+//! `generation_config.json` defaults the engine applies to requests. (Chat templates are the
+//! gateway's: it renders prompts before they reach an engine.)
 
 use crate::config::{ids, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -10,10 +11,6 @@ pub struct GenerationConfig {
     /// Token ids that end generation (eos_token_id may be a list).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
-    /// The chat template from tokenizer_config.json, if any.
-    pub chat_template: Option<String>,
-    pub bos_token: Option<String>,
-    pub eos_token: Option<String>,
 }
 
 impl GenerationConfig {
@@ -21,7 +18,6 @@ impl GenerationConfig {
         let mut out = GenerationConfig {
             eos_token_ids: cfg.eos_token_ids.clone(),
             bos_token_id: cfg.bos_token_id,
-            ..Default::default()
         };
         if let Some(path) = &files.generation_config {
             let v = read_json(path)?;
@@ -34,15 +30,6 @@ impl GenerationConfig {
             if let Some(b) = v.get("bos_token_id").and_then(|b| b.as_u64()) {
                 out.bos_token_id = Some(b as u32);
             }
-        }
-        if let Some(path) = &files.tokenizer_config {
-            let v = read_json(path)?;
-            out.chat_template = v
-                .get("chat_template")
-                .and_then(|t| t.as_str())
-                .map(str::to_string);
-            out.bos_token = token_text(v.get("bos_token"));
-            out.eos_token = token_text(v.get("eos_token"));
         }
         Ok(out)
     }
@@ -57,18 +44,6 @@ fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
         path: path.to_path_buf(),
         source,
     })
-}
-
-/// Special tokens appear either as a string or as `{"content": "..."}`.
-fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
-    match v? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o
-            .get("content")
-            .and_then(|c| c.as_str())
-            .map(str::to_string),
-        _ => None,
-    }
 }
 
 impl GenerationConfig {

@@ -6,6 +6,9 @@
 //! No weights are committed: each model is regenerated here from the spec recorded beside its
 //! references, with the same testkit writer the script used, and its fingerprint is checked.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use candle_core::{DType, Device};
@@ -13,8 +16,8 @@ use common::{engine, greedy, TopLogit};
 use engine::engine::EngineConfig;
 use engine::loader::ModelSource;
 use engine::model::{ForwardBatch, LoadedModel};
+use random_model::{fingerprint, write_model, ModelSpec};
 use serde::Deserialize;
-use testkit::random_model::{fingerprint, write_model, ModelSpec};
 
 /// Absolute tolerance on f32 logits: both sides compute in f32, and the sums differ only in
 /// order.

@@ -1,6 +1,9 @@
 //! A seeded request yields the same tokens alone and in any batch, because its random stream
 //! depends only on (seed, position).
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{engine, greedy, stories};

@@ -2,6 +2,9 @@
 //! as bytes right after computing it, a decode engine imports them into reserved blocks and
 //! continues. Tokens must equal the colocated run's (greedy: the reference; seeded: the same).
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{engine, greedy, references, stories};

@@ -5,6 +5,9 @@
 //! `HF_HOME`, `HF_HUB_OFFLINE` and `HF_ENDPOINT` are process-wide, so this binary holds its own
 //! tests only and each takes `ENV_LOCK` before touching them.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;

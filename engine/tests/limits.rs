@@ -1,5 +1,8 @@
 //! Request limits: TGI's max input and max total tokens, and the model's context.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{engine, greedy, stories};

@@ -1,6 +1,9 @@
 //! Greedy parity with HF transformers on stories260K (`reference_greedy.json`): alone, batched
 //! with other sequences, with 4-token chunked prefill, and with prefix-cache hits.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{engine, greedy, references, stories};

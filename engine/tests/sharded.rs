@@ -1,6 +1,9 @@
 //! A model whose weights come through `model.safetensors.index.json` loads the same as the
 //! single-file one.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{engine, greedy, references, shared_model};

@@ -2,6 +2,9 @@
 //! prefill budget the second prompt sits out the first step, and a service that closes queue
 //! waits on `scheduled` must see it only in the step that computes it.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::HashMap;

@@ -12,6 +12,38 @@ use crate::{GatewayConfig, GatewayError};
 use clap::Args;
 use tokio_util::sync::CancellationToken;
 
+/// The gateway's whole command line: where it listens, its flags, and trace export. Both
+/// `fission-gateway` and `fission gateway` parse it and call [`launch`].
+#[derive(Args, Debug, Clone)]
+pub struct GatewayCli {
+    #[arg(long, env = "FISSION_HTTP_ADDR", default_value = "127.0.0.1:8080")]
+    pub addr: String,
+    #[command(flatten)]
+    pub args: GatewayArgs,
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
+}
+
+/// The gateway's log filter when `RUST_LOG` is unset.
+pub const LOG_FILTER: &str = "info";
+
+/// Runs the gateway as this process until SIGTERM or Ctrl-C and its drain end.
+pub fn launch(cli: GatewayCli) -> Result<(), telemetry::ProcessError<GatewayError>> {
+    telemetry::run_service(
+        "fission-gateway",
+        LOG_FILTER,
+        cli.telemetry.otlp_endpoint.clone(),
+        |shutdown| async move {
+            let listener = tokio::net::TcpListener::bind(&cli.addr)
+                .await
+                .map_err(|e| GatewayError::Config {
+                    message: format!("binding {}: {e}", cli.addr),
+                })?;
+            run_cluster(cli.args, listener, shutdown).await
+        },
+    )
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct GatewayArgs {
     /// Model directory holding tokenizer.json (and tokenizer_config.json, generation_config.json).

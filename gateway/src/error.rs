@@ -13,6 +13,7 @@ use serde::Serialize;
 use crate::request::RequestId;
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum GatewayError {
     #[error("`{field}` must not be empty")]
     EmptyInput { field: &'static str },

@@ -227,7 +227,6 @@ impl FakeRun {
             text,
             logprob: -0.5,
             top_logprobs: (0..top_n).map(|k| (id + k, -0.5 - k as f32)).collect(),
-            special,
             index,
             finish_reason,
         }))

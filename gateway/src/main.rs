@@ -1,8 +1,6 @@
-//! `fission-gateway`: flags, tracing and signals around [`gateway::cli::run_cluster`].
+//! `fission-gateway`: the gateway as a process (see [`gateway::cli::launch`]).
 
-use anyhow::Context;
 use clap::Parser;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
 #[command(
@@ -11,36 +9,10 @@ use tokio_util::sync::CancellationToken;
     about = "Fission gateway: HTTP/SSE front door"
 )]
 struct Cli {
-    #[arg(long, env = "FISSION_HTTP_ADDR", default_value = "127.0.0.1:8080")]
-    addr: String,
     #[command(flatten)]
-    args: gateway::cli::GatewayArgs,
-    #[command(flatten)]
-    telemetry: telemetry::TelemetryArgs,
+    gateway: gateway::cli::GatewayCli,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    let _telemetry = telemetry::init(
-        "fission-gateway",
-        cli.telemetry.otlp_endpoint.clone(),
-        "info",
-    )?;
-    let listener = tokio::net::TcpListener::bind(&cli.addr)
-        .await
-        .with_context(|| format!("binding {}", cli.addr))?;
-    let shutdown = CancellationToken::new();
-    let s = shutdown.clone();
-    tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing the SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = term.recv() => {},
-        }
-        s.cancel();
-    });
-    gateway::cli::run_cluster(cli.args, listener, shutdown).await?;
-    Ok(())
+fn main() -> anyhow::Result<()> {
+    Ok(gateway::cli::launch(Cli::parse().gateway)?)
 }

@@ -113,7 +113,6 @@ pub struct GeneratedToken {
     pub logprob: f32,
     /// The `top_n_logprobs` most likely `(token_id, logprob)`, most likely first.
     pub top_logprobs: Vec<(u32, f32)>,
-    pub special: bool,
     /// 0 for the first generated token.
     pub index: usize,
     /// Set on the last token, and only there. A stream that ends without one failed.

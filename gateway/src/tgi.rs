@@ -121,7 +121,11 @@ pub(crate) async fn generate(
         generated_tokens: completed.tokens.len(),
         seed,
         prefill: Vec::new(),
-        tokens: completed.tokens.iter().map(token).collect(),
+        tokens: completed
+            .tokens
+            .iter()
+            .map(|t| token(validator, t))
+            .collect(),
         top_tokens: if parameters.top_n_tokens.unwrap_or(0) > 0 {
             completed
                 .tokens
@@ -172,7 +176,7 @@ pub(crate) async fn generate_stream(
                 text.push_str(&generated.text);
                 let response = StreamResponse {
                     index: count,
-                    token: token(&generated),
+                    token: token(&validator, &generated),
                     top_tokens: top_tokens(&validator, &generated),
                     generated_text: generated.finish_reason.map(|_| std::mem::take(&mut text)),
                     details: generated.finish_reason.map(|reason| StreamDetails {
@@ -190,12 +194,12 @@ pub(crate) async fn generate_stream(
     Ok(Sse::new(events).keep_alive(KeepAlive::default()))
 }
 
-fn token(generated: &GeneratedToken) -> Token {
+fn token(validator: &Validator, generated: &GeneratedToken) -> Token {
     Token {
         id: generated.id,
         text: generated.text.clone(),
         logprob: generated.logprob,
-        special: generated.special,
+        special: validator.is_special(generated.id),
     }
 }
 

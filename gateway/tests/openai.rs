@@ -1,5 +1,8 @@
 //! OpenAI's API on a real socket: completions and chat, streaming and not, with usage.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::{assert_error, chat_tokenizer_config, config, tokenizer, TestServer};

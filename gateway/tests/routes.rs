@@ -1,5 +1,8 @@
 //! The routes around generation, metrics, and graceful shutdown, on a real socket.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;

@@ -1,6 +1,9 @@
 //! TGI's API on a real socket: `/generate`, `/generate_stream`, validation, admission, failures
 //! and cancellation.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;

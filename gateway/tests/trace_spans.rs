@@ -3,6 +3,9 @@
 //! model on `http_request`; failures marked on the span that saw them; and no spans at all for
 //! probes and scrapes.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::HashMap;

@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kernels::reference::paged_attention_reference;
-use kernels::{gather_blocks, paged_attention, KernelError, KvLayout, SeqAttn};
+use kernels::{gather_blocks, paged_attention, CacheShape, KernelError, SeqAttn};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -33,7 +33,7 @@ fn median(min_runs: usize, budget: Duration, mut f: impl FnMut()) -> Duration {
 
 /// The signature shared by `paged_attention` and `paged_attention_reference`.
 type Kernel = fn(
-    &KvLayout,
+    &CacheShape,
     &[f32],
     &[f32],
     &[f32],
@@ -45,7 +45,7 @@ type Kernel = fn(
 
 /// A cache with random contents and `(q_len, context_len)` sequences on shuffled blocks.
 struct Workload {
-    layout: KvLayout,
+    layout: CacheShape,
     k: Vec<f32>,
     v: Vec<f32>,
     q: Vec<f32>,
@@ -57,7 +57,7 @@ impl Workload {
     fn new(shapes: Vec<(usize, usize)>) -> Self {
         let mut rng = StdRng::seed_from_u64(42);
         let num_blocks: usize = shapes.iter().map(|s| s.1.div_ceil(BLOCK_SIZE)).sum();
-        let layout = KvLayout {
+        let layout = CacheShape {
             num_blocks,
             block_size: BLOCK_SIZE,
             num_kv_heads: NUM_KV_HEADS,
@@ -173,7 +173,7 @@ fn attention_row(name: &str, shapes: Vec<(usize, usize)>, slow_runs: usize) -> R
 }
 
 /// The obvious gather: one element at a time, recomputing its address.
-fn naive_gather(layout: &KvLayout, k: &[f32], v: &[f32], ids: &[u32], dst: &mut [f32]) {
+fn naive_gather(layout: &CacheShape, k: &[f32], v: &[f32], ids: &[u32], dst: &mut [f32]) {
     let block = layout.block_elems();
     for (c, cache) in [k, v].into_iter().enumerate() {
         for (i, &id) in ids.iter().enumerate() {

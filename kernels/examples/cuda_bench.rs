@@ -15,7 +15,7 @@ use std::time::Instant;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use kernels::cuda::{AttentionKernel, CudaKernels, PinnedStaging};
-use kernels::{KvLayout, SeqAttn};
+use kernels::{CacheShape, SeqAttn};
 use rand::{Rng, SeedableRng};
 
 const NUM_HEADS: usize = 32;
@@ -64,7 +64,7 @@ fn main() {
     let (peak_gbs, peak_tflops) = (arg("--peak-gbs", 3350.0), arg("--peak-tflops", 67.0));
     let gpu = CudaKernels::on_device(0).expect("a CUDA device");
     let max_tokens = 128 * 2048;
-    let layout = KvLayout {
+    let layout = CacheShape {
         num_blocks: max_tokens / BLOCK_SIZE,
         block_size: BLOCK_SIZE,
         num_kv_heads: NUM_KV_HEADS,

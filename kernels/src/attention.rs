@@ -12,7 +12,7 @@ use crate::layout::check_len;
 use crate::simd::Isa;
 use crate::split;
 use crate::tile::{attend_tile, AttnInputs, Outputs, Scratch, SharedOut, Tile};
-use crate::{KernelError, KvElem, KvLayout};
+use crate::{CacheShape, KernelError, KvElem};
 
 /// Query vectors (query rows times the kv head's group of query heads) in one prefill tile.
 /// Large enough that each K/V row read is reused many times, small enough that a 512-token
@@ -49,7 +49,7 @@ pub struct SeqAttn<'a> {
 /// checked first; a bad one returns the matching [`KernelError`] and leaves `out` untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention<T: KvElem>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &[T],
     v_cache: &[T],
     q: &[T],
@@ -74,7 +74,7 @@ pub fn paged_attention<T: KvElem>(
 
 /// The read-only arguments of one attention call, shared by the kernel and the reference.
 pub(crate) struct AttentionArgs<'a, T> {
-    pub layout: &'a KvLayout,
+    pub layout: &'a CacheShape,
     pub k_cache: &'a [T],
     pub v_cache: &'a [T],
     pub q: &'a [T],
@@ -152,7 +152,7 @@ impl<T: KvElem> AttentionArgs<'_, T> {
 /// The checks of [`AttentionArgs::validate`] on buffer lengths alone (`[k_cache, v_cache, q,
 /// out]`), so that the CUDA wrappers, whose buffers live on the device, share them.
 pub(crate) fn validate_attention(
-    layout: &KvLayout,
+    layout: &CacheShape,
     [k_len, v_len, q_len, out_len]: [usize; 4],
     num_heads: usize,
     seqs: &[SeqAttn<'_>],
@@ -199,7 +199,7 @@ pub(crate) fn validate_attention(
 
 /// Checks one sequence: causal shape, its rows inside the batch, its block table.
 fn validate_seq(
-    layout: &KvLayout,
+    layout: &CacheShape,
     i: usize,
     s: &SeqAttn<'_>,
     num_tokens: usize,
@@ -281,7 +281,7 @@ mod tests {
 
     /// A random batch: caches, queries and non-contiguous block tables.
     struct Batch<T> {
-        layout: KvLayout,
+        layout: CacheShape,
         num_heads: usize,
         k: Vec<T>,
         v: Vec<T>,
@@ -303,7 +303,7 @@ mod tests {
             let mut rng = StdRng::seed_from_u64(seed);
             let num_kv_heads = rng.random_range(1..=2);
             let needed: usize = shapes.iter().map(|s| s.1.div_ceil(block_size)).sum();
-            let layout = KvLayout {
+            let layout = CacheShape {
                 num_blocks: needed + 3,
                 block_size,
                 num_kv_heads,
@@ -511,7 +511,7 @@ mod tests {
 
     /// A small valid call whose pieces the error tests break one at a time.
     struct Call {
-        layout: KvLayout,
+        layout: CacheShape,
         k: Vec<f32>,
         v: Vec<f32>,
         q: Vec<f32>,
@@ -522,7 +522,7 @@ mod tests {
 
     impl Call {
         fn new() -> Self {
-            let layout = KvLayout {
+            let layout = CacheShape {
                 num_blocks: 4,
                 block_size: 2,
                 num_kv_heads: 2,

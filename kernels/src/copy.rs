@@ -5,14 +5,14 @@
 //! cache untouched.
 
 use crate::layout::check_len;
-use crate::{KernelError, KvElem, KvLayout};
+use crate::{CacheShape, KernelError, KvElem};
 
 /// reshape-and-cache: writes token rows into cache slots.
 ///
 /// `k` and `v` are `[num_tokens, num_kv_heads, head_dim]` and `slots.len() == num_tokens`;
 /// token `t` lands in slot `slots[t]`. When a slot repeats, the last token wins.
 pub fn reshape_and_cache<T: KvElem>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &mut [T],
     v_cache: &mut [T],
     k: &[T],
@@ -48,7 +48,7 @@ pub fn reshape_and_cache<T: KvElem>(
 /// This is the wire layout of KV transfer: a receiver that knows the layout and the block
 /// count can split it without any header.
 pub fn gather_blocks<T: KvElem>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &[T],
     v_cache: &[T],
     block_ids: &[u32],
@@ -82,7 +82,7 @@ pub fn gather_blocks<T: KvElem>(
 ///
 /// When a block id repeats, the last copy wins.
 pub fn scatter_blocks<T: KvElem>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &mut [T],
     v_cache: &mut [T],
     block_ids: &[u32],
@@ -113,7 +113,7 @@ pub fn scatter_blocks<T: KvElem>(
 /// Copies whole blocks inside the cache (copy-on-write), K and V, for each `(src, dst)` pair
 /// in order, so a later pair sees the effect of an earlier one.
 pub fn copy_blocks<T: KvElem>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &mut [T],
     v_cache: &mut [T],
     pairs: &[(u32, u32)],
@@ -136,7 +136,7 @@ pub fn copy_blocks<T: KvElem>(
 
 /// Shared validation of gather and scatter: layout, cache sizes, block ids, buffer size.
 pub(crate) fn check_transfer(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_len: usize,
     v_len: usize,
     block_ids: &[u32],
@@ -160,8 +160,8 @@ mod tests {
 
     use super::*;
 
-    fn layout() -> KvLayout {
-        KvLayout {
+    fn layout() -> CacheShape {
+        CacheShape {
             num_blocks: 6,
             block_size: 4,
             num_kv_heads: 2,
@@ -170,7 +170,7 @@ mod tests {
     }
 
     /// A cache whose every element is distinct, so any misplaced copy shows.
-    fn numbered<T: KvElem>(layout: &KvLayout, base: f32) -> Vec<T> {
+    fn numbered<T: KvElem>(layout: &CacheShape, base: f32) -> Vec<T> {
         (0..layout.layer_elems())
             .map(|i| T::from_f32(base + i as f32))
             .collect()
@@ -228,7 +228,7 @@ mod tests {
 
     #[test]
     fn large_gathers_round_trip() {
-        let l = KvLayout {
+        let l = CacheShape {
             num_blocks: 64,
             block_size: 16,
             num_kv_heads: 4,
@@ -296,7 +296,7 @@ mod tests {
                 ..
             })
         ));
-        let zero = KvLayout { block_size: 0, ..l };
+        let zero = CacheShape { block_size: 0, ..l };
         let r = reshape_and_cache(&zero, &mut kc, &mut vc, &rows, &rows, &[0, 1]);
         assert!(matches!(r, Err(KernelError::Invalid(_))));
 

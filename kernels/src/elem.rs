@@ -57,7 +57,7 @@ impl KvElem for f32 {
 }
 
 impl KvElem for bf16 {
-    const DTYPE: KvDtype = KvDtype::BF16;
+    const DTYPE: KvDtype = KvDtype::Bf16;
 
     /// A bf16 is the top half of an f32, so widening is a shift; written out so that it
     /// vectorizes inside the SIMD-dispatched kernels.
@@ -104,7 +104,7 @@ mod tests {
     #[test]
     fn dtypes_match_types() {
         assert_eq!(<f32 as KvElem>::DTYPE, KvDtype::F32);
-        assert_eq!(<bf16 as KvElem>::DTYPE, KvDtype::BF16);
+        assert_eq!(<bf16 as KvElem>::DTYPE, KvDtype::Bf16);
         assert_eq!(<f16 as KvElem>::DTYPE, KvDtype::F16);
     }
 

@@ -4,6 +4,7 @@
 //! one of these (naming the values involved) and leaves the cache unchanged instead of panicking.
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KernelError {
     #[error("{what}: expected {expected} elements, given {given}")]
     BadLength {

@@ -9,7 +9,7 @@
 
 use std::collections::HashSet;
 
-use crate::{KernelError, KvLayout, SeqAttn};
+use crate::{CacheShape, KernelError, SeqAttn};
 
 /// Warps per thread block of the attention kernels (`WARPS` in attention_tile.cuh).
 // Read by the CUDA launchers only; CPU-only test builds compile this module without them.
@@ -65,7 +65,7 @@ pub(crate) fn attention_smem_bytes(cap: usize, head_dim: usize) -> usize {
 /// rows as then fit, so decode with `group <= cap` reads each K/V row once for the whole
 /// group. `partition_keys` turns on split-K.
 pub(crate) fn plan_attention(
-    layout: &KvLayout,
+    layout: &CacheShape,
     num_heads: usize,
     seqs: &[SeqAttn<'_>],
     cap: usize,
@@ -186,7 +186,7 @@ mod tests {
     /// The CUDA tile kernel (attention_tile.cuh) and its split-K reduce, replayed one query
     /// vector at a time on the CPU over a plan, with the same index arithmetic.
     fn emulate(
-        layout: &KvLayout,
+        layout: &CacheShape,
         k: &[f32],
         v: &[f32],
         q: &[f32],
@@ -264,7 +264,7 @@ mod tests {
         head_dim: usize,
         shapes: &[(usize, usize)],
     ) -> (
-        KvLayout,
+        CacheShape,
         usize,
         Vec<f32>,
         Vec<f32>,
@@ -275,7 +275,7 @@ mod tests {
         let block_size = [1, 4, 16][rng.random_range(0..3)];
         let num_kv_heads = rng.random_range(1..=3);
         let needed: usize = shapes.iter().map(|s| s.1.div_ceil(block_size)).sum();
-        let layout = KvLayout {
+        let layout = CacheShape {
             num_blocks: needed + 2,
             block_size,
             num_kv_heads,
@@ -349,7 +349,7 @@ mod tests {
             context_len: 40,
             block_table: &table,
         }];
-        let layout = KvLayout {
+        let layout = CacheShape {
             num_blocks: 3,
             block_size: 16,
             num_kv_heads: 2,

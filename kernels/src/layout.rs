@@ -1,48 +1,36 @@
-//! The paged KV layout: per layer, K and V each of shape `[num_blocks, block_size, num_kv_heads, head_dim]`.
+//! The paged cache's storage shape: per layer, K and V each of shape
+//! `[num_blocks, block_size, num_kv_heads, head_dim]`. The model-wide geometry (dtype, layers,
+//! block size, heads) is `kv_types::KvLayout`; this adds how many blocks one layer holds, which
+//! is all the kernels index by.
 //!
 //! Token slot `s = block_id * block_size + offset` lives at element `s * row_elems()`, so a slot
 //! index is all a kernel needs to find a row.
 
 use crate::KernelError;
 
-/// Element type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KvDtype {
-    F32,
-    BF16,
-    F16,
-}
-
-impl KvDtype {
-    pub fn size_bytes(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::BF16 | KvDtype::F16 => 2,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KvDtype::F32 => "f32",
-            KvDtype::BF16 => "bf16",
-            KvDtype::F16 => "f16",
-        }
-    }
-}
-
 /// Shape of one layer's K (or V) storage.
 ///
 /// The element counts saturate instead of overflowing: a saturated count never equals the
 /// length of a real slice, so an absurd layout fails the kernels' length checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct KvLayout {
+pub struct CacheShape {
     pub num_blocks: usize,
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
 }
 
-impl KvLayout {
+impl CacheShape {
+    /// The storage of `num_blocks` blocks of `layout`.
+    pub fn new(layout: &kv_types::KvLayout, num_blocks: usize) -> Self {
+        CacheShape {
+            num_blocks,
+            block_size: layout.block_size as usize,
+            num_kv_heads: layout.num_kv_heads as usize,
+            head_dim: layout.head_dim as usize,
+        }
+    }
+
     /// Elements of one token row: `num_kv_heads * head_dim`.
     pub fn row_elems(&self) -> usize {
         self.num_kv_heads.saturating_mul(self.head_dim)
@@ -117,7 +105,7 @@ mod tests {
 
     #[test]
     fn counts_follow_the_shape() {
-        let l = KvLayout {
+        let l = CacheShape {
             num_blocks: 10,
             block_size: 16,
             num_kv_heads: 3,
@@ -143,7 +131,7 @@ mod tests {
 
     #[test]
     fn absurd_layouts_saturate_instead_of_overflowing() {
-        let l = KvLayout {
+        let l = CacheShape {
             num_blocks: usize::MAX / 2,
             block_size: 16,
             num_kv_heads: 3,
@@ -157,7 +145,7 @@ mod tests {
                 ..
             })
         ));
-        let zero = KvLayout { head_dim: 0, ..l };
+        let zero = CacheShape { head_dim: 0, ..l };
         assert!(matches!(zero.validate(), Err(KernelError::Invalid(_))));
     }
 }

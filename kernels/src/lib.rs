@@ -32,4 +32,5 @@ pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;
 pub use gemv::{small_batch_matmul, MAX_SMALL_M};
-pub use layout::{KvDtype, KvLayout};
+pub use kv_types::KvDtype;
+pub use layout::CacheShape;

@@ -5,12 +5,12 @@
 //! parallelism. It validates its arguments exactly as [`crate::paged_attention`] does.
 
 use crate::attention::AttentionArgs;
-use crate::{KernelError, KvElem, KvLayout, SeqAttn};
+use crate::{CacheShape, KernelError, KvElem, SeqAttn};
 
 /// Same contract and signature as [`crate::paged_attention`].
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_reference<T: KvElem>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &[T],
     v_cache: &[T],
     q: &[T],
@@ -67,7 +67,7 @@ pub fn paged_attention_reference<T: KvElem>(
 }
 
 /// Element offset of the K (or V) row of position `pos` for `kv_head`.
-fn row_offset(layout: &KvLayout, block_table: &[u32], pos: usize, kv_head: usize) -> usize {
+fn row_offset(layout: &CacheShape, block_table: &[u32], pos: usize, kv_head: usize) -> usize {
     let block = block_table[pos / layout.block_size] as usize;
     let slot = block * layout.block_size + pos % layout.block_size;
     slot * layout.row_elems() + kv_head * layout.head_dim

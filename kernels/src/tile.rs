@@ -18,7 +18,7 @@ use std::marker::PhantomData;
 use crate::simd::{Avx2Fma, Avx512};
 use crate::simd::{Isa, Portable, Simd};
 use crate::wide::{STAGE_STRIDE, WIDE_MAX_HEAD_DIM};
-use crate::{KvElem, KvLayout};
+use crate::{CacheShape, KvElem};
 
 /// A score no key can have, standing in for minus infinity. Being finite, it keeps
 /// `score - max` finite for masked keys and for rows that have seen no key yet.
@@ -31,7 +31,7 @@ const WIDE_MIN_VECTORS: usize = 12;
 
 /// What every tile of one call shares.
 pub(crate) struct AttnInputs<'a, T> {
-    pub layout: KvLayout,
+    pub layout: CacheShape,
     pub k_cache: &'a [T],
     pub v_cache: &'a [T],
     pub q: &'a [T],

@@ -1,12 +1,15 @@
 //! The CUDA kernels against their CPU references: attention within bf16/f16/f32 tolerances,
 //! copies bit-exact. Needs a GPU: `cargo test --release --features cuda -p kernels --test
 //! cuda_kernels` (BENCHMARKS.md has the command that runs it on the GPU machine).
+
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
 #![cfg(feature = "cuda")]
 
 use half::{bf16, f16};
 use kernels::cuda::{AttentionKernel, CudaKernels, CudaKvElem, PinnedStaging};
 use kernels::reference::paged_attention_reference;
-use kernels::{KernelError, KvElem, KvLayout, SeqAttn};
+use kernels::{CacheShape, KernelError, KvElem, SeqAttn};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -23,7 +26,7 @@ fn random<T: KvElem>(rng: &mut StdRng, n: usize) -> Vec<T> {
 
 /// A ragged batch on shuffled blocks: `shapes` holds (q_len, context_len) per sequence.
 struct Batch<T> {
-    layout: KvLayout,
+    layout: CacheShape,
     num_heads: usize,
     k: Vec<T>,
     v: Vec<T>,
@@ -42,7 +45,7 @@ impl<T: CudaKvElem> Batch<T> {
         let mut rng = StdRng::seed_from_u64(seed);
         let block_size = 16;
         let needed: usize = shapes.iter().map(|s| s.1.div_ceil(block_size)).sum();
-        let layout = KvLayout {
+        let layout = CacheShape {
             num_blocks: needed + 3,
             block_size,
             num_kv_heads: kv_heads,
@@ -199,7 +202,7 @@ fn bad_arguments_fail_before_launching() {
         )
         .expect_err("out is one element too long");
     assert!(matches!(err, KernelError::BadLength { what: "out", .. }));
-    let wide = KvLayout {
+    let wide = CacheShape {
         head_dim: 512,
         ..b.layout
     };
@@ -222,8 +225,8 @@ fn bad_arguments_fail_before_launching() {
     ));
 }
 
-fn copy_layout() -> KvLayout {
-    KvLayout {
+fn copy_layout() -> CacheShape {
+    CacheShape {
         num_blocks: 12,
         block_size: 16,
         num_kv_heads: 2,
@@ -236,7 +239,7 @@ fn bits<T: KvElem>(x: &[T]) -> Vec<u32> {
     x.iter().map(|v| v.to_f32().to_bits()).collect()
 }
 
-fn check_copies<T: CudaKvElem>(layout: KvLayout) {
+fn check_copies<T: CudaKvElem>(layout: CacheShape) {
     let gpu = gpu();
     let stream = gpu.stream();
     let mut rng = StdRng::seed_from_u64(9);
@@ -308,13 +311,13 @@ fn copies_are_bit_exact() {
     check_copies::<bf16>(copy_layout());
     check_copies::<f16>(copy_layout());
     // A block of 2 * 3 * 5 bf16 (60 bytes) is not 16-byte aligned: the 2-byte word path.
-    let odd = KvLayout {
+    let odd = CacheShape {
         num_blocks: 12,
         block_size: 16,
         num_kv_heads: 3,
         head_dim: 5,
     };
-    check_copies::<bf16>(KvLayout {
+    check_copies::<bf16>(CacheShape {
         block_size: 2,
         ..odd
     });

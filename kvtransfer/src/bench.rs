@@ -5,6 +5,7 @@
 //! machine disturbs them alike. The receiver's sink drops payloads, so the numbers are the
 //! transport's; the raw baseline likewise reads into a fresh buffer and drops it.
 
+use kv_types::TransferId;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +18,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::KvTransferError;
-use crate::layout::{KvLayout, LayerHeader};
+use kv_types::KvLayout;
+
+use crate::header::LayerHeader;
 use crate::quic::{new_endpoint, QuicConfig, QuicServer, QuicTransport, QuicWindows};
 use crate::registry::{Reservation, TransferRegistry};
 use crate::sink::DiscardSink;
@@ -57,7 +60,7 @@ impl BenchBackend {
 
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
-    pub num_layers: u32,
+    /// The cache geometry; `layout.num_layers` layers per transfer.
     pub layout: KvLayout,
     pub prompt_tokens: Vec<usize>,
     /// Measured transfers per backend and prompt length.
@@ -73,7 +76,6 @@ impl Default for BenchConfig {
     /// streams.
     fn default() -> Self {
         Self {
-            num_layers: 30,
             layout: KvLayout::SMOLLM2_135M_F32,
             prompt_tokens: vec![128, 1024, 4096],
             repetitions: 10,
@@ -116,7 +118,6 @@ pub struct BenchRow {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct BenchReport {
-    pub num_layers: u32,
     pub layout: KvLayout,
     pub repetitions: usize,
     pub rows: Vec<BenchRow>,
@@ -136,11 +137,10 @@ impl fmt::Display for BenchReport {
         let l = &self.layout;
         writeln!(
             f,
-            "KV transfer over loopback: {} layers, {l}, {} B per token per layer, {} B per token; \
+            "KV transfer over loopback: {l}, {} B per token per layer, {} B per token; \
              median and p90 of {} transfers",
-            self.num_layers,
             l.token_bytes(),
-            l.token_bytes() * u64::from(self.num_layers),
+            l.token_bytes() * u64::from(l.num_layers),
             self.repetitions,
         )?;
         writeln!(
@@ -301,7 +301,7 @@ async fn run_with_servers(
     }
 
     let mut rows = Vec::new();
-    let mut next_xfer_id = 1u64;
+    let mut next_xfer_id = TransferId(1);
     for &tokens in &cfg.prompt_tokens {
         let num_blocks = tokens.div_ceil(cfg.layout.block_size as usize).max(1);
         let layer_bytes =
@@ -311,14 +311,13 @@ async fn run_with_servers(
                     field: "prompt_tokens",
                     reason: format!("{tokens} tokens overflow the payload size"),
                 })?;
-        let payloads: Vec<Bytes> = (0..cfg.num_layers)
+        let payloads: Vec<Bytes> = (0..cfg.layout.num_layers)
             .map(|layer| pseudo_random_bytes(layer_bytes as usize, u64::from(layer) + 1))
             .collect();
         let template = LayerHeader {
-            xfer_id: 0,
+            xfer_id: TransferId(0),
             epoch: 1,
             layer: 0,
-            num_layers: cfg.num_layers,
             layout: cfg.layout,
             block_ids: (0..num_blocks as u32).collect::<Vec<_>>().into(),
             traceparent: None,
@@ -338,13 +337,13 @@ async fn run_with_servers(
                         framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
                     }
                 };
-                next_xfer_id += 1;
+                next_xfer_id.0 += 1;
                 if rep >= cfg.warmup {
                     samples[i].push(elapsed);
                 }
             }
         }
-        let transfer_bytes = layer_bytes * u64::from(cfg.num_layers);
+        let transfer_bytes = layer_bytes * u64::from(cfg.layout.num_layers);
         for (((label, runner), mut s), lost_before) in runners.iter().zip(samples).zip(lost_before)
         {
             s.sort();
@@ -382,7 +381,6 @@ async fn run_with_servers(
         }
     }
     Ok(BenchReport {
-        num_layers: cfg.num_layers,
         layout: cfg.layout,
         repetitions: cfg.repetitions,
         rows,
@@ -406,7 +404,7 @@ async fn framed_transfer<C: KvConnection>(
     registry: &TransferRegistry,
     template: &LayerHeader,
     payloads: &[Bytes],
-    xfer_id: u64,
+    xfer_id: TransferId,
 ) -> Result<Duration, KvTransferError> {
     let header = LayerHeader {
         xfer_id,
@@ -417,7 +415,6 @@ async fn framed_transfer<C: KvConnection>(
             xfer_id,
             epoch: header.epoch,
             block_ids: header.block_ids.clone(),
-            num_layers: header.num_layers,
             layout: header.layout,
         })
         .await?;
@@ -430,7 +427,7 @@ async fn framed_transfer<C: KvConnection>(
             xfer_id,
             timeout_ms: 0,
             layers_received: 0,
-            num_layers: header.num_layers,
+            num_layers: header.layout.num_layers,
         });
     }
     Ok(elapsed)
@@ -587,7 +584,10 @@ mod tests {
             prompt_tokens: vec![32],
             repetitions: 2,
             warmup: 0,
-            num_layers: 4,
+            layout: KvLayout {
+                num_layers: 4,
+                ..KvLayout::SMOLLM2_135M_F32
+            },
             ..BenchConfig::default()
         };
         cfg.backends.push(BenchBackend::Quic {

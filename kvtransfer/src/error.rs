@@ -5,11 +5,13 @@
 //! to the code a receiver sends back to the sender on the wire, and
 //! [`KvTransferError::error_type`] is the stable name for `proto`'s error table.
 
+use kv_types::TransferId;
 use std::io;
 
 use crate::verdict::Verdict;
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KvTransferError {
     // ---- frame decoding -------------------------------------------------------------------
     #[error("truncated frame: {what} needs {needed} bytes, {given} given")]
@@ -36,21 +38,21 @@ pub enum KvTransferError {
     HeaderChecksumMismatch { expected: u32, actual: u32 },
     #[error("xfer {xfer_id} layer {layer}: invalid header field {field}: {reason}")]
     InvalidHeader {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         field: &'static str,
         reason: String,
     },
     #[error("xfer {xfer_id} layer {layer}: payload of {payload_bytes} bytes exceeds the limit of {limit} bytes")]
     PayloadTooLarge {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         payload_bytes: u64,
         limit: u64,
     },
     #[error("xfer {xfer_id} layer {layer}: payload_len {payload_bytes} disagrees with the layout, which needs {expected} bytes for {num_blocks} blocks")]
     LayoutMismatch {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         payload_bytes: u64,
         expected: u64,
@@ -58,7 +60,7 @@ pub enum KvTransferError {
     },
     #[error("xfer {xfer_id} layer {layer}: payload checksum mismatch: header says {expected:#010x}, computed {actual:#010x}")]
     ChecksumMismatch {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         expected: u32,
         actual: u32,
@@ -66,31 +68,31 @@ pub enum KvTransferError {
 
     // ---- receiver-side admission ----------------------------------------------------------
     #[error("xfer {xfer_id} is not registered on this node")]
-    UnknownTransfer { xfer_id: u64 },
+    UnknownTransfer { xfer_id: TransferId },
     #[error(
         "xfer {xfer_id}: frame epoch {epoch} is ahead of the registered epoch {registered_epoch}"
     )]
     EpochAhead {
-        xfer_id: u64,
+        xfer_id: TransferId,
         epoch: u64,
         registered_epoch: u64,
     },
     #[error("xfer {xfer_id}: epoch {epoch} is not newer than the known epoch {known_epoch}")]
     EpochNotNewer {
-        xfer_id: u64,
+        xfer_id: TransferId,
         epoch: u64,
         known_epoch: u64,
     },
     #[error("xfer {xfer_id} layer {layer}: block_ids differ from the reservation ({given} given, {reserved} reserved)")]
     BlockIdsMismatch {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         given: usize,
         reserved: usize,
     },
     #[error("xfer {xfer_id} layer {layer}: {field} differs from the reservation: reserved {reserved}, given {given}")]
     ReservationMismatch {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         field: &'static str,
         reserved: String,
@@ -98,28 +100,28 @@ pub enum KvTransferError {
     },
     #[error("xfer {xfer_id}: layer {layer} out of range, the reservation has {num_layers} layers")]
     LayerOutOfRange {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         num_layers: u32,
     },
     #[error("xfer {xfer_id}: layer {layer} was already received or is being received")]
-    DuplicateLayer { xfer_id: u64, layer: u32 },
+    DuplicateLayer { xfer_id: TransferId, layer: u32 },
     #[error("xfer {xfer_id}: invalid reservation: {reason}")]
-    InvalidReservation { xfer_id: u64, reason: String },
+    InvalidReservation { xfer_id: TransferId, reason: String },
     #[error("xfer {xfer_id} was deregistered")]
-    TransferClosed { xfer_id: u64 },
+    TransferClosed { xfer_id: TransferId },
     #[error(
         "xfer {xfer_id}: {layers_received} of {num_layers} layers after timeout_ms {timeout_ms}"
     )]
     Timeout {
-        xfer_id: u64,
+        xfer_id: TransferId,
         timeout_ms: u64,
         layers_received: u32,
         num_layers: u32,
     },
     #[error("xfer {xfer_id} layer {layer}: sink failed: {reason}")]
     Sink {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         reason: String,
     },
@@ -127,7 +129,7 @@ pub enum KvTransferError {
     // ---- sender side ----------------------------------------------------------------------
     #[error("xfer {xfer_id} layer {layer}: {endpoint} answered {verdict}")]
     Rejected {
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         endpoint: String,
         verdict: Verdict,

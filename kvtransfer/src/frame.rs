@@ -35,7 +35,9 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::KvTransferError;
-use crate::layout::{KvDtype, KvLayout, LayerHeader};
+use kv_types::{KvDtype, KvLayout, TransferId};
+
+use crate::header::LayerHeader;
 
 pub const MAGIC: [u8; 4] = *b"FSKV";
 pub const VERSION: u16 = 1;
@@ -46,7 +48,7 @@ const FIXED_LEN: usize = 64;
 /// The smallest valid header: one block id, no traceparent.
 pub const MIN_HEADER_LEN: usize = FIXED_LEN + 4 + 2 + 4;
 pub const MAX_TRACEPARENT_LEN: usize = 256;
-pub const MAX_NUM_LAYERS: u32 = 1 << 16;
+pub use kv_types::MAX_NUM_LAYERS;
 
 /// Caps that keep a hostile or broken peer from making the receiver allocate without bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,11 +108,11 @@ impl FrameHeader {
         buf.put_slice(&MAGIC);
         buf.put_u16_le(VERSION);
         buf.put_u32_le(len as u32);
-        buf.put_u64_le(h.xfer_id);
+        buf.put_u64_le(h.xfer_id.0);
         buf.put_u64_le(h.epoch);
         buf.put_u32_le(h.layer);
-        buf.put_u32_le(h.num_layers);
-        buf.put_u8(h.layout.dtype as u8);
+        buf.put_u32_le(h.layout.num_layers);
+        buf.put_u8(h.layout.dtype.code());
         buf.put_u8(0);
         buf.put_u32_le(h.layout.block_size);
         buf.put_u32_le(h.layout.num_kv_heads);
@@ -153,7 +155,7 @@ impl FrameHeader {
         }
 
         let mut c = Cursor::new(&body[PREFIX_LEN..]);
-        let xfer_id = c.u64()?;
+        let xfer_id = TransferId(c.u64()?);
         let epoch = c.u64()?;
         let layer = c.u32()?;
         let num_layers = c.u32()?;
@@ -171,7 +173,7 @@ impl FrameHeader {
             field,
             reason,
         };
-        let dtype = KvDtype::from_u8(dtype_code)
+        let dtype = KvDtype::from_code(dtype_code)
             .ok_or_else(|| invalid("dtype", format!("unknown dtype code {dtype_code}")))?;
         // The header length fixes how many block ids can follow; check before allocating.
         let room = c.remaining().saturating_sub(2) / 4;
@@ -208,9 +210,9 @@ impl FrameHeader {
                 xfer_id,
                 epoch,
                 layer,
-                num_layers,
                 layout: KvLayout {
                     dtype,
+                    num_layers,
                     block_size,
                     num_kv_heads,
                     head_dim,
@@ -259,19 +261,16 @@ impl FrameHeader {
             field,
             reason,
         };
-        h.layout.validate().map_err(|field| {
-            invalid(field, format!("must be in 1..={}", crate::layout::MAX_DIM))
-        })?;
-        if h.num_layers == 0 || h.num_layers > MAX_NUM_LAYERS {
-            return Err(invalid(
-                "num_layers",
-                format!("{} outside 1..={MAX_NUM_LAYERS}", h.num_layers),
-            ));
-        }
-        if h.layer >= h.num_layers {
+        h.layout
+            .validate()
+            .map_err(|e| invalid(e.field, format!("{} must be in 1..={}", e.value, e.max)))?;
+        if h.layer >= h.layout.num_layers {
             return Err(invalid(
                 "layer",
-                format!("{} is not below num_layers {}", h.layer, h.num_layers),
+                format!(
+                    "{} is not below num_layers {}",
+                    h.layer, h.layout.num_layers
+                ),
             ));
         }
         if h.block_ids.is_empty() {
@@ -434,6 +433,7 @@ mod tests {
     fn layout() -> KvLayout {
         KvLayout {
             dtype: KvDtype::F16,
+            num_layers: 2,
             block_size: 2,
             num_kv_heads: 2,
             head_dim: 4,
@@ -442,11 +442,13 @@ mod tests {
 
     fn frame(block_ids: Vec<u32>, trace: Option<&str>) -> (FrameHeader, Bytes) {
         let header = LayerHeader {
-            xfer_id: 42,
+            xfer_id: TransferId(42),
             epoch: 3,
             layer: 1,
-            num_layers: 4,
-            layout: layout(),
+            layout: KvLayout {
+                num_layers: 4,
+                ..layout()
+            },
             block_ids: block_ids.into(),
             traceparent: trace.map(str::to_owned),
         };
@@ -557,7 +559,7 @@ mod tests {
             matches!(
                 err,
                 KvTransferError::ChecksumMismatch {
-                    xfer_id: 42,
+                    xfer_id: TransferId(42),
                     layer: 1,
                     ..
                 }
@@ -583,12 +585,12 @@ mod tests {
                 |(xfer_id, epoch, num_layers, d, bs, heads, dim, ids, trace, seed)| {
                     let dtype = [KvDtype::F32, KvDtype::Bf16, KvDtype::F16][d];
                     let header = LayerHeader {
-                        xfer_id,
+                        xfer_id: TransferId(xfer_id),
                         epoch,
                         layer: seed as u32 % num_layers,
-                        num_layers,
                         layout: KvLayout {
                             dtype,
+                            num_layers,
                             block_size: bs,
                             num_kv_heads: heads,
                             head_dim: dim,

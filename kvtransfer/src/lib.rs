@@ -8,7 +8,7 @@
 //! # Flow
 //!
 //! 1. The decode node reserves blocks and [`TransferRegistry::register`]s a [`Reservation`]
-//!    (`xfer_id`, `epoch`, `block_ids`, `num_layers`, [`KvLayout`]); it hands the prefill node
+//!    (`xfer_id`, `epoch`, `block_ids`, [`KvLayout`]); it hands the prefill node
 //!    `{xfer_id, epoch, block_ids, kv_endpoint, lease_ms}`.
 //! 2. The prefill node [`KvTransport::connect`]s to `kv_endpoint` (connections are cached per
 //!    endpoint) and calls [`KvConnection::send_layer`] as each layer finishes; the calls run
@@ -73,7 +73,7 @@
 pub mod bench;
 mod error;
 pub mod frame;
-mod layout;
+mod header;
 mod quic;
 #[cfg(test)]
 mod refusal_log;
@@ -87,7 +87,8 @@ mod verdict;
 
 pub use error::KvTransferError;
 pub use frame::{decode_frame, FrameHeader, FrameLimits};
-pub use layout::{KvDtype, KvLayout, LayerHeader, MAX_DIM};
+pub use header::LayerHeader;
+pub use kv_types::{KvDtype, KvLayout, TransferId, MAX_DIM};
 pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows};
 pub use registry::{
     Admission, Ignored, LayerClaim, Outcome, RegistryConfig, RegistryStats, Reservation,

@@ -533,7 +533,7 @@ impl KvConnection for QuicConnection {
         // exports as ints (u64 becomes a string).
         let span = tracing::debug_span!(
             "kv_send_layer",
-            xfer_id = h.xfer_id as i64,
+            xfer_id = h.xfer_id.0 as i64,
             epoch = h.epoch as i64,
             layer = i64::from(h.layer),
             payload_bytes = payload.len() as i64,
@@ -546,10 +546,11 @@ impl KvConnection for QuicConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::header::LayerHeader;
     use crate::refusal_log::RefusalLog;
     use crate::sink::DiscardSink;
     use crate::tls::generate_dev_ca;
+    use kv_types::{KvDtype, KvLayout, TransferId};
 
     #[tokio::test]
     async fn refused_frames_reach_the_observer() {
@@ -573,16 +574,19 @@ mod tests {
         ));
         let layout = KvLayout {
             dtype: KvDtype::F32,
+            num_layers: 2,
             block_size: 2,
             num_kv_heads: 1,
             head_dim: 4,
         };
         let header = LayerHeader {
-            xfer_id: 99,
+            xfer_id: TransferId(99),
             epoch: 1,
             layer: 0,
-            num_layers: 2,
-            layout,
+            layout: KvLayout {
+                num_layers: 2,
+                ..layout
+            },
             block_ids: Arc::from(vec![3u32]),
             traceparent: None,
         };

@@ -14,6 +14,7 @@
 //! once every sink write already admitted for the old registration has finished, so the decode
 //! node can free or reuse the blocks as soon as `deregister` returns.
 
+use kv_types::TransferId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -23,18 +24,18 @@ use bytes::Bytes;
 use tokio::sync::{watch, RwLock};
 
 use crate::error::KvTransferError;
-use crate::frame::{FrameHeader, MAX_NUM_LAYERS};
-use crate::layout::KvLayout;
+use crate::frame::FrameHeader;
 use crate::sink::KvSink;
 use crate::verdict::Verdict;
+use kv_types::KvLayout;
 
 /// What the decode node reserved for one transfer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
-    pub xfer_id: u64,
+    pub xfer_id: TransferId,
     pub epoch: u64,
     pub block_ids: Arc<[u32]>,
-    pub num_layers: u32,
+    /// `layout.num_layers` is the number of layers the transfer carries.
     pub layout: KvLayout,
 }
 
@@ -75,7 +76,7 @@ impl TransferStatus {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TransferProgress {
-    pub xfer_id: u64,
+    pub xfer_id: TransferId,
     pub epoch: u64,
     pub num_layers: u32,
     pub layers_received: u32,
@@ -179,22 +180,22 @@ fn bump(counter: &AtomicU64) {
 
 #[derive(Default)]
 struct State {
-    transfers: HashMap<u64, Entry>,
+    transfers: HashMap<TransferId, Entry>,
     /// Deregistered xfer ids and their last epoch, oldest first in `tombstone_order`.
-    tombstones: HashMap<u64, u64>,
-    tombstone_order: VecDeque<(u64, u64)>,
+    tombstones: HashMap<TransferId, u64>,
+    tombstone_order: VecDeque<(TransferId, u64)>,
     next_generation: u64,
 }
 
 impl State {
-    fn known_epoch(&self, xfer_id: u64) -> Option<u64> {
+    fn known_epoch(&self, xfer_id: TransferId) -> Option<u64> {
         self.transfers
             .get(&xfer_id)
             .map(|e| e.epoch)
             .or_else(|| self.tombstones.get(&xfer_id).copied())
     }
 
-    fn add_tombstone(&mut self, xfer_id: u64, epoch: u64, capacity: usize) {
+    fn add_tombstone(&mut self, xfer_id: TransferId, epoch: u64, capacity: usize) {
         self.tombstones.insert(xfer_id, epoch);
         self.tombstone_order.push_back((xfer_id, epoch));
         while self.tombstone_order.len() > capacity {
@@ -207,7 +208,7 @@ impl State {
         }
     }
 
-    fn entry(&mut self, xfer_id: u64, generation: u64) -> Option<&mut Entry> {
+    fn entry(&mut self, xfer_id: TransferId, generation: u64) -> Option<&mut Entry> {
         self.transfers
             .get_mut(&xfer_id)
             .filter(|e| e.generation == generation)
@@ -238,7 +239,7 @@ enum LayerState {
 }
 
 impl Entry {
-    fn progress(&self, xfer_id: u64) -> TransferProgress {
+    fn progress(&self, xfer_id: TransferId) -> TransferProgress {
         TransferProgress {
             xfer_id,
             epoch: self.epoch,
@@ -257,7 +258,7 @@ impl Entry {
         }
     }
 
-    fn status(&self, xfer_id: u64) -> TransferStatus {
+    fn status(&self, xfer_id: TransferId) -> TransferStatus {
         let p = self.progress(xfer_id);
         if p.is_complete() {
             TransferStatus::Complete(p)
@@ -302,13 +303,7 @@ impl TransferRegistry {
         };
         r.layout
             .validate()
-            .map_err(|field| invalid(format!("layout field {field} out of range")))?;
-        if r.num_layers == 0 || r.num_layers > MAX_NUM_LAYERS {
-            return Err(invalid(format!(
-                "num_layers {} outside 1..={MAX_NUM_LAYERS}",
-                r.num_layers
-            )));
-        }
+            .map_err(|e| invalid(format!("layout field {e}")))?;
         if r.block_ids.is_empty() {
             return Err(invalid("block_ids is empty".to_owned()));
         }
@@ -347,10 +342,10 @@ impl TransferRegistry {
         st.next_generation += 1;
         let (progress_tx, _) = watch::channel(0);
         tracing::debug!(
-            xfer_id = r.xfer_id,
+            xfer_id = %r.xfer_id,
             epoch = r.epoch,
             num_blocks = r.block_ids.len(),
-            num_layers = r.num_layers,
+            num_layers = r.layout.num_layers,
             "kv reservation registered"
         );
         st.transfers.insert(
@@ -358,9 +353,9 @@ impl TransferRegistry {
             Entry {
                 generation,
                 epoch: r.epoch,
-                layers: vec![LayerState::Pending; r.num_layers as usize],
+                layers: vec![LayerState::Pending; r.layout.num_layers as usize],
                 block_ids: r.block_ids,
-                num_layers: r.num_layers,
+                num_layers: r.layout.num_layers,
                 layout: r.layout,
                 layers_received: 0,
                 payload_bytes: 0,
@@ -375,7 +370,7 @@ impl TransferRegistry {
     /// Closes a reservation (completion, cancel or lease expiry) and returns its last status.
     /// When this returns, no sink write for it is running or will start; later frames for it
     /// are dropped and counted. `None` if it was not registered.
-    pub async fn deregister(&self, xfer_id: u64) -> Option<TransferStatus> {
+    pub async fn deregister(&self, xfer_id: TransferId) -> Option<TransferStatus> {
         let (status, fence) = {
             let mut st = self.lock();
             let entry = st.transfers.remove(&xfer_id)?;
@@ -384,14 +379,14 @@ impl TransferRegistry {
         };
         drop(fence.write().await);
         tracing::debug!(
-            xfer_id,
+            %xfer_id,
             complete = status.is_complete(),
             "kv reservation closed"
         );
         Some(status)
     }
 
-    pub fn status(&self, xfer_id: u64) -> TransferStatus {
+    pub fn status(&self, xfer_id: TransferId) -> TransferStatus {
         let st = self.lock();
         if let Some(e) = st.transfers.get(&xfer_id) {
             return e.status(xfer_id);
@@ -405,7 +400,7 @@ impl TransferRegistry {
     /// Waits until every layer of the transfer's current registration has arrived.
     pub async fn wait_complete(
         &self,
-        xfer_id: u64,
+        xfer_id: TransferId,
         timeout: Duration,
     ) -> Result<TransferProgress, KvTransferError> {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -488,13 +483,13 @@ impl TransferRegistry {
                 registered_epoch: e.epoch,
             });
         }
-        if h.num_layers != e.num_layers {
+        if h.layout.num_layers != e.num_layers {
             return Err(KvTransferError::ReservationMismatch {
                 xfer_id,
                 layer,
                 field: "num_layers",
                 reserved: e.num_layers.to_string(),
-                given: h.num_layers.to_string(),
+                given: h.layout.num_layers.to_string(),
             });
         }
         if h.layout != e.layout {
@@ -543,7 +538,7 @@ impl TransferRegistry {
     }
 
     /// Why a claim's registration is gone, counted.
-    fn ignored_after_admit(&self, st: &mut State, xfer_id: u64) -> Ignored {
+    fn ignored_after_admit(&self, st: &mut State, xfer_id: TransferId) -> Ignored {
         match st.transfers.get_mut(&xfer_id) {
             Some(e) => {
                 e.stale_frames += 1;
@@ -565,7 +560,7 @@ impl TransferRegistry {
 #[derive(Debug)]
 pub struct LayerClaim {
     registry: TransferRegistry,
-    xfer_id: u64,
+    xfer_id: TransferId,
     layer: u32,
     generation: u64,
     block_ids: Arc<[u32]>,
@@ -573,7 +568,7 @@ pub struct LayerClaim {
 }
 
 impl LayerClaim {
-    pub fn xfer_id(&self) -> u64 {
+    pub fn xfer_id(&self) -> TransferId {
         self.xfer_id
     }
 
@@ -674,33 +669,39 @@ impl Drop for LayerClaim {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{KvDtype, LayerHeader};
+    use crate::header::LayerHeader;
     use crate::sink::MemorySink;
+    use kv_types::{KvDtype, TransferId};
 
     const LAYOUT: KvLayout = KvLayout {
         dtype: KvDtype::F32,
+        num_layers: 2,
         block_size: 2,
         num_kv_heads: 1,
         head_dim: 2,
     };
 
-    fn reservation(xfer_id: u64, epoch: u64) -> Reservation {
+    fn reservation(xfer_id: TransferId, epoch: u64) -> Reservation {
         Reservation {
             xfer_id,
             epoch,
             block_ids: vec![3, 1].into(),
-            num_layers: 2,
-            layout: LAYOUT,
+            layout: KvLayout {
+                num_layers: 2,
+                ..LAYOUT
+            },
         }
     }
 
-    fn frame(xfer_id: u64, epoch: u64, layer: u32) -> (FrameHeader, Bytes) {
+    fn frame(xfer_id: TransferId, epoch: u64, layer: u32) -> (FrameHeader, Bytes) {
         let header = LayerHeader {
             xfer_id,
             epoch,
             layer,
-            num_layers: 2,
-            layout: LAYOUT,
+            layout: KvLayout {
+                num_layers: 2,
+                ..LAYOUT
+            },
             block_ids: vec![3, 1].into(),
             traceparent: None,
         };
@@ -724,25 +725,28 @@ mod tests {
     async fn accepts_each_layer_once_then_completes() {
         let reg = TransferRegistry::default();
         let sink = MemorySink::new(2, 4, LAYOUT);
-        reg.register(reservation(7, 1)).await.unwrap();
+        reg.register(reservation(TransferId(7), 1)).await.unwrap();
         assert_eq!(
-            deliver(&reg, &sink, &frame(7, 1, 0)).unwrap(),
+            deliver(&reg, &sink, &frame(TransferId(7), 1, 0)).unwrap(),
             Verdict::Accepted
         );
-        let dup = deliver(&reg, &sink, &frame(7, 1, 0)).unwrap_err();
+        let dup = deliver(&reg, &sink, &frame(TransferId(7), 1, 0)).unwrap_err();
         assert!(matches!(
             dup,
             KvTransferError::DuplicateLayer {
-                xfer_id: 7,
+                xfer_id: TransferId(7),
                 layer: 0
             }
         ));
-        assert!(!reg.status(7).is_complete());
+        assert!(!reg.status(TransferId(7)).is_complete());
         assert_eq!(
-            deliver(&reg, &sink, &frame(7, 1, 1)).unwrap(),
+            deliver(&reg, &sink, &frame(TransferId(7), 1, 1)).unwrap(),
             Verdict::Accepted
         );
-        let p = reg.wait_complete(7, Duration::from_secs(1)).await.unwrap();
+        let p = reg
+            .wait_complete(TransferId(7), Duration::from_secs(1))
+            .await
+            .unwrap();
         assert_eq!(p.layers_received, 2);
         assert!(p.layer_crc32c.iter().all(Option::is_some));
     }
@@ -751,23 +755,26 @@ mod tests {
     async fn old_epoch_is_ignored_and_counted() {
         let reg = TransferRegistry::default();
         let sink = MemorySink::new(2, 4, LAYOUT);
-        reg.register(reservation(7, 1)).await.unwrap();
-        reg.register(reservation(7, 2)).await.unwrap();
+        reg.register(reservation(TransferId(7), 1)).await.unwrap();
+        reg.register(reservation(TransferId(7), 2)).await.unwrap();
         assert_eq!(
-            deliver(&reg, &sink, &frame(7, 1, 0)).unwrap(),
+            deliver(&reg, &sink, &frame(TransferId(7), 1, 0)).unwrap(),
             Verdict::StaleEpoch
         );
         assert_eq!(
-            deliver(&reg, &sink, &frame(7, 2, 0)).unwrap(),
+            deliver(&reg, &sink, &frame(TransferId(7), 2, 0)).unwrap(),
             Verdict::Accepted
         );
-        let err = deliver(&reg, &sink, &frame(7, 3, 1)).unwrap_err();
+        let err = deliver(&reg, &sink, &frame(TransferId(7), 3, 1)).unwrap_err();
         assert!(matches!(err, KvTransferError::EpochAhead { .. }));
         let stats = reg.stats();
         assert_eq!(stats.frames_ignored_stale_epoch, 1);
         assert_eq!(stats.frames_accepted, 1);
         assert_eq!(stats.frames_rejected, 1);
-        let err = reg.register(reservation(7, 2)).await.unwrap_err();
+        let err = reg
+            .register(reservation(TransferId(7), 2))
+            .await
+            .unwrap_err();
         assert!(matches!(
             err,
             KvTransferError::EpochNotNewer { known_epoch: 2, .. }
@@ -778,8 +785,8 @@ mod tests {
     async fn old_epoch_frame_from_the_wire_is_ignored() {
         use crate::frame::{decode_frame, FrameLimits};
         let reg = TransferRegistry::default();
-        reg.register(reservation(7, 4)).await.unwrap();
-        let (h, p) = frame(7, 3, 0);
+        reg.register(reservation(TransferId(7), 4)).await.unwrap();
+        let (h, p) = frame(TransferId(7), 3, 0);
         let mut wire = h.encode(&FrameLimits::default()).unwrap().to_vec();
         wire.extend_from_slice(&p);
         let (decoded, payload) = decode_frame(wire.into(), &FrameLimits::default()).unwrap();
@@ -789,30 +796,40 @@ mod tests {
             Admission::Ignore(Ignored::StaleEpoch { current_epoch: 4 })
         ));
         assert_eq!(reg.stats().frames_ignored_stale_epoch, 1);
-        assert!(matches!(reg.status(7), TransferStatus::Receiving(p) if p.stale_frames == 1));
+        assert!(
+            matches!(reg.status(TransferId(7)), TransferStatus::Receiving(p) if p.stale_frames == 1)
+        );
     }
 
     #[tokio::test]
     async fn unknown_and_closed_transfers() {
         let reg = TransferRegistry::default();
         let sink = MemorySink::new(2, 4, LAYOUT);
-        let err = deliver(&reg, &sink, &frame(9, 1, 0)).unwrap_err();
+        let err = deliver(&reg, &sink, &frame(TransferId(9), 1, 0)).unwrap_err();
         assert!(matches!(
             err,
-            KvTransferError::UnknownTransfer { xfer_id: 9 }
+            KvTransferError::UnknownTransfer {
+                xfer_id: TransferId(9)
+            }
         ));
-        reg.register(reservation(9, 1)).await.unwrap();
-        let status = reg.deregister(9).await.unwrap();
+        reg.register(reservation(TransferId(9), 1)).await.unwrap();
+        let status = reg.deregister(TransferId(9)).await.unwrap();
         assert!(matches!(status, TransferStatus::Receiving(_)));
         assert_eq!(
-            deliver(&reg, &sink, &frame(9, 1, 0)).unwrap(),
+            deliver(&reg, &sink, &frame(TransferId(9), 1, 0)).unwrap(),
             Verdict::TransferClosed
         );
-        assert_eq!(reg.status(9), TransferStatus::Closed { epoch: 1 });
+        assert_eq!(
+            reg.status(TransferId(9)),
+            TransferStatus::Closed { epoch: 1 }
+        );
         assert_eq!(reg.stats().frames_ignored_closed, 1);
         assert!(matches!(
-            reg.wait_complete(9, Duration::from_millis(10)).await,
-            Err(KvTransferError::TransferClosed { xfer_id: 9 })
+            reg.wait_complete(TransferId(9), Duration::from_millis(10))
+                .await,
+            Err(KvTransferError::TransferClosed {
+                xfer_id: TransferId(9)
+            })
         ));
     }
 
@@ -820,8 +837,8 @@ mod tests {
     async fn dropped_claim_frees_the_layer_and_bad_checksum_is_refused() {
         let reg = TransferRegistry::default();
         let sink = MemorySink::new(2, 4, LAYOUT);
-        reg.register(reservation(5, 1)).await.unwrap();
-        let (h, p) = frame(5, 1, 0);
+        reg.register(reservation(TransferId(5), 1)).await.unwrap();
+        let (h, p) = frame(TransferId(5), 1, 0);
         let Admission::Accept(claim) = reg.admit(&h).unwrap() else {
             panic!("not admitted")
         };
@@ -831,7 +848,7 @@ mod tests {
         assert!(matches!(
             err,
             KvTransferError::ChecksumMismatch {
-                xfer_id: 5,
+                xfer_id: TransferId(5),
                 layer: 0,
                 ..
             }
@@ -844,33 +861,33 @@ mod tests {
     async fn deregister_during_claim_ignores_the_write() {
         let reg = TransferRegistry::default();
         let sink = MemorySink::new(2, 4, LAYOUT);
-        reg.register(reservation(6, 1)).await.unwrap();
-        let (h, p) = frame(6, 1, 1);
+        reg.register(reservation(TransferId(6), 1)).await.unwrap();
+        let (h, p) = frame(TransferId(6), 1, 1);
         let Admission::Accept(claim) = reg.admit(&h).unwrap() else {
             panic!("not admitted")
         };
-        reg.deregister(6).await.unwrap();
+        reg.deregister(TransferId(6)).await.unwrap();
         assert_eq!(
             claim.complete(&sink, &h, p).unwrap(),
             Outcome::Ignored(Ignored::Closed)
         );
-        assert!(sink.layer_bytes(6, 1).is_none());
+        assert!(sink.layer_bytes(TransferId(6), 1).is_none());
     }
 
     #[tokio::test]
     async fn wait_complete_times_out_with_progress() {
         let reg = TransferRegistry::default();
         let sink = MemorySink::new(2, 4, LAYOUT);
-        reg.register(reservation(8, 1)).await.unwrap();
-        deliver(&reg, &sink, &frame(8, 1, 1)).unwrap();
+        reg.register(reservation(TransferId(8), 1)).await.unwrap();
+        deliver(&reg, &sink, &frame(TransferId(8), 1, 1)).unwrap();
         let err = reg
-            .wait_complete(8, Duration::from_millis(20))
+            .wait_complete(TransferId(8), Duration::from_millis(20))
             .await
             .unwrap_err();
         assert!(matches!(
             err,
             KvTransferError::Timeout {
-                xfer_id: 8,
+                xfer_id: TransferId(8),
                 layers_received: 1,
                 num_layers: 2,
                 ..
@@ -884,10 +901,13 @@ mod tests {
             tombstone_capacity: 2,
         });
         for id in 0..3 {
-            reg.register(reservation(id, 1)).await.unwrap();
-            reg.deregister(id).await.unwrap();
+            reg.register(reservation(TransferId(id), 1)).await.unwrap();
+            reg.deregister(TransferId(id)).await.unwrap();
         }
-        assert_eq!(reg.status(0), TransferStatus::Unknown);
-        assert_eq!(reg.status(2), TransferStatus::Closed { epoch: 1 });
+        assert_eq!(reg.status(TransferId(0)), TransferStatus::Unknown);
+        assert_eq!(
+            reg.status(TransferId(2)),
+            TransferStatus::Closed { epoch: 1 }
+        );
     }
 }

@@ -4,6 +4,7 @@
 //! module has two implementations for tests and benchmarks: [`MemorySink`], a paged cache in
 //! plain memory, and [`DiscardSink`], which counts bytes and drops them.
 
+use kv_types::TransferId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytes::Bytes;
 
 use crate::error::KvTransferError;
-use crate::layout::KvLayout;
+use kv_types::KvLayout;
 
 /// Receives a layer that passed every check. `payload` is `[K of block_ids, V of block_ids]`.
 ///
@@ -22,7 +23,7 @@ use crate::layout::KvLayout;
 pub trait KvSink: Send + Sync + 'static {
     fn write_layer(
         &self,
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         block_ids: &[u32],
         payload: Bytes,
@@ -32,7 +33,7 @@ pub trait KvSink: Send + Sync + 'static {
 impl<S: KvSink + ?Sized> KvSink for Arc<S> {
     fn write_layer(
         &self,
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         block_ids: &[u32],
         payload: Bytes,
@@ -47,7 +48,7 @@ pub struct MemorySink {
     num_blocks: usize,
     /// Per layer: K blocks then V blocks, each `num_blocks * block_bytes`.
     layers: Vec<Mutex<Vec<u8>>>,
-    written: Mutex<HashMap<(u64, u32), u64>>,
+    written: Mutex<HashMap<(TransferId, u32), u64>>,
 }
 
 impl MemorySink {
@@ -83,7 +84,7 @@ impl MemorySink {
     }
 
     /// Payload bytes written for `(xfer_id, layer)`, if it was written.
-    pub fn layer_bytes(&self, xfer_id: u64, layer: u32) -> Option<u64> {
+    pub fn layer_bytes(&self, xfer_id: TransferId, layer: u32) -> Option<u64> {
         self.written
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -103,7 +104,7 @@ impl MemorySink {
 impl KvSink for MemorySink {
     fn write_layer(
         &self,
-        xfer_id: u64,
+        xfer_id: TransferId,
         layer: u32,
         block_ids: &[u32],
         payload: Bytes,
@@ -175,7 +176,7 @@ impl DiscardSink {
 impl KvSink for DiscardSink {
     fn write_layer(
         &self,
-        _xfer_id: u64,
+        _xfer_id: TransferId,
         _layer: u32,
         _block_ids: &[u32],
         payload: Bytes,
@@ -190,19 +191,20 @@ impl KvSink for DiscardSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::KvDtype;
+    use kv_types::KvDtype;
 
     #[test]
     fn memory_sink_scatters_and_gathers() {
         let layout = KvLayout {
             dtype: KvDtype::F16,
+            num_layers: 2,
             block_size: 1,
             num_kv_heads: 1,
             head_dim: 2,
         };
         let sink = MemorySink::new(1, 5, layout);
         let payload: Vec<u8> = (0..16).collect();
-        sink.write_layer(1, 0, &[4, 0], payload.clone().into())
+        sink.write_layer(TransferId(1), 0, &[4, 0], payload.clone().into())
             .unwrap();
         assert_eq!(sink.read_layer(0, &[4, 0]).unwrap(), payload);
         // K of block 4 is the first 4 bytes; V of block 0 the last 4.
@@ -210,11 +212,13 @@ mod tests {
             sink.read_layer(0, &[4]).unwrap(),
             [0, 1, 2, 3, 8, 9, 10, 11]
         );
-        let err = sink.write_layer(1, 0, &[5, 0], payload.into()).unwrap_err();
+        let err = sink
+            .write_layer(TransferId(1), 0, &[5, 0], payload.into())
+            .unwrap_err();
         assert!(matches!(
             err,
             KvTransferError::Sink {
-                xfer_id: 1,
+                xfer_id: TransferId(1),
                 layer: 0,
                 ..
             }

@@ -142,17 +142,18 @@ pub(crate) fn io_error(peer: &str, what: &'static str, source: std::io::Error) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::header::LayerHeader;
+    use kv_types::{KvDtype, KvLayout, TransferId};
 
     const TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     fn frame(block_ids: Vec<u32>, trace: Option<&str>) -> (FrameHeader, Bytes) {
         let header = LayerHeader {
-            xfer_id: 42,
+            xfer_id: TransferId(42),
             epoch: 3,
             layer: 1,
-            num_layers: 4,
             layout: KvLayout {
+                num_layers: 4,
                 dtype: KvDtype::F16,
                 block_size: 2,
                 num_kv_heads: 2,

@@ -426,7 +426,7 @@ impl KvConnection for TcpConnection {
         // exports as ints (u64 becomes a string).
         let span = tracing::debug_span!(
             "kv_send_layer",
-            xfer_id = h.xfer_id as i64,
+            xfer_id = h.xfer_id.0 as i64,
             epoch = h.epoch as i64,
             layer = i64::from(h.layer),
             payload_bytes = payload.len() as i64,
@@ -439,25 +439,29 @@ impl KvConnection for TcpConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{KvDtype, KvLayout, LayerHeader};
+    use crate::header::LayerHeader;
     use crate::refusal_log::RefusalLog;
     use crate::registry::Reservation;
     use crate::sink::DiscardSink;
+    use kv_types::{KvDtype, KvLayout, TransferId};
 
     const LAYOUT: KvLayout = KvLayout {
         dtype: KvDtype::F32,
+        num_layers: 2,
         block_size: 2,
         num_kv_heads: 1,
         head_dim: 4,
     };
 
-    fn header(xfer_id: u64, layer: u32) -> LayerHeader {
+    fn header(xfer_id: TransferId, layer: u32) -> LayerHeader {
         LayerHeader {
             xfer_id,
             epoch: 1,
             layer,
-            num_layers: 2,
-            layout: LAYOUT,
+            layout: KvLayout {
+                num_layers: 2,
+                ..LAYOUT
+            },
             block_ids: Arc::from(vec![3u32]),
             traceparent: None,
         }
@@ -480,21 +484,23 @@ mod tests {
         ));
         registry
             .register(Reservation {
-                xfer_id: 7,
+                xfer_id: TransferId(7),
                 epoch: 1,
                 block_ids: Arc::from(vec![3u32]),
-                num_layers: 2,
-                layout: LAYOUT,
+                layout: KvLayout {
+                    num_layers: 2,
+                    ..LAYOUT
+                },
             })
             .await
             .unwrap();
         let payload = Bytes::from(vec![1u8; 2 * LAYOUT.block_bytes() as usize]);
         let conn = TcpTransport::default().connect(&endpoint).await.unwrap();
-        conn.send_layer(header(7, 0), payload.clone())
+        conn.send_layer(header(TransferId(7), 0), payload.clone())
             .await
             .unwrap();
         let err = conn
-            .send_layer(header(99, 0), payload.clone())
+            .send_layer(header(TransferId(99), 0), payload.clone())
             .await
             .unwrap_err();
         refusals.assert_only_unknown_transfer(&err);

@@ -16,7 +16,7 @@ use tracing::Instrument;
 
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
-use crate::layout::LayerHeader;
+use crate::header::LayerHeader;
 use crate::registry::{Admission, TransferRegistry};
 use crate::sink::KvSink;
 use crate::stream_io;
@@ -183,7 +183,7 @@ where
     // frame's traceparent, so one request's trace shows both ends of the transfer.
     let span = tracing::info_span!(
         "kv_receive",
-        xfer_id = h.xfer_id as i64,
+        xfer_id = h.xfer_id.0 as i64,
         epoch = h.epoch as i64,
         layer = h.layer as i64,
         payload_bytes = frame.payload_len as i64,

@@ -5,6 +5,7 @@
 // Helpers outside `#[test]` functions unwrap too; a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
 
+use kv_types::TransferId;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 const LAYOUT: KvLayout = KvLayout {
     dtype: KvDtype::Bf16,
+    num_layers: 2,
     block_size: 4,
     num_kv_heads: 2,
     head_dim: 8,
@@ -109,23 +111,27 @@ async fn tcp_harness() -> Harness<TcpTransport> {
     }
 }
 
-fn reservation(xfer_id: u64, epoch: u64, block_ids: &[u32]) -> Reservation {
+fn reservation(xfer_id: TransferId, epoch: u64, block_ids: &[u32]) -> Reservation {
     Reservation {
         xfer_id,
         epoch,
         block_ids: block_ids.into(),
-        num_layers: NUM_LAYERS,
-        layout: LAYOUT,
+        layout: KvLayout {
+            num_layers: NUM_LAYERS,
+            ..LAYOUT
+        },
     }
 }
 
-fn header(xfer_id: u64, epoch: u64, layer: u32, block_ids: &[u32]) -> LayerHeader {
+fn header(xfer_id: TransferId, epoch: u64, layer: u32, block_ids: &[u32]) -> LayerHeader {
     LayerHeader {
         xfer_id,
         epoch,
         layer,
-        num_layers: NUM_LAYERS,
-        layout: LAYOUT,
+        layout: KvLayout {
+            num_layers: NUM_LAYERS,
+            ..LAYOUT
+        },
         block_ids: block_ids.into(),
         traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned()),
     }
@@ -168,12 +174,12 @@ async fn with_timeout<F: std::future::Future<Output = ()>>(f: F) {
 async fn all_layers_arrive_bit_exact<T: KvTransport>(h: &Harness<T>) {
     let blocks = [7, 2, 30, 0, 11];
     h.registry
-        .register(reservation(1, 1, &blocks))
+        .register(reservation(TransferId(1), 1, &blocks))
         .await
         .unwrap();
     let data = payloads(1, blocks.len());
     let conn = h.conn().await;
-    let stats = send_all_layers(&conn, &header(1, 1, 0, &blocks), data.clone())
+    let stats = send_all_layers(&conn, &header(TransferId(1), 1, 0, &blocks), data.clone())
         .await
         .unwrap();
     assert_eq!(stats.len(), NUM_LAYERS as usize);
@@ -182,7 +188,7 @@ async fn all_layers_arrive_bit_exact<T: KvTransport>(h: &Harness<T>) {
         .all(|s| s.payload_bytes == data[0].len() as u64));
     let progress = h
         .registry
-        .wait_complete(1, Duration::from_secs(5))
+        .wait_complete(TransferId(1), Duration::from_secs(5))
         .await
         .unwrap();
     for (layer, payload) in data.iter().enumerate() {
@@ -191,7 +197,7 @@ async fn all_layers_arrive_bit_exact<T: KvTransport>(h: &Harness<T>) {
         assert_eq!(progress.layer_crc32c[layer], Some(crc32c::crc32c(payload)));
     }
     assert!(matches!(
-        h.registry.deregister(1).await,
+        h.registry.deregister(TransferId(1)).await,
         Some(TransferStatus::Complete(_))
     ));
 }
@@ -201,16 +207,16 @@ async fn unregistered_xfer_is_rejected<T: KvTransport>(h: &Harness<T>) {
     let data = payloads(2, blocks.len());
     let conn = h.conn().await;
     let res = conn
-        .send_layer(header(999, 1, 0, &blocks), data[0].clone())
+        .send_layer(header(TransferId(999), 1, 0, &blocks), data[0].clone())
         .await;
     assert_rejected(res, Verdict::UnknownTransfer);
     assert_eq!(h.registry.stats().frames_rejected, 1);
     // The connection is still good for a registered transfer.
     h.registry
-        .register(reservation(2, 1, &blocks))
+        .register(reservation(TransferId(2), 1, &blocks))
         .await
         .unwrap();
-    conn.send_layer(header(2, 1, 0, &blocks), data[0].clone())
+    conn.send_layer(header(TransferId(2), 1, 0, &blocks), data[0].clone())
         .await
         .unwrap();
 }
@@ -218,49 +224,49 @@ async fn unregistered_xfer_is_rejected<T: KvTransport>(h: &Harness<T>) {
 async fn old_epoch_is_ignored_while_current_proceeds<T: KvTransport>(h: &Harness<T>) {
     let blocks = [4, 5, 6];
     h.registry
-        .register(reservation(3, 1, &blocks))
+        .register(reservation(TransferId(3), 1, &blocks))
         .await
         .unwrap();
     // A retry: the decode node re-registers with epoch 2.
     h.registry
-        .register(reservation(3, 2, &blocks))
+        .register(reservation(TransferId(3), 2, &blocks))
         .await
         .unwrap();
     let data = payloads(3, blocks.len());
     let conn = h.conn().await;
     let res = conn
-        .send_layer(header(3, 1, 0, &blocks), data[0].clone())
+        .send_layer(header(TransferId(3), 1, 0, &blocks), data[0].clone())
         .await;
     assert_rejected(res, Verdict::StaleEpoch);
     assert_eq!(h.registry.stats().frames_ignored_stale_epoch, 1);
-    send_all_layers(&conn, &header(3, 2, 0, &blocks), data.clone())
+    send_all_layers(&conn, &header(TransferId(3), 2, 0, &blocks), data.clone())
         .await
         .unwrap();
     let progress = h
         .registry
-        .wait_complete(3, Duration::from_secs(5))
+        .wait_complete(TransferId(3), Duration::from_secs(5))
         .await
         .unwrap();
     assert_eq!((progress.epoch, progress.stale_frames), (2, 1));
     // A late old-epoch frame after completion is still only counted.
     let res = conn
-        .send_layer(header(3, 1, 1, &blocks), data[1].clone())
+        .send_layer(header(TransferId(3), 1, 1, &blocks), data[1].clone())
         .await;
     assert_rejected(res, Verdict::StaleEpoch);
     assert_eq!(h.registry.stats().frames_ignored_stale_epoch, 2);
-    assert!(h.registry.status(3).is_complete());
+    assert!(h.registry.status(TransferId(3)).is_complete());
 }
 
 async fn corrupted_payload_is_rejected<T: KvTransport>(h: &Harness<T>) {
     let blocks = [9, 8];
     h.registry
-        .register(reservation(4, 1, &blocks))
+        .register(reservation(TransferId(4), 1, &blocks))
         .await
         .unwrap();
     let data = payloads(4, blocks.len());
     let conn = h.conn().await;
     // Checksum computed over the good payload, then a byte flips on the way.
-    let frame = FrameHeader::for_payload(header(4, 1, 2, &blocks), &data[2]);
+    let frame = FrameHeader::for_payload(header(TransferId(4), 1, 2, &blocks), &data[2]);
     let mut bad = data[2].to_vec();
     let mid = bad.len() / 2;
     bad[mid] ^= 0x01;
@@ -268,33 +274,36 @@ async fn corrupted_payload_is_rejected<T: KvTransport>(h: &Harness<T>) {
         conn.send_frame(frame.clone(), bad.into()).await,
         Verdict::ChecksumMismatch,
     );
-    assert!(h.sink.layer_bytes(4, 2).is_none());
+    assert!(h.sink.layer_bytes(TransferId(4), 2).is_none());
     // The layer went back to pending: the good copy goes through.
     conn.send_frame(frame, data[2].clone()).await.unwrap();
-    assert_eq!(h.sink.layer_bytes(4, 2), Some(data[2].len() as u64));
+    assert_eq!(
+        h.sink.layer_bytes(TransferId(4), 2),
+        Some(data[2].len() as u64)
+    );
 }
 
 async fn mismatched_frames_are_refused<T: KvTransport>(h: &Harness<T>) {
     let blocks = [12, 13];
     h.registry
-        .register(reservation(5, 1, &blocks))
+        .register(reservation(TransferId(5), 1, &blocks))
         .await
         .unwrap();
     let data = payloads(5, blocks.len());
     let conn = h.conn().await;
     let res = conn
-        .send_layer(header(5, 1, 0, &[13, 12]), data[0].clone())
+        .send_layer(header(TransferId(5), 1, 0, &[13, 12]), data[0].clone())
         .await;
     assert_rejected(res, Verdict::BlockIdsMismatch);
-    conn.send_layer(header(5, 1, 0, &blocks), data[0].clone())
+    conn.send_layer(header(TransferId(5), 1, 0, &blocks), data[0].clone())
         .await
         .unwrap();
     let res = conn
-        .send_layer(header(5, 1, 0, &blocks), data[0].clone())
+        .send_layer(header(TransferId(5), 1, 0, &blocks), data[0].clone())
         .await;
     assert_rejected(res, Verdict::DuplicateLayer);
     let res = conn
-        .send_layer(header(5, 7, 1, &blocks), data[1].clone())
+        .send_layer(header(TransferId(5), 7, 1, &blocks), data[1].clone())
         .await;
     assert_rejected(res, Verdict::EpochAhead);
 }
@@ -302,23 +311,26 @@ async fn mismatched_frames_are_refused<T: KvTransport>(h: &Harness<T>) {
 async fn late_frames_after_deregistration_are_dropped<T: KvTransport>(h: &Harness<T>) {
     let blocks = [20, 21, 22];
     h.registry
-        .register(reservation(6, 1, &blocks))
+        .register(reservation(TransferId(6), 1, &blocks))
         .await
         .unwrap();
     let data = payloads(6, blocks.len());
     let conn = h.conn().await;
-    conn.send_layer(header(6, 1, 0, &blocks), data[0].clone())
+    conn.send_layer(header(TransferId(6), 1, 0, &blocks), data[0].clone())
         .await
         .unwrap();
-    let status = h.registry.deregister(6).await.unwrap();
+    let status = h.registry.deregister(TransferId(6)).await.unwrap();
     assert!(matches!(status, TransferStatus::Receiving(p) if p.layers_received == 1));
     let res = conn
-        .send_layer(header(6, 1, 1, &blocks), data[1].clone())
+        .send_layer(header(TransferId(6), 1, 1, &blocks), data[1].clone())
         .await;
     assert_rejected(res, Verdict::TransferClosed);
-    assert!(h.sink.layer_bytes(6, 1).is_none());
+    assert!(h.sink.layer_bytes(TransferId(6), 1).is_none());
     assert_eq!(h.registry.stats().frames_ignored_closed, 1);
-    assert_eq!(h.registry.status(6), TransferStatus::Closed { epoch: 1 });
+    assert_eq!(
+        h.registry.status(TransferId(6)),
+        TransferStatus::Closed { epoch: 1 }
+    );
 }
 
 async fn concurrent_transfers_share_the_endpoint<T: KvTransport>(
@@ -332,13 +344,13 @@ async fn concurrent_transfers_share_the_endpoint<T: KvTransport>(
         // Disjoint blocks per transfer, so each can be checked in the shared sink.
         let blocks: Vec<u32> = (0..3).map(|b| (i * 3 + b) as u32).collect();
         h.registry
-            .register(reservation(xfer_id, 1, &blocks))
+            .register(reservation(TransferId(xfer_id), 1, &blocks))
             .await
             .unwrap();
         let conn = h.conn().await;
         conns.push(conn.clone());
         let data = payloads(xfer_id, blocks.len());
-        let template = header(xfer_id, 1, 0, &blocks);
+        let template = header(TransferId(xfer_id), 1, 0, &blocks);
         tasks.spawn(async move {
             send_all_layers(&conn, &template, data.clone())
                 .await
@@ -353,7 +365,7 @@ async fn concurrent_transfers_share_the_endpoint<T: KvTransport>(
         }
     }
     for i in 0..TRANSFERS {
-        assert!(h.registry.status(100 + i).is_complete());
+        assert!(h.registry.status(TransferId(100 + i)).is_complete());
     }
     conns
 }
@@ -446,9 +458,12 @@ async fn quic_client_from_another_ca_fails_the_handshake() {
             Err(KvTransferError::Connection { .. }) => true,
             Err(other) => panic!("unexpected error {other}"),
             Ok(conn) => {
-                h.registry.register(reservation(7, 1, &[1])).await.unwrap();
+                h.registry
+                    .register(reservation(TransferId(7), 1, &[1]))
+                    .await
+                    .unwrap();
                 let data = payloads(7, 1);
-                conn.send_layer(header(7, 1, 0, &[1]), data[0].clone())
+                conn.send_layer(header(TransferId(7), 1, 0, &[1]), data[0].clone())
                     .await
                     .is_err()
             }
@@ -480,8 +495,11 @@ async fn quic_shutdown_ends_the_server_promptly() {
     with_timeout(async {
         let h = quic_harness();
         let conn = h.conn().await;
-        h.registry.register(reservation(8, 1, &[3])).await.unwrap();
-        conn.send_layer(header(8, 1, 0, &[3]), payloads(8, 1)[0].clone())
+        h.registry
+            .register(reservation(TransferId(8), 1, &[3]))
+            .await
+            .unwrap();
+        conn.send_layer(header(TransferId(8), 1, 0, &[3]), payloads(8, 1)[0].clone())
             .await
             .unwrap();
         // The connection stays open and idle while the server shuts down.
@@ -494,7 +512,7 @@ async fn quic_shutdown_ends_the_server_promptly() {
             start.elapsed()
         );
         let res = conn
-            .send_layer(header(8, 1, 1, &[3]), payloads(8, 1)[1].clone())
+            .send_layer(header(TransferId(8), 1, 1, &[3]), payloads(8, 1)[1].clone())
             .await;
         assert!(res.is_err(), "a stopped server answered");
     })

@@ -50,8 +50,13 @@ pub fn request(
     }
 }
 
-pub fn finish_str(f: Option<FinishReason>) -> String {
-    f.map(|f| f.as_str().to_string()).unwrap_or_default()
+pub fn finish_reason(f: Option<FinishReason>) -> v1::FinishReason {
+    match f {
+        None => v1::FinishReason::Unspecified,
+        Some(FinishReason::Length) => v1::FinishReason::Length,
+        Some(FinishReason::Eos) => v1::FinishReason::Eos,
+        Some(FinishReason::Stop) => v1::FinishReason::Stop,
+    }
 }
 
 pub fn token(ev: &TokenEvent) -> v1::Token {
@@ -65,9 +70,8 @@ pub fn token(ev: &TokenEvent) -> v1::Token {
             .map(|&(token_id, logprob)| v1::TopLogprob { token_id, logprob })
             .collect(),
         text: ev.text.clone(),
-        special: false,
         index: ev.index as u32,
-        finish_reason: finish_str(ev.finish),
+        finish_reason: finish_reason(ev.finish) as i32,
     }
 }
 

@@ -117,7 +117,7 @@ impl EngineArgs {
                 role,
                 model_id,
                 model_fingerprint: fingerprint,
-                layout: Some(crate::kv::proto_layout(&engine.cache().desc())),
+                layout: Some(engine.cache().layout().into()),
                 total_kv_blocks: engine.stats().num_blocks_total as u32,
                 kv_endpoint: String::new(),
                 max_context,

@@ -3,6 +3,7 @@
 use proto::ErrorCode;
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum NodeError {
     #[error(transparent)]
     Engine(#[from] engine::error::EngineError),

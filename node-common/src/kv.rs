@@ -1,9 +1,9 @@
-//! KV-transfer set-up shared by both roles: which backend, TLS identity, layout conversion.
+//! KV-transfer set-up shared by both roles: which backend, and the TLS identity.
 
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use kvtransfer::{KvDtype as WireDtype, KvLayout as WireLayout, TlsFiles, TlsIdentity};
+use kvtransfer::{TlsFiles, TlsIdentity};
 
 use crate::error::NodeError;
 
@@ -52,30 +52,5 @@ impl KvArgs {
                 "the QUIC KV transport needs --tls-ca, --tls-cert and --tls-key (fission up generates a dev CA), or use --kv-transport tcp".into(),
             )),
         }
-    }
-}
-
-/// The engine cache layout as kvtransfer describes it.
-pub fn wire_layout(desc: &engine::kv::cache::KvLayoutDesc) -> WireLayout {
-    use engine::kv::cache::KvDtypeName;
-    WireLayout {
-        dtype: match desc.dtype {
-            KvDtypeName::F32 => WireDtype::F32,
-            KvDtypeName::Bf16 => WireDtype::Bf16,
-            KvDtypeName::F16 => WireDtype::F16,
-        },
-        block_size: desc.block_size as u32,
-        num_kv_heads: desc.num_kv_heads as u32,
-        head_dim: desc.head_dim as u32,
-    }
-}
-
-pub fn proto_layout(desc: &engine::kv::cache::KvLayoutDesc) -> proto::v1::KvLayout {
-    proto::v1::KvLayout {
-        dtype: format!("{:?}", desc.dtype).to_lowercase(),
-        num_layers: desc.num_layers as u32,
-        block_size: desc.block_size as u32,
-        num_kv_heads: desc.num_kv_heads as u32,
-        head_dim: desc.head_dim as u32,
     }
 }

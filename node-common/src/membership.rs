@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use cluster::{EtcdConfig, KvLayout, NodeLoad, NodeRecord, Registration, RegistrationConfig, Role};
+use cluster::{EtcdConfig, NodeLoad, NodeRecord, Registration, RegistrationConfig, Role};
+use kv_types::KvLayout;
 use proto::ErrorCode;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
@@ -97,17 +98,6 @@ pub fn random_node_id(role: &str) -> String {
     format!("{role}-{:x}{:06x}", std::process::id(), nanos & 0xff_ffff)
 }
 
-/// Answers the Drain RPC: starts the same drain as SIGTERM by cancelling `shutdown`.
-pub fn request_drain(
-    shutdown: &tokio_util::sync::CancellationToken,
-    node_id: &str,
-) -> proto::v1::DrainResponse {
-    let started = !shutdown.is_cancelled();
-    tracing::info!(%node_id, started, "drain requested over gRPC");
-    shutdown.cancel();
-    proto::v1::DrainResponse { started }
-}
-
 /// New work (`what`: prompts, reservations, requests) is refused once the drain has started;
 /// the gateway takes Unavailable as "try another node". Work already here carries on.
 pub fn refuse_if_draining(
@@ -130,12 +120,12 @@ pub fn refuse_if_draining(
 /// The record a node registers, built from what it reports in `Info`.
 pub fn node_record(
     info: &proto::v1::NodeInfo,
+    layout: KvLayout,
     role: Role,
     grpc_endpoint: String,
     kv_endpoint: String,
     kv_transport: crate::kv::KvBackend,
 ) -> NodeRecord {
-    let layout = info.layout.clone().unwrap_or_default();
     NodeRecord {
         node_id: info.node_id.clone(),
         role,
@@ -144,13 +134,7 @@ pub fn node_record(
         kv_endpoint,
         model_id: info.model_id.clone(),
         model_fingerprint: info.model_fingerprint.clone(),
-        block_size: layout.block_size,
-        kv_layout: KvLayout {
-            dtype: layout.dtype,
-            num_layers: layout.num_layers,
-            num_kv_heads: layout.num_kv_heads,
-            head_dim: layout.head_dim,
-        },
+        kv_layout: layout,
         total_kv_blocks: u64::from(info.total_kv_blocks),
         kv_transport: kv_transport.as_str().to_string(),
         draining: false,
@@ -221,9 +205,9 @@ impl Membership {
                 // The flag is kept and written once etcd answers again.
                 tracing::warn!(node_id = %self.node_id, %error, "could not mark the node draining yet");
             }
-            // Routers learn of the flag through their watch within milliseconds; work they
-            // routed before that may still arrive, and it is served.
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            // No wait for routers to see the flag: new work that still arrives is refused as
+            // Unavailable (see `refuse_if_draining`), which a gateway answers by trying the
+            // next node, and work accepted before the flag is tracked and finished below.
         }
         tracing::info!(node_id = %self.node_id, in_flight = tracker.active(), "draining");
         let idle = async {
@@ -295,6 +279,7 @@ mod tests {
         let guard = tracker.begin();
         let record = node_record(
             &proto::v1::NodeInfo::default(),
+            kv_types::KvLayout::SMOLLM2_135M_F32,
             Role::Decode,
             String::new(),
             String::new(),

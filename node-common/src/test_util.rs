@@ -1,7 +1,9 @@
 //! For the nodes' tests only (the `test-util` feature, which only their dev-dependencies turn
-//! on): a small real engine built from the same flags a node parses, a local Prometheus
-//! recorder, and the checks of the drain contract both nodes keep.
+//! on): a real node of either role started in-process on free ports, a small real engine built
+//! from the same flags a node parses, a local Prometheus recorder, and the checks of the drain
+//! contract both nodes keep.
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -9,10 +11,57 @@ use engine::engine::Engine;
 use metrics_exporter_prometheus::{PrometheusHandle, PrometheusRecorder};
 use proto::v1::{CacheEventBatch, DrainResponse};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tonic::codec::Streaming;
 
 use crate::engine_args::EngineArgs;
 use crate::error::NodeError;
+use crate::launch::NodeRole;
+use crate::node::NodeListeners;
+
+/// A node of some role running in this process.
+pub struct SpawnedNode {
+    /// The role's `run`: ends when the node has stopped.
+    pub task: JoinHandle<Result<(), NodeError>>,
+    pub shutdown: CancellationToken,
+    pub grpc_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+}
+
+#[derive(Parser)]
+struct RoleFlags<C: clap::Args> {
+    #[command(flatten)]
+    config: C,
+}
+
+/// Starts a node of role `R` with `flags` (its role's flags, as on its command line) on free
+/// ports of 127.0.0.1. It may not answer yet: wait for it (testkit's `wait_until_serving`).
+pub async fn spawn<R: NodeRole>(flags: &[&str]) -> SpawnedNode {
+    let argv = std::iter::once("node").chain(flags.iter().copied());
+    let config = RoleFlags::<R::Config>::parse_from(argv).config;
+    let grpc = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let metrics = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let (grpc_addr, metrics_addr) = (
+        grpc.local_addr().expect("addr"),
+        metrics.local_addr().expect("addr"),
+    );
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(R::run(
+        config,
+        NodeListeners { grpc, metrics },
+        shutdown.clone(),
+    ));
+    SpawnedNode {
+        task,
+        shutdown,
+        grpc_addr,
+        metrics_addr,
+    }
+}
 
 #[derive(Parser)]
 struct Args {
@@ -20,9 +69,9 @@ struct Args {
     engine: EngineArgs,
 }
 
-/// stories260K with 64 blocks of 4 and a prefill budget of 8 tokens per step.
-pub fn stories_engine() -> Engine {
-    let dir = testkit::shared_model("stories260K");
+/// The model in `dir` (stories260K in the nodes' tests) with 64 blocks of 4 and a prefill
+/// budget of 8 tokens per step.
+pub fn stories_engine(dir: &std::path::Path) -> Engine {
     let args = Args::parse_from([
         "node",
         "--model",

@@ -3,7 +3,6 @@
 //! so the transfer of layer i overlaps the compute of layer i+1.
 
 use std::collections::HashMap;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -15,6 +14,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 use tracing::Span;
 
 use node_common::engine_state::EngineState;
+use node_common::engine_thread::{self, Commands, EngineTask};
 use node_common::NodeError;
 
 /// One layer of one prompt, ready to send.
@@ -27,6 +27,8 @@ pub struct LayerPayload {
 
 pub struct PrefillOutcome {
     pub first: TokenEvent,
+    /// Prompt tokens whose KV came from the prefix cache rather than a forward pass.
+    pub cached_tokens: usize,
     /// From the RPC's arrival to the first token: this node's time to first token.
     pub elapsed: Duration,
     /// From the first step that computed part of the prompt to the first token.
@@ -59,17 +61,14 @@ enum Command {
 
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
+    commands: Commands<Command>,
 }
 
 impl EngineHandle {
     pub fn spawn(engine: Engine, state: EngineState) -> Self {
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("prefill-engine".into())
-            .spawn(move || run_engine_task(engine, state, rx))
-            .expect("spawning the engine thread");
-        EngineHandle { tx }
+        EngineHandle {
+            commands: engine_thread::spawn("prefill-engine", PrefillTask::new(engine, state)),
+        }
     }
 
     /// Computes `req`'s prompt; when `layers` is given, each finished layer's KV goes there.
@@ -79,20 +78,19 @@ impl EngineHandle {
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
         arrival: Arrival,
     ) -> Result<PrefillOutcome, NodeError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Prefill {
+        Ok(self
+            .commands
+            .call(|reply| Command::Prefill {
                 req,
                 layers,
                 reply,
                 arrival,
             })
-            .map_err(|_| NodeError::EngineStopped)?;
-        Ok(rx.await.map_err(|_| NodeError::EngineStopped)??)
+            .await??)
     }
 
     pub fn cancel(&self, seq_id: SeqId) {
-        let _ = self.tx.send(Command::Cancel { seq_id });
+        let _ = self.commands.send(Command::Cancel { seq_id });
     }
 }
 
@@ -103,6 +101,8 @@ struct Pending {
     /// Set by the first step that computes part of this prompt.
     computing_since: Option<Instant>,
     prompt_tokens: u64,
+    /// Prompt tokens the engine's steps computed: the rest came from the prefix cache.
+    computed_tokens: u64,
     span: Span,
     /// Open from arrival until the first step that computes part of this prompt.
     queue_wait: Option<Span>,
@@ -110,80 +110,84 @@ struct Pending {
     chunks: i64,
 }
 
-fn run_engine_task(mut engine: Engine, state: EngineState, rx: mpsc::Receiver<Command>) {
-    engine.enable_cache_events();
-    // The idle engine's figures, before the loop blocks waiting for work: routers read free
-    // blocks from this, and a node that reported none would never be picked.
-    state.publish(&mut engine, 0);
-    let mut pending: HashMap<SeqId, Pending> = HashMap::new();
-    loop {
-        let first = if engine.has_work() {
-            match rx.try_recv() {
-                Ok(c) => Some(c),
-                Err(mpsc::TryRecvError::Empty) => None,
-                Err(mpsc::TryRecvError::Disconnected) => return,
+/// The prefill node's engine thread: prompts in, first tokens and layers out.
+struct PrefillTask {
+    engine: Engine,
+    pending: HashMap<SeqId, Pending>,
+    state: EngineState,
+}
+
+impl EngineTask for PrefillTask {
+    type Command = Command;
+
+    fn engine(&mut self) -> &mut Engine {
+        &mut self.engine
+    }
+
+    fn handle(&mut self, c: Command) {
+        match c {
+            Command::Prefill {
+                req,
+                layers,
+                reply,
+                arrival,
+            } => {
+                let seq_id = req.seq_id;
+                let prompt_tokens = req.prompt_ids.len() as u64;
+                match self.engine.add_prefill_request(req) {
+                    Ok(()) => {
+                        self.pending.insert(
+                            seq_id,
+                            Pending {
+                                layers,
+                                reply,
+                                arrived: arrival.at,
+                                computing_since: None,
+                                prompt_tokens,
+                                computed_tokens: 0,
+                                queue_wait: Some(arrival.queue_wait),
+                                span: arrival.span,
+                                chunks: 0,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        arrival.span.record("chunks", 0i64);
+                        let _ = reply.send(Err(e));
+                    }
+                }
             }
-        } else {
-            match rx.recv() {
-                Ok(c) => Some(c),
-                Err(_) => return,
+            Command::Cancel { seq_id } => {
+                if self.engine.cancel(seq_id) {
+                    metrics::counter!("fission_prefill_cancelled_total").increment(1);
+                }
+                if let Some(p) = self.pending.remove(&seq_id) {
+                    p.span.record("chunks", p.chunks);
+                }
             }
-        };
-        let mut next = first;
-        while let Some(c) = next {
-            handle(&mut engine, &mut pending, c);
-            next = rx.try_recv().ok();
         }
-        if engine.has_work() {
-            step(&mut engine, &mut pending);
-        }
-        publish_gauges(&engine);
+    }
+
+    fn step(&mut self) {
+        step(&mut self.engine, &mut self.pending);
+    }
+
+    fn publish(&mut self) {
+        publish_gauges(&self.engine);
         // Tokens of prompts admitted and not yet answered: what a router weighs a node by.
-        let queued: u64 = pending.values().map(|p| p.prompt_tokens).sum();
+        let queued: u64 = self.pending.values().map(|p| p.prompt_tokens).sum();
         metrics::gauge!("fission_prefill_queued_prefill_tokens").set(queued as f64);
-        state.publish(&mut engine, queued);
+        self.state.publish(&mut self.engine, queued);
     }
 }
 
-fn handle(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>, c: Command) {
-    match c {
-        Command::Prefill {
-            req,
-            layers,
-            reply,
-            arrival,
-        } => {
-            let seq_id = req.seq_id;
-            let prompt_tokens = req.prompt_ids.len() as u64;
-            match engine.add_prefill_request(req) {
-                Ok(()) => {
-                    pending.insert(
-                        seq_id,
-                        Pending {
-                            layers,
-                            reply,
-                            arrived: arrival.at,
-                            computing_since: None,
-                            prompt_tokens,
-                            queue_wait: Some(arrival.queue_wait),
-                            span: arrival.span,
-                            chunks: 0,
-                        },
-                    );
-                }
-                Err(e) => {
-                    arrival.span.record("chunks", 0i64);
-                    let _ = reply.send(Err(e));
-                }
-            }
-        }
-        Command::Cancel { seq_id } => {
-            if engine.cancel(seq_id) {
-                metrics::counter!("fission_prefill_cancelled_total").increment(1);
-            }
-            if let Some(p) = pending.remove(&seq_id) {
-                p.span.record("chunks", p.chunks);
-            }
+impl PrefillTask {
+    fn new(mut engine: Engine, state: EngineState) -> Self {
+        engine.enable_cache_events();
+        PrefillTask {
+            engine,
+            pending: HashMap::new(),
+            state,
         }
     }
 }
@@ -234,6 +238,9 @@ impl StepObserver for StepTracker<'_> {
                 p.computing_since = Some(self.started);
             }
             p.chunks += 1;
+            if s.is_prefill {
+                p.computed_tokens += s.num_tokens as u64;
+            }
         }
     }
 
@@ -283,6 +290,7 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
                     p.span.record("chunks", p.chunks);
                     let _ = p.reply.send(Ok(PrefillOutcome {
                         first: ev,
+                        cached_tokens: p.prompt_tokens.saturating_sub(p.computed_tokens) as usize,
                         elapsed: p.arrived.elapsed(),
                         compute: p.computing_since.unwrap_or(started).elapsed(),
                     }));
@@ -314,20 +322,19 @@ mod tests {
 
     use super::*;
 
+    fn task() -> PrefillTask {
+        let engine = stories_engine(&testkit::shared_model("stories260K"));
+        PrefillTask::new(engine, EngineState::new(4).0)
+    }
+
     type Reply = oneshot::Receiver<Result<PrefillOutcome, EngineError>>;
 
-    fn admit(
-        engine: &mut Engine,
-        pending: &mut HashMap<SeqId, Pending>,
-        id: u64,
-        prompt: std::ops::Range<u32>,
-    ) -> Reply {
-        admit_at(engine, pending, id, prompt, Instant::now())
+    fn admit(t: &mut PrefillTask, id: u64, prompt: std::ops::Range<u32>) -> Reply {
+        admit_at(t, id, prompt, Instant::now())
     }
 
     fn admit_at(
-        engine: &mut Engine,
-        pending: &mut HashMap<SeqId, Pending>,
+        t: &mut PrefillTask,
         id: u64,
         prompt: std::ops::Range<u32>,
         arrived: Instant,
@@ -340,40 +347,35 @@ mod tests {
             max_new_tokens: 4,
             ..Default::default()
         };
-        handle(
-            engine,
-            pending,
-            Command::Prefill {
-                req: node_common::convert::request(SeqId(id), prompt_ids, None, Some(&stopping)),
-                layers: None,
-                reply,
-                arrival: Arrival {
-                    at: arrived,
-                    span,
-                    queue_wait,
-                },
+        t.handle(Command::Prefill {
+            req: node_common::convert::request(SeqId(id), prompt_ids, None, Some(&stopping)),
+            layers: None,
+            reply,
+            arrival: Arrival {
+                at: arrived,
+                span,
+                queue_wait,
             },
-        );
+        });
         rx
     }
 
     #[test]
     fn queue_time_and_chunks_follow_the_scheduler_not_the_pending_set() {
-        let mut engine = stories_engine();
+        let mut t = task();
         let capture = Captured::default();
         let (recorder, metrics) = local_recorder();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
         metrics::with_local_recorder(&recorder, || {
-            let mut pending = HashMap::new();
             // 12 + 8 prompt tokens, 8 per step: the second prompt waits for step 2.
-            let mut first = admit(&mut engine, &mut pending, 1, 100..112);
-            let mut second = admit(&mut engine, &mut pending, 2, 200..208);
+            let mut first = admit(&mut t, 1, 100..112);
+            let mut second = admit(&mut t, 2, 200..208);
 
-            step(&mut engine, &mut pending);
-            assert_eq!(pending[&SeqId(1)].chunks, 1);
-            assert!(pending[&SeqId(1)].queue_wait.is_none());
-            assert_eq!(pending[&SeqId(2)].chunks, 0, "not in step 1's plan");
-            assert!(pending[&SeqId(2)].queue_wait.is_some());
+            t.step();
+            assert_eq!(t.pending[&SeqId(1)].chunks, 1);
+            assert!(t.pending[&SeqId(1)].queue_wait.is_none());
+            assert_eq!(t.pending[&SeqId(2)].chunks, 0, "not in step 1's plan");
+            assert!(t.pending[&SeqId(2)].queue_wait.is_some());
             let text = metrics.render();
             assert_eq!(
                 sample(&text, "fission_prefill_queue_time_seconds_count"),
@@ -381,17 +383,17 @@ mod tests {
             );
 
             // Step 2: prompt 1's last 4 tokens and prompt 2's first 4.
-            step(&mut engine, &mut pending);
+            t.step();
             assert!(first.try_recv().expect("prompt 1 answered").is_ok());
-            assert_eq!(pending[&SeqId(2)].chunks, 1);
-            assert!(pending[&SeqId(2)].queue_wait.is_none());
-            step(&mut engine, &mut pending);
+            assert_eq!(t.pending[&SeqId(2)].chunks, 1);
+            assert!(t.pending[&SeqId(2)].queue_wait.is_none());
+            t.step();
             let outcome = second
                 .try_recv()
                 .expect("prompt 2 answered")
                 .expect("prompt 2 computed");
             assert!(outcome.compute <= outcome.elapsed);
-            assert!(pending.is_empty());
+            assert!(t.pending.is_empty());
 
             let text = metrics.render();
             assert_eq!(
@@ -425,15 +427,14 @@ mod tests {
 
     #[test]
     fn queue_time_and_time_to_first_token_start_at_the_rpc_arrival() {
-        let mut engine = stories_engine();
+        let mut t = task();
         let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
         let (recorder, metrics) = local_recorder();
         let waited = Duration::from_millis(300);
-        let mut pending = HashMap::new();
         // The RPC arrived a while before the engine thread got the command.
         let arrived = Instant::now() - waited;
-        let mut rx = admit_at(&mut engine, &mut pending, 1, 100..104, arrived);
-        metrics::with_local_recorder(&recorder, || step(&mut engine, &mut pending));
+        let mut rx = admit_at(&mut t, 1, 100..104, arrived);
+        metrics::with_local_recorder(&recorder, || t.step());
         let outcome = rx.try_recv().expect("answered").expect("computed");
         assert!(outcome.elapsed >= waited, "{:?}", outcome.elapsed);
         assert!(outcome.compute < waited, "{:?}", outcome.compute);
@@ -443,21 +444,20 @@ mod tests {
 
     #[test]
     fn prefix_cache_figures_are_counters() {
-        let mut engine = stories_engine();
+        let mut t = task();
         // Every test that runs traced code holds a subscriber of its own: a thread with none
         // can register a callsite as never-enabled under another test's feet.
         let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
         let (recorder, metrics) = local_recorder();
         metrics::with_local_recorder(&recorder, || {
-            let mut pending = HashMap::new();
             for id in [1, 2] {
                 // The same 9-token prompt twice: the second finds its first 2 blocks cached.
-                let mut rx = admit(&mut engine, &mut pending, id, 100..109);
-                while engine.has_work() {
-                    step(&mut engine, &mut pending);
+                let mut rx = admit(&mut t, id, 100..109);
+                while t.engine.has_work() {
+                    t.step();
                 }
                 assert!(rx.try_recv().expect("answered").is_ok());
-                publish_gauges(&engine);
+                publish_gauges(&t.engine);
             }
         });
         let text = metrics.render();

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use kv_types::{KvLayout, TransferId};
 use kvtransfer::{
     FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader, QuicConnection,
     QuicTransport, TcpConnection, TcpTransport, TransferStat,
@@ -67,7 +68,9 @@ where
 }
 
 /// `FISSION_FAILPOINT_PUSH_DELAY_MS`, read once: how long every push waits before its first
-/// layer (tests only).
+/// layer. A test failpoint: only builds with the `failpoints` feature (which only the tests
+/// turn on) read it.
+#[cfg(feature = "failpoints")]
 fn push_delay() -> Option<Duration> {
     static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
     *DELAY.get_or_init(|| {
@@ -76,6 +79,11 @@ fn push_delay() -> Option<Duration> {
             .and_then(|v| v.parse().ok())
             .map(Duration::from_millis)
     })
+}
+
+#[cfg(not(feature = "failpoints"))]
+fn push_delay() -> Option<Duration> {
+    None
 }
 
 /// gRPC clients of decode nodes, one per endpoint.
@@ -119,6 +127,7 @@ pub struct PushReport {
 
 /// Why a push failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PushError {
     #[error(transparent)]
     Kv(#[from] KvTransferError),
@@ -155,9 +164,10 @@ impl PushError {
 pub struct PushJob {
     pub transport: Arc<Transport>,
     pub clients: DecodeClients,
+    pub xfer_id: TransferId,
     pub dest: KvDestination,
-    pub num_layers: u32,
-    pub layout: kvtransfer::KvLayout,
+    /// This node's cache geometry, which the destination's matches.
+    pub layout: KvLayout,
     pub num_tokens: u32,
     pub request_id: String,
 }
@@ -215,7 +225,7 @@ async fn push(
     first_rx: oneshot::Receiver<v1::Token>,
 ) -> Result<PushReport, PushError> {
     let dest = &job.dest;
-    let num_layers = job.num_layers;
+    let num_layers = job.layout.num_layers;
     if let Some(delay) = push_delay() {
         // Test-only failpoint: the prompt's answer goes out while its KV is held back, so a
         // test can kill the node between the two.
@@ -239,10 +249,9 @@ async fn push(
     let mut received = 0u32;
     while let Some(lp) = layers_rx.recv().await {
         let header = LayerHeader {
-            xfer_id: dest.xfer_id,
+            xfer_id: job.xfer_id,
             epoch: dest.epoch,
             layer: lp.layer as u32,
-            num_layers,
             layout: job.layout,
             block_ids: Arc::clone(&block_ids),
             traceparent: traceparent.clone(),
@@ -284,7 +293,7 @@ async fn push(
             .record(stat.elapsed.as_secs_f64());
         // An event of the trace, not a log line: 30 a request at info would drown the log.
         tracing::info!(
-            target: crate::TRACE_EVENTS_TARGET,
+            target: node_common::launch::TRACE_EVENTS_TARGET,
             layer = layer as i64,
             bytes = stat.payload_bytes as i64,
             duration_ms = stat.elapsed.as_secs_f64() * 1e3,
@@ -333,8 +342,7 @@ mod tests {
 
     use futures::Stream;
     use kvtransfer::{
-        DiscardSink, KvDtype, KvLayout, KvServer, Reservation, TcpConfig, TcpServer,
-        TransferRegistry,
+        DiscardSink, KvDtype, KvServer, Reservation, TcpConfig, TcpServer, TransferRegistry,
     };
     use proto::v1::decode_server::{Decode, DecodeServer};
     use testkit::span_capture::{Captured, Value};
@@ -345,11 +353,11 @@ mod tests {
 
     const LAYOUT: KvLayout = KvLayout {
         dtype: KvDtype::F32,
+        num_layers: 2,
         block_size: 2,
         num_kv_heads: 1,
         head_dim: 4,
     };
-    const NUM_LAYERS: u32 = 2;
 
     /// What the fake decode node was called with: the RPC, its traceparent, the xfer id and
     /// the request id.
@@ -413,25 +421,6 @@ mod tests {
                 .push(("cancel", tp, c.xfer_id, c.request_id));
             Ok(Response::new(v1::CancelResponse { found: true }))
         }
-        async fn info(
-            &self,
-            _: Request<v1::InfoRequest>,
-        ) -> Result<Response<v1::NodeInfo>, Status> {
-            Err(Status::unimplemented("fake"))
-        }
-        async fn drain(
-            &self,
-            _: Request<v1::DrainRequest>,
-        ) -> Result<Response<v1::DrainResponse>, Status> {
-            Err(Status::unimplemented("fake"))
-        }
-        type CacheEventsStream = node_common::cache_events::CacheEventStream;
-        async fn cache_events(
-            &self,
-            _: Request<v1::CacheEventsRequest>,
-        ) -> Result<Response<Self::CacheEventsStream>, Status> {
-            Err(Status::unimplemented("fake"))
-        }
     }
 
     /// A fake decode node (gRPC) and a real KV receiver holding a reservation for xfer 7.
@@ -463,10 +452,9 @@ mod tests {
         let registry = TransferRegistry::default();
         registry
             .register(Reservation {
-                xfer_id: 7,
+                xfer_id: TransferId(7),
                 epoch: 1,
                 block_ids: Arc::from(vec![0u32]),
-                num_layers: NUM_LAYERS,
                 layout: LAYOUT,
             })
             .await
@@ -489,6 +477,7 @@ mod tests {
         let job = PushJob {
             transport: Arc::new(Transport::Tcp(TcpTransport::default())),
             clients: DecodeClients::default(),
+            xfer_id: TransferId(xfer_id),
             dest: KvDestination {
                 kv_endpoint: p.kv_endpoint.clone(),
                 xfer_id,
@@ -497,14 +486,13 @@ mod tests {
                 decode_endpoint: p.decode_endpoint.clone(),
                 ..Default::default()
             },
-            num_layers: NUM_LAYERS,
             layout: LAYOUT,
             num_tokens: 2,
             request_id: format!("req-{xfer_id}"),
         };
         let (layers_tx, layers_rx) = mpsc::unbounded_channel();
         let (first_tx, first_rx) = oneshot::channel();
-        for layer in 0..NUM_LAYERS as usize {
+        for layer in 0..LAYOUT.num_layers as usize {
             layers_tx
                 .send(LayerPayload {
                     layer,
@@ -552,20 +540,20 @@ mod tests {
             .collect();
         assert_eq!(
             layer_events.len(),
-            NUM_LAYERS as usize,
+            LAYOUT.num_layers as usize,
             "one event per layer"
         );
         for e in layer_events {
             assert_eq!(
                 e.get("target").and_then(Value::as_str),
-                Some(crate::TRACE_EVENTS_TARGET)
+                Some(node_common::launch::TRACE_EVENTS_TARGET)
             );
             assert_eq!(e.get("bytes"), Some(&Value::I64(payload_len() as i64)));
             assert!(matches!(e.get("layer"), Some(Value::I64(_))));
             assert!(matches!(e.get("duration_ms"), Some(Value::F64(_))));
         }
         let sends = capture.named("kv_send_layer");
-        assert_eq!(sends.len(), NUM_LAYERS as usize);
+        assert_eq!(sends.len(), LAYOUT.num_layers as usize);
         for (_, s) in &sends {
             assert_eq!(s.parent, Some(*index), "a child of kv_transfer");
             assert_eq!(s.field("xfer_id"), Some(&Value::I64(7)));

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use engine::ids::SeqId;
-use engine::kv::cache::KvLayoutDesc;
-use node_common::cache_events::{CacheEventLog, CacheEventStream};
+use kv_types::{KvLayout, TransferId};
 use node_common::convert;
 use node_common::failure::Failure;
 use node_common::membership::{refuse_if_draining, WorkTracker};
@@ -26,27 +25,29 @@ pub struct PrefillService {
     pub(crate) handle: EngineHandle,
     pub(crate) transport: Arc<Transport>,
     pub(crate) clients: DecodeClients,
-    pub(crate) layout: KvLayoutDesc,
+    pub(crate) layout: KvLayout,
     pub(crate) info: v1::NodeInfo,
     pub(crate) next_seq: AtomicU64,
     /// Prefill calls and their KV pushes in flight: a draining node waits for them.
     pub(crate) work: WorkTracker,
-    pub(crate) cache_log: Arc<CacheEventLog>,
-    /// Cancelled by the Drain RPC: the same path as SIGTERM. Once it is, new prompts are
-    /// refused.
+    /// Cancelled by the drain (SIGTERM or the Drain RPC). Once it is, new prompts are refused.
     pub(crate) drain: CancellationToken,
-    /// Cancelled when the gRPC server stops: ends the streams that never end by themselves.
-    pub(crate) stop_streams: CancellationToken,
 }
 
 impl PrefillService {
     fn check_layout(&self, l: Option<&v1::KvLayout>) -> Result<(), Failure> {
-        let ours = node_common::kv::proto_layout(&self.layout);
-        match l {
-            Some(l) if *l == ours => Ok(()),
-            other => Err(Failure::new(
+        match proto::convert::layout(l) {
+            Ok(theirs) if theirs == self.layout => Ok(()),
+            Ok(theirs) => Err(Failure::new(
                 ErrorCode::Validation,
-                format!("KV layout mismatch: this node has {ours:?}, the destination {other:?}"),
+                format!(
+                    "KV layout mismatch: this node has {}, the destination {theirs}",
+                    self.layout
+                ),
+            )),
+            Err(e) => Err(Failure::new(
+                ErrorCode::Validation,
+                format!("destination: {e}"),
             )),
         }
     }
@@ -81,39 +82,6 @@ impl Prefill for PrefillService {
             .await
             .map_err(|f| ERRORS.report(f, &span))
     }
-
-    async fn cancel(
-        &self,
-        request: Request<v1::CancelRequest>,
-    ) -> Result<Response<v1::CancelResponse>, Status> {
-        let _ = request;
-        Ok(Response::new(v1::CancelResponse { found: false }))
-    }
-
-    async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
-        Ok(Response::new(self.info.clone()))
-    }
-
-    async fn drain(
-        &self,
-        _: Request<v1::DrainRequest>,
-    ) -> Result<Response<v1::DrainResponse>, Status> {
-        Ok(Response::new(node_common::membership::request_drain(
-            &self.drain,
-            &self.info.node_id,
-        )))
-    }
-
-    type CacheEventsStream = CacheEventStream;
-
-    async fn cache_events(
-        &self,
-        _: Request<v1::CacheEventsRequest>,
-    ) -> Result<Response<Self::CacheEventsStream>, Status> {
-        Ok(Response::new(
-            self.cache_log.stream_until(self.stop_streams.clone()),
-        ))
-    }
 }
 
 impl PrefillService {
@@ -138,7 +106,7 @@ impl PrefillService {
         let layers_tx = match r.dest {
             Some(dest) => {
                 self.check_layout(dest.layout.as_ref())?;
-                let needed = num_tokens.div_ceil(self.layout.block_size);
+                let needed = self.layout.blocks_for(num_tokens);
                 if dest.block_ids.len() != needed {
                     return Err(Failure::new(
                         ErrorCode::Validation,
@@ -157,7 +125,7 @@ impl PrefillService {
                     request_id = r.request_id.as_str(),
                     xfer_id = dest.xfer_id as i64,
                     kv_endpoint = %dest.kv_endpoint,
-                    layers = self.layout.num_layers as i64,
+                    layers = i64::from(self.layout.num_layers),
                     bytes = tracing::field::Empty,
                     tail_ms = tracing::field::Empty,
                     error_type = tracing::field::Empty,
@@ -167,9 +135,9 @@ impl PrefillService {
                     PushJob {
                         transport: Arc::clone(&self.transport),
                         clients: self.clients.clone(),
+                        xfer_id: TransferId(dest.xfer_id),
                         dest,
-                        num_layers: self.layout.num_layers as u32,
-                        layout: node_common::kv::wire_layout(&self.layout),
+                        layout: self.layout,
                         num_tokens: num_tokens as u32,
                         request_id: r.request_id.clone(),
                     },
@@ -210,10 +178,8 @@ impl PrefillService {
         Ok(Response::new(v1::PrefillResponse {
             first_token: Some(token),
             num_tokens: num_tokens as u32,
-            cached_tokens: 0,
+            cached_tokens: outcome.cached_tokens as u32,
             prefill_us: outcome.compute.as_micros() as u64,
-            transfer_tail_us: 0,
-            kv_bytes: 0,
         }))
     }
 }

@@ -3,27 +3,24 @@
 //! never-ending CacheEvents stream open; its exposition passes promtool. A real prefill node
 //! over real sockets, in-process.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 use std::time::Duration;
 
-use clap::Parser;
 use node_common::test_util::{
     assert_drain_started, assert_exits_with_cache_events_open, assert_refused_as_draining,
     follow_cache_events,
 };
-use prefill_node::{PrefillConfig, PrefillListeners};
+use prefill_node::PrefillNode;
+use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{
     CacheEventsRequest, DrainRequest, InfoRequest, KvDestination, PrefillRequest, StoppingCriteria,
 };
 use testkit::metrics::{assert_exposition, scrape};
-use testkit::serving::{wait_until_serving, NodeSockets};
-use tokio_util::sync::CancellationToken;
-
-#[derive(Parser)]
-struct Args {
-    #[command(flatten)]
-    config: PrefillConfig,
-}
+use testkit::serving::wait_until_serving;
+use tonic::transport::Channel;
 
 fn prompt(request_id: &str, dest: Option<KvDestination>) -> PrefillRequest {
     PrefillRequest {
@@ -41,8 +38,7 @@ fn prompt(request_id: &str, dest: Option<KvDestination>) -> PrefillRequest {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open() {
     let dir = testkit::shared_model("stories260K");
-    let args = Args::parse_from([
-        "prefill",
+    let spawned = node_common::test_util::spawn::<PrefillNode>(&[
         "--model",
         dir.to_str().expect("utf-8 path"),
         "--num-kv-blocks",
@@ -53,27 +49,26 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
         "tcp",
         "--drain-timeout-s",
         "2",
-    ]);
-    let sockets = NodeSockets::bind().await;
-    let shutdown = CancellationToken::new();
-    let mut node = tokio::spawn(prefill_node::run(
-        args.config,
-        PrefillListeners {
-            grpc: sockets.grpc,
-            metrics: sockets.metrics,
-        },
-        shutdown.clone(),
-    ));
-    let addr = sockets.grpc_addr;
-    let mut client = wait_until_serving(&node, || async move {
-        let client = PrefillClient::connect(format!("http://{addr}"))
+    ])
+    .await;
+    let mut node = spawned.task;
+    let addr = spawned.grpc_addr;
+    let channel = wait_until_serving(&node, || async move {
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .ok()?
+            .connect()
             .await
             .ok()?;
-        client.clone().info(InfoRequest {}).await.ok()?;
-        Some(client)
+        NodeClient::new(channel.clone())
+            .info(InfoRequest {})
+            .await
+            .ok()?;
+        Some(channel)
     })
     .await;
-    let info = client
+    let mut client = PrefillClient::new(channel.clone());
+    let mut node_client = NodeClient::new(channel);
+    let info = node_client
         .info(InfoRequest {})
         .await
         .expect("info")
@@ -100,15 +95,16 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
                 epoch: 1,
                 block_ids: vec![0, 1],
                 decode_endpoint: "127.0.0.1:1".into(),
-                layout: info.layout.clone(),
+                layout: info.layout,
             }),
         ))
         .await
         .expect("the prompt is computed; its push hangs");
 
-    let mut events = follow_cache_events(client.cache_events(CacheEventsRequest {}).await).await;
+    let mut events =
+        follow_cache_events(node_client.cache_events(CacheEventsRequest {}).await).await;
 
-    assert_drain_started(client.drain(DrainRequest {}).await);
+    assert_drain_started(node_client.drain(DrainRequest {}).await);
     let refused = client
         .prefill(prompt("late", None))
         .await
@@ -116,7 +112,7 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
     assert_refused_as_draining(&refused);
     // The drain holds for its deadline (2 s): /metrics is still up.
     assert_exposition(
-        &scrape(sockets.metrics_addr).await,
+        &scrape(spawned.metrics_addr).await,
         &[
             "fission_prefill_errors_total{error_type=\"unavailable\"} 1",
             "fission_prefill_batch_size_count 1",

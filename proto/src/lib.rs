@@ -1,8 +1,9 @@
 //! Fission's gRPC contracts and its one error-code table.
 //!
 //! This crate holds wire types only: no service logic, no engine, no networking beyond what
-//! tonic generates.
+//! tonic generates. The KV vocabulary's conversions to and from the wire are in [`convert`].
 
+pub mod convert;
 mod error_code;
 
 pub use error_code::ErrorCode;

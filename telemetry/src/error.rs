@@ -2,6 +2,7 @@
 
 /// Why telemetry could not be set up or shut down.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TelemetryError {
     #[error("OTEL_TRACES_SAMPLER={given:?} is not one of always_on, always_off, traceidratio, parentbased_always_on, parentbased_always_off, parentbased_traceidratio")]
     UnknownSampler { given: String },

@@ -1,7 +1,8 @@
 //! Telemetry shared by every Fission service: the `tracing` subscriber (stderr logs, and
 //! OpenTelemetry export over OTLP/gRPC when an endpoint is configured), W3C trace-context
 //! propagation across HTTP headers, gRPC metadata and the KV-transfer frame header, and the
-//! Prometheus histogram buckets that fit LLM latencies.
+//! Prometheus histogram buckets that fit LLM latencies. A service's process set-up (runtime,
+//! logger, export, shutdown signals) is [`run_service`], so every binary does it the same way.
 //!
 //! This crate knows nothing of requests, models or nodes: it must not depend on any other
 //! Fission crate, define spans or metrics of its own, or touch prompt text. Services decide what
@@ -17,6 +18,7 @@ mod buckets;
 mod error;
 mod export_guard;
 mod init;
+mod process;
 mod propagation;
 mod sampler;
 
@@ -28,6 +30,7 @@ pub use init::{
     build, build_with_exporter, init, TelemetryArgs, TelemetryGuard, TelemetrySettings,
     SHUTDOWN_BOUND,
 };
+pub use process::{run_service, spawn_signal_handler, ProcessError};
 pub use propagation::{
     add_link, context_from_traceparent, current_traceparent, extract_grpc, extract_http,
     inject_grpc, inject_http, set_parent, span_traceparent, with_trace,

@@ -5,6 +5,9 @@
 //! Needs Phoenix: `./deploy/install-test-tools.sh`. Without it the test prints why and passes,
 //! unless `FISSION_REQUIRE_TEST_TOOLS=1`.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 

@@ -7,6 +7,9 @@
 //! `./deploy/install-test-tools.sh`. Without it they print why and pass, unless
 //! `FISSION_REQUIRE_TEST_TOOLS=1`.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;

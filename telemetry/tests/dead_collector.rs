@@ -5,6 +5,9 @@
 //! The timing is asserted in release builds only (deploy/test.sh runs release). For figures:
 //! `cargo test --release -p telemetry --test dead_collector -- --nocapture`.
 
+// A test crate: helpers outside `#[test]` functions may unwrap too.
+#![allow(clippy::unwrap_used)]
+
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 

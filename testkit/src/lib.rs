@@ -1,20 +1,23 @@
-//! Fixtures for tests and benchmarks: where the shared, read-only models live, seeded
-//! random-weight Llama-family models written in the exact layout transformers reads, and what
-//! the services' tests share (a span capture, `/metrics` reading, start-up on real sockets).
+//! Fixtures for tests: where the shared, read-only models live, and what the services' tests
+//! share (a span capture, `/metrics` reading, waiting on conditions, real clusters of real
+//! processes). A dev-dependency only: no production code uses it.
 //!
 //! It must not depend on `engine` or on the services (the engine's tests use it to build the
 //! models they load, so it stays independent of the code under test). Its networking is for
 //! tests only: `phoenix` starts a local trace backend and reads it back, `metrics` and
 //! `serving` talk to a service a test started on 127.0.0.1.
 
+pub mod fission;
 pub mod metrics;
 pub mod phoenix;
 pub mod promtool;
-pub mod random_model;
 pub mod serving;
 pub mod span_capture;
+pub mod wait;
 
 use std::path::PathBuf;
+
+pub use wait::{wait_until, wait_until_async};
 
 /// The shared directory beside the repository: `FISSION_SHARED_DIR`, or `<workspace>/../shared`.
 pub fn shared_dir() -> PathBuf {

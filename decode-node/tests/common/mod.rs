@@ -3,25 +3,21 @@
 
 use std::net::SocketAddr;
 
-use clap::Parser;
-use decode_node::{DecodeConfig, DecodeListeners};
+use decode_node::DecodeNode;
 use node_common::NodeError;
 use proto::v1::decode_client::DecodeClient;
+use proto::v1::node_client::NodeClient;
 use proto::v1::InfoRequest;
-use testkit::serving::{wait_until_serving, NodeSockets};
+use testkit::serving::wait_until_serving;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
-#[derive(Parser)]
-struct Args {
-    #[command(flatten)]
-    config: DecodeConfig,
-}
-
 pub struct TestNode {
     pub client: DecodeClient<Channel>,
-    // Each test binary compiles this module; the lease test reads no metrics.
+    // Each test binary compiles this module; the lease test reads neither.
+    #[allow(dead_code)]
+    pub node: NodeClient<Channel>,
     #[allow(dead_code)]
     pub metrics_addr: SocketAddr,
     /// `decode_node::run`: ends when the node has stopped.
@@ -34,38 +30,36 @@ pub struct TestNode {
 pub async fn start(flags: &[&str]) -> TestNode {
     let dir = testkit::shared_model("stories260K");
     let mut argv = vec![
-        "decode",
         "--model",
         dir.to_str().expect("utf-8 path"),
         "--block-size",
         "4",
         "--kv-transport",
         "tcp",
+        "--kv-addr",
+        "127.0.0.1:0",
     ];
     argv.extend_from_slice(flags);
-    let args = Args::parse_from(argv);
-    let sockets = NodeSockets::bind().await;
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(decode_node::run(
-        args.config,
-        DecodeListeners {
-            grpc: sockets.grpc,
-            metrics: sockets.metrics,
-            kv_addr: "127.0.0.1:0".parse().expect("addr"),
-        },
-        shutdown.clone(),
-    ));
-    let addr = sockets.grpc_addr;
-    let client = wait_until_serving(&task, || async move {
-        let client = DecodeClient::connect(format!("http://{addr}")).await.ok()?;
-        client.clone().info(InfoRequest {}).await.ok()?;
-        Some(client)
+    let spawned = node_common::test_util::spawn::<DecodeNode>(&argv).await;
+    let addr = spawned.grpc_addr;
+    let channel = wait_until_serving(&spawned.task, || async move {
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .ok()?
+            .connect()
+            .await
+            .ok()?;
+        NodeClient::new(channel.clone())
+            .info(InfoRequest {})
+            .await
+            .ok()?;
+        Some(channel)
     })
     .await;
     TestNode {
-        client,
-        metrics_addr: sockets.metrics_addr,
-        task,
-        shutdown,
+        client: DecodeClient::new(channel.clone()),
+        node: NodeClient::new(channel),
+        metrics_addr: spawned.metrics_addr,
+        task: spawned.task,
+        shutdown: spawned.shutdown,
     }
 }

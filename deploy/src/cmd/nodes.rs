@@ -2,9 +2,8 @@
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use cluster::{EtcdConfig, NodeStatus, Role};
-use proto::v1::decode_client::DecodeClient;
-use proto::v1::prefill_client::PrefillClient;
+use cluster::{EtcdConfig, NodeStatus};
+use proto::v1::node_client::NodeClient;
 use proto::v1::DrainRequest;
 
 #[derive(Args, Debug, Clone)]
@@ -76,7 +75,7 @@ fn to_json(s: &NodeStatus) -> serde_json::Value {
         "kv_endpoint": r.kv_endpoint,
         "model_id": r.model_id,
         "model_fingerprint": r.model_fingerprint,
-        "block_size": r.block_size,
+        "block_size": r.kv_layout.block_size,
         "kv_layout": r.kv_layout,
         "total_kv_blocks": r.total_kv_blocks,
         "kv_transport": r.kv_transport,
@@ -136,24 +135,12 @@ async fn drain(etcd: &EtcdArgs, node_id: &str) -> anyhow::Result<()> {
         );
     };
     let url = format!("http://{}", node.record.grpc_endpoint);
-    let started = match node.record.role {
-        Role::Decode => {
-            DecodeClient::connect(url)
-                .await?
-                .drain(DrainRequest {})
-                .await?
-                .into_inner()
-                .started
-        }
-        Role::Prefill => {
-            PrefillClient::connect(url)
-                .await?
-                .drain(DrainRequest {})
-                .await?
-                .into_inner()
-                .started
-        }
-    };
+    let started = NodeClient::connect(url)
+        .await?
+        .drain(DrainRequest {})
+        .await?
+        .into_inner()
+        .started;
     if started {
         println!("{node_id}: draining; it exits when its work is done");
     } else {

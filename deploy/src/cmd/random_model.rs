@@ -1,12 +1,12 @@
 //! `fission make-random-model`: a random-weight Llama-family model in a known shape, with a
 //! tokenizer padded to its vocab so every id decodes. Benchmarks use it; it is never committed.
-//! The writer itself is `testkit::random_model`, shared with the engine's tests.
+//! The writer itself is `random_model`, shared with the engine's tests.
 
 use std::path::PathBuf;
 
+use ::random_model::{write_model, ModelSpec};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use testkit::random_model::{write_model, ModelSpec};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Shape {
@@ -40,7 +40,7 @@ pub struct RandomModelArgs {
         conflicts_with = "spec_json"
     )]
     pub shape: Option<Shape>,
-    /// A `testkit::random_model::ModelSpec` as JSON, for shapes the presets do not cover
+    /// A `random_model::ModelSpec` as JSON, for shapes the presets do not cover
     /// (architecture, head_dim, rope scaling, biases, ...).
     #[arg(long)]
     pub spec_json: Option<PathBuf>,

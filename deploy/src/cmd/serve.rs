@@ -1,16 +1,19 @@
-//! `fission node prefill|decode` and `fission gateway`: the services, run from the one binary
-//! so `fission up` can start each as its own process.
+//! `fission node prefill|decode|start` and `fission gateway`: the services, run from the one
+//! binary so `fission up` can start each as its own process. Each parses the same command line
+//! as the service's own binary (`fission-prefill`, `fission-decode`, `fission-gateway`) and
+//! runs it through the same launcher.
 
-use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use tokio_util::sync::CancellationToken;
+use decode_node::{DecodeConfig, DecodeNode};
+use node_common::launch::{launch, NodeCli};
+use prefill_node::{PrefillConfig, PrefillNode};
 
 #[derive(Subcommand)]
 pub enum NodeCommand {
     /// Run a prefill node.
-    Prefill(PrefillArgs),
+    Prefill(NodeCli<PrefillConfig>),
     /// Run a decode node.
-    Decode(DecodeArgs),
+    Decode(NodeCli<DecodeConfig>),
     /// Add a node to a running cluster: registers in etcd, on free ports unless told otherwise.
     /// Takes the flags of `fission node prefill|decode` after `--role`.
     Start(StartArgs),
@@ -32,15 +35,9 @@ pub struct StartArgs {
 }
 
 #[derive(Parser)]
-struct PrefillCli {
+struct Flags<C: Args> {
     #[command(flatten)]
-    args: PrefillArgs,
-}
-
-#[derive(Parser)]
-struct DecodeCli {
-    #[command(flatten)]
-    args: DecodeArgs,
+    node: NodeCli<C>,
 }
 
 /// `rest` with free ports for every address it does not set: a node added at runtime must not
@@ -64,138 +61,40 @@ fn with_free_ports(role: NodeRole, rest: Vec<String>) -> Vec<String> {
     argv
 }
 
-#[derive(Args)]
-pub struct PrefillArgs {
-    #[command(flatten)]
-    config: prefill_node::PrefillConfig,
-    #[command(flatten)]
-    telemetry: telemetry::TelemetryArgs,
-    #[arg(long, env = "FISSION_GRPC_ADDR", default_value = "127.0.0.1:7000")]
-    grpc_addr: String,
-    #[arg(long, env = "FISSION_METRICS_ADDR", default_value = "127.0.0.1:9000")]
-    metrics_addr: String,
-}
-
-#[derive(Args)]
-pub struct DecodeArgs {
-    #[command(flatten)]
-    config: decode_node::DecodeConfig,
-    #[command(flatten)]
-    telemetry: telemetry::TelemetryArgs,
-    #[arg(long, env = "FISSION_GRPC_ADDR", default_value = "127.0.0.1:7100")]
-    grpc_addr: String,
-    #[arg(long, env = "FISSION_METRICS_ADDR", default_value = "127.0.0.1:9100")]
-    metrics_addr: String,
-    #[arg(long, env = "FISSION_KV_ADDR", default_value = "127.0.0.1:7200")]
-    kv_addr: std::net::SocketAddr,
-}
-
-#[derive(Args)]
-pub struct GatewayCmd {
-    #[arg(long, env = "FISSION_HTTP_ADDR", default_value = "127.0.0.1:8080")]
-    addr: String,
-    #[command(flatten)]
-    args: gateway::cli::GatewayArgs,
-    #[command(flatten)]
-    telemetry: telemetry::TelemetryArgs,
-}
-
-async fn bind(addr: &str) -> anyhow::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))
-}
-
-/// Prints where the node listens, so whoever started it on free ports can find it.
-fn announce(
-    role: &str,
-    grpc: &tokio::net::TcpListener,
-    metrics: &tokio::net::TcpListener,
-) -> anyhow::Result<()> {
-    use std::io::Write;
-    println!(
-        "{role} node grpc={} metrics=http://{}/metrics",
-        grpc.local_addr()?,
-        metrics.local_addr()?
-    );
-    std::io::stdout().flush()?;
+/// `start` joins a running cluster: without etcd the node would serve, unseen by any gateway,
+/// and look healthy while it never gets a request.
+fn require_etcd(etcd: &[String]) -> anyhow::Result<()> {
+    if etcd.is_empty() {
+        anyhow::bail!(
+            "fission node start joins a cluster through etcd: pass --etcd URL (fission up prints it) or set FISSION_ETCD"
+        );
+    }
     Ok(())
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?)
-}
-
 pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
-    runtime()?.block_on(async move {
-        let shutdown = CancellationToken::new();
-        node_common::spawn_signal_handler(shutdown.clone());
-        let cmd = match cmd {
-            NodeCommand::Start(s) => {
-                let argv = with_free_ports(s.role, s.rest);
-                let cmd = match s.role {
-                    NodeRole::Prefill => {
-                        NodeCommand::Prefill(PrefillCli::try_parse_from(argv)?.args)
-                    }
-                    NodeRole::Decode => NodeCommand::Decode(DecodeCli::try_parse_from(argv)?.args),
-                };
-                // `start` joins a running cluster: without etcd the node would serve, unseen
-                // by any gateway, and look healthy while it never gets a request.
-                let etcd = match &cmd {
-                    NodeCommand::Prefill(a) => &a.config.cluster.etcd,
-                    NodeCommand::Decode(a) => &a.config.cluster.etcd,
-                    NodeCommand::Start(_) => unreachable!("just resolved"),
-                };
-                if etcd.is_empty() {
-                    anyhow::bail!(
-                        "fission node start joins a cluster through etcd: pass --etcd URL (fission up prints it) or set FISSION_ETCD"
-                    );
+    match cmd {
+        NodeCommand::Prefill(cli) => launch::<PrefillNode>(cli)?,
+        NodeCommand::Decode(cli) => launch::<DecodeNode>(cli)?,
+        NodeCommand::Start(s) => {
+            let argv = with_free_ports(s.role, s.rest);
+            match s.role {
+                NodeRole::Prefill => {
+                    let cli = Flags::<PrefillConfig>::try_parse_from(argv)?.node;
+                    require_etcd(&cli.config.node.cluster.etcd)?;
+                    launch::<PrefillNode>(cli)?
                 }
-                cmd
-            }
-            other => other,
-        };
-        match cmd {
-            NodeCommand::Start(_) => unreachable!("resolved above"),
-            NodeCommand::Prefill(a) => {
-                let _telemetry =
-                    telemetry::init("fission-prefill", a.telemetry.otlp_endpoint.clone(), "warn")?;
-                let listeners = prefill_node::PrefillListeners {
-                    grpc: bind(&a.grpc_addr).await?,
-                    metrics: bind(&a.metrics_addr).await?,
-                };
-                announce("prefill", &listeners.grpc, &listeners.metrics)?;
-                prefill_node::run(a.config, listeners, shutdown).await?;
-            }
-            NodeCommand::Decode(a) => {
-                let _telemetry =
-                    telemetry::init("fission-decode", a.telemetry.otlp_endpoint.clone(), "warn")?;
-                let listeners = decode_node::DecodeListeners {
-                    grpc: bind(&a.grpc_addr).await?,
-                    metrics: bind(&a.metrics_addr).await?,
-                    kv_addr: a.kv_addr,
-                };
-                announce("decode", &listeners.grpc, &listeners.metrics)?;
-                decode_node::run(a.config, listeners, shutdown).await?;
+                NodeRole::Decode => {
+                    let cli = Flags::<DecodeConfig>::try_parse_from(argv)?.node;
+                    require_etcd(&cli.config.node.cluster.etcd)?;
+                    launch::<DecodeNode>(cli)?
+                }
             }
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
-pub fn run_gateway(cmd: GatewayCmd) -> anyhow::Result<()> {
-    runtime()?.block_on(async move {
-        let _telemetry = telemetry::init(
-            "fission-gateway",
-            cmd.telemetry.otlp_endpoint.clone(),
-            "warn",
-        )?;
-        let shutdown = CancellationToken::new();
-        node_common::spawn_signal_handler(shutdown.clone());
-        let listener = bind(&cmd.addr).await?;
-        gateway::cli::run_cluster(cmd.args, listener, shutdown).await?;
-        Ok(())
-    })
+pub fn run_gateway(cli: gateway::cli::GatewayCli) -> anyhow::Result<()> {
+    Ok(gateway::cli::launch(cli)?)
 }

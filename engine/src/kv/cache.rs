@@ -4,8 +4,8 @@
 //! a described layout, which is what KV transfer between nodes sends.
 
 use half::{bf16, f16};
-use kernels::{KvDtype, KvElem, KvLayout};
-use serde::{Deserialize, Serialize};
+use kernels::{CacheShape, KvDtype, KvElem};
+use kv_types::KvLayout;
 
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
@@ -14,7 +14,7 @@ use crate::ids::BlockId;
 #[derive(Debug)]
 pub enum KvBuf {
     F32(Vec<f32>),
-    BF16(Vec<bf16>),
+    Bf16(Vec<bf16>),
     F16(Vec<f16>),
 }
 
@@ -22,7 +22,7 @@ impl KvBuf {
     fn zeros(dtype: KvDtype, n: usize) -> Self {
         match dtype {
             KvDtype::F32 => KvBuf::F32(vec![0.0; n]),
-            KvDtype::BF16 => KvBuf::BF16(vec![bf16::ZERO; n]),
+            KvDtype::Bf16 => KvBuf::Bf16(vec![bf16::ZERO; n]),
             KvDtype::F16 => KvBuf::F16(vec![f16::ZERO; n]),
         }
     }
@@ -31,58 +31,8 @@ impl KvBuf {
 /// A type-erased pair of mutable K and V slices, so callers dispatch on dtype once.
 pub enum LayerKvMut<'a> {
     F32(&'a mut [f32], &'a mut [f32]),
-    BF16(&'a mut [bf16], &'a mut [bf16]),
+    Bf16(&'a mut [bf16], &'a mut [bf16]),
     F16(&'a mut [f16], &'a mut [f16]),
-}
-
-/// What a receiver must agree on before it accepts exported bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct KvLayoutDesc {
-    pub dtype: KvDtypeName,
-    pub num_layers: usize,
-    pub block_size: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-}
-
-/// Serializable dtype name (kernels stays serde-free).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvDtypeName {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl From<KvDtype> for KvDtypeName {
-    fn from(d: KvDtype) -> Self {
-        match d {
-            KvDtype::F32 => KvDtypeName::F32,
-            KvDtype::BF16 => KvDtypeName::Bf16,
-            KvDtype::F16 => KvDtypeName::F16,
-        }
-    }
-}
-
-impl KvLayoutDesc {
-    /// Bytes of one block of one layer, K and V together.
-    pub fn block_bytes(&self) -> usize {
-        let elem = match self.dtype {
-            KvDtypeName::F32 => 4,
-            KvDtypeName::Bf16 | KvDtypeName::F16 => 2,
-        };
-        2 * self.block_size * self.num_kv_heads * self.head_dim * elem
-    }
-}
-
-impl std::fmt::Display for KvLayoutDesc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{:?} layers={} block_size={} kv_heads={} head_dim={}",
-            self.dtype, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
-        )
-    }
 }
 
 #[derive(Debug)]
@@ -94,72 +44,63 @@ struct LayerKv {
 /// The whole paged cache of one engine.
 #[derive(Debug)]
 pub struct KvCache {
+    /// The model-wide geometry: what a node exchanging these blocks must share.
     layout: KvLayout,
-    dtype: KvDtype,
+    /// One layer's K (or V) storage, as the kernels index it.
+    shape: CacheShape,
     layers: Vec<LayerKv>,
 }
 
 impl KvCache {
-    pub fn new(num_layers: usize, layout: KvLayout, dtype: KvDtype) -> Self {
-        let n = layout.layer_elems();
-        let layers = (0..num_layers)
+    pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
+        let shape = CacheShape::new(&layout, num_blocks);
+        let n = shape.layer_elems();
+        let layers = (0..layout.num_layers)
             .map(|_| LayerKv {
-                k: KvBuf::zeros(dtype, n),
-                v: KvBuf::zeros(dtype, n),
+                k: KvBuf::zeros(layout.dtype, n),
+                v: KvBuf::zeros(layout.dtype, n),
             })
             .collect();
         KvCache {
             layout,
-            dtype,
+            shape,
             layers,
         }
     }
 
-    /// How many blocks fit in `kv_bytes`.
-    pub fn blocks_for_bytes(
-        kv_bytes: usize,
-        num_layers: usize,
-        block_size: usize,
-        num_kv_heads: usize,
-        head_dim: usize,
-        dtype: KvDtype,
-    ) -> usize {
-        let per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size_bytes();
-        kv_bytes / per_block.max(1)
+    /// How many blocks of `layout` fit in `kv_bytes`.
+    pub fn blocks_for_bytes(kv_bytes: usize, layout: &KvLayout) -> usize {
+        kv_bytes / (layout.bytes_per_block_all_layers() as usize).max(1)
     }
 
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
+    /// The geometry a peer must share to read these blocks.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// One layer's storage shape.
+    pub fn shape(&self) -> &CacheShape {
+        &self.shape
     }
 
     pub fn dtype(&self) -> KvDtype {
-        self.dtype
+        self.layout.dtype
     }
 
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
 
-    pub fn desc(&self) -> KvLayoutDesc {
-        KvLayoutDesc {
-            dtype: self.dtype.into(),
-            num_layers: self.layers.len(),
-            block_size: self.layout.block_size,
-            num_kv_heads: self.layout.num_kv_heads,
-            head_dim: self.layout.head_dim,
-        }
-    }
-
     /// Total bytes held by the cache.
     pub fn kv_bytes(&self) -> usize {
-        2 * self.layers.len() * self.layout.layer_elems() * self.dtype.size_bytes()
+        2 * self.layers.len() * self.shape.layer_elems() * self.dtype().size_bytes()
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> LayerKvMut<'_> {
         let l = &mut self.layers[layer];
         match (&mut l.k, &mut l.v) {
             (KvBuf::F32(k), KvBuf::F32(v)) => LayerKvMut::F32(k, v),
-            (KvBuf::BF16(k), KvBuf::BF16(v)) => LayerKvMut::BF16(k, v),
+            (KvBuf::Bf16(k), KvBuf::Bf16(v)) => LayerKvMut::Bf16(k, v),
             (KvBuf::F16(k), KvBuf::F16(v)) => LayerKvMut::F16(k, v),
             _ => unreachable!("K and V of a layer are created with one dtype"),
         }
@@ -167,7 +108,7 @@ impl KvCache {
 
     /// Bytes that `export_blocks` produces for `num_blocks` blocks of one layer.
     pub fn export_len(&self, num_blocks: usize) -> usize {
-        2 * num_blocks * self.layout.block_elems() * self.dtype.size_bytes()
+        2 * num_blocks * self.shape.block_elems() * self.dtype().size_bytes()
     }
 
     /// Copies the given blocks of one layer into `dst` as `[K blocks..., V blocks...]` in
@@ -188,11 +129,11 @@ impl KvCache {
                 given: dst.len().to_string(),
             });
         }
-        let layout = self.layout;
+        let shape = self.shape;
         match self.layer_mut(layer) {
-            LayerKvMut::F32(k, v) => gather::<f32>(&layout, k, v, &ids, dst),
-            LayerKvMut::BF16(k, v) => gather::<bf16>(&layout, k, v, &ids, dst),
-            LayerKvMut::F16(k, v) => gather::<f16>(&layout, k, v, &ids, dst),
+            LayerKvMut::F32(k, v) => gather::<f32>(&shape, k, v, &ids, dst),
+            LayerKvMut::Bf16(k, v) => gather::<bf16>(&shape, k, v, &ids, dst),
+            LayerKvMut::F16(k, v) => gather::<f16>(&shape, k, v, &ids, dst),
         }
     }
 
@@ -208,11 +149,11 @@ impl KvCache {
                 given: src.len().to_string(),
             });
         }
-        let layout = self.layout;
+        let shape = self.shape;
         match self.layer_mut(layer) {
-            LayerKvMut::F32(k, v) => scatter::<f32>(&layout, k, v, &ids, src),
-            LayerKvMut::BF16(k, v) => scatter::<bf16>(&layout, k, v, &ids, src),
-            LayerKvMut::F16(k, v) => scatter::<f16>(&layout, k, v, &ids, src),
+            LayerKvMut::F32(k, v) => scatter::<f32>(&shape, k, v, &ids, src),
+            LayerKvMut::Bf16(k, v) => scatter::<bf16>(&shape, k, v, &ids, src),
+            LayerKvMut::F16(k, v) => scatter::<f16>(&shape, k, v, &ids, src),
         }
     }
 
@@ -233,7 +174,7 @@ fn raw_ids(ids: &[BlockId]) -> Vec<u32> {
 }
 
 fn gather<T: KvElem + bytemuck::Pod>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k: &[T],
     v: &[T],
     ids: &[u32],
@@ -253,7 +194,7 @@ fn gather<T: KvElem + bytemuck::Pod>(
 }
 
 fn scatter<T: KvElem + bytemuck::Pod>(
-    layout: &KvLayout,
+    layout: &CacheShape,
     k: &mut [T],
     v: &mut [T],
     ids: &[u32],
@@ -275,24 +216,25 @@ mod tests {
 
     #[test]
     fn export_import_round_trip_is_bit_exact() {
-        let layout = KvLayout {
-            num_blocks: 8,
-            block_size: 4,
-            num_kv_heads: 2,
-            head_dim: 4,
-        };
-        for dtype in [KvDtype::F32, KvDtype::BF16, KvDtype::F16] {
-            let mut a = KvCache::new(2, layout, dtype);
+        for dtype in KvDtype::ALL {
+            let layout = KvLayout {
+                dtype,
+                num_layers: 2,
+                block_size: 4,
+                num_kv_heads: 2,
+                head_dim: 4,
+            };
+            let mut a = KvCache::new(layout, 8);
             // Fill layer 1 with distinct values through the typed view.
             match a.layer_mut(1) {
                 LayerKvMut::F32(k, v) => fill(k, v),
-                LayerKvMut::BF16(k, v) => fill(k, v),
+                LayerKvMut::Bf16(k, v) => fill(k, v),
                 LayerKvMut::F16(k, v) => fill(k, v),
             }
             let ids = [BlockId(5), BlockId(1), BlockId(6)];
             let mut bytes = vec![0u8; a.export_len(ids.len())];
             a.export_blocks(1, &ids, &mut bytes).expect("export");
-            let mut b = KvCache::new(2, layout, dtype);
+            let mut b = KvCache::new(layout, 8);
             let dst = [BlockId(0), BlockId(2), BlockId(3)];
             b.import_blocks(1, &dst, &bytes).expect("import");
             let mut again = vec![0u8; b.export_len(dst.len())];

@@ -193,7 +193,7 @@ impl Llama {
             num_kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
         };
-        let layout = *cache.layout();
+        let layout = *cache.shape();
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.input_norm.forward(&x)?;
             let qkv = layer.qkv.forward(&h)?;

@@ -2,7 +2,7 @@
 //! of tensor ops: rope + KV write + paged attention, and SiLU-gated multiply.
 
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
-use kernels::{KvElem, KvLayout, SeqAttn};
+use kernels::{CacheShape, KvElem, SeqAttn};
 use rayon::prelude::*;
 
 use super::batch::ForwardBatch;
@@ -42,13 +42,13 @@ pub(crate) fn attention(
     qkv: &Tensor,
     batch: &ForwardBatch,
     rope: &RopeTables,
-    layout: &KvLayout,
+    layout: &CacheShape,
     kv: LayerKvMut<'_>,
     dims: AttnDims,
 ) -> Result<Tensor> {
     match kv {
         LayerKvMut::F32(k, v) => attention_typed::<f32>(qkv, batch, rope, layout, k, v, dims),
-        LayerKvMut::BF16(k, v) => {
+        LayerKvMut::Bf16(k, v) => {
             attention_typed::<half::bf16>(qkv, batch, rope, layout, k, v, dims)
         }
         LayerKvMut::F16(k, v) => attention_typed::<half::f16>(qkv, batch, rope, layout, k, v, dims),
@@ -59,7 +59,7 @@ fn attention_typed<T: KvElem + WithDType>(
     qkv: &Tensor,
     batch: &ForwardBatch,
     rope: &RopeTables,
-    layout: &KvLayout,
+    layout: &CacheShape,
     k_cache: &mut [T],
     v_cache: &mut [T],
     dims: AttnDims,

@@ -47,7 +47,7 @@ impl Rope {
                         *f
                     };
                     let smooth = (old / wavelen - low) / (high - low);
-                    let is_medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    let is_medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                     *f = if is_medium {
                         (1.0 - smooth) * scaled / factor + smooth * scaled
                     } else {

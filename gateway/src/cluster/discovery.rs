@@ -3,15 +3,13 @@
 //! [`MemberChange`]s, in the manner of quickwit's `ClusterChange` stream: the members present
 //! at subscription arrive as `Add`s, then every later change follows.
 
-use std::collections::BTreeMap;
-
 use tokio::sync::mpsc;
 
 /// A node's role, as the cluster crate names it (and etcd records spell it).
 pub use cluster::Role;
 
 /// A node's identity: ids are unique per role.
-pub type NodeKey = (Role, String);
+pub use cluster::NodeKey;
 
 /// One node as discovery knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,31 +55,6 @@ pub trait Discovery: Send + Sync + 'static {
     fn loads(&self) -> Option<tokio::sync::watch::Receiver<cluster::Loads>> {
         None
     }
-}
-
-/// The changes that turn the membership `old` into `new`: adds and updates in key order, then
-/// removals.
-pub fn diff(
-    old: &BTreeMap<NodeKey, NodeEntry>,
-    new: &BTreeMap<NodeKey, NodeEntry>,
-) -> Vec<MemberChange> {
-    let mut changes = Vec::new();
-    for (key, entry) in new {
-        match old.get(key) {
-            None => changes.push(MemberChange::Add(entry.clone())),
-            Some(prev) if prev != entry => changes.push(MemberChange::Update(entry.clone())),
-            Some(_) => {}
-        }
-    }
-    for (role, node_id) in old.keys() {
-        if !new.contains_key(&(*role, node_id.clone())) {
-            changes.push(MemberChange::Remove {
-                role: *role,
-                node_id: node_id.clone(),
-            });
-        }
-    }
-    changes
 }
 
 /// A fixed membership given on the command line.
@@ -137,42 +110,6 @@ impl Discovery for StaticDiscovery {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn entry(role: Role, id: &str) -> NodeEntry {
-        NodeEntry {
-            node_id: id.into(),
-            role,
-            grpc_endpoint: "127.0.0.1:1".into(),
-            draining: false,
-            registered: true,
-            block_size: 16,
-            total_kv_blocks: 10,
-        }
-    }
-
-    fn map(entries: &[NodeEntry]) -> BTreeMap<NodeKey, NodeEntry> {
-        entries.iter().map(|e| (e.key(), e.clone())).collect()
-    }
-
-    #[test]
-    fn diff_reports_add_update_remove_per_role() {
-        let old = map(&[entry(Role::Decode, "a"), entry(Role::Prefill, "a")]);
-        let mut drained = entry(Role::Decode, "a");
-        drained.draining = true;
-        let new = map(&[drained.clone(), entry(Role::Decode, "b")]);
-        assert_eq!(
-            diff(&old, &new),
-            vec![
-                MemberChange::Update(drained),
-                MemberChange::Add(entry(Role::Decode, "b")),
-                MemberChange::Remove {
-                    role: Role::Prefill,
-                    node_id: "a".into()
-                },
-            ]
-        );
-        assert!(diff(&new, &new).is_empty());
-    }
 
     #[tokio::test]
     async fn static_members_arrive_as_adds_and_the_stream_stays_open() {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use cluster::{Loads, NodeLoad};
 use futures::StreamExt;
 use proto::v1::decode_client::DecodeClient;
+use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{CacheEventsRequest, InfoRequest, NodeInfo};
 use tokio::sync::watch;
@@ -219,7 +220,6 @@ impl Pools {
                 });
                 tokio::spawn(follow_cache(
                     index_key(m.role, &m.node_id),
-                    m.role,
                     channel.clone(),
                     Arc::clone(&self.prefixes),
                     Arc::clone(&state),
@@ -304,20 +304,8 @@ impl Pools {
 /// server is not up yet must not hold the probe forever.
 async fn probe_until_answered(entry: NodeEntry, channel: Channel, state: Arc<NodeState>) {
     loop {
-        let call = async {
-            match entry.role {
-                Role::Decode => {
-                    DecodeClient::new(channel.clone())
-                        .info(InfoRequest {})
-                        .await
-                }
-                Role::Prefill => {
-                    PrefillClient::new(channel.clone())
-                        .info(InfoRequest {})
-                        .await
-                }
-            }
-        };
+        let mut client = NodeClient::new(channel.clone());
+        let call = client.info(InfoRequest {});
         let answered = tokio::select! {
             _ = state.follower.cancelled() => return,
             r = tokio::time::timeout(PROBE_TIMEOUT, call) => r,
@@ -339,7 +327,6 @@ async fn probe_until_answered(entry: NodeEntry, channel: Channel, state: Arc<Nod
 /// broken stream means a fresh call and a fresh snapshot.
 async fn follow_cache(
     key: String,
-    role: Role,
     channel: Channel,
     index: Arc<Mutex<PrefixIndex>>,
     state: Arc<NodeState>,
@@ -348,16 +335,10 @@ async fn follow_cache(
     let mut backoff = Duration::from_millis(200);
     loop {
         let call = async {
-            match role {
-                Role::Decode => DecodeClient::new(channel.clone())
-                    .cache_events(CacheEventsRequest {})
-                    .await
-                    .map(|r| r.into_inner().boxed()),
-                Role::Prefill => PrefillClient::new(channel.clone())
-                    .cache_events(CacheEventsRequest {})
-                    .await
-                    .map(|r| r.into_inner().boxed()),
-            }
+            NodeClient::new(channel.clone())
+                .cache_events(CacheEventsRequest {})
+                .await
+                .map(|r| r.into_inner())
         };
         let stream = tokio::select! {
             _ = stop.cancelled() => return,

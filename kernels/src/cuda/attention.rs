@@ -6,7 +6,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKern
 use super::{dtype_name, CudaKernels, CudaKvElem, PREFILL_QPW};
 use crate::attention::validate_attention;
 use crate::gpu_plan::{attention_smem_bytes, head_dim_bucket, plan_attention, WARPS};
-use crate::{KernelError, KvLayout, SeqAttn};
+use crate::{CacheShape, KernelError, SeqAttn};
 
 /// Keys per split-K part when [`AttentionKernel::Auto`] splits.
 const AUTO_PARTITION_KEYS: usize = 512;
@@ -74,7 +74,7 @@ impl CudaKernels {
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &impl DevicePtr<T>,
         v_cache: &impl DevicePtr<T>,
         q: &impl DevicePtr<T>,
@@ -196,7 +196,7 @@ impl CudaKernels {
 
     fn auto_kernel(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         group: usize,
         seqs: &[SeqAttn<'_>],
     ) -> AttentionKernel {

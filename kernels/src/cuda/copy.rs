@@ -15,7 +15,7 @@ use super::{CudaKernels, CudaKvElem};
 use crate::copy::check_transfer;
 use crate::gpu_plan::{copy_waves, last_wins_ids, last_wins_slots, SKIP_ID};
 use crate::layout::check_len;
-use crate::{KernelError, KvLayout};
+use crate::{CacheShape, KernelError};
 
 const THREADS: u32 = 256;
 
@@ -37,7 +37,7 @@ fn grid_len(what: &str, n: usize) -> Result<u32, KernelError> {
 }
 
 /// Rejects layouts whose last block id would collide with the scatter kernel's skip marker.
-fn check_ids_fit(layout: &KvLayout) -> Result<(), KernelError> {
+fn check_ids_fit(layout: &CacheShape) -> Result<(), KernelError> {
     if layout.num_blocks > SKIP_ID as usize {
         return Err(KernelError::Invalid(format!(
             "num_blocks {} exceeds {SKIP_ID}",
@@ -52,7 +52,7 @@ impl CudaKernels {
     /// and the last token wins when a slot repeats.
     pub fn reshape_and_cache<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &mut impl DevicePtrMut<T>,
         v_cache: &mut impl DevicePtrMut<T>,
         k: &impl DevicePtr<T>,
@@ -109,7 +109,7 @@ impl CudaKernels {
     /// [`crate::gather_blocks`] on the device: `dst` gets K of every id, then V of every id.
     pub fn gather_blocks<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &impl DevicePtr<T>,
         v_cache: &impl DevicePtr<T>,
         block_ids: &[u32],
@@ -133,7 +133,7 @@ impl CudaKernels {
     /// writes it; the last copy wins when an id repeats.
     pub fn scatter_blocks<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &mut impl DevicePtrMut<T>,
         v_cache: &mut impl DevicePtrMut<T>,
         block_ids: &[u32],
@@ -163,7 +163,7 @@ impl CudaKernels {
     fn launch_block_copy(
         &self,
         op: &str,
-        layout: &KvLayout,
+        layout: &CacheShape,
         elem_bytes: usize,
         ids: &CudaSlice<u32>,
         [kc, vc, buf]: [u64; 3],
@@ -197,7 +197,7 @@ impl CudaKernels {
     /// block another pair writes go to a later launch.
     pub fn copy_blocks<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &mut impl DevicePtrMut<T>,
         v_cache: &mut impl DevicePtrMut<T>,
         pairs: &[(u32, u32)],
@@ -250,7 +250,7 @@ impl CudaKernels {
     /// [`PinnedStaging::host`], which waits for the copy.
     pub fn gather_blocks_to_host<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &impl DevicePtr<T>,
         v_cache: &impl DevicePtr<T>,
         block_ids: &[u32],
@@ -272,7 +272,7 @@ impl CudaKernels {
     /// scatters them into the named blocks.
     pub fn scatter_blocks_from_host<T: CudaKvElem>(
         &self,
-        layout: &KvLayout,
+        layout: &CacheShape,
         k_cache: &mut impl DevicePtrMut<T>,
         v_cache: &mut impl DevicePtrMut<T>,
         block_ids: &[u32],
@@ -306,7 +306,7 @@ impl<T: CudaKvElem> PinnedStaging<T> {
     /// Staging for up to `max_blocks` blocks of `layout` (K and V).
     pub fn new(
         kernels: &CudaKernels,
-        layout: &KvLayout,
+        layout: &CacheShape,
         max_blocks: usize,
     ) -> Result<Self, KernelError> {
         let len = max_blocks
@@ -352,7 +352,7 @@ impl<T: CudaKvElem> PinnedStaging<T> {
         Ok(())
     }
 
-    fn check_fits(&self, layout: &KvLayout, num_blocks: usize) -> Result<usize, KernelError> {
+    fn check_fits(&self, layout: &CacheShape, num_blocks: usize) -> Result<usize, KernelError> {
         let len = num_blocks
             .saturating_mul(layout.block_elems())
             .saturating_mul(2);

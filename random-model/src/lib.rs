@@ -3,6 +3,10 @@
 //! transformers loads. Weights come from a seeded splitmix64 stream, so one spec always writes
 //! bit-identical files; the engine's architecture tests rely on that to regenerate the models
 //! their committed transformers references were computed from.
+//!
+//! `fission make-random-model` writes benchmark models with it, and the engine's tests build
+//! the models they load with it; it depends on nothing of Fission's, so the engine's tests do
+//! not check the loader against itself. Tooling, not a serving path: its errors are `anyhow`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -197,13 +201,13 @@ impl ModelSpec {
             ensure!(v > 0, "{name} must be > 0, given {v}");
         }
         ensure!(
-            self.heads % self.kv_heads == 0,
+            self.heads.is_multiple_of(self.kv_heads),
             "heads {} is not a multiple of kv_heads {}",
             self.heads,
             self.kv_heads
         );
         ensure!(
-            self.head_dim > 0 && self.head_dim % 2 == 0,
+            self.head_dim > 0 && self.head_dim.is_multiple_of(2),
             "head_dim must be even and > 0, given {}",
             self.head_dim
         );

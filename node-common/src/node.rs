@@ -1,0 +1,163 @@
+//! One node's life, written once for both roles: the engine's start-up off the runtime, the
+//! engine thread's published state, `/metrics`, the gRPC server (the role's service plus the
+//! shared [`NodeService`]), membership in etcd, and the drain that ends it. A role only says
+//! how to build its service on a started engine.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use clap::Args;
+use cluster::Role;
+use engine::engine::Engine;
+use kv_types::KvLayout;
+use proto::v1::NodeInfo;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine_args::EngineArgs;
+use crate::engine_state::EngineState;
+use crate::error::NodeError;
+use crate::grpc::{stop_server, GRPC_STOP_GRACE};
+use crate::kv::KvArgs;
+use crate::membership::{node_record, random_node_id, ClusterArgs, Membership, WorkTracker};
+use crate::node_service::NodeService;
+
+/// The flags both roles take.
+#[derive(Args, Debug, Clone)]
+pub struct NodeArgs {
+    /// Unique in the cluster among nodes of its role; a random `{role}-…` id by default.
+    #[arg(long, env = "FISSION_NODE_ID")]
+    pub node_id: Option<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// Sockets every node serves on, bound by the caller (tests bind port 0).
+pub struct NodeListeners {
+    pub grpc: TcpListener,
+    pub metrics: TcpListener,
+}
+
+/// A node whose engine is loaded, handed to its role to build the service on.
+pub struct Started {
+    pub node_id: String,
+    pub engine: Engine,
+    pub layout: KvLayout,
+    /// What `Info` answers; the role may complete it (its KV endpoint).
+    pub info: NodeInfo,
+    /// The engine thread's publishing end: pass it to the thread.
+    pub state: EngineState,
+    /// Cancelled when the drain starts (SIGTERM or the Drain RPC): new work is refused.
+    pub drain: CancellationToken,
+    /// Work outside the engine (token streams, KV pushes) the drain must wait for.
+    pub work: WorkTracker,
+    /// Cancelled once the gRPC server has stopped: a draining node still receives KV and is
+    /// still observed until then.
+    pub data_plane_stop: CancellationToken,
+    /// Host put in the endpoints the node advertises.
+    pub advertise_host: String,
+}
+
+/// What a role built on a [`Started`] node.
+pub struct RoleService {
+    /// The role's gRPC service.
+    pub routes: tonic::service::Routes,
+    pub info: NodeInfo,
+    /// `host:port` of the node's KV receiver; empty for prefill nodes.
+    pub kv_endpoint: String,
+    /// Tasks that end after `data_plane_stop` (the KV receiver); awaited before exit.
+    pub data_plane: Vec<JoinHandle<()>>,
+}
+
+/// Runs a node of `role` until `shutdown` and its drain are over.
+pub async fn serve<F, Fut>(
+    role: Role,
+    args: &NodeArgs,
+    listeners: NodeListeners,
+    shutdown: CancellationToken,
+    build: F,
+) -> Result<(), NodeError>
+where
+    F: FnOnce(Started) -> Fut,
+    Fut: Future<Output = Result<RoleService, NodeError>>,
+{
+    let metrics = crate::metrics_http::install_recorder();
+    let node_id = args
+        .node_id
+        .clone()
+        .unwrap_or_else(|| random_node_id(role.as_str()));
+    let loaded = args.engine.start_engine(&node_id, role.as_str()).await?;
+    let layout = loaded.engine.cache().layout();
+    let (state, state_rx) = EngineState::new(layout.block_size as usize);
+    let work = WorkTracker::default();
+    let data_plane_stop = CancellationToken::new();
+    // /metrics outlives `shutdown`: a draining node is still observed.
+    let metrics_task = tokio::spawn(crate::metrics_http::serve(
+        listeners.metrics,
+        metrics,
+        data_plane_stop.clone(),
+    ));
+    let service = build(Started {
+        node_id: node_id.clone(),
+        engine: loaded.engine,
+        layout,
+        info: loaded.info,
+        state,
+        drain: shutdown.clone(),
+        work: work.clone(),
+        data_plane_stop: data_plane_stop.clone(),
+        advertise_host: args.cluster.advertise_host.clone(),
+    })
+    .await?;
+    let grpc_addr = listeners
+        .grpc
+        .local_addr()
+        .map_err(|source| NodeError::Io {
+            what: "grpc listener".into(),
+            source,
+        })?;
+    // Cancelled once the drain is over: the server stops and the streams that never end by
+    // themselves (CacheEvents) end.
+    let server_stop = CancellationToken::new();
+    let node_service = NodeService {
+        info: service.info.clone(),
+        cache_log: Arc::clone(&state_rx.cache),
+        drain: shutdown.clone(),
+        stop_streams: server_stop.clone(),
+    };
+    tracing::info!(%node_id, role = role.as_str(), %grpc_addr, kv_endpoint = %service.kv_endpoint, "node serving");
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_routes(service.routes)
+            .add_service(node_service.into_server())
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+                server_stop.clone().cancelled_owned(),
+            ),
+    );
+    let record = node_record(
+        &service.info,
+        layout,
+        role,
+        format!("{}:{}", args.cluster.advertise_host, grpc_addr.port()),
+        service.kv_endpoint,
+        args.kv.kv_transport,
+    );
+    let membership = Membership::join(&args.cluster, record, state_rx.load.clone()).await?;
+    shutdown.cancelled().await;
+    membership.drain(state_rx.load.clone(), &work).await;
+    server_stop.cancel();
+    stop_server(server, GRPC_STOP_GRACE).await?;
+    data_plane_stop.cancel();
+    for task in service.data_plane {
+        let _ = task.await;
+    }
+    let _ = metrics_task.await;
+    tracing::info!(%node_id, role = role.as_str(), "node stopped");
+    Ok(())
+}

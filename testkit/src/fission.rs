@@ -1,0 +1,461 @@
+//! Real Fission clusters for end-to-end tests: `fission up` and `fission node start` as child
+//! processes (the test passes the binary, `env!("CARGO_BIN_EXE_fission")`), their metrics and
+//! `/info` read over HTTP, real signals, and a closed-loop load. Every process is stopped when
+//! its handle drops, and every wait is on a condition.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::wait::{try_wait_until, wait_until};
+
+/// stories260K in the shared models directory: the model every cluster test serves.
+pub fn stories_dir() -> PathBuf {
+    crate::shared_model("stories260K")
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// GET `url` on a runtime of its own thread (tests poll from sync code); `None` on any error.
+pub fn http_get(url: &str) -> Option<String> {
+    let url = url.to_string();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
+    })
+    .join()
+    .ok()
+    .flatten()
+}
+
+/// The value of the first sample named exactly `name` in a Prometheus exposition at
+/// `metrics_url`; 0 when absent or unreachable.
+pub fn metric(metrics_url: &str, name: &str) -> f64 {
+    http_get(metrics_url)
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The sum of every sample of the metric `name` (all label sets).
+pub fn metric_sum(metrics_url: &str, name: &str) -> f64 {
+    http_get(metrics_url)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Sends `sig` to `child`.
+pub fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill(2) on a child we spawned and have not reaped.
+    unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+}
+
+/// Waits for `child` to exit, for at most `timeout`.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> ExitStatus {
+    let mut status = None;
+    wait_until("the process to exit", timeout, || {
+        status = child.try_wait().expect("try_wait");
+        status.is_some()
+    });
+    status.expect("exited")
+}
+
+/// A child process SIGKILLed (and reaped) when dropped, so a failed test leaves none behind.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// SIGTERM, then SIGKILL if it has not exited within `grace`.
+fn stop(child: &mut Child, grace: Duration) {
+    signal(child, libc::SIGTERM);
+    let exited = try_wait_until("the process to stop", grace, || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    });
+    if exited.is_err() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// How to start `fission up`.
+#[derive(Clone, Debug)]
+pub struct UpConfig {
+    pub fission: PathBuf,
+    pub model: PathBuf,
+    pub prefill: usize,
+    pub decode: usize,
+    /// An etcd to use instead of the one `fission up` starts.
+    pub etcd: Option<String>,
+    /// `quic` (the default) or `tcp`.
+    pub kv_transport: String,
+    /// Flags for every node (`--num-kv-blocks=512` by default).
+    pub node_args: Vec<String>,
+    /// Any other flags of `fission up`.
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    /// Where the cluster's stderr goes; inherited when unset.
+    pub log: Option<PathBuf>,
+    pub ready_timeout: Duration,
+}
+
+impl UpConfig {
+    pub fn new(fission: impl Into<PathBuf>, prefill: usize, decode: usize) -> Self {
+        UpConfig {
+            fission: fission.into(),
+            model: stories_dir(),
+            prefill,
+            decode,
+            etcd: None,
+            kv_transport: "quic".into(),
+            node_args: vec!["--num-kv-blocks=512".into()],
+            args: Vec::new(),
+            env: Vec::new(),
+            log: None,
+            ready_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// A running `fission up`; SIGTERM on drop, and the drop waits for it to exit.
+pub struct Up {
+    child: Child,
+    pub url: String,
+    /// Node name (`prefill-0`, `decode-0`, ...) and its metrics URL, as `fission up` printed.
+    pub metrics: Vec<(String, String)>,
+    /// The `fission node start ...` command `fission up` printed for adding a node.
+    pub join: String,
+    /// The etcd URL it printed.
+    pub etcd: String,
+}
+
+impl Up {
+    /// Starts the cluster and waits until the gateway lists every node as ready.
+    pub fn start(config: &UpConfig) -> Up {
+        let port = free_port();
+        let mut cmd = Command::new(&config.fission);
+        cmd.args(["up", "--model"])
+            .arg(&config.model)
+            .args(["--prefill", &config.prefill.to_string()])
+            .args(["--decode", &config.decode.to_string()])
+            .args(["--port", &port.to_string()])
+            .args(["--kv-transport", &config.kv_transport])
+            .args([
+                "--ready-timeout-s",
+                &config.ready_timeout.as_secs().to_string(),
+            ])
+            .args(config.node_args.iter().map(|a| format!("--node-arg={a}")))
+            .args(&config.args)
+            .envs(config.env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::piped());
+        if let Some(etcd) = &config.etcd {
+            cmd.args(["--etcd", etcd]);
+        }
+        match &config.log {
+            Some(log) => cmd.stderr(std::fs::File::create(log).expect("log file")),
+            None => cmd.stderr(Stdio::inherit()),
+        };
+        let mut child = cmd.spawn().expect("fission up starts");
+        let out = child.stdout.take().expect("stdout");
+        let (mut metrics, mut url, mut join, mut etcd) = (Vec::new(), None, String::new(), None);
+        for line in BufReader::new(out).lines() {
+            let line = line.expect("a line");
+            if let Some(rest) = line.strip_prefix("Fission is up: ") {
+                url = Some(rest.trim().to_string());
+                break;
+            }
+            if let Some(rest) = line.strip_prefix("add a node: ") {
+                join = rest.to_string();
+            } else if let Some(rest) = line.strip_prefix("etcd: ") {
+                etcd = rest.split_whitespace().next().map(str::to_string);
+            } else if let Some((name, m)) = line.split_once(" grpc=") {
+                let m = m.split("metrics=").nth(1).expect("a metrics url");
+                metrics.push((name.to_string(), m.to_string()));
+            }
+        }
+        let log = || {
+            config
+                .log
+                .as_ref()
+                .and_then(|l| std::fs::read_to_string(l).ok())
+                .unwrap_or_default()
+        };
+        let up = Up {
+            child,
+            url: url.unwrap_or_else(|| panic!("fission up did not come up:\n{}", log())),
+            metrics,
+            join,
+            etcd: etcd.unwrap_or_default(),
+        };
+        // `fission up` reports healthy once a decode node answers; the tests need every node
+        // routable.
+        let nodes = config.prefill + config.decode;
+        wait_until(
+            "every node ready at the gateway",
+            config.ready_timeout,
+            || {
+                let info = up.info();
+                let ready = info["backend"]["nodes"]
+                    .as_array()
+                    .map_or(0, |a| a.iter().filter(|n| n["ready"] == true).count());
+                ready >= nodes
+            },
+        );
+        up
+    }
+
+    pub fn metrics_url(&self, node: &str) -> &str {
+        &self
+            .metrics
+            .iter()
+            .find(|(n, _)| n == node)
+            .unwrap_or_else(|| panic!("no node {node} in {:?}", self.metrics))
+            .1
+    }
+
+    pub fn metric(&self, node: &str, name: &str) -> f64 {
+        metric(self.metrics_url(node), name)
+    }
+
+    /// The gateway's `/info`.
+    pub fn info(&self) -> Value {
+        serde_json::from_str(&http_get(&format!("{}/info", self.url)).unwrap_or_default())
+            .unwrap_or_default()
+    }
+
+    /// The node ids in the gateway's pools.
+    pub fn gateway_nodes(&self) -> Vec<String> {
+        self.info()["backend"]["nodes"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| n["node_id"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Whether the gateway lists `node_id` as ready.
+    pub fn is_ready(&self, node_id: &str) -> bool {
+        self.info()["backend"]["nodes"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|n| n["node_id"] == node_id && n["ready"] == true)
+        })
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        stop(&mut self.child, Duration::from_secs(30));
+    }
+}
+
+/// `fission nodes list --json --etcd ETCD`: every registered node (empty when it fails).
+pub fn nodes_json(fission: &Path, etcd: &str) -> Vec<Value> {
+    let Ok(out) = Command::new(fission)
+        .args(["nodes", "list", "--json", "--etcd", etcd])
+        .output()
+    else {
+        return Vec::new();
+    };
+    if !out.status.success() {
+        return Vec::new();
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nodes list prints JSON");
+    v["nodes"].as_array().cloned().unwrap_or_default()
+}
+
+/// A node added with `fission node start`; SIGKILLed on drop.
+pub struct Added {
+    pub child: Child,
+    pub metrics: String,
+    pub started: Instant,
+}
+
+/// How to start one node with `fission node start`.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub fission: PathBuf,
+    pub role: String,
+    pub node_id: String,
+    pub model: PathBuf,
+    pub etcd: String,
+    /// Flags after the defaults (`--num-kv-blocks 512 --kv-transport tcp`), which they beat.
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub log: PathBuf,
+}
+
+impl Added {
+    pub fn start(config: &NodeConfig) -> Added {
+        let started = Instant::now();
+        let mut child = Command::new(&config.fission)
+            .args(["node", "start", "--role", &config.role, "--model"])
+            .arg(&config.model)
+            .args(["--etcd", &config.etcd, "--node-id", &config.node_id])
+            .args(["--num-kv-blocks", "512", "--kv-transport", "tcp"])
+            .args(&config.args)
+            .envs(config.env.iter().map(|(k, v)| (k, v)))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&config.log).expect("log file"))
+            .spawn()
+            .expect("fission node start runs");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the announcement");
+        let metrics = line
+            .split("metrics=")
+            .nth(1)
+            .unwrap_or_else(|| panic!("node announces its metrics URL, got {line:?}"))
+            .trim()
+            .to_string();
+        Added {
+            child,
+            metrics,
+            started,
+        }
+    }
+
+    pub fn signal(&self, sig: libc::c_int) {
+        signal(&self.child, sig);
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        wait_exit(&mut self.child, timeout)
+    }
+}
+
+impl Drop for Added {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Closed-loop load: `workers` clients each sending one `/generate` after another until
+/// stopped, each with a distinct prompt (no shared prefix, so load decides routing).
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failures: Arc<Mutex<Vec<String>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    pub fn start(url: &str, workers: usize, max_new_tokens: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failures = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..workers)
+            .map(|w| {
+                let (url, stop, ok, failures) = (
+                    url.to_string(),
+                    Arc::clone(&stop),
+                    Arc::clone(&ok),
+                    Arc::clone(&failures),
+                );
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("runtime");
+                    rt.block_on(async move {
+                        let client = reqwest::Client::new();
+                        let mut i = 0u64;
+                        while !stop.load(Ordering::SeqCst) {
+                            i += 1;
+                            let prompt = format!("Worker {w} request {i}: once upon a time");
+                            let body = json!({"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}});
+                            let resp = client
+                                .post(format!("{url}/generate"))
+                                .json(&body)
+                                .send()
+                                .await;
+                            let failure = match resp {
+                                Ok(r) if r.status().is_success() => {
+                                    ok.fetch_add(1, Ordering::SeqCst);
+                                    continue;
+                                }
+                                Ok(r) => format!("{}: {}", r.status(), r.text().await.unwrap_or_default()),
+                                Err(e) => e.to_string(),
+                            };
+                            failures.lock().expect("no panic holding it").push(failure);
+                        }
+                    });
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            failures,
+            threads,
+        }
+    }
+
+    /// Requests completed so far.
+    pub fn ok(&self) -> u64 {
+        self.ok.load(Ordering::SeqCst)
+    }
+
+    pub fn assert_no_failures(&self, when: &str) {
+        let f = self.failures.lock().expect("no panic holding it");
+        assert!(
+            f.is_empty(),
+            "{} failed requests {when}: {:?}",
+            f.len(),
+            &f[..f.len().min(5)]
+        );
+    }
+
+    /// Waits until `n` more requests than now have completed.
+    pub fn wait_for_more(&self, what: &str, n: u64, timeout: Duration) {
+        let before = self.ok();
+        wait_until(what, timeout, || self.ok() >= before + n);
+    }
+
+    /// Completed requests per second over the next `window` (a measurement, so it sleeps).
+    pub fn throughput(&self, window: Duration) -> f64 {
+        let before = self.ok();
+        std::thread::sleep(window);
+        (self.ok() - before) as f64 / window.as_secs_f64()
+    }
+
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            t.join().expect("a load worker panicked");
+        }
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
