@@ -139,14 +139,7 @@ pub struct ModelConfig {
 
 impl LlamaConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        serde_json::from_str(&text).map_err(|source| EngineError::Json {
-            path: path.to_path_buf(),
-            source,
-        })
+        read_json(path)
     }
 
     fn architecture(&self) -> Result<Architecture> {
@@ -272,6 +265,18 @@ pub(crate) fn ids(v: &serde_json::Value) -> Vec<u32> {
 
 fn first_id(v: &serde_json::Value) -> Option<u32> {
     ids(v).first().copied()
+}
+
+/// A JSON file of the model's, parsed; errors name the file.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| EngineError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 #[cfg(test)]

@@ -75,6 +75,24 @@ pub struct Request {
     pub stopping: StoppingCriteria,
 }
 
+impl Request {
+    /// Greedy, generating exactly `max_new_tokens` (no stop token or string ends it early):
+    /// what benchmarks time and what the committed references were generated with.
+    pub fn greedy_fixed_length(seq_id: SeqId, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Self {
+        Request {
+            seq_id,
+            prompt_ids,
+            sampling: SamplingParams::greedy(),
+            stopping: StoppingCriteria {
+                max_new_tokens,
+                stop_token_ids: Vec::new(),
+                stop_strings: Vec::new(),
+                ignore_eos: true,
+            },
+        }
+    }
+}
+
 /// One generated token of one sequence.
 #[derive(Debug, Clone)]
 pub struct TokenEvent {

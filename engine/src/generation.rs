@@ -1,8 +1,8 @@
 //! `generation_config.json` defaults the engine applies to requests. (Chat templates are the
 //! gateway's: it renders prompts before they reach an engine.)
 
-use crate::config::{ids, ModelConfig};
-use crate::error::{EngineError, Result};
+use crate::config::{ids, read_json, ModelConfig};
+use crate::error::Result;
 use crate::loader::ModelFiles;
 
 /// Request defaults that come with the model.
@@ -20,7 +20,7 @@ impl GenerationConfig {
             bos_token_id: cfg.bos_token_id,
         };
         if let Some(path) = &files.generation_config {
-            let v = read_json(path)?;
+            let v: serde_json::Value = read_json(path)?;
             if let Some(e) = v.get("eos_token_id") {
                 let from_gen = ids(e);
                 if !from_gen.is_empty() {
@@ -33,17 +33,6 @@ impl GenerationConfig {
         }
         Ok(out)
     }
-}
-
-fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|source| EngineError::Json {
-        path: path.to_path_buf(),
-        source,
-    })
 }
 
 impl GenerationConfig {

@@ -7,6 +7,28 @@
 use crate::layout::check_len;
 use crate::{CacheShape, KernelError, KvElem};
 
+/// The argument checks of reshape-and-cache, shared by the CPU kernel and the CUDA one:
+/// `cache_lens` are K's and V's storage lengths, `row_lens` the lengths of the K and V rows
+/// given for `slots`.
+pub(crate) fn check_reshape(
+    layout: &CacheShape,
+    cache_lens: [usize; 2],
+    row_lens: [usize; 2],
+    slots: &[u32],
+) -> Result<(), KernelError> {
+    layout.validate()?;
+    layout.check_cache("k_cache", cache_lens[0])?;
+    layout.check_cache("v_cache", cache_lens[1])?;
+    let rows = slots.len().saturating_mul(layout.row_elems());
+    check_len("k", rows, row_lens[0])?;
+    check_len("v", rows, row_lens[1])?;
+    let num_slots = layout.num_slots();
+    if let Some(&slot) = slots.iter().find(|&&s| s as usize >= num_slots) {
+        return Err(KernelError::SlotOutOfRange { slot, num_slots });
+    }
+    Ok(())
+}
+
 /// reshape-and-cache: writes token rows into cache slots.
 ///
 /// `k` and `v` are `[num_tokens, num_kv_heads, head_dim]` and `slots.len() == num_tokens`;
@@ -19,16 +41,13 @@ pub fn reshape_and_cache<T: KvElem>(
     v: &[T],
     slots: &[u32],
 ) -> Result<(), KernelError> {
-    layout.validate()?;
-    layout.check_cache("k_cache", k_cache.len())?;
-    layout.check_cache("v_cache", v_cache.len())?;
+    check_reshape(
+        layout,
+        [k_cache.len(), v_cache.len()],
+        [k.len(), v.len()],
+        slots,
+    )?;
     let row = layout.row_elems();
-    check_len("k", slots.len().saturating_mul(row), k.len())?;
-    check_len("v", slots.len().saturating_mul(row), v.len())?;
-    let num_slots = layout.num_slots();
-    if let Some(&slot) = slots.iter().find(|&&s| s as usize >= num_slots) {
-        return Err(KernelError::SlotOutOfRange { slot, num_slots });
-    }
 
     for ((&slot, k_row), v_row) in slots
         .iter()

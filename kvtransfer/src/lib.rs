@@ -70,6 +70,7 @@
 //! One [`KvTransferError`]; [`KvTransferError::verdict`] maps errors to wire verdicts and
 //! [`KvTransferError::error_type`] names them for the error table.
 
+mod accept;
 pub mod bench;
 mod error;
 pub mod frame;
@@ -97,5 +98,7 @@ pub use registry::{
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
 pub use tls::{generate_dev_ca, Ca, NodeCert, TlsFiles, TlsIdentity, ALPN};
-pub use transport::{send_all_layers, KvConnection, KvServer, KvTransport, TransferStat};
+pub use transport::{
+    send_all_layers, KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat,
+};
 pub use verdict::Verdict;

@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use quinn::{IdleTimeout, MtuDiscoveryConfig, VarInt, WriteError};
-use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
 use crate::registry::TransferRegistry;
@@ -219,17 +219,13 @@ impl QuicServer {
             on_refusal: None,
         })
     }
-
-    /// Calls `f` with the error of every frame this server refuses (a bad header, a frame the
-    /// registry or the sink refuses, a stream cut inside a payload), so the service can count
-    /// them. Ignored frames (stale epoch, closed transfer) are not refusals.
-    pub fn on_refusal(mut self, f: impl Fn(&KvTransferError) + Send + Sync + 'static) -> Self {
-        self.on_refusal = Some(Arc::new(f));
-        self
-    }
 }
 
 impl KvServer for QuicServer {
+    fn refusal_observer(&mut self) -> &mut Option<RefusalObserver> {
+        &mut self.on_refusal
+    }
+
     fn local_addr(&self) -> Result<SocketAddr, KvTransferError> {
         self.endpoint
             .local_addr()
@@ -247,40 +243,21 @@ impl KvServer for QuicServer {
     ) -> Result<(), KvTransferError> {
         let local_addr = self.local_addr()?;
         tracing::info!(%local_addr, "kv quic server listening");
-        let ctx = Arc::new(ReceiveCtx {
-            registry,
-            sink,
-            limits: self.config.limits,
-            on_refusal: self.on_refusal,
-        });
-        let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
-        let mut connections = JoinSet::new();
-        loop {
-            // Take a permit before accepting, so a full server stops completing handshakes.
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                permit = permits.clone().acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
-                },
-            };
-            let incoming = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                incoming = self.endpoint.accept() => match incoming {
-                    Some(incoming) => incoming,
-                    None => break,
-                },
-            };
-            let ctx = ctx.clone();
-            let shutdown = shutdown.clone();
-            connections.spawn(async move {
-                run_connection_task(incoming, ctx, shutdown).await;
-                drop(permit);
-            });
-            while connections.try_join_next().is_some() {}
-        }
+        let ctx = ReceiveCtx::new(registry, sink, self.config.limits, self.on_refusal);
+        let endpoint = self.endpoint.clone();
+        accept_loop(
+            self.config.max_connections,
+            &shutdown,
+            || async {
+                match endpoint.accept().await {
+                    Some(incoming) => Accepted::Connection(incoming),
+                    None => Accepted::Closed,
+                }
+            },
+            |incoming, shutdown| run_connection_task(incoming, ctx.clone(), shutdown),
+        )
+        .await;
         self.endpoint.close(VarInt::from_u32(0), b"shutdown");
-        connections.shutdown().await;
         tracing::info!(%local_addr, "kv quic server stopped");
         Ok(())
     }

@@ -20,14 +20,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::{watch, RwLock};
 
 use crate::error::KvTransferError;
 use crate::frame::FrameHeader;
-use crate::sink::KvSink;
-use crate::verdict::Verdict;
 use kv_types::KvLayout;
+
+mod claim;
+mod status;
+
+pub use claim::LayerClaim;
+pub use status::{Admission, Ignored, Outcome, RegistryStats, TransferProgress, TransferStatus};
 
 /// What the decode node reserved for one transfer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,97 +53,6 @@ impl Default for RegistryConfig {
     fn default() -> Self {
         Self {
             tombstone_capacity: 4096,
-        }
-    }
-}
-
-/// Where one transfer stands.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TransferStatus {
-    /// Never registered here, or deregistered so long ago that it was forgotten.
-    Unknown,
-    /// Deregistered; late frames for it are dropped.
-    Closed {
-        epoch: u64,
-    },
-    Receiving(TransferProgress),
-    /// Every layer arrived, passed its checksum and was written, at the current epoch.
-    Complete(TransferProgress),
-}
-
-impl TransferStatus {
-    pub fn is_complete(&self) -> bool {
-        matches!(self, Self::Complete(_))
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TransferProgress {
-    pub xfer_id: TransferId,
-    pub epoch: u64,
-    pub num_layers: u32,
-    pub layers_received: u32,
-    pub payload_bytes: u64,
-    /// The verified CRC-32C of each layer that has arrived.
-    pub layer_crc32c: Vec<Option<u32>>,
-    /// Frames with an older epoch that were ignored for this transfer.
-    pub stale_frames: u64,
-}
-
-impl TransferProgress {
-    pub fn is_complete(&self) -> bool {
-        self.layers_received == self.num_layers
-    }
-}
-
-/// Counters over the registry's lifetime.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RegistryStats {
-    pub frames_accepted: u64,
-    pub frames_ignored_stale_epoch: u64,
-    pub frames_ignored_closed: u64,
-    pub frames_rejected: u64,
-    pub payload_bytes_accepted: u64,
-    pub active_transfers: usize,
-}
-
-/// Why a frame was dropped without an error.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ignored {
-    StaleEpoch { current_epoch: u64 },
-    Closed,
-}
-
-impl Ignored {
-    pub fn verdict(self) -> Verdict {
-        match self {
-            Self::StaleEpoch { .. } => Verdict::StaleEpoch,
-            Self::Closed => Verdict::TransferClosed,
-        }
-    }
-}
-
-/// The result of checking a frame header against the registry.
-#[derive(Debug)]
-pub enum Admission {
-    /// The layer is now marked in flight; complete the claim with the payload.
-    Accept(LayerClaim),
-    Ignore(Ignored),
-}
-
-/// How an admitted frame ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Accepted,
-    /// The transfer was deregistered or re-registered while the payload was on its way.
-    Ignored(Ignored),
-}
-
-impl Outcome {
-    pub fn verdict(self) -> Verdict {
-        match self {
-            Self::Accepted => Verdict::Accepted,
-            Self::Ignored(i) => i.verdict(),
         }
     }
 }
@@ -555,119 +467,12 @@ impl TransferRegistry {
     }
 }
 
-/// One admitted layer. Dropping it without [`LayerClaim::complete`] (a refused payload, a
-/// broken stream) marks the layer pending again, so a retry can send it.
-#[derive(Debug)]
-pub struct LayerClaim {
-    registry: TransferRegistry,
-    xfer_id: TransferId,
-    layer: u32,
-    generation: u64,
-    block_ids: Arc<[u32]>,
-    done: bool,
-}
-
-impl LayerClaim {
-    pub fn xfer_id(&self) -> TransferId {
-        self.xfer_id
-    }
-
-    pub fn layer(&self) -> u32 {
-        self.layer
-    }
-
-    /// Verifies the payload's checksum, hands it to the sink and marks the layer received.
-    pub fn complete<S: KvSink + ?Sized>(
-        self,
-        sink: &S,
-        frame: &FrameHeader,
-        payload: Bytes,
-    ) -> Result<Outcome, KvTransferError> {
-        let crc = crc32c::crc32c(&payload);
-        self.complete_with_crc32c(sink, frame, payload, crc)
-    }
-
-    /// [`LayerClaim::complete`] for a payload whose CRC-32C the caller computed while
-    /// receiving it.
-    pub(crate) fn complete_with_crc32c<S: KvSink + ?Sized>(
-        mut self,
-        sink: &S,
-        frame: &FrameHeader,
-        payload: Bytes,
-        payload_crc32c: u32,
-    ) -> Result<Outcome, KvTransferError> {
-        let registry = self.registry.clone();
-        let checked = if payload.len() as u64 == frame.payload_len {
-            frame.check_crc32c(payload_crc32c)
-        } else {
-            frame.verify_payload(&payload)
-        };
-        if let Err(e) = checked {
-            registry.reject_after_admit();
-            return Err(e);
-        }
-        let payload_bytes = payload.len() as u64;
-        let guard = {
-            let mut st = registry.lock();
-            // While the entry is in the map no fence writer is waiting, so this succeeds.
-            match st
-                .entry(self.xfer_id, self.generation)
-                .and_then(|e| e.fence.clone().try_read_owned().ok())
-            {
-                Some(guard) => guard,
-                None => {
-                    self.done = true;
-                    let why = registry.ignored_after_admit(&mut st, self.xfer_id);
-                    return Ok(Outcome::Ignored(why));
-                }
-            }
-        };
-        if let Err(e) = sink.write_layer(self.xfer_id, self.layer, &self.block_ids, payload) {
-            registry.reject_after_admit();
-            return Err(e);
-        }
-        let mut st = registry.lock();
-        self.done = true;
-        let outcome = match st.entry(self.xfer_id, self.generation) {
-            Some(e) => {
-                e.layers[self.layer as usize] = LayerState::Received {
-                    crc32c: frame.payload_crc32c,
-                };
-                e.layers_received += 1;
-                e.payload_bytes += payload_bytes;
-                e.progress_tx.send_replace(e.layers_received);
-                let c = &registry.shared.counters;
-                bump(&c.accepted);
-                c.payload_bytes.fetch_add(payload_bytes, Ordering::Relaxed);
-                Outcome::Accepted
-            }
-            // Deregistered during the write; the fence kept its blocks alive until now.
-            None => Outcome::Ignored(registry.ignored_after_admit(&mut st, self.xfer_id)),
-        };
-        drop(st);
-        drop(guard);
-        Ok(outcome)
-    }
-}
-
-impl Drop for LayerClaim {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let mut st = self.registry.lock();
-        if let Some(e) = st.entry(self.xfer_id, self.generation) {
-            if let Some(slot) = e.layers.get_mut(self.layer as usize) {
-                if *slot == LayerState::InFlight {
-                    *slot = LayerState::Pending;
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
+    use crate::verdict::Verdict;
+
     use super::*;
     use crate::header::LayerHeader;
     use crate::sink::MemorySink;

@@ -17,10 +17,10 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
 use crate::registry::TransferRegistry;
@@ -74,17 +74,13 @@ impl TcpServer {
             on_refusal: None,
         })
     }
-
-    /// Calls `f` with the error of every frame this server refuses (a bad header, a frame the
-    /// registry or the sink refuses, a stream cut inside a payload), so the service can count
-    /// them. Ignored frames (stale epoch, closed transfer) are not refusals.
-    pub fn on_refusal(mut self, f: impl Fn(&KvTransferError) + Send + Sync + 'static) -> Self {
-        self.on_refusal = Some(Arc::new(f));
-        self
-    }
 }
 
 impl KvServer for TcpServer {
+    fn refusal_observer(&mut self) -> &mut Option<RefusalObserver> {
+        &mut self.on_refusal
+    }
+
     fn local_addr(&self) -> Result<SocketAddr, KvTransferError> {
         self.listener
             .local_addr()
@@ -102,43 +98,27 @@ impl KvServer for TcpServer {
     ) -> Result<(), KvTransferError> {
         let local_addr = self.local_addr()?;
         tracing::info!(%local_addr, "kv tcp server listening");
-        let ctx = Arc::new(ReceiveCtx {
-            registry,
-            sink,
-            limits: self.config.limits,
-            on_refusal: self.on_refusal,
-        });
-        let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
-        let mut connections = JoinSet::new();
-        loop {
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                permit = permits.clone().acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
-                },
-            };
-            let (stream, peer) = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                accepted = self.listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
+        let ctx = ReceiveCtx::new(registry, sink, self.config.limits, self.on_refusal);
+        let listener = &self.listener;
+        accept_loop(
+            self.config.max_connections,
+            &shutdown,
+            || async {
+                match listener.accept().await {
+                    Ok((stream, peer)) => Accepted::Connection((stream, peer)),
                     Err(e) => {
                         // Out of file descriptors and the like: back off instead of spinning.
                         tracing::warn!(error = %e, "kv tcp accept failed");
                         tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
+                        Accepted::Retry
                     }
-                },
-            };
-            let ctx = ctx.clone();
-            let shutdown = shutdown.clone();
-            connections.spawn(async move {
-                run_connection_task(stream, peer.to_string(), ctx, shutdown).await;
-                drop(permit);
-            });
-            while connections.try_join_next().is_some() {}
-        }
-        connections.shutdown().await;
+                }
+            },
+            |(stream, peer), shutdown| {
+                run_connection_task(stream, peer.to_string(), ctx.clone(), shutdown)
+            },
+        )
+        .await;
         tracing::info!(%local_addr, "kv tcp server stopped");
         Ok(())
     }

@@ -74,6 +74,17 @@ pub trait KvConnection: Clone + Send + Sync + 'static {
 pub trait KvServer: Send + Sized + 'static {
     fn local_addr(&self) -> Result<SocketAddr, KvTransferError>;
 
+    /// Where [`KvServer::on_refusal`] keeps its observer.
+    fn refusal_observer(&mut self) -> &mut Option<RefusalObserver>;
+
+    /// Calls `f` with the error of every frame this server refuses (a bad header, a frame the
+    /// registry or the sink refuses, a stream cut inside a payload), so the service can count
+    /// them. Ignored frames (stale epoch, closed transfer) are not refusals.
+    fn on_refusal(mut self, f: impl Fn(&KvTransferError) + Send + Sync + 'static) -> Self {
+        *self.refusal_observer() = Some(Arc::new(f));
+        self
+    }
+
     /// Accepts frames until `shutdown` is cancelled, checks each against `registry` and hands
     /// accepted payloads to `sink`. On shutdown it stops accepting, drops frames in flight
     /// (their layers go back to pending) and returns.
@@ -117,7 +128,8 @@ pub async fn send_all_layers<C: KvConnection>(
 /// Told of every frame the receiving side refuses, with why: kvtransfer has no metrics of its
 /// own, so a service counts refusals under its names through this (see the servers'
 /// `on_refusal`). Called on the receiving task: keep it cheap.
-pub(crate) type RefusalObserver = Arc<dyn Fn(&KvTransferError) + Send + Sync>;
+/// Called with each frame a server refuses.
+pub type RefusalObserver = Arc<dyn Fn(&KvTransferError) + Send + Sync>;
 
 /// What the server needs for every frame.
 pub(crate) struct ReceiveCtx<S: ?Sized> {
@@ -128,6 +140,20 @@ pub(crate) struct ReceiveCtx<S: ?Sized> {
 }
 
 impl<S: ?Sized> ReceiveCtx<S> {
+    pub(crate) fn new(
+        registry: TransferRegistry,
+        sink: Arc<S>,
+        limits: FrameLimits,
+        on_refusal: Option<RefusalObserver>,
+    ) -> Arc<Self> {
+        Arc::new(ReceiveCtx {
+            registry,
+            sink,
+            limits,
+            on_refusal,
+        })
+    }
+
     fn refused(&self, e: &KvTransferError) {
         if let Some(f) = &self.on_refusal {
             f(e);

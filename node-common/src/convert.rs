@@ -79,10 +79,6 @@ pub fn sampled(t: &v1::Token) -> SampledToken {
     SampledToken {
         token_id: t.token_id,
         logprob: t.logprob,
-        top_logprobs: t
-            .top_logprobs
-            .iter()
-            .map(|x| (x.token_id, x.logprob))
-            .collect(),
+        top_logprobs: t.top_logprob_pairs(),
     }
 }

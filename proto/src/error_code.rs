@@ -78,17 +78,9 @@ impl ErrorCode {
     /// TGI has one).
     pub fn error_type(self) -> &'static str {
         match self {
-            ErrorCode::Validation => "validation",
+            // TGI reports a prompt over the limit as a validation error.
             ErrorCode::InputTooLong => "validation",
-            ErrorCode::BadRequest => "bad_request",
-            ErrorCode::Unauthorized => "unauthorized",
-            ErrorCode::NotFound => "not_found",
-            ErrorCode::Overloaded => "overloaded",
-            ErrorCode::Unavailable => "unavailable",
-            ErrorCode::Timeout => "timeout",
-            ErrorCode::Cancelled => "cancelled",
-            ErrorCode::KvTransfer => "kv_transfer",
-            ErrorCode::Internal => "internal",
+            other => other.as_str(),
         }
     }
 

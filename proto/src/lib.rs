@@ -11,6 +11,16 @@ pub use error_code::ErrorCode;
 /// Generated messages and clients/servers of `fission.v1`.
 pub mod v1 {
     tonic::include_proto!("fission.v1");
+
+    impl Token {
+        /// The alternatives as `(token_id, logprob)`, most likely first.
+        pub fn top_logprob_pairs(&self) -> Vec<(u32, f32)> {
+            self.top_logprobs
+                .iter()
+                .map(|x| (x.token_id, x.logprob))
+                .collect()
+        }
+    }
 }
 
 /// The W3C trace-context key carried in gRPC metadata and KV frame headers.

@@ -49,26 +49,26 @@ fn export_resumes_when_the_collector_comes_up() -> anyhow::Result<()> {
     };
     let up = Instant::now();
     // Keep making spans until one arrives: the ones inside the pause are dropped by design.
-    let deadline = Instant::now() + Duration::from_secs(60);
     let mut sent = 0;
-    loop {
-        tracing::dispatcher::with_default(&dispatch, || {
-            drop(tracing::info_span!("after_recovery", attempt = sent));
-        });
-        sent += 1;
-        // No flush: the batch processor's own schedule must get through once the outage
-        // pause is over.
-        let spans = phoenix.spans(&service).unwrap_or_default();
-        if spans.iter().any(|s| s.name == "after_recovery") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no span reached the collector within 60 s of its start ({sent} sent):\n{}",
-            phoenix.log_tail()
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    let arrived = testkit::wait::try_wait_until(
+        "a span to reach the recovered collector",
+        Duration::from_secs(60),
+        || {
+            tracing::dispatcher::with_default(&dispatch, || {
+                drop(tracing::info_span!("after_recovery", attempt = sent));
+            });
+            sent += 1;
+            // No flush: the batch processor's own schedule must get through once the outage
+            // pause is over.
+            let spans = phoenix.spans(&service).unwrap_or_default();
+            spans.iter().any(|s| s.name == "after_recovery")
+        },
+    );
+    assert!(
+        arrived.is_ok(),
+        "no span reached the collector within 60 s of its start ({sent} sent):\n{}",
+        phoenix.log_tail()
+    );
     eprintln!(
         "export resumed {:?} after the collector came up ({sent} spans sent)",
         up.elapsed()

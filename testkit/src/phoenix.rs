@@ -14,9 +14,11 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
+
+use crate::wait::try_wait_until;
 
 const INSTALL_HINT: &str =
     "install it with ./deploy/install-test-tools.sh (or point FISSION_PHOENIX_VENV at a venv with arize-phoenix)";
@@ -150,28 +152,21 @@ impl Phoenix {
     }
 
     fn wait_ready(&mut self) -> anyhow::Result<()> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                bail!(
-                    "phoenix exited ({status}) before it was ready:\n{}",
-                    self.log_tail()
-                );
-            }
+        let mut exited = None;
+        let ready = try_wait_until("phoenix to answer", READY_TIMEOUT, || {
+            exited = self.child.try_wait().ok().flatten();
             let http_ok = matches!(http_get(&self.http_addr, "/v1/projects"), Ok((200, _)));
             let grpc_ok = TcpStream::connect(("127.0.0.1", self.grpc_port)).is_ok();
-            if http_ok && grpc_ok {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "phoenix was not ready within {} s:\n{}",
-                    READY_TIMEOUT.as_secs(),
-                    self.log_tail()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(200));
+            exited.is_some() || (http_ok && grpc_ok)
+        });
+        if let Some(status) = exited {
+            bail!(
+                "phoenix exited ({status}) before it was ready:\n{}",
+                self.log_tail()
+            );
         }
+        ready.map_err(|e| anyhow::anyhow!("{e}:\n{}", self.log_tail()))?;
+        Ok(())
     }
 
     /// The last lines of Phoenix's output, for failure messages.
@@ -237,22 +232,27 @@ impl Phoenix {
         timeout: Duration,
         done: impl Fn(&[PhoenixSpan]) -> bool,
     ) -> anyhow::Result<Vec<PhoenixSpan>> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let spans = self.spans(project)?;
-            if done(&spans) {
-                return Ok(spans);
+        let mut spans = Vec::new();
+        let mut error = None;
+        let arrived = try_wait_until("the spans to arrive", timeout, || {
+            match self.spans(project) {
+                Ok(s) => spans = s,
+                Err(e) => error = Some(e),
             }
-            if Instant::now() > deadline {
-                let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
-                bail!(
-                    "project {project}: spans still incomplete after {} s: {names:?}\nphoenix log:\n{}",
-                    timeout.as_secs(),
-                    self.log_tail()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(250));
+            error.is_some() || done(&spans)
+        });
+        if let Some(e) = error {
+            return Err(e);
         }
+        if arrived.is_err() {
+            let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+            bail!(
+                "project {project}: spans still incomplete after {} s: {names:?}\nphoenix log:\n{}",
+                timeout.as_secs(),
+                self.log_tail()
+            );
+        }
+        Ok(spans)
     }
 }
 

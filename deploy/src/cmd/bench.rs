@@ -9,8 +9,6 @@ use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
 use engine::model::{parse_dtype, LoadedModel};
-use engine::sampling::SamplingParams;
-use engine::stopping::StoppingCriteria;
 use serde_json::json;
 
 #[derive(Subcommand)]
@@ -68,17 +66,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn request(id: u64, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Request {
-    Request {
-        seq_id: SeqId(id),
-        prompt_ids,
-        sampling: SamplingParams::greedy(),
-        stopping: StoppingCriteria {
-            max_new_tokens,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            ignore_eos: true,
-        },
-    }
+    Request::greedy_fixed_length(SeqId(id), prompt_ids, max_new_tokens)
 }
 
 fn new_engine(

@@ -15,7 +15,8 @@ pub enum NodeCommand {
     /// Run a decode node.
     Decode(NodeCli<DecodeConfig>),
     /// Add a node to a running cluster: registers in etcd, on free ports unless told otherwise.
-    /// Takes the flags of `fission node prefill|decode` after `--role`.
+    /// Takes the flags of `fission node prefill|decode` after `--role` (`fission node start
+    /// --role prefill -- --help` lists them).
     Start(StartArgs),
 }
 
@@ -80,12 +81,12 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
             let argv = with_free_ports(s.role, s.rest);
             match s.role {
                 NodeRole::Prefill => {
-                    let cli = Flags::<PrefillConfig>::try_parse_from(argv)?.node;
+                    let cli = Flags::<PrefillConfig>::parse_from(argv).node;
                     require_etcd(&cli.config.node.cluster.etcd)?;
                     launch::<PrefillNode>(cli)?
                 }
                 NodeRole::Decode => {
-                    let cli = Flags::<DecodeConfig>::try_parse_from(argv)?.node;
+                    let cli = Flags::<DecodeConfig>::parse_from(argv).node;
                     require_etcd(&cli.config.node.cluster.etcd)?;
                     launch::<DecodeNode>(cli)?
                 }

@@ -8,8 +8,6 @@ use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
 use engine::model::LoadedModel;
-use engine::sampling::SamplingParams;
-use engine::stopping::StoppingCriteria;
 use serde::Deserialize;
 
 /// `../shared/models/NAME` beside the repository (or under `FISSION_SHARED_DIR`).
@@ -63,15 +61,5 @@ pub fn engine(model: &LoadedModel, cfg: EngineConfig) -> Engine {
 
 /// Greedy, no stop tokens: what the reference was generated with.
 pub fn greedy(id: u64, prompt_ids: Vec<u32>, max_new_tokens: usize) -> Request {
-    Request {
-        seq_id: SeqId(id),
-        prompt_ids,
-        sampling: SamplingParams::greedy(),
-        stopping: StoppingCriteria {
-            max_new_tokens,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            ignore_eos: true,
-        },
-    }
+    Request::greedy_fixed_length(SeqId(id), prompt_ids, max_new_tokens)
 }

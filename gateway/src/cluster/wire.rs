@@ -44,11 +44,7 @@ pub(crate) fn generated(t: v1::Token) -> GeneratedToken {
     GeneratedToken {
         id: t.token_id,
         logprob: t.logprob,
-        top_logprobs: t
-            .top_logprobs
-            .iter()
-            .map(|x| (x.token_id, x.logprob))
-            .collect(),
+        top_logprobs: t.top_logprob_pairs(),
         index: t.index as usize,
         // An unknown code from a newer node reads as "not finished": the stream then ends
         // without a final token, which the gateway reports as an error.

@@ -246,8 +246,7 @@ pub(crate) async fn chat_completions(
                 usage: None,
             })
         };
-        let include_usage = request.common.include_usage();
-        return Ok(sse_response(generation, include_usage, chunk, usage_chunk).into_response());
+        return Ok(sse_response(generation, &request.common, chunk, usage_chunk).into_response());
     }
 
     let prompt_tokens = generation.prompt_tokens;

@@ -127,7 +127,7 @@ impl Usage {
 /// error event instead, and no `[DONE]`.
 pub(crate) fn sse_response<C, U>(
     generation: Generation,
-    include_usage: bool,
+    common: &CommonFields,
     mut chunk: C,
     usage_chunk: U,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>>
@@ -135,6 +135,7 @@ where
     C: FnMut(&GeneratedToken) -> Event + Send + 'static,
     U: Fn(Usage) -> Event + Send + 'static,
 {
+    let include_usage = common.include_usage();
     let prompt_tokens = generation.prompt_tokens;
     let mut completion_tokens = 0;
     let events = generation

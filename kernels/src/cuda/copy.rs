@@ -59,16 +59,13 @@ impl CudaKernels {
         v: &impl DevicePtr<T>,
         slots: &[u32],
     ) -> Result<(), KernelError> {
-        layout.validate()?;
-        layout.check_cache("k_cache", k_cache.len())?;
-        layout.check_cache("v_cache", v_cache.len())?;
+        crate::copy::check_reshape(
+            layout,
+            [k_cache.len(), v_cache.len()],
+            [k.len(), v.len()],
+            slots,
+        )?;
         let row = layout.row_elems();
-        check_len("k", slots.len().saturating_mul(row), k.len())?;
-        check_len("v", slots.len().saturating_mul(row), v.len())?;
-        let num_slots = layout.num_slots();
-        if let Some(&slot) = slots.iter().find(|&&s| s as usize >= num_slots) {
-            return Err(KernelError::SlotOutOfRange { slot, num_slots });
-        }
         if slots.is_empty() {
             return Ok(());
         }

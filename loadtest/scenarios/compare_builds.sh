@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Two builds of Fission side by side in one session, ABBA order, on two paths:
+#   - end to end: closed-loop tokens/s and cluster CPU per request of `fission up` (1P+1D, QUIC)
+#     on a tiny random model (2 layers, SmolLM2's vocab), 8 clients, 64-token prompts, 32 new
+#     tokens, 20 s windows after a 3 s warm-up;
+#   - the engine: `fission bench engine` on stories260K (prefill 128, decode single stream and
+#     batch 1 and 32), medians of 5 repeats per run.
+# Usage: compare_builds.sh BASE_FISSION NEW_FISSION   (paths of the two `fission` binaries; the
+# load generator is this tree's). RUNS=N pairs per path (3). Output: .bench/compare-<time>/ with
+# results.csv, engine-*.json and a summary of medians, per-pair ratios and their spread.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BASE=$(realpath "$1")
+NEW=$(realpath "$2")
+cargo build --release -p loadtest
+LOADTEST=target/release/fission-loadtest
+M=${MODEL:-.models/tiny-49k}
+if [ ! -f "$M/model.safetensors" ] && [ -z "${MODEL:-}" ]; then
+  spec=$(mktemp)
+  cat > "$spec" <<'JSON'
+{"architecture":"LlamaForCausalLM","hidden":64,"layers":2,"heads":4,"kv_heads":2,"head_dim":16,"ffn":128,
+ "vocab":49152,"max_pos":2048,"rope_theta":10000.0,"rope_scaling":null,"rope_layout":"top_level",
+ "attention_bias":false,"tie_word_embeddings":true,"sliding_window":null,"dtype":"float32",
+ "init_std":0.02,"seed":0}
+JSON
+  "$NEW" make-random-model --spec-json "$spec" --out "$M" --tokenizer-from ../shared/models/stories260K
+fi
+STORIES=${STORIES:-../shared/models/stories260K}
+OUT=.bench/compare-$(date +%Y%m%d-%H%M%S)
+mkdir -p "$OUT"
+lscpu > "$OUT/lscpu.txt"
+echo "run,build,req_per_s,tokens_per_s,cpu_ms_per_req" > "$OUT/results.csv"
+cpu_ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
+hz=$(getconf CLK_TCK)
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+e2e() { # build-name binary run
+  local name=$1 bin=$2 run=$3 port up pids t0 t1 out line ok rps tps cpu
+  port=$(free_port)
+  "$bin" up --model "$M" --port "$port" --node-arg=--num-kv-blocks=1024 > "$OUT/up-$name-$run.log" 2>&1 &
+  up=$!
+  until grep -q "Fission is up" "$OUT/up-$name-$run.log"; do
+    kill -0 $up 2>/dev/null || { echo "fission up failed"; cat "$OUT/up-$name-$run.log"; exit 1; }
+    sleep 0.2
+  done
+  pids=$(pgrep -P $up | tr '\n' ' ')
+  $LOADTEST --url "http://127.0.0.1:$port" closed-loop --concurrency 8 --warmup-s 0 --duration-s 3 \
+    --prompt-tokens 64 --max-new-tokens 32 >/dev/null
+  t0=$(cpu_ticks $pids)
+  out=$($LOADTEST --url "http://127.0.0.1:$port" closed-loop --concurrency 8 --warmup-s 0 \
+    --duration-s 20 --prompt-tokens 64 --max-new-tokens 32)
+  t1=$(cpu_ticks $pids)
+  kill -TERM $up; wait $up || true
+  line=$(echo "$out" | grep throughput)
+  ok=$(echo "$out" | grep -oE 'requests ok [0-9]+' | awk '{print $3}')
+  rps=$(echo "$line" | awk '{print $3}'); tps=$(echo "$line" | awk '{print $5}')
+  cpu=$(python3 -c "print(f'{($t1 - $t0) * 1000 / $hz / max($ok, 1):.3f}')")
+  echo "$run,$name,$rps,$tps,$cpu" >> "$OUT/results.csv"
+  echo "e2e run $run $name: $tps tokens/s, $cpu ms CPU/request"
+}
+
+for run in $(seq "${RUNS:-3}"); do
+  # ABBA: whatever drifts across the session hits both builds alike.
+  if [ $((run % 2)) = 1 ]; then order="base new"; else order="new base"; fi
+  for name in $order; do
+    bin=$BASE; [ "$name" = new ] && bin=$NEW
+    e2e "$name" "$bin" "$run"
+  done
+done
+for run in $(seq "${RUNS:-3}"); do
+  if [ $((run % 2)) = 1 ]; then order="base new"; else order="new base"; fi
+  for name in $order; do
+    bin=$BASE; [ "$name" = new ] && bin=$NEW
+    "$bin" bench engine --model "$STORIES" --prefill 128 --batch 1,32 --repeats 5 \
+      --out "$OUT/engine-$name-$run.json" > "$OUT/engine-$name-$run.log" 2>&1
+    echo "engine run $run $name done"
+  done
+done
+python3 - "$OUT" <<'PY'
+import csv, glob, json, statistics, sys
+out = sys.argv[1]
+rows = list(csv.DictReader(open(f"{out}/results.csv")))
+def med(build, col):
+    return statistics.median(float(r[col]) for r in rows if r["build"] == build)
+for col, label in [("tokens_per_s", "tokens/s"), ("cpu_ms_per_req", "cluster CPU ms/request")]:
+    b, n = med("base", col), med("new", col)
+    pairs = sorted(float(x[col]) / float(y[col]) for x in rows if x["build"] == "new"
+                   for y in rows if y["build"] == "base" and y["run"] == x["run"])
+    print(f"end to end {label}: base {b:.2f}, new {n:.2f}, ratio of medians {n/b:.3f}; "
+          f"per-run ratios {', '.join(f'{p:.3f}' for p in pairs)}")
+def figures(path):
+    flat = {}
+    for k, v in json.load(open(path)).items():
+        if isinstance(v, dict):
+            flat.update({f"{k}[{kk}]": vv for kk, vv in v.items()})
+        elif isinstance(v, (int, float)):
+            flat[k] = v
+    return flat
+eng = {b: [figures(p) for p in sorted(glob.glob(f"{out}/engine-{b}-*.json"))] for b in ("base", "new")}
+for key in sorted(eng["base"][0]) if eng["base"] else []:
+    if key not in eng["new"][0]:
+        continue
+    b = [r[key] for r in eng["base"]]; n = [r[key] for r in eng["new"]]
+    ratios = sorted(x / y for x, y in zip(n, b) if y)
+    print(f"engine {key}: base median {statistics.median(b):.1f}, new median {statistics.median(n):.1f}, "
+          f"ratio {statistics.median(n)/statistics.median(b):.3f}, per-run ratios {min(ratios):.3f}-{max(ratios):.3f}")
+PY
