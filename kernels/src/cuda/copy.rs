@@ -14,7 +14,6 @@ use cudarc::driver::{
 use super::{CudaKernels, CudaKvElem};
 use crate::copy::check_transfer;
 use crate::gpu_plan::{copy_waves, last_wins_ids, last_wins_slots, SKIP_ID};
-use crate::layout::check_len;
 use crate::{CacheShape, KernelError};
 
 const THREADS: u32 = 256;
