@@ -26,7 +26,15 @@ pub enum ClusterChange {
     Add(NodeRecord),
     /// Same node, new record (draining, capacity, endpoint).
     Update(NodeRecord),
+    /// The node left in order (it drained and deregistered), or is no longer admitted.
     Remove {
+        role: Role,
+        node_id: String,
+    },
+    /// The node's registration vanished without a drain: its lease expired. Either it died,
+    /// or etcd lost every lease at once (an outage); a follower should check it before it
+    /// drops it.
+    Lost {
         role: Role,
         node_id: String,
     },
@@ -201,7 +209,7 @@ impl MemberFollower {
             self.refused_tx.send_replace(Arc::new(refused));
         }
         let mut published = lock(&self.published);
-        let changes = diff(&published.members, &members);
+        let changes = diff(&published.members, &members, &self.registered);
         if changes.is_empty() {
             return;
         }
@@ -217,10 +225,12 @@ impl MemberFollower {
     }
 }
 
-/// The changes that turn `old` into `new`: adds and updates in key order, then removals.
+/// The changes that turn `old` into `new`: adds and updates in key order, then removals. A
+/// member gone from `registered` too, whose last record was not draining, is lost, not removed.
 fn diff(
     old: &BTreeMap<NodeKey, NodeRecord>,
     new: &BTreeMap<NodeKey, NodeRecord>,
+    registered: &BTreeMap<NodeKey, NodeRecord>,
 ) -> Vec<ClusterChange> {
     let mut changes = Vec::new();
     for (key, record) in new {
@@ -230,13 +240,16 @@ fn diff(
             Some(_) => {}
         }
     }
-    for (role, node_id) in old.keys() {
-        if !new.contains_key(&(*role, node_id.clone())) {
-            changes.push(ClusterChange::Remove {
-                role: *role,
-                node_id: node_id.clone(),
-            });
+    for (key, last) in old {
+        if new.contains_key(key) {
+            continue;
         }
+        let (role, node_id) = (key.0, key.1.clone());
+        changes.push(if registered.contains_key(key) || last.draining {
+            ClusterChange::Remove { role, node_id }
+        } else {
+            ClusterChange::Lost { role, node_id }
+        });
     }
     changes
 }
@@ -274,23 +287,43 @@ mod tests {
     }
 
     #[test]
-    fn diff_reports_add_update_remove() {
-        let old = map(&[record("a", "f"), record("b", "f")]);
+    fn diff_reports_add_update_remove_and_lost() {
+        let mut drained = record("d", "f");
+        drained.draining = true;
+        let old = map(&[
+            record("a", "f"),
+            record("b", "f"),
+            drained,
+            record("odd", "f"),
+        ]);
         let mut b = record("b", "f");
         b.draining = true;
         let new = map(&[b.clone(), record("c", "f")]);
+        // "odd" is still registered (no longer admitted); "a" and "d" are gone from etcd.
+        let registered = map(&[b.clone(), record("c", "f"), record("odd", "g")]);
+        let gone = |id: &str| (Role::Decode, id.to_string());
         assert_eq!(
-            diff(&old, &new),
+            diff(&old, &new, &registered),
             vec![
                 ClusterChange::Update(b),
                 ClusterChange::Add(record("c", "f")),
+                // No drain before its key vanished: a lapsed lease.
+                ClusterChange::Lost {
+                    role: gone("a").0,
+                    node_id: gone("a").1
+                },
+                // Drained, then deregistered.
                 ClusterChange::Remove {
-                    role: Role::Decode,
-                    node_id: "a".into()
+                    role: gone("d").0,
+                    node_id: gone("d").1
+                },
+                ClusterChange::Remove {
+                    role: gone("odd").0,
+                    node_id: gone("odd").1
                 },
             ]
         );
-        assert!(diff(&new, &new).is_empty());
+        assert!(diff(&new, &new, &registered).is_empty());
     }
 
     #[test]
@@ -322,7 +355,7 @@ mod tests {
             vec![
                 ClusterChange::Add(record("a", "f")),
                 ClusterChange::Add(record("b", "f")),
-                ClusterChange::Remove {
+                ClusterChange::Lost {
                     role: Role::Decode,
                     node_id: "a".into()
                 },

@@ -86,16 +86,17 @@ async fn two_nodes_register_update_and_revoke() -> anyhow::Result<()> {
     assert_eq!(updated.node_id, "d1");
     assert!(updated.draining);
 
-    // 3. revoke removes promptly, along with the load key.
+    // 3. a revoke removes promptly, along with the load key. Without a drain before it, etcd
+    // cannot tell it from an expired lease: the node is lost, for the follower to check.
     let started = Instant::now();
     p.revoke().await?;
     let change = next_change(&mut changes, WAIT, |c| {
-        matches!(c, ClusterChange::Remove { .. })
+        matches!(c, ClusterChange::Lost { .. })
     })
     .await?;
     assert_eq!(
         change,
-        ClusterChange::Remove {
+        ClusterChange::Lost {
             role: Role::Prefill,
             node_id: "p1".into()
         }
@@ -109,6 +110,20 @@ async fn two_nodes_register_update_and_revoke() -> anyhow::Result<()> {
     assert!(load.kvs().is_empty());
     let snapshot = wait_members(&mut members, WAIT, |m| m.len() == 1).await?;
     assert_eq!(snapshot[0].node_id, "d1");
+
+    // 4. a drained node's revoke is a removal.
+    d.revoke().await?;
+    let change = next_change(&mut changes, WAIT, |c| {
+        matches!(c, ClusterChange::Remove { .. })
+    })
+    .await?;
+    assert_eq!(
+        change,
+        ClusterChange::Remove {
+            role: Role::Decode,
+            node_id: "d1".into()
+        }
+    );
     Ok(())
 }
 

@@ -445,9 +445,16 @@ mod tests {
             ignore_eos: true,
             ..Default::default()
         };
-        let prompt_ids = (0..8).map(|i| 300 + i).collect();
+        let prompt_ids: Vec<u32> = (0..8).map(|i| 300 + i).collect();
         t.handle(Command::Generate {
-            req: node_common::convert::request(SeqId(id), prompt_ids, None, Some(&stopping)),
+            req: node_common::convert::request(
+                SeqId(id),
+                proto::v1::GenerationSpec {
+                    prompt_ids: prompt_ids,
+                    stopping: Some(stopping),
+                    ..Default::default()
+                },
+            ),
             tokens,
             reply,
             span: decode_span(&format!("req-{id}")),
@@ -581,7 +588,14 @@ mod tests {
             max_new_tokens: 4,
             ..Default::default()
         };
-        let req = node_common::convert::request(SeqId(5), vec![300; 8], None, Some(&stopping));
+        let req = node_common::convert::request(
+            SeqId(5),
+            proto::v1::GenerationSpec {
+                prompt_ids: vec![300; 8],
+                stopping: Some(stopping),
+                ..Default::default()
+            },
+        );
         let blocks = t.engine.reserve(req).expect("reserved");
         // A payload of the wrong size cannot be imported.
         t.import(

@@ -9,6 +9,7 @@
 mod actor;
 mod metrics;
 mod service;
+mod session;
 mod sink;
 mod spans;
 mod transfers;
@@ -39,9 +40,15 @@ pub struct DecodeConfig {
     /// UDP (QUIC) or TCP address the KV data plane listens on; port 0 picks a free one.
     #[arg(long, env = "FISSION_KV_ADDR", default_value = "127.0.0.1:7200")]
     pub kv_addr: SocketAddr,
-    /// How long a reservation waits for its KV before its blocks are freed.
-    #[arg(long, env = "FISSION_KV_LEASE_MS", default_value_t = 10_000)]
+    /// How long a reservation lives without a Renew from the prefill node filling it: how
+    /// soon the blocks of a dead or hung prefill node's transfer are freed. A prompt waiting in
+    /// a prefill queue is renewed, so this does not bound queueing.
+    #[arg(long, env = "FISSION_KV_LEASE_MS", default_value_t = 5_000)]
     pub lease_ms: u64,
+    /// A request's stream carries a heartbeat when nothing else was sent for this long, so the
+    /// gateway tells a slow request from a hung node.
+    #[arg(long, env = "FISSION_HEARTBEAT_MS", default_value_t = 500)]
+    pub heartbeat_ms: u64,
 }
 
 /// The decode role, for [`node_common::launch::launch`].
@@ -114,17 +121,22 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
     let kv_endpoint = format!("{}:{kv_port}", s.advertise_host);
     let mut info = s.info;
     info.kv_endpoint = kv_endpoint.clone();
-    let service = service::DecodeService::new(service::ServiceParts {
-        handle,
-        registry,
-        transfers,
-        layout: s.layout,
-        kv_endpoint: kv_endpoint.clone(),
-        lease: Duration::from_millis(config.lease_ms),
+    let service = service::DecodeService {
+        ctx: Arc::new(session::SessionCtx {
+            handle,
+            registry,
+            transfers,
+            layout: s.layout,
+            kv_endpoint: kv_endpoint.clone(),
+            lease: Duration::from_millis(config.lease_ms),
+            heartbeat: Duration::from_millis(config.heartbeat_ms.max(1)),
+            stop: s.stop_streams,
+        }),
         info: info.clone(),
+        next_seq: Arc::new(std::sync::atomic::AtomicU64::new(1)),
         work: s.work,
         drain: s.drain,
-    });
+    };
     let kv_task = tokio::spawn(async move {
         if let Ok(Err(error)) = kv_task.await {
             tracing::error!(%error, "kv receiver failed");

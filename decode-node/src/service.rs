@@ -1,148 +1,55 @@
-//! The decode node's gRPC service: reservations, token streams, Done from prefill nodes,
-//! local (colocated) generation and cancellation.
+//! The decode node's gRPC service: `Generate` (one stream per request, served by a
+//! [`Session`]), and `Done` and `Renew` from the prefill nodes that fill its reservations.
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::sync::Arc;
 use std::time::Duration;
 
-use engine::ids::{BlockId, SeqId};
+use engine::ids::SeqId;
 use futures::Stream;
-use kv_types::{KvLayout, TransferId};
-use kvtransfer::{Reservation, TransferRegistry};
+use kv_types::TransferId;
 use node_common::convert;
 use node_common::failure::Failure;
-use node_common::membership::{refuse_if_draining, WorkGuard, WorkTracker};
+use node_common::membership::{refuse_if_draining, WorkTracker};
 use proto::v1::decode_server::Decode;
-use proto::v1::{self, reserve_response};
+use proto::v1::{self, generate_up};
 use proto::ErrorCode;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
-use tracing::{Instrument, Span};
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Span;
 
-use crate::actor::{EngineHandle, TokenMsg, TokenTx};
 use crate::metrics::ERRORS;
-use crate::transfers::Transfers;
+use crate::session::{Session, SessionCtx, SessionEvent};
 
-/// A reservation whose KV is on its way.
-struct Pending {
-    seq_id: SeqId,
-    epoch: u64,
-    request_id: String,
-    /// The reserving request's trace context, for the sequence's `decode` span.
-    trace: telemetry::Context,
-    tokens_tx: TokenTx,
-    /// Taken by the Stream call.
-    tokens_rx: Option<mpsc::UnboundedReceiver<TokenMsg>>,
-}
-
-/// What the service is made of.
-pub(crate) struct ServiceParts {
-    pub handle: EngineHandle,
-    pub registry: TransferRegistry,
-    pub transfers: Transfers,
-    pub layout: KvLayout,
-    pub kv_endpoint: String,
-    pub lease: Duration,
-    pub info: v1::NodeInfo,
-    /// Token streams in flight: a draining node waits for them.
-    pub work: WorkTracker,
-    /// Cancelled by the drain (SIGTERM or the Drain RPC). Once it is, new work is refused.
-    pub drain: CancellationToken,
-}
+/// How long a new Generate stream may take to send its GenerateStart.
+const START_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct DecodeService {
-    handle: EngineHandle,
-    registry: TransferRegistry,
-    transfers: Transfers,
-    layout: KvLayout,
-    kv_endpoint: String,
-    lease: Duration,
-    info: v1::NodeInfo,
-    pending: Arc<Mutex<HashMap<TransferId, Pending>>>,
-    next_seq: AtomicU64,
-    work: WorkTracker,
-    drain: CancellationToken,
+    pub(crate) ctx: Arc<SessionCtx>,
+    pub(crate) info: v1::NodeInfo,
+    pub(crate) next_seq: Arc<AtomicU64>,
+    /// Sessions in flight: a draining node waits for them.
+    pub(crate) work: WorkTracker,
+    /// Cancelled by the drain (SIGTERM or the Drain RPC). Once it is, new work is refused.
+    pub(crate) drain: CancellationToken,
 }
 
-impl DecodeService {
-    pub(crate) fn new(p: ServiceParts) -> Self {
-        DecodeService {
-            handle: p.handle,
-            registry: p.registry,
-            transfers: p.transfers,
-            layout: p.layout,
-            kv_endpoint: p.kv_endpoint,
-            lease: p.lease,
-            info: p.info,
-            pending: Arc::new(Mutex::new(HashMap::new())),
-            next_seq: AtomicU64::new(1),
-            work: p.work,
-            drain: p.drain,
-        }
-    }
-
-    /// Ends a reservation that will not be activated: frees its blocks, fences its KV writes
-    /// and tells a waiting stream why.
-    async fn abandon(
-        pending: &Mutex<HashMap<TransferId, Pending>>,
-        handle: &EngineHandle,
-        registry: &TransferRegistry,
-        transfers: &Transfers,
-        xfer_id: TransferId,
-        why: Failure,
-    ) -> bool {
-        let p = pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&xfer_id);
-        let Some(p) = p else {
-            return false;
-        };
-        registry.deregister(xfer_id).await;
-        transfers.close(xfer_id);
-        handle.cancel(p.seq_id);
-        let _ = p.tokens_tx.send(Err(why));
-        true
-    }
-}
-
-type TokenStream = Pin<Box<dyn Stream<Item = Result<v1::Token, Status>> + Send>>;
+type DownStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateDown, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Decode for DecodeService {
-    async fn reserve(
+    type GenerateStream = DownStream;
+
+    async fn generate(
         &self,
-        request: Request<v1::ReserveRequest>,
-    ) -> Result<Response<v1::ReserveResponse>, Status> {
+        request: Request<Streaming<v1::GenerateUp>>,
+    ) -> Result<Response<DownStream>, Status> {
+        let span = stream_span(&request);
         let trace = telemetry::extract_grpc(request.metadata());
-        self.reserve_in(request.into_inner(), trace)
-            .await
-            .map_err(|f| ERRORS.report(f, &Span::none()))
-    }
-
-    type StreamStream = TokenStream;
-
-    async fn stream(
-        &self,
-        request: Request<v1::StreamRequest>,
-    ) -> Result<Response<Self::StreamStream>, Status> {
-        let span = stream_span(&request);
-        self.stream_in(TransferId(request.into_inner().xfer_id), span.clone())
-            .map_err(|f| ERRORS.report(f, &span))
-    }
-
-    type LocalGenerateStream = TokenStream;
-
-    async fn local_generate(
-        &self,
-        request: Request<v1::LocalGenerateRequest>,
-    ) -> Result<Response<Self::LocalGenerateStream>, Status> {
-        let span = stream_span(&request);
-        self.local_generate_in(request.into_inner(), span.clone())
+        self.generate_in(request.into_inner(), trace, span.clone())
             .await
             .map_err(|f| ERRORS.report(f, &span))
     }
@@ -151,342 +58,97 @@ impl Decode for DecodeService {
         &self,
         request: Request<v1::DoneRequest>,
     ) -> Result<Response<v1::DoneResponse>, Status> {
-        self.done_in(request.into_inner())
+        let done = request.into_inner();
+        let xfer_id = TransferId(done.xfer_id);
+        self.ask(xfer_id, |reply| SessionEvent::Done { done, reply })
             .await
+            .map(|()| Response::new(v1::DoneResponse {}))
             .map_err(|f| ERRORS.report(f, &Span::none()))
     }
 
-    async fn cancel(
+    async fn renew(
         &self,
-        request: Request<v1::CancelRequest>,
-    ) -> Result<Response<v1::CancelResponse>, Status> {
-        let xfer_id = TransferId(request.into_inner().xfer_id);
-        let mut found = Self::abandon(
-            &self.pending,
-            &self.handle,
-            &self.registry,
-            &self.transfers,
-            xfer_id,
-            Failure::new(ErrorCode::Cancelled, "cancelled"),
-        )
-        .await;
-        if !found {
-            // Already activated: cancel the running sequence.
-            if let Some(seq_id) = self.transfers.close(xfer_id) {
-                self.handle.cancel(seq_id);
-                found = true;
-            }
-        }
-        Ok(Response::new(v1::CancelResponse { found }))
+        request: Request<v1::RenewRequest>,
+    ) -> Result<Response<v1::RenewResponse>, Status> {
+        let r = request.into_inner();
+        self.ask(TransferId(r.xfer_id), |reply| SessionEvent::Renew {
+            epoch: r.epoch,
+            reply,
+        })
+        .await
+        .map(|lease_ms| Response::new(v1::RenewResponse { lease_ms }))
+        .map_err(|f| ERRORS.report(f, &Span::none()))
     }
 }
 
 impl DecodeService {
-    async fn reserve_in(
+    /// Hands an event to the session waiting for `xfer_id` and returns its answer.
+    async fn ask<T>(
         &self,
-        r: v1::ReserveRequest,
+        xfer_id: TransferId,
+        event: impl FnOnce(oneshot::Sender<Result<T, Failure>>) -> SessionEvent,
+    ) -> Result<T, Failure> {
+        let gone = || Failure::new(ErrorCode::NotFound, format!("no reservation {xfer_id}"));
+        let session = self.ctx.transfers.session(xfer_id).ok_or_else(gone)?;
+        let (reply, answer) = oneshot::channel();
+        session.send(event(reply)).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+
+    async fn generate_in(
+        &self,
+        mut up: Streaming<v1::GenerateUp>,
         trace: telemetry::Context,
-    ) -> Result<Response<v1::ReserveResponse>, Failure> {
-        refuse_if_draining(&self.drain, &self.info, "reservations")?;
-        let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
-        let req = convert::request(
-            seq_id,
-            r.prompt_ids,
-            r.sampling.as_ref(),
-            r.stopping.as_ref(),
-        );
-        let blocks = match self.handle.reserve(req).await {
-            Ok(b) => b,
-            Err(e) if e.code() == ErrorCode::Overloaded => {
-                metrics::counter!("fission_decode_reserve_busy_total").increment(1);
-                return Ok(Response::new(v1::ReserveResponse {
-                    result: Some(reserve_response::Result::Busy(e.to_string())),
-                }));
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let xfer_id = self.transfers.open(seq_id);
-        let epoch = 1;
-        let block_ids: Vec<u32> = blocks.iter().map(|b: &BlockId| b.0).collect();
-        self.registry
-            .register(Reservation {
-                xfer_id,
-                epoch,
-                block_ids: block_ids.clone().into(),
-                layout: self.layout,
-            })
-            .await
-            .map_err(|e| {
-                self.transfers.close(xfer_id);
-                self.handle.cancel(seq_id);
-                Failure::new(ErrorCode::Internal, e.to_string())
-            })?;
-        let (tokens_tx, tokens_rx) = mpsc::unbounded_channel();
-        self.pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                xfer_id,
-                Pending {
-                    seq_id,
-                    epoch,
-                    request_id: r.request_id.clone(),
-                    trace,
-                    tokens_tx,
-                    tokens_rx: Some(tokens_rx),
-                },
-            );
-        // The lease: nothing is held forever if the KV never comes.
-        let (pending, handle, registry, transfers, lease) = (
-            Arc::clone(&self.pending),
-            self.handle.clone(),
-            self.registry.clone(),
-            self.transfers.clone(),
-            self.lease,
-        );
-        tokio::spawn(async move {
-            tokio::time::sleep(lease).await;
-            if DecodeService::abandon(
-                &pending,
-                &handle,
-                &registry,
-                &transfers,
-                xfer_id,
-                Failure::new(
-                    ErrorCode::Timeout,
-                    "kv lease expired before the transfer completed",
-                ),
-            )
-            .await
-            {
-                metrics::counter!("fission_decode_lease_expired_total").increment(1);
-                tracing::warn!(%xfer_id, "kv lease expired");
-            }
-        });
-        tracing::debug!(request_id = %r.request_id, %xfer_id, blocks = block_ids.len(), "reserved");
-        Ok(Response::new(v1::ReserveResponse {
-            result: Some(reserve_response::Result::Reserved(v1::Reserved {
-                xfer_id: xfer_id.0,
-                epoch,
-                block_ids,
-                kv_endpoint: self.kv_endpoint.clone(),
-                lease_ms: self.lease.as_millis() as u32,
-                layout: Some(self.layout.into()),
-            })),
-        }))
-    }
-
-    fn stream_in(&self, xfer_id: TransferId, span: Span) -> Result<Response<TokenStream>, Failure> {
-        let (seq_id, rx) = {
-            let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            let p = pending.get_mut(&xfer_id).ok_or_else(|| {
-                Failure::new(ErrorCode::NotFound, format!("no reservation {xfer_id}"))
-            })?;
-            span.record("request_id", p.request_id.as_str());
-            let rx = p.tokens_rx.take().ok_or_else(|| {
-                Failure::new(
-                    ErrorCode::Validation,
-                    format!("reservation {xfer_id} is already streamed"),
-                )
-            })?;
-            (p.seq_id, rx)
-        };
-        let guard = CancelOnDrop {
-            handle: self.handle.clone(),
-            seq_id,
-            finished: false,
-            on_drop: Some(Box::new({
-                let (pending, registry) = (Arc::clone(&self.pending), self.registry.clone());
-                move || {
-                    // Not yet activated: give the reservation up too.
-                    let gone = pending
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .remove(&xfer_id);
-                    if gone.is_some() {
-                        tokio::spawn(async move {
-                            registry.deregister(xfer_id).await;
-                        });
-                    }
-                }
-            })),
-            transfer: Some((self.transfers.clone(), xfer_id)),
-        };
-        Ok(Response::new(Box::pin(EngineTokens {
-            rx,
-            guard,
-            _work: self.work.begin(),
-            span,
-            tokens: 0,
-        })))
-    }
-
-    async fn local_generate_in(
-        &self,
-        r: v1::LocalGenerateRequest,
         span: Span,
-    ) -> Result<Response<TokenStream>, Failure> {
-        span.record("request_id", r.request_id.as_str());
-        refuse_if_draining(&self.drain, &self.info, "requests")?;
-        let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
-        let req = convert::request(
-            seq_id,
-            r.prompt_ids,
-            r.sampling.as_ref(),
-            r.stopping.as_ref(),
-        );
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.handle
-            .generate(req, tx, &r.request_id)
-            .instrument(span.clone())
-            .await?;
-        metrics::counter!("fission_decode_local_prefill_total").increment(1);
-        let guard = CancelOnDrop {
-            handle: self.handle.clone(),
-            seq_id,
-            finished: false,
-            on_drop: None,
-            transfer: None,
-        };
-        Ok(Response::new(Box::pin(EngineTokens {
-            rx,
-            guard,
-            _work: self.work.begin(),
-            span,
-            tokens: 0,
-        })))
-    }
-
-    async fn done_in(&self, d: v1::DoneRequest) -> Result<Response<v1::DoneResponse>, Failure> {
-        let xfer_id = TransferId(d.xfer_id);
-        let (seq_id, epoch, tokens_tx, trace, request_id) = {
-            let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-            let p = pending.get(&xfer_id).ok_or_else(|| {
-                Failure::new(ErrorCode::NotFound, format!("no reservation {xfer_id}"))
-            })?;
-            (
-                p.seq_id,
-                p.epoch,
-                p.tokens_tx.clone(),
-                p.trace.clone(),
-                p.request_id.clone(),
-            )
-        };
-        if d.epoch != epoch {
+    ) -> Result<Response<DownStream>, Failure> {
+        let first = tokio::time::timeout(START_TIMEOUT, up.message())
+            .await
+            .map_err(|_| Failure::new(ErrorCode::Timeout, "no GenerateStart within 5 s"))?
+            .map_err(|s| Failure::new(ErrorCode::Cancelled, s.message().to_string()))?;
+        let Some(v1::GenerateUp {
+            msg: Some(generate_up::Msg::Start(start)),
+        }) = first
+        else {
             return Err(Failure::new(
                 ErrorCode::Validation,
-                format!(
-                    "done for xfer {} carries epoch {}, current is {epoch}",
-                    d.xfer_id, d.epoch
-                ),
+                "a Generate stream starts with GenerateStart",
             ));
-        }
-        let first = d
-            .first_token
-            .as_ref()
-            .ok_or_else(|| Failure::new(ErrorCode::Validation, "done without first_token"))?;
-        // Every layer must have landed with the checksum the sender computed.
-        let progress = match self
-            .registry
-            .wait_complete(xfer_id, Duration::from_secs(5))
-            .await
-        {
-            Ok(p) => p,
-            Err(e) => {
-                let why = Failure::new(
-                    ErrorCode::KvTransfer,
-                    format!("kv transfer incomplete: {e}"),
-                );
-                Self::abandon(
-                    &self.pending,
-                    &self.handle,
-                    &self.registry,
-                    &self.transfers,
-                    xfer_id,
-                    why.clone(),
-                )
-                .await;
-                return Err(why);
-            }
         };
-        let received: Vec<u32> = progress
-            .layer_crc32c
-            .iter()
-            .map(|c| c.unwrap_or(0))
-            .collect();
-        if !d.checksums.is_empty() && d.checksums != received {
-            let why = Failure::new(
-                ErrorCode::KvTransfer,
-                format!("kv checksums differ for xfer {}", d.xfer_id),
-            );
-            Self::abandon(
-                &self.pending,
-                &self.handle,
-                &self.registry,
-                &self.transfers,
-                xfer_id,
-                why.clone(),
-            )
-            .await;
-            return Err(why);
-        }
-        // Fence: no write into these blocks runs after this returns.
-        self.registry.deregister(xfer_id).await;
-        metrics::counter!("fission_decode_kv_transfers_completed_total").increment(1);
-        metrics::histogram!("fission_decode_kv_transfer_bytes")
-            .record(progress.payload_bytes as f64);
-        // The entry leaves `pending` now, so the lease can no longer fire for it.
-        self.pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&xfer_id);
-        self.handle
-            .activate(
-                seq_id,
-                convert::sampled(first),
-                tokens_tx,
-                trace,
-                &request_id,
-            )
-            .await?;
-        Ok(Response::new(v1::DoneResponse {}))
+        let spec = start
+            .spec
+            .ok_or_else(|| Failure::new(ErrorCode::Validation, "GenerateStart without spec"))?;
+        span.record("request_id", spec.request_id.as_str());
+        refuse_if_draining(&self.drain, &self.info, "requests")?;
+        let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
+        let request_id = spec.request_id.clone();
+        let (tokens_tx, tokens_rx) = mpsc::unbounded_channel();
+        // Backpressure: a gateway that stops reading stops the session at the next send.
+        let (down, down_rx) = mpsc::channel(64);
+        let mut session = Session {
+            ctx: Arc::clone(&self.ctx),
+            request: convert::request(seq_id, spec),
+            request_id,
+            trace,
+            span,
+            up,
+            down,
+            events: mpsc::channel(1).1,
+            tokens_tx,
+            tokens_rx,
+            next_seq: Arc::clone(&self.next_seq),
+            work: self.work.begin(),
+        };
+        let stage = if start.local_prefill {
+            session.generate_here().await?
+        } else {
+            session.reserve(start.epoch.max(1)).await?
+        };
+        tokio::spawn(session.run(stage));
+        Ok(Response::new(Box::pin(ReceiverStream::new(down_rx))))
     }
 }
 
-/// Cancels the sequence when a stream is dropped before its final token: the client left.
-struct CancelOnDrop {
-    handle: EngineHandle,
-    seq_id: SeqId,
-    finished: bool,
-    on_drop: Option<Box<dyn FnOnce() + Send>>,
-    /// The transfer the sequence came from, closed when its stream ends either way.
-    transfer: Option<(Transfers, TransferId)>,
-}
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some((transfers, id)) = self.transfer.take() {
-            transfers.close(id);
-        }
-        if !self.finished {
-            self.handle.cancel(self.seq_id);
-            if let Some(f) = self.on_drop.take() {
-                f();
-            }
-        }
-    }
-}
-
-struct EngineTokens {
-    rx: mpsc::UnboundedReceiver<TokenMsg>,
-    guard: CancelOnDrop,
-    _work: WorkGuard,
-    /// The `stream` span: open while tokens flow to the caller.
-    span: Span,
-    tokens: i64,
-}
-
-/// The `stream` span of a token stream, a child of the caller's span.
+/// The `stream` span of a Generate call, a child of the caller's span.
 fn stream_span<T>(request: &Request<T>) -> Span {
     let span = tracing::info_span!(
         "stream",
@@ -497,40 +159,4 @@ fn stream_span<T>(request: &Request<T>) -> Span {
     );
     telemetry::set_parent(&span, telemetry::extract_grpc(request.metadata()));
     span
-}
-
-impl Stream for EngineTokens {
-    type Item = Result<v1::Token, Status>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        match self.rx.poll_recv(cx) {
-            Poll::Ready(Some(Ok(ev))) => {
-                self.tokens += 1;
-                if ev.finish.is_some() {
-                    self.guard.finished = true;
-                    self.span.record("tokens", self.tokens);
-                }
-                Poll::Ready(Some(Ok(convert::token(&ev))))
-            }
-            Poll::Ready(Some(Err(why))) => {
-                self.guard.finished = true;
-                self.span.record("tokens", self.tokens);
-                Poll::Ready(Some(Err(ERRORS.report(why, &self.span))))
-            }
-            Poll::Ready(None) => {
-                self.guard.finished = true;
-                Poll::Ready(None)
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-impl Drop for EngineTokens {
-    fn drop(&mut self) {
-        if !self.guard.finished {
-            // The caller left mid-stream: what it got is still worth knowing.
-            self.span.record("tokens", self.tokens);
-        }
-    }
 }

@@ -1,4 +1,4 @@
-//! A draining decode node refuses new work (Reserve, LocalGenerate) with Unavailable, still
+//! A draining decode node refuses new work (remote or local Generate) with Unavailable, still
 //! serves the reservation it already holds (its KV, Done and token stream), and then exits
 //! although a router still holds its never-ending CacheEvents stream open. A real decode node
 //! over real sockets, in-process.
@@ -19,51 +19,9 @@ use node_common::test_util::{
     follow_cache_events,
 };
 use proto::v1::{
-    reserve_response, CacheEventsRequest, DoneRequest, DrainRequest, FinishReason,
-    LocalGenerateRequest, ReserveRequest, StoppingCriteria, StreamRequest, Token,
+    CacheEventsRequest, DoneRequest, DrainRequest, FinishReason, GenerateStart, Token,
 };
 use testkit::metrics::{assert_exposition, scrape};
-
-fn reserve_request() -> ReserveRequest {
-    ReserveRequest {
-        request_id: "kept".into(),
-        prompt_ids: (0..6).map(|i| 300 + i).collect(),
-        sampling: None,
-        stopping: Some(StoppingCriteria {
-            max_new_tokens: 4,
-            ignore_eos: true,
-            ..Default::default()
-        }),
-    }
-}
-
-/// Sends every layer of `r`'s reservation, zeros: their content does not matter here.
-async fn push_kv(r: &proto::v1::Reserved) {
-    let layout = proto::convert::layout(r.layout.as_ref()).expect("reserved layout");
-    assert_eq!(layout.dtype, KvDtype::F32);
-    let conn = TcpTransport::default()
-        .connect(&r.kv_endpoint)
-        .await
-        .expect("kv connect");
-    let payload = Bytes::from(vec![
-        0u8;
-        2 * r.block_ids.len() * layout.block_bytes() as usize
-    ]);
-    let block_ids: Arc<[u32]> = r.block_ids.clone().into();
-    for layer in 0..layout.num_layers {
-        let header = LayerHeader {
-            xfer_id: TransferId(r.xfer_id),
-            epoch: r.epoch,
-            layer,
-            layout,
-            block_ids: Arc::clone(&block_ids),
-            traceparent: None,
-        };
-        conn.send_layer(header, payload.clone())
-            .await
-            .expect("layer accepted");
-    }
-}
 
 /// While the node drains: a stray KV frame counts as an error, and the exposition passes
 /// promtool.
@@ -118,45 +76,32 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
         follow_cache_events(node_client.cache_events(CacheEventsRequest {}).await).await;
 
     // Work the node holds when the drain starts: a reservation with its stream open.
-    let Some(reserve_response::Result::Reserved(kept)) = client
-        .reserve(reserve_request())
+    let (mut kept_stream, kept) = common::reserve(&client, common::spec("kept", 6, 4), 1)
         .await
-        .expect("reserve")
-        .into_inner()
-        .result
-    else {
-        panic!("the first reservation fits");
-    };
-    let mut tokens = client
-        .stream(StreamRequest {
-            xfer_id: kept.xfer_id,
-        })
-        .await
-        .expect("stream")
-        .into_inner();
+        .expect("the first reservation fits");
 
     assert_drain_started(node_client.drain(DrainRequest {}).await);
-    let refused = client
-        .reserve(reserve_request())
+    let refused = common::reserve(&client, common::spec("late", 6, 4), 1)
         .await
-        .expect_err("no new reservation while draining");
+        .err()
+        .expect("no new reservation while draining");
     assert_refused_as_draining(&refused);
-    let refused = client
-        .local_generate(LocalGenerateRequest {
-            request_id: "late".into(),
-            prompt_ids: vec![300, 301],
-            sampling: None,
-            stopping: None,
-        })
+    let local = GenerateStart {
+        spec: Some(common::spec("late", 2, 4)),
+        local_prefill: true,
+        epoch: 1,
+    };
+    let refused = common::generate(&client, local)
         .await
-        .expect_err("no new local generation while draining");
+        .err()
+        .expect("no new local generation while draining");
     assert_refused_as_draining(&refused);
 
     check_metrics_while_draining(&kept, metrics_addr).await;
 
     // The reservation it holds is still served: its KV lands, Done activates it, and its
     // stream runs to the end.
-    push_kv(&kept).await;
+    common::push_kv(&kept).await;
     client
         .done(DoneRequest {
             xfer_id: kept.xfer_id,
@@ -170,15 +115,14 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
         })
         .await
         .expect("done is served while draining");
-    let mut finish = FinishReason::Unspecified;
-    let mut generated = 0;
-    while let Some(t) = tokens.message().await.expect("tokens flow while draining") {
-        generated += 1;
-        finish = t.finish_reason();
-    }
-    assert_eq!((generated, finish), (3, FinishReason::Length));
-
-    drop(tokens);
+    let tokens = common::read_tokens(&mut kept_stream.down)
+        .await
+        .expect("tokens flow while draining");
+    // The prefill node's first token, then three from the engine.
+    assert_eq!(tokens.len(), 4);
+    assert_eq!(tokens[0].token_id, 310);
+    assert_eq!(tokens[3].finish_reason(), FinishReason::Length);
+    drop(kept_stream);
 
     // With nothing left, the node exits, well within its gRPC stop grace, although the
     // CacheEvents stream was never closed by its follower.

@@ -1,5 +1,7 @@
-//! A reservation whose KV never arrives expires: its blocks are freed and its token stream
-//! ends with a timeout error. A real decode node over real sockets, in-process.
+//! A reservation lives as long as the node filling it renews it: one that is renewed keeps its
+//! blocks past many leases (a long prompt queued on a live prefill node), and one that is not
+//! expires, frees its blocks and ends its stream with a timeout error. A real decode node over
+//! real sockets, in-process.
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
@@ -8,67 +10,70 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use proto::v1::decode_client::DecodeClient;
-use proto::v1::{reserve_response, ReserveRequest, StoppingCriteria, StreamRequest};
+use proto::v1::RenewRequest;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unfilled_reservation_expires_and_frees_its_blocks() {
+async fn a_renewed_reservation_outlives_its_lease_and_an_abandoned_one_expires() {
     let common::TestNode {
-        mut client,
+        client,
         task: node,
         shutdown,
         ..
     } = common::start(&["--num-kv-blocks", "8", "--lease-ms", "300"]).await;
-    let reserve = |client: &mut DecodeClient<tonic::transport::Channel>| {
-        let mut c = client.clone();
-        async move {
-            c.reserve(ReserveRequest {
-                request_id: "r".into(),
-                prompt_ids: (0..12).map(|i| 300 + i).collect(),
-                sampling: None,
-                stopping: Some(StoppingCriteria {
-                    max_new_tokens: 4,
-                    ..Default::default()
-                }),
-            })
+    // 12 tokens in blocks of 4 = 3 blocks; the pool holds half of 8 = 4 blocks.
+    let spec = || common::spec("r", 12, 4);
+    let (mut stream, r) = common::reserve(&client, spec(), 1)
+        .await
+        .expect("the first reservation fits");
+    assert_eq!(r.block_ids.len(), 3);
+    assert_eq!(r.lease_ms, 300);
+    let busy = common::reserve(&client, spec(), 1)
+        .await
+        .err()
+        .expect("a second one does not fit while the first holds its blocks");
+    assert_eq!(busy.code(), tonic::Code::ResourceExhausted, "{busy:?}");
+
+    // Renewed every 100 ms for four leases: still held.
+    let renew = RenewRequest {
+        xfer_id: r.xfer_id,
+        epoch: r.epoch,
+    };
+    let held = Instant::now();
+    while held.elapsed() < Duration::from_millis(1200) {
+        let lease = client
+            .clone()
+            .renew(renew)
             .await
-            .expect("reserve answers")
-            .into_inner()
-            .result
+            .expect("renewed")
+            .into_inner();
+        assert_eq!(lease.lease_ms, 300);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Abandoned: it expires within a lease or so.
+    let started = Instant::now();
+    let err = loop {
+        match stream.down.message().await {
+            Ok(Some(_heartbeat)) => continue,
+            Ok(None) => panic!("the stream ends with an error, not silently"),
+            Err(e) => break e,
         }
     };
-    // 12 tokens in blocks of 4 = 3 blocks; the pool holds half of 8 = 4 blocks.
-    let Some(reserve_response::Result::Reserved(r)) = reserve(&mut client).await else {
-        panic!("the first reservation fits");
-    };
-    assert_eq!(r.block_ids.len(), 3);
-    assert!(
-        matches!(
-            reserve(&mut client).await,
-            Some(reserve_response::Result::Busy(_))
-        ),
-        "a second one does not fit while the first holds its blocks"
-    );
-    let started = Instant::now();
-    let mut stream = client
-        .stream(StreamRequest { xfer_id: r.xfer_id })
-        .await
-        .expect("stream")
-        .into_inner();
-    let err = stream
-        .message()
-        .await
-        .expect_err("the stream ends with an error, not silently");
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
     assert!(err.message().contains("lease"), "{}", err.message());
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let late = client
+        .clone()
+        .renew(renew)
+        .await
+        .expect_err("an expired reservation cannot be renewed");
+    assert_eq!(late.code(), tonic::Code::NotFound, "{late:?}");
     // The blocks are back: a new reservation fits again.
     testkit::wait_until_async(
         "the blocks freed after the lease",
         Duration::from_secs(2),
         || {
-            let reserved = reserve(&mut client);
-            async move { matches!(reserved.await, Some(reserve_response::Result::Reserved(_))) }
+            let client = client.clone();
+            async move { common::reserve(&client, spec(), 1).await.is_ok() }
         },
     )
     .await;

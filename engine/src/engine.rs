@@ -71,6 +71,11 @@ impl Default for EngineConfig {
 pub struct Request {
     pub seq_id: SeqId,
     pub prompt_ids: Vec<u32>,
+    /// The last `num_generated` prompt ids are tokens the request already generated (it resumes
+    /// after a failure elsewhere): they count against `max_new_tokens`, prime the text and
+    /// stop-string state (so a stop string across the resume point still matches), and the
+    /// next token's index is `num_generated`. 0 for a new request.
+    pub num_generated: usize,
     pub sampling: SamplingParams,
     pub stopping: StoppingCriteria,
 }
@@ -82,6 +87,7 @@ impl Request {
         Request {
             seq_id,
             prompt_ids,
+            num_generated: 0,
             sampling: SamplingParams::greedy(),
             stopping: StoppingCriteria {
                 max_new_tokens,
@@ -90,6 +96,15 @@ impl Request {
                 ignore_eos: true,
             },
         }
+    }
+}
+
+impl Request {
+    /// Tokens still to generate: `max_new_tokens` less those generated before a resume.
+    pub fn remaining_new_tokens(&self) -> usize {
+        self.stopping
+            .max_new_tokens
+            .saturating_sub(self.num_generated)
     }
 }
 
@@ -246,12 +261,22 @@ impl Engine {
     /// Checks a request against the model's limits and queues it.
     pub fn add_request(&mut self, req: Request) -> Result<()> {
         self.validate(&req)?;
-        self.scheduler.add(NewSequence {
+        let new_seq = NewSequence {
             seq_id: req.seq_id,
             prompt_ids: req.prompt_ids.clone(),
-            max_new_tokens: req.stopping.max_new_tokens,
-        })?;
-        self.track(req, false);
+            max_new_tokens: req.remaining_new_tokens(),
+        };
+        self.admit(new_seq, req, false)
+    }
+
+    /// Tracks `req`'s state and queues its sequence, or neither.
+    fn admit(&mut self, new_seq: NewSequence, req: Request, prefill_only: bool) -> Result<()> {
+        let seq_id = req.seq_id;
+        self.track(req, prefill_only)?;
+        if let Err(e) = self.scheduler.add(new_seq) {
+            self.states.remove(&seq_id);
+            return Err(e);
+        }
         Ok(())
     }
 
@@ -281,9 +306,22 @@ impl Engine {
                 given: bad.to_string(),
             });
         }
-        if req.prompt_ids.len() + req.stopping.max_new_tokens > max_context {
+        if req.num_generated >= req.prompt_ids.len()
+            || req.num_generated >= req.stopping.max_new_tokens
+        {
+            return Err(EngineError::InvalidParameter {
+                field: "num_generated",
+                reason: format!(
+                    "must be below the prompt's {} tokens and max_new_tokens {}",
+                    req.prompt_ids.len(),
+                    req.stopping.max_new_tokens
+                ),
+                given: req.num_generated.to_string(),
+            });
+        }
+        if req.prompt_ids.len() + req.remaining_new_tokens() > max_context {
             return Err(EngineError::PromptTooLong {
-                num_tokens: req.prompt_ids.len() + req.stopping.max_new_tokens,
+                num_tokens: req.prompt_ids.len() + req.remaining_new_tokens(),
                 limit: max_context,
             });
         }
@@ -291,21 +329,31 @@ impl Engine {
         req.stopping.validate()
     }
 
-    /// Starts tracking the sampling, stopping and text state of an admitted request.
-    fn track(&mut self, req: Request, prefill_only: bool) {
-        let detok =
-            IncrementalDetokenizer::new(Arc::clone(&self.model.tokenizer), &req.prompt_ids, true);
-        let text = StopStringStream::new(detok, req.stopping.stop_strings.clone());
+    /// Starts tracking the sampling, stopping and text state of an admitted request. The
+    /// tokens it already generated go through the text state as they did where they were
+    /// generated; the text they release was sent from there.
+    fn track(&mut self, req: Request, prefill_only: bool) -> Result<()> {
+        let prompt_len = req.prompt_ids.len() - req.num_generated;
+        let detok = IncrementalDetokenizer::new(
+            Arc::clone(&self.model.tokenizer),
+            &req.prompt_ids[..prompt_len],
+            true,
+        );
+        let mut text = StopStringStream::new(detok, req.stopping.stop_strings.clone());
+        for &token_id in &req.prompt_ids[prompt_len..] {
+            text.push(token_id)?;
+        }
         self.states.insert(
             req.seq_id,
             SeqState {
                 sampling: req.sampling,
                 stopping: req.stopping,
                 text,
-                num_generated: 0,
+                num_generated: req.num_generated,
                 prefill_only,
             },
         );
+        Ok(())
     }
 
     /// Cancels a sequence in any state and frees its blocks at once.

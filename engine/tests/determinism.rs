@@ -14,6 +14,7 @@ use engine::stopping::{FinishReason, StoppingCriteria};
 
 fn seeded(id: u64, prompt: Vec<u32>, seed: u64) -> Request {
     Request {
+        num_generated: 0,
         seq_id: SeqId(id),
         prompt_ids: prompt,
         sampling: SamplingParams {

@@ -80,8 +80,26 @@ pub struct GatewayArgs {
     pub max_input_tokens: usize,
     #[arg(long, env = "MAX_TOTAL_TOKENS", default_value_t = 4096)]
     pub max_total_tokens: usize,
+    /// Requests placed on the nodes at once; more wait in the admission queue.
     #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
     pub max_concurrent_requests: usize,
+    /// Requests that may wait in the admission queue; one more gets 429 at once.
+    #[arg(long, env = "FISSION_MAX_WAITING_REQUESTS", default_value_t = 1024)]
+    pub max_waiting_requests: usize,
+    /// Prompt tokens the waiting requests may hold together; a request over it gets 429.
+    #[arg(long, env = "FISSION_MAX_QUEUED_TOKENS", default_value_t = 4 << 20)]
+    pub max_queued_tokens: u64,
+    /// The longest a request waits in the queue for room before it gets 429.
+    #[arg(long, env = "FISSION_MAX_QUEUE_WAIT_MS", default_value_t = 60_000)]
+    pub max_queue_wait_ms: u64,
+    /// A request's node that sends nothing (and, while generating, no token) for this long is
+    /// suspect: it takes no new work and the request moves on. Slower requests get more: up to
+    /// 8 times their own time per output token.
+    #[arg(long, env = "FISSION_MAX_STALL_MS", default_value_t = 3_000)]
+    pub max_stall_ms: u64,
+    /// How many times one request may move to another decode node mid-stream.
+    #[arg(long, env = "FISSION_MIGRATION_LIMIT", default_value_t = 2)]
+    pub migration_limit: usize,
     #[arg(long, env = "MAX_NEW_TOKENS", default_value_t = 256)]
     pub max_new_tokens_default: usize,
     #[arg(long, env = "FISSION_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
@@ -141,6 +159,9 @@ pub async fn run_cluster(
     config.max_input_tokens = cli.max_input_tokens;
     config.max_total_tokens = cli.max_total_tokens;
     config.max_concurrent_requests = cli.max_concurrent_requests;
+    config.max_waiting_requests = cli.max_waiting_requests;
+    config.max_queued_tokens = cli.max_queued_tokens;
+    config.max_queue_wait_ms = cli.max_queue_wait_ms;
     config.max_new_tokens_default = cli.max_new_tokens_default;
     config.request_timeout_ms = cli.request_timeout_ms;
     config.eos_token_ids = stop_ids(&cli.model_dir);
@@ -165,6 +186,8 @@ pub async fn run_cluster(
         pools,
         ClusterConfig {
             max_local_prefill_tokens: cli.max_local_prefill_tokens,
+            max_stall: std::time::Duration::from_millis(cli.max_stall_ms.max(1)),
+            migration_limit: cli.migration_limit,
         },
         policy(cli.routing),
     ));

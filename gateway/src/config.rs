@@ -21,8 +21,14 @@ pub struct GatewayConfig {
     pub max_total_tokens: usize,
     /// `max_new_tokens` when a request gives none, capped by `max_total_tokens - input tokens`.
     pub max_new_tokens_default: usize,
-    /// Requests admitted at once; the next one gets 429 at once.
+    /// Requests placed on the nodes at once; more wait in the admission queue.
     pub max_concurrent_requests: usize,
+    /// Requests waiting in the admission queue at once; one more gets 429 at once.
+    pub max_waiting_requests: usize,
+    /// Prompt tokens the waiting requests may hold together; a request over it gets 429.
+    pub max_queued_tokens: u64,
+    /// The longest a request waits in the queue before it gets 429.
+    pub max_queue_wait_ms: u64,
     /// The most stop strings a request may give.
     pub max_stop_sequences: usize,
     /// The most alternatives per token a request may ask for (`top_n_tokens`, `logprobs`).
@@ -46,6 +52,9 @@ impl GatewayConfig {
             max_total_tokens: 2048,
             max_new_tokens_default: 256,
             max_concurrent_requests: 128,
+            max_waiting_requests: 1024,
+            max_queued_tokens: 4 << 20,
+            max_queue_wait_ms: 60_000,
             max_stop_sequences: 8,
             max_top_n_tokens: 20,
             request_timeout_ms: 300_000,

@@ -69,6 +69,15 @@ pub enum GatewayError {
     #[error("model is overloaded: {max_concurrent_requests} requests are in flight")]
     Overloaded { max_concurrent_requests: usize },
 
+    #[error("model is overloaded: the admission queue is full: {why}")]
+    QueueFull { why: String },
+
+    #[error("model is overloaded: waited {waited_ms} ms in the admission queue (the limit, --max-queue-wait-ms, is {max_queue_wait_ms} ms)")]
+    QueueTimeout {
+        waited_ms: u64,
+        max_queue_wait_ms: u64,
+    },
+
     #[error("backend unavailable: {reason}")]
     Unavailable { reason: String },
 
@@ -112,6 +121,17 @@ impl GatewayError {
         }
     }
 
+    /// No node has room for the request now: it waits in the queue and tries again.
+    pub fn is_no_room(&self) -> bool {
+        matches!(
+            self,
+            Self::Backend {
+                code: ErrorCode::Overloaded,
+                ..
+            }
+        )
+    }
+
     pub fn code(&self) -> ErrorCode {
         match self {
             Self::EmptyInput { .. }
@@ -124,7 +144,9 @@ impl GatewayError {
             Self::InputTooLong { .. } | Self::TotalTooLong { .. } => ErrorCode::InputTooLong,
             Self::MalformedJson { .. } => ErrorCode::BadRequest,
             Self::NotFound { .. } => ErrorCode::NotFound,
-            Self::Overloaded { .. } => ErrorCode::Overloaded,
+            Self::Overloaded { .. } | Self::QueueFull { .. } | Self::QueueTimeout { .. } => {
+                ErrorCode::Overloaded
+            }
             Self::Unavailable { .. } => ErrorCode::Unavailable,
             Self::Timeout { .. } => ErrorCode::Timeout,
             Self::Backend { code, .. } => *code,

@@ -14,8 +14,8 @@ use tracing::{field, Instrument, Span};
 use crate::backend::Backend;
 use crate::error::GatewayError;
 use crate::metrics;
+use crate::queue::{Queue, Slot};
 use crate::request::{FinishReason, GeneratedToken, RequestId, TokenStream, ValidRequest};
-use crate::state::Admission;
 
 /// A started generation.
 pub(crate) struct Generation {
@@ -35,14 +35,15 @@ pub(crate) struct Completed {
 }
 
 impl Generation {
-    /// Hands `request` to the backend. The request timeout counts from its arrival and covers
-    /// the whole generation, this call included. Cancelling `abort` (shutdown's drain deadline)
-    /// ends the generation with an `Unavailable` error.
+    /// Queues `request` for admission and hands it to the backend once it is its turn. The
+    /// request timeout counts from its arrival and covers the whole generation, the queue
+    /// included. Cancelling `abort` (shutdown's drain deadline) ends the generation with an
+    /// `Unavailable` error.
     pub(crate) async fn start(
         model: &str,
         backend: &dyn Backend,
+        queue: &Queue,
         request: ValidRequest,
-        admission: Admission,
         timeout_ms: u64,
         abort: CancellationToken,
     ) -> Result<Self, GatewayError> {
@@ -72,14 +73,16 @@ impl Generation {
             request_id: request_id.clone(),
             timeout_ms,
         };
-        // Called inside the span so the backend's spans (`route`) are its children.
-        let started =
-            tokio::time::timeout_at(deadline, span.in_scope(|| backend.generate(request)));
+        // Called inside the span so the queue's and the backend's spans are its children.
+        let admitted = queue.admit(prompt_tokens, deadline, || {
+            span.in_scope(|| backend.generate(request.clone()))
+        });
+        let admitted = tokio::time::timeout_at(deadline, admitted.instrument(span.clone()));
         let started = tokio::select! {
             () = abort.cancelled() => Err(shutting_down()),
-            started = started.instrument(span.clone()) => started.map_err(|_| timeout()).and_then(|r| r),
+            started = admitted => started.map_err(|_| timeout()).and_then(|r| r),
         };
-        let inner = started.inspect_err(|error| record_failure(&span, error))?;
+        let (inner, slot) = started.inspect_err(|error| record_failure(&span, error))?;
 
         let guard = Guard {
             inner: Some(inner),
@@ -91,7 +94,7 @@ impl Generation {
             generated: 0,
             span,
             abort,
-            _admission: admission,
+            _slot: slot,
         };
         let tokens = futures::stream::unfold(guard, |mut guard| {
             let span = guard.span.clone();
@@ -160,7 +163,8 @@ struct Guard {
     generated: usize,
     span: Span,
     abort: CancellationToken,
-    _admission: Admission,
+    /// Released when the generation ends, which wakes the queue's head.
+    _slot: Slot,
 }
 
 impl Guard {

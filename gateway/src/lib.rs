@@ -10,6 +10,7 @@ mod chat_template;
 mod generation;
 mod json;
 mod openai;
+pub mod queue;
 mod sse;
 mod state;
 mod tgi;

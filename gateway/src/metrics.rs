@@ -18,6 +18,14 @@ pub const TIME_PER_OUTPUT_TOKEN: &str = "fission_gateway_time_per_output_token_s
 /// From arrival to the last token, for requests that finished.
 pub const REQUEST_DURATION: &str = "fission_gateway_request_duration_seconds";
 pub const INPUT_TOKENS: &str = "fission_gateway_input_tokens";
+/// Requests waiting in the admission queue.
+pub const QUEUE_WAITING: &str = "fission_gateway_queue_waiting_requests";
+/// Prompt tokens of the requests waiting in the admission queue.
+pub const QUEUE_TOKENS: &str = "fission_gateway_queue_waiting_tokens";
+/// From entering the queue to being placed on the nodes (or refused).
+pub const QUEUE_WAIT: &str = "fission_gateway_queue_wait_seconds";
+/// Requests the queue refused, by reason (`full`, `timeout`).
+pub const QUEUE_REJECTED: &str = "fission_gateway_queue_rejected_total";
 pub const GENERATED_TOKENS: &str = "fission_gateway_generated_tokens";
 
 /// Installs the process-wide recorder once and returns its handle; later calls (a second
@@ -35,6 +43,33 @@ pub fn install_recorder() -> PrometheusHandle {
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!(
+        QUEUE_WAITING,
+        Unit::Count,
+        "Requests waiting in the admission queue for a slot and for room on the nodes."
+    );
+    describe_gauge!(
+        QUEUE_TOKENS,
+        Unit::Count,
+        "Prompt tokens of the requests waiting in the admission queue."
+    );
+    describe_histogram!(
+        QUEUE_WAIT,
+        Unit::Seconds,
+        "Time from entering the admission queue to being placed on the nodes (or refused)."
+    );
+    describe_counter!(
+        QUEUE_REJECTED,
+        "Requests the admission queue refused with 429, by reason: full, or waited too long."
+    );
+    describe_counter!(
+        "fission_gateway_migrations_total",
+        "Requests moved to another decode node mid-stream, by reason (failed, stalled)."
+    );
+    describe_counter!(
+        "fission_gateway_suspect_nodes_total",
+        "Nodes marked suspect (stalled or failed a request), by role; they take no new work until a health check passes."
+    );
     describe_counter!(
         "fission_gateway_route_total",
         "Routing decisions, by mode (disaggregated or colocated) and reason."

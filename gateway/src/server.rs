@@ -103,6 +103,8 @@ struct Info {
     chat_template: bool,
     router: &'static str,
     version: &'static str,
+    /// The admission queue: its limits and what waits in it now.
+    queue: serde_json::Value,
     backend: serde_json::Value,
 }
 
@@ -118,6 +120,7 @@ async fn info(State(state): State<AppState>) -> axum::Json<Info> {
         chat_template: state.validator().has_chat_template(),
         router: "fission-gateway",
         version: env!("CARGO_PKG_VERSION"),
+        queue: state.queue().describe(),
         backend: state.backend().describe(),
     })
 }

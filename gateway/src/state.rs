@@ -6,7 +6,6 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tracing::Instrument;
 
 use metrics_exporter_prometheus::PrometheusHandle;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::Backend;
@@ -14,6 +13,7 @@ use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::generation::Generation;
 use crate::metrics;
+use crate::queue::{Queue, QueueConfig};
 use crate::request::ValidRequest;
 use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
@@ -26,7 +26,7 @@ struct Shared {
     config: GatewayConfig,
     validator: Arc<Validator>,
     backend: Arc<dyn Backend>,
-    admission: Arc<Semaphore>,
+    queue: Queue,
     metrics: PrometheusHandle,
     started_at_unix: u64,
     /// Cancelled when shutdown's drain deadline passes: every generation still running ends.
@@ -45,7 +45,12 @@ impl AppState {
         let validator = Arc::new(Validator::load(&config)?);
         Ok(Self {
             inner: Arc::new(Shared {
-                admission: Arc::new(Semaphore::new(config.max_concurrent_requests)),
+                queue: Queue::new(QueueConfig {
+                    max_concurrent_requests: config.max_concurrent_requests,
+                    max_waiting_requests: config.max_waiting_requests,
+                    max_queued_tokens: config.max_queued_tokens,
+                    max_queue_wait_ms: config.max_queue_wait_ms,
+                }),
                 config,
                 validator,
                 backend,
@@ -79,13 +84,17 @@ impl AppState {
         &self.inner.metrics
     }
 
+    pub(crate) fn queue(&self) -> &Queue {
+        &self.inner.queue
+    }
+
     pub(crate) fn started_at_unix(&self) -> u64 {
         self.inner.started_at_unix
     }
 
-    /// Admits, validates and starts one generation: the path every generation endpoint takes.
-    /// The admission permit is taken first, so a saturated gateway refuses at once (429) and
-    /// spends no tokenization on requests it cannot serve.
+    /// Validates, queues and starts one generation: the path every generation endpoint takes.
+    /// Validation comes first: the queue is bounded by prompt tokens too, and a request that
+    /// cannot be served should not wait to be told so.
     pub(crate) async fn generate(
         &self,
         endpoint: &'static str,
@@ -95,7 +104,6 @@ impl AppState {
     ) -> Result<Generation, GatewayError> {
         let received_at = Instant::now();
         ::metrics::counter!(metrics::REQUESTS_TOTAL, "endpoint" => endpoint).increment(1);
-        let admission = self.admit()?;
         let request = self
             .validate(prompt, parameters, fields, received_at)
             .await?;
@@ -108,22 +116,12 @@ impl AppState {
         Generation::start(
             &self.inner.config.model_id,
             self.inner.backend.as_ref(),
+            &self.inner.queue,
             request,
-            admission,
             self.inner.config.request_timeout_ms,
             self.inner.abort.clone(),
         )
         .await
-    }
-
-    fn admit(&self) -> Result<Admission, GatewayError> {
-        let permit = Arc::clone(&self.inner.admission)
-            .try_acquire_owned()
-            .map_err(|_| GatewayError::Overloaded {
-                max_concurrent_requests: self.inner.config.max_concurrent_requests,
-            })?;
-        ::metrics::gauge!(metrics::IN_FLIGHT).increment(1.0);
-        Ok(Admission { _permit: permit })
     }
 
     /// Tokenization is CPU work: it runs on the blocking pool, not on the runtime's workers.
@@ -146,17 +144,6 @@ impl AppState {
         })??;
         span.record("prompt_tokens", request.prompt_ids.len() as i64);
         Ok(request)
-    }
-}
-
-/// A concurrency slot, held for as long as the request or its stream lives.
-pub(crate) struct Admission {
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Drop for Admission {
-    fn drop(&mut self) {
-        ::metrics::gauge!(metrics::IN_FLIGHT).decrement(1.0);
     }
 }
 

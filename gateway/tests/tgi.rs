@@ -288,9 +288,10 @@ async fn malformed_bodies_get_json_errors() {
 }
 
 #[tokio::test]
-async fn a_full_gateway_answers_429_at_once() {
+async fn a_full_gateway_queues_then_answers_429_once_the_queue_is_full() {
     let mut config = config();
     config.max_concurrent_requests = 2;
+    config.max_waiting_requests = 1;
     let server = TestServer::start(config, slow(50)).await;
     let body = json!({"inputs": "Hi", "parameters": {"max_new_tokens": 100}});
     let mut first = server.stream("/generate_stream", body.clone()).await;
@@ -298,10 +299,32 @@ async fn a_full_gateway_answers_429_at_once() {
     first.next_json().await.unwrap();
     second.next_json().await.unwrap();
 
+    // The third waits in the queue for a slot.
+    let short = json!({"inputs": "Hi", "parameters": {"max_new_tokens": 1}});
+    let queued = {
+        let (url, short) = (server.url("/generate"), short.clone());
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(url)
+                .json(&short)
+                .send()
+                .await
+                .unwrap()
+        })
+    };
+    testkit::wait_until_async("the third request queued", WAIT, || {
+        let url = server.url("/info");
+        async move {
+            let info: serde_json::Value = reqwest::get(url).await.unwrap().json().await.unwrap();
+            info["queue"]["waiting_requests"] == 1
+        }
+    })
+    .await;
+    // With the queue full, more are refused at once, in each API's shape.
     for path in ["/generate_stream", "/generate"] {
         let started = std::time::Instant::now();
         let message = assert_error(server.post(path, body.clone()).await, 429, "overloaded").await;
-        assert!(message.contains('2'), "{message}");
+        assert!(message.contains("queue"), "{message}");
         assert!(
             started.elapsed() < Duration::from_secs(2),
             "429 comes at once"
@@ -312,19 +335,14 @@ async fn a_full_gateway_answers_429_at_once() {
         .await;
     assert_error(response, 429, "overloaded").await;
 
-    // A finished or dropped stream gives its permit back.
+    // A finished or dropped stream gives its slot back: the queued request runs.
     drop(first);
     server
         .fake
         .wait_for(|c| c.cancelled == 1, WAIT)
         .await
         .expect("the dropped stream is cancelled");
-    let response = server
-        .post(
-            "/generate",
-            json!({"inputs": "Hi", "parameters": {"max_new_tokens": 1}}),
-        )
-        .await;
+    let response = tokio::time::timeout(WAIT, queued).await.unwrap().unwrap();
     assert_eq!(response.status(), 200);
     drop(second);
     server.stop().await;

@@ -5,8 +5,11 @@
 #     tokens, 20 s windows after a 3 s warm-up;
 #   - the engine: `fission bench engine` on stories260K (prefill 128, decode single stream and
 #     batch 1 and 32), medians of 5 repeats per run.
+# Use an even RUNS: each build then goes first as often as second (on these machines the
+# second run of a back-to-back pair is often the slower one, whichever build it is), and a
+# pause (PAUSE_S, 5) lets the previous cluster's processes and sockets go.
 # Usage: compare_builds.sh BASE_FISSION NEW_FISSION   (paths of the two `fission` binaries; the
-# load generator is this tree's). RUNS=N pairs per path (3). Output: .bench/compare-<time>/ with
+# load generator is this tree's). RUNS=N pairs per path (4). Output: .bench/compare-<time>/ with
 # results.csv, engine-*.json and a summary of medians, per-pair ratios and their spread.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,6 +54,7 @@ e2e() { # build-name binary run
     --duration-s 20 --prompt-tokens 64 --max-new-tokens 32)
   t1=$(cpu_ticks $pids)
   kill -TERM $up; wait $up || true
+  sleep "${PAUSE_S:-5}"
   line=$(echo "$out" | grep throughput)
   ok=$(echo "$out" | grep -oE 'requests ok [0-9]+' | awk '{print $3}')
   rps=$(echo "$line" | awk '{print $3}'); tps=$(echo "$line" | awk '{print $5}')
@@ -59,7 +63,7 @@ e2e() { # build-name binary run
   echo "e2e run $run $name: $tps tokens/s, $cpu ms CPU/request"
 }
 
-for run in $(seq "${RUNS:-3}"); do
+for run in $(seq "${RUNS:-4}"); do
   # ABBA: whatever drifts across the session hits both builds alike.
   if [ $((run % 2)) = 1 ]; then order="base new"; else order="new base"; fi
   for name in $order; do
@@ -67,7 +71,7 @@ for run in $(seq "${RUNS:-3}"); do
     e2e "$name" "$bin" "$run"
   done
 done
-for run in $(seq "${RUNS:-3}"); do
+for run in $(seq "${RUNS:-4}"); do
   if [ $((run % 2)) = 1 ]; then order="base new"; else order="new base"; fi
   for name in $order; do
     bin=$BASE; [ "$name" = new ] && bin=$NEW

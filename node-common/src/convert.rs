@@ -36,17 +36,14 @@ pub fn stopping(s: Option<&v1::StoppingCriteria>) -> StoppingCriteria {
     }
 }
 
-pub fn request(
-    seq_id: SeqId,
-    prompt_ids: Vec<u32>,
-    s: Option<&v1::SamplingParams>,
-    st: Option<&v1::StoppingCriteria>,
-) -> Request {
+/// The engine request for `spec`, as sequence `seq_id`.
+pub fn request(seq_id: SeqId, spec: v1::GenerationSpec) -> Request {
     Request {
         seq_id,
-        prompt_ids,
-        sampling: sampling(s),
-        stopping: stopping(st),
+        num_generated: spec.num_generated as usize,
+        prompt_ids: spec.prompt_ids,
+        sampling: sampling(spec.sampling.as_ref()),
+        stopping: stopping(spec.stopping.as_ref()),
     }
 }
 

@@ -59,6 +59,9 @@ pub struct Started {
     /// Cancelled once the gRPC server has stopped: a draining node still receives KV and is
     /// still observed until then.
     pub data_plane_stop: CancellationToken,
+    /// Cancelled once the drain is over (its work done, or its deadline passed): streams still
+    /// open then end, so the gRPC server can stop.
+    pub stop_streams: CancellationToken,
     /// Host put in the endpoints the node advertises.
     pub advertise_host: String,
 }
@@ -102,6 +105,9 @@ where
         metrics,
         data_plane_stop.clone(),
     ));
+    // Cancelled once the drain is over: the server stops and the streams that never end by
+    // themselves (CacheEvents, requests still open at the drain deadline) end.
+    let server_stop = CancellationToken::new();
     let service = build(Started {
         node_id: node_id.clone(),
         engine: loaded.engine,
@@ -111,6 +117,7 @@ where
         drain: shutdown.clone(),
         work: work.clone(),
         data_plane_stop: data_plane_stop.clone(),
+        stop_streams: server_stop.clone(),
         advertise_host: args.cluster.advertise_host.clone(),
     })
     .await?;
@@ -121,9 +128,6 @@ where
             what: "grpc listener".into(),
             source,
         })?;
-    // Cancelled once the drain is over: the server stops and the streams that never end by
-    // themselves (CacheEvents) end.
-    let server_stop = CancellationToken::new();
     let node_service = NodeService {
         info: service.info.clone(),
         cache_log: Arc::clone(&state_rx.cache),

@@ -342,13 +342,20 @@ mod tests {
         let (reply, rx) = oneshot::channel();
         let span = tracing::info_span!("prefill", chunks = tracing::field::Empty);
         let queue_wait = tracing::info_span!(parent: &span, "queue_wait");
-        let prompt_ids = prompt.collect();
+        let prompt_ids: Vec<u32> = prompt.collect();
         let stopping = proto::v1::StoppingCriteria {
             max_new_tokens: 4,
             ..Default::default()
         };
         t.handle(Command::Prefill {
-            req: node_common::convert::request(SeqId(id), prompt_ids, None, Some(&stopping)),
+            req: node_common::convert::request(
+                SeqId(id),
+                proto::v1::GenerationSpec {
+                    prompt_ids: prompt_ids,
+                    stopping: Some(stopping),
+                    ..Default::default()
+                },
+            ),
             layers: None,
             reply,
             arrival: Arrival {

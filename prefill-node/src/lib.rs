@@ -7,6 +7,7 @@
 
 mod actor;
 mod metrics;
+mod prompt;
 mod push;
 mod service;
 
@@ -27,6 +28,10 @@ use tokio_util::sync::CancellationToken;
 pub struct PrefillConfig {
     #[command(flatten)]
     pub node: NodeArgs,
+    /// A prompt's call carries a heartbeat when nothing else was sent for this long, so the
+    /// gateway tells a long queue from a hung node.
+    #[arg(long, env = "FISSION_HEARTBEAT_MS", default_value_t = 500)]
+    pub heartbeat_ms: u64,
 }
 
 /// The prefill role, for [`node_common::launch::launch`].
@@ -54,17 +59,22 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let kv = config.node.kv.clone();
+    let heartbeat = std::time::Duration::from_millis(config.heartbeat_ms.max(1));
     node_common::node::serve(
         Role::Prefill,
         &config.node,
         listeners,
         shutdown,
-        |s| async move { build(s, &kv) },
+        |s| async move { build(s, &kv, heartbeat) },
     )
     .await
 }
 
-fn build(s: Started, kv: &node_common::kv::KvArgs) -> Result<RoleService, NodeError> {
+fn build(
+    s: Started,
+    kv: &node_common::kv::KvArgs,
+    heartbeat: std::time::Duration,
+) -> Result<RoleService, NodeError> {
     crate::metrics::describe();
     let transport = match kv.kv_transport {
         KvBackend::Quic => {
@@ -81,6 +91,8 @@ fn build(s: Started, kv: &node_common::kv::KvArgs) -> Result<RoleService, NodeEr
         next_seq: AtomicU64::new(1),
         work: s.work,
         drain: s.drain,
+        stop_streams: s.stop_streams,
+        heartbeat,
     };
     Ok(RoleService {
         routes: tonic::service::Routes::new(PrefillServer::new(service)),

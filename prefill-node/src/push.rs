@@ -174,7 +174,7 @@ pub struct PushJob {
 
 /// Runs the push of one transfer inside its `kv_transfer` span: sends each layer as it
 /// arrives on `layers_rx`, then Done with the first token from `first_rx`. On failure it marks
-/// the span failed, counts the failure and cancels the decode reservation.
+/// the span failed and counts the failure.
 pub async fn run_push_task(
     job: PushJob,
     layers_rx: mpsc::UnboundedReceiver<LayerPayload>,
@@ -201,19 +201,9 @@ pub async fn run_push_task(
         Err(e) => {
             metrics::counter!("fission_prefill_kv_transfer_failures_total").increment(1);
             crate::metrics::ERRORS.failed(&span, e.code());
+            // No cancel here: the gateway hears of the failure on the Prefill call and retries
+            // into the same reservation at a newer epoch, or lets its lease end it.
             tracing::warn!(xfer_id = job.dest.xfer_id, error_type = e.code().as_str(), error = %e, "kv push failed");
-            // Carries this span's context; the call runs outside it (see `outside_span`).
-            let cancel = telemetry::with_trace(v1::CancelRequest {
-                request_id: job.request_id.clone(),
-                xfer_id: job.dest.xfer_id,
-            });
-            let (clients, endpoint) = (job.clients.clone(), job.dest.decode_endpoint.clone());
-            let _ = outside_span(async move {
-                if let Ok(mut c) = clients.get(&endpoint).await {
-                    let _ = c.cancel(cancel).await;
-                }
-            })
-            .await;
         }
     }
     result
@@ -363,13 +353,13 @@ mod tests {
     /// the request id.
     type Calls = Arc<Mutex<Vec<(&'static str, Option<String>, u64, String)>>>;
 
-    /// A decode node that answers Done and Cancel only.
+    /// A decode node that answers Done and Renew only.
     #[derive(Clone, Default)]
     struct FakeDecode {
         calls: Calls,
     }
 
-    type Tokens = Pin<Box<dyn Stream<Item = Result<v1::Token, Status>> + Send>>;
+    type Down = Pin<Box<dyn Stream<Item = Result<v1::GenerateDown, Status>> + Send>>;
 
     fn traceparent<T>(r: &Request<T>) -> Option<String> {
         r.metadata()
@@ -380,21 +370,11 @@ mod tests {
 
     #[tonic::async_trait]
     impl Decode for FakeDecode {
-        async fn reserve(
+        type GenerateStream = Down;
+        async fn generate(
             &self,
-            _: Request<v1::ReserveRequest>,
-        ) -> Result<Response<v1::ReserveResponse>, Status> {
-            Err(Status::unimplemented("fake"))
-        }
-        type StreamStream = Tokens;
-        async fn stream(&self, _: Request<v1::StreamRequest>) -> Result<Response<Tokens>, Status> {
-            Err(Status::unimplemented("fake"))
-        }
-        type LocalGenerateStream = Tokens;
-        async fn local_generate(
-            &self,
-            _: Request<v1::LocalGenerateRequest>,
-        ) -> Result<Response<Tokens>, Status> {
+            _: Request<tonic::Streaming<v1::GenerateUp>>,
+        ) -> Result<Response<Down>, Status> {
             Err(Status::unimplemented("fake"))
         }
         async fn done(
@@ -409,17 +389,17 @@ mod tests {
                 .push(("done", tp, xfer_id, String::new()));
             Ok(Response::new(v1::DoneResponse {}))
         }
-        async fn cancel(
+        async fn renew(
             &self,
-            r: Request<v1::CancelRequest>,
-        ) -> Result<Response<v1::CancelResponse>, Status> {
+            r: Request<v1::RenewRequest>,
+        ) -> Result<Response<v1::RenewResponse>, Status> {
             let tp = traceparent(&r);
-            let c = r.into_inner();
+            let xfer_id = r.into_inner().xfer_id;
             self.calls
                 .lock()
                 .unwrap()
-                .push(("cancel", tp, c.xfer_id, c.request_id));
-            Ok(Response::new(v1::CancelResponse { found: true }))
+                .push(("renew", tp, xfer_id, String::new()));
+            Ok(Response::new(v1::RenewResponse { lease_ms: 1000 }))
         }
     }
 
@@ -568,7 +548,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_failed_push_marks_its_span_and_cancels_the_reservation() {
+    async fn a_failed_push_marks_its_span_and_leaves_the_retry_to_the_gateway() {
         let capture = Captured::default();
         let _subscriber = tracing::subscriber::set_default(capture.subscriber());
         let p = peers().await;
@@ -584,19 +564,14 @@ mod tests {
             transfer.field("otel.status_code"),
             Some(&Value::Str("ERROR".into()))
         );
-        let calls = p.calls.lock().unwrap().clone();
-        assert_eq!(calls.len(), 1);
-        let (rpc, _, xfer_id, request_id) = &calls[0];
-        assert_eq!(
-            (*rpc, *xfer_id, request_id.as_str()),
-            ("cancel", 8, "req-8")
-        );
+        // No Done: the reservation waits for the gateway's next epoch, or its lease.
+        assert!(p.calls.lock().unwrap().is_empty());
         p.stop.cancel();
     }
 
-    /// The cancel after a failed push carries the transfer's trace context, like Done does.
+    /// Done carries the transfer's trace context, so the decode side joins the trace.
     #[test]
-    fn the_cancel_after_a_failed_push_carries_the_trace() {
+    fn done_carries_the_trace() {
         let (dispatch, guard) = telemetry::build(&telemetry::TelemetrySettings {
             service_name: "fission-prefill-test".into(),
             // Nothing listens there: spans get real contexts, and their export fails quietly.
@@ -611,7 +586,7 @@ mod tests {
         let calls = tracing::dispatcher::with_default(&dispatch, || {
             runtime.block_on(async {
                 let p = peers().await;
-                push_two_layers(&p, 8).await.err().expect("refused");
+                push_two_layers(&p, 7).await.expect("pushed");
                 p.stop.cancel();
                 let calls = p.calls.lock().unwrap().clone();
                 calls
@@ -619,8 +594,8 @@ mod tests {
         });
         drop(runtime);
         drop(guard);
-        let (rpc, traceparent, _, _) = &calls[0];
-        assert_eq!(*rpc, "cancel");
+        let (rpc, traceparent, xfer_id, _) = &calls[0];
+        assert_eq!((*rpc, *xfer_id), ("done", 7));
         assert!(
             traceparent.as_deref().is_some_and(|t| t.starts_with("00-")),
             "{traceparent:?}"

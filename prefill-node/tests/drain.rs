@@ -16,7 +16,8 @@ use prefill_node::PrefillNode;
 use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{
-    CacheEventsRequest, DrainRequest, InfoRequest, KvDestination, PrefillRequest, StoppingCriteria,
+    prefill_event, CacheEventsRequest, DrainRequest, GenerationSpec, InfoRequest, KvDestination,
+    PrefillRequest, StoppingCriteria,
 };
 use testkit::metrics::{assert_exposition, scrape};
 use testkit::serving::wait_until_serving;
@@ -24,11 +25,13 @@ use tonic::transport::Channel;
 
 fn prompt(request_id: &str, dest: Option<KvDestination>) -> PrefillRequest {
     PrefillRequest {
-        request_id: request_id.into(),
-        prompt_ids: (0..8).map(|i| 300 + i).collect(),
-        sampling: None,
-        stopping: Some(StoppingCriteria {
-            max_new_tokens: 4,
+        spec: Some(GenerationSpec {
+            request_id: request_id.into(),
+            prompt_ids: (0..8).map(|i| 300 + i).collect(),
+            stopping: Some(StoppingCriteria {
+                max_new_tokens: 4,
+                ..Default::default()
+            }),
             ..Default::default()
         }),
         dest,
@@ -86,7 +89,7 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
             held.push(conn);
         }
     });
-    client
+    let mut pushing = client
         .prefill(prompt(
             "pushing",
             Some(KvDestination {
@@ -96,10 +99,21 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
                 block_ids: vec![0, 1],
                 decode_endpoint: "127.0.0.1:1".into(),
                 layout: info.layout,
+                lease_ms: 10_000,
             }),
         ))
         .await
-        .expect("the prompt is computed; its push hangs");
+        .expect("the prompt is taken")
+        .into_inner();
+    // The prompt is computed; its push hangs.
+    loop {
+        let event = pushing.message().await.expect("events").expect("an event");
+        match event.event {
+            Some(prefill_event::Event::First(_)) => break,
+            Some(prefill_event::Event::Heartbeat(_)) => continue,
+            other => panic!("expected the first token, got {other:?}"),
+        }
+    }
 
     let mut events =
         follow_cache_events(node_client.cache_events(CacheEventsRequest {}).await).await;
@@ -108,7 +122,8 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
     let refused = client
         .prefill(prompt("late", None))
         .await
-        .expect_err("no new prompt while draining");
+        .err()
+        .expect("no new prompt while draining");
     assert_refused_as_draining(&refused);
     // The drain holds for its deadline (2 s): /metrics is still up.
     assert_exposition(

@@ -30,3 +30,4 @@ pub fn shared_dir() -> PathBuf {
 pub fn shared_model(name: &str) -> PathBuf {
     shared_dir().join("models").join(name)
 }
+pub mod streams;

@@ -65,6 +65,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         },
     )?;
     let req = Request {
+        num_generated: 0,
         seq_id: SeqId(0),
         prompt_ids,
         sampling: SamplingParams {

@@ -61,6 +61,7 @@ mod tests {
 
     fn request(id: u64, prompt_ids: Vec<u32>) -> Request {
         Request {
+            num_generated: 0,
             seq_id: SeqId(id),
             prompt_ids,
             sampling: SamplingParams::greedy(),

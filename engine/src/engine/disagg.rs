@@ -87,13 +87,18 @@ impl Engine {
             .reserved
             .remove(&seq_id)
             .ok_or(EngineError::UnknownSequence(seq_id))?;
-        let max_new_tokens = r.request.stopping.max_new_tokens;
+        let max_new_tokens = r.request.remaining_new_tokens();
         let new_seq = NewSequence {
             seq_id,
             prompt_ids: r.request.prompt_ids.clone(),
             max_new_tokens,
         };
-        self.track(r.request, false);
+        if let Err(e) = self.track(r.request, false) {
+            for b in r.blocks {
+                self.scheduler.allocator_mut().free(b)?;
+            }
+            return Err(e);
+        }
         let ends_now = max_new_tokens < 2;
         if !ends_now {
             if let Err(e) = self
@@ -113,8 +118,10 @@ impl Engine {
             }
         }
         let state = self.states.get_mut(&seq_id).expect("tracked just above");
-        state.num_generated = 1;
-        let mut finish = state.stopping.check_token(first.token_id, 1);
+        state.num_generated += 1;
+        let mut finish = state
+            .stopping
+            .check_token(first.token_id, state.num_generated);
         if finish != Some(FinishReason::Eos) && state.text.push(first.token_id)?.stopped {
             finish = Some(FinishReason::Stop);
         }
@@ -134,13 +141,12 @@ impl Engine {
     /// leaves the engine after that token (its blocks stay in the prefix cache).
     pub fn add_prefill_request(&mut self, req: Request) -> Result<()> {
         self.validate(&req)?;
-        self.scheduler.add(NewSequence {
+        let new_seq = NewSequence {
             seq_id: req.seq_id,
             prompt_ids: req.prompt_ids.clone(),
             max_new_tokens: 1,
-        })?;
-        self.track(req, true);
-        Ok(())
+        };
+        self.admit(new_seq, req, true)
     }
 
     /// Items of `plan` whose chunk ends their prompt, with their blocks.

@@ -1,8 +1,8 @@
 //! The real [`Backend`]: routes each request to a decode node (and, unless it is short or no
 //! prefill node is up, a prefill node) and streams the tokens back. The decision is
-//! [`super::route`]'s, the node calls [`super::calls`]', retries [`super::retry`]'s, resume
-//! after a lost prefill node [`super::resume`]'s, cancellation [`super::cancel`]'s and the
-//! wire conversions [`super::wire`]'s.
+//! [`super::route`]'s, placement on a decode node [`super::placement`]'s, the request's life
+//! after it (prefill attempts, stall deadlines, migration) [`super::driver`]'s, which failures
+//! are retried [`super::retry`]'s, and the wire conversions [`super::wire`]'s.
 
 use std::sync::Arc;
 
@@ -21,6 +21,21 @@ use crate::request::{TokenStream, ValidRequest};
 pub struct ClusterConfig {
     /// Prompts shorter than this are prefilled on the decode node itself.
     pub max_local_prefill_tokens: usize,
+    /// How long a node working on a request may send nothing (and, while generating, no
+    /// token) before it is suspect and the request moves on.
+    pub max_stall: std::time::Duration,
+    /// How many times one request may move to another decode node.
+    pub migration_limit: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            max_local_prefill_tokens: 0,
+            max_stall: std::time::Duration::from_secs(3),
+            migration_limit: 2,
+        }
+    }
 }
 
 pub struct ClusterBackend {
@@ -57,9 +72,7 @@ impl Backend for ClusterBackend {
             prefill_reason = tracing::field::Empty,
             attempts = tracing::field::Empty,
         );
-        Box::pin(
-            async move { route(&pools, &config, policy.as_ref(), request).await }.instrument(span),
-        )
+        Box::pin(async move { route(&pools, &config, &policy, request).await }.instrument(span))
     }
 
     fn is_ready(&self) -> bool {

@@ -44,6 +44,13 @@ pub enum MemberChange {
         role: Role,
         node_id: String,
     },
+    /// The node's registration ended without a drain: its lease expired. It may be dead, or
+    /// etcd may have lost it (an outage expires every lease at once); the pools keep it while
+    /// it answers health checks.
+    Lost {
+        role: Role,
+        node_id: String,
+    },
 }
 
 pub trait Discovery: Send + Sync + 'static {

@@ -83,6 +83,7 @@ fn member_change(change: ClusterChange) -> MemberChange {
         ClusterChange::Add(r) => MemberChange::Add(entry(&r)),
         ClusterChange::Update(r) => MemberChange::Update(entry(&r)),
         ClusterChange::Remove { role, node_id } => MemberChange::Remove { role, node_id },
+        ClusterChange::Lost { role, node_id } => MemberChange::Lost { role, node_id },
     }
 }
 

@@ -1,6 +1,12 @@
 //! In-process fake nodes for the backend's unit tests: real tonic servers on loopback that
-//! answer from a script and record every call, so retry, resume and cancel are tested against
-//! real gRPC without an engine.
+//! answer from a script and record every call, so placement, prefill retries, stall detection
+//! and migration are tested against real gRPC streams without an engine.
+//!
+//! The fakes keep the real protocol's shape: a decode node reserves on `GenerateStart`,
+//! activates on `Done` at the reservation's epoch only, and streams tokens from the index it
+//! was asked to resume at; a prefill node sends its first token and calls the decode node's
+//! `Done`. Token ids depend only on the index (200 + index), as a seeded request's do, so a
+//! resumed stream must read exactly like an uninterrupted one.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -9,14 +15,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::Stream;
+use proto::v1::decode_client::DecodeClient;
 use proto::v1::decode_server::{Decode, DecodeServer};
 use proto::v1::node_server::{Node as NodeRpc, NodeServer};
 use proto::v1::prefill_server::{Prefill, PrefillServer};
-use proto::v1::{self, reserve_response};
-use tokio::sync::{mpsc, Notify};
+use proto::v1::{self, generate_down, generate_up, prefill_event};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use super::backend::{ClusterBackend, ClusterConfig};
 use super::discovery::{Role, StaticDiscovery};
@@ -24,26 +31,34 @@ use super::pool::Pools;
 use super::routing::{Candidate, Ranking, RoutingPolicy};
 use crate::request::{FinishReason, SamplingParams, StoppingParams, ValidRequest};
 
-type TokenStream = Pin<Box<dyn Stream<Item = Result<v1::Token, Status>> + Send>>;
-type TokenTx = mpsc::Sender<Result<v1::Token, Status>>;
+type DownTx = mpsc::Sender<Result<v1::GenerateDown, Status>>;
 
-/// How a fake decode node answers `Reserve`.
+/// How a fake decode node serves a request.
 #[derive(Clone, Copy, Debug)]
-pub(crate) enum ReserveScript {
-    Reserve,
-    Busy,
+pub(crate) enum DecodeScript {
+    /// Reserves (or prefills locally) and streams every token.
+    Serve,
+    /// Answers RESOURCE_EXHAUSTED: out of KV blocks.
+    NoRoom,
+    /// Fails the call with this code.
     Fail(tonic::Code),
+    /// Streams tokens up to and including this index, then its connection breaks.
+    DieAfter(u32),
+    /// Streams tokens up to and including this index, then goes silent: a hung process.
+    HangAfter(u32),
 }
 
-/// How a fake prefill node answers `Prefill`.
+/// How a fake prefill node serves a prompt.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum PrefillScript {
-    /// Answers with this first token.
-    Answer(u32),
-    /// Answers with this first token, then its connection breaks (as when the process is
-    /// killed after answering): its `CacheEvents` stream ends with an error.
-    AnswerThenDie(u32),
+    /// First token, Done on the decode node, Pushed.
+    Push,
+    /// Fails the call with this code.
     Fail(tonic::Code),
+    /// Sends its first token, then its connection breaks before the push ends.
+    DieMidPush,
+    /// Takes the prompt, then sends nothing.
+    Hang,
 }
 
 /// Every call a fake node received, in order: the RPC and its main argument.
@@ -70,119 +85,214 @@ impl Calls {
     }
 }
 
-/// The tokens a decode node streams: `count` tokens from `index`, ids from 200, the last one
-/// finished by length.
-fn tokens(index: u32, count: u32) -> Vec<v1::Token> {
-    (0..count)
-        .map(|i| {
-            let mut t = v1::Token {
-                token_id: 200 + index + i,
-                index: index + i,
-                text: format!(" t{}", index + i),
-                ..Default::default()
-            };
-            if i + 1 == count {
-                t.set_finish_reason(v1::FinishReason::Length);
-            }
-            t
-        })
-        .collect()
+/// The token at `index`; the last one (`index + 1 == max`) finished by length.
+fn token(index: u32, max: u32) -> v1::Token {
+    let mut t = v1::Token {
+        token_id: 200 + index,
+        index,
+        text: format!(" t{index}"),
+        ..Default::default()
+    };
+    if index + 1 >= max {
+        t.set_finish_reason(v1::FinishReason::Length);
+    }
+    t
+}
+
+fn down(msg: generate_down::Msg) -> Result<v1::GenerateDown, Status> {
+    Ok(v1::GenerateDown { msg: Some(msg) })
+}
+
+/// A reservation waiting for its Done.
+struct Waiting {
+    epoch: u64,
+    /// Where tokens go once the reservation is activated: the index of the first one (the
+    /// prefill node's, which a real decode node sends on too), and the request's length.
+    from: u32,
+    max: u32,
+    down: DownTx,
+    alive: CancellationToken,
 }
 
 #[derive(Clone)]
 struct FakeDecode {
-    reserve: ReserveScript,
-    /// Tokens after the first one that a reservation's stream yields once the request starts;
-    /// `None`: the stream stays open and silent (its KV never arrives).
-    rest: Option<u32>,
+    script: DecodeScript,
     calls: Calls,
     next_xfer: Arc<AtomicU64>,
-    /// The still-open streams, by transfer id: they end when the transfer is cancelled.
-    streams: Arc<Mutex<HashMap<u64, TokenTx>>>,
+    waiting: Arc<Mutex<HashMap<u64, Waiting>>>,
 }
+
+impl FakeDecode {
+    /// Streams tokens `from..max` as the script allows, on a task of their own. A hang
+    /// stops the stream's heartbeats too.
+    fn stream(&self, from: u32, max: u32, down: DownTx, alive: CancellationToken) {
+        let script = self.script;
+        tokio::spawn(async move {
+            for i in from..max {
+                if down.send(down_token(i, max)).await.is_err() {
+                    return;
+                }
+                match script {
+                    DecodeScript::DieAfter(k) if i >= k => {
+                        let _ = down
+                            .send(Err(Status::unavailable("connection reset")))
+                            .await;
+                        return;
+                    }
+                    DecodeScript::HangAfter(k) if i >= k => {
+                        alive.cancel();
+                        // Holds the stream open and silent until the gateway leaves.
+                        down.closed().await;
+                        return;
+                    }
+                    _ => {}
+                }
+            }
+        });
+    }
+}
+
+/// A live node's heartbeats: one per quarter stall deadline until the stream ends or the
+/// node hangs.
+async fn heartbeats(tx: DownTx, alive: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = alive.cancelled() => return,
+            () = tx.closed() => return,
+            () = tokio::time::sleep(TEST_STALL / 4) => {}
+        }
+        let beat = down(generate_down::Msg::Heartbeat(v1::Heartbeat::default()));
+        if tx.send(beat).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn down_token(i: u32, max: u32) -> Result<v1::GenerateDown, Status> {
+    down(generate_down::Msg::Token(token(i, max)))
+}
+
+type DownStream = Pin<Box<dyn Stream<Item = Result<v1::GenerateDown, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Decode for FakeDecode {
-    async fn reserve(
+    type GenerateStream = DownStream;
+
+    async fn generate(
         &self,
-        r: Request<v1::ReserveRequest>,
-    ) -> Result<Response<v1::ReserveResponse>, Status> {
-        self.calls.push("reserve", r.get_ref().prompt_ids.len());
-        let result = match self.reserve {
-            ReserveScript::Fail(code) => return Err(Status::new(code, "scripted failure")),
-            ReserveScript::Busy => reserve_response::Result::Busy("full".into()),
-            ReserveScript::Reserve => reserve_response::Result::Reserved(v1::Reserved {
-                xfer_id: self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1,
-                epoch: 1,
-                block_ids: vec![0],
-                kv_endpoint: "127.0.0.1:1".into(),
-                lease_ms: 10_000,
-                layout: None,
-            }),
+        r: Request<Streaming<v1::GenerateUp>>,
+    ) -> Result<Response<DownStream>, Status> {
+        let mut up = r.into_inner();
+        let Some(v1::GenerateUp {
+            msg: Some(generate_up::Msg::Start(start)),
+        }) = up.message().await?
+        else {
+            return Err(Status::invalid_argument("expected GenerateStart"));
         };
-        Ok(Response::new(v1::ReserveResponse {
-            result: Some(result),
-        }))
-    }
-
-    type StreamStream = TokenStream;
-
-    async fn stream(&self, r: Request<v1::StreamRequest>) -> Result<Response<TokenStream>, Status> {
-        let xfer_id = r.get_ref().xfer_id;
-        self.calls.push("stream", xfer_id);
+        let spec = start.spec.unwrap_or_default();
+        let max = spec.stopping.map_or(4, |s| s.max_new_tokens);
+        self.calls.push(
+            "start",
+            format!(
+                "prompt={} generated={} local={} epoch={}",
+                spec.prompt_ids.len(),
+                spec.num_generated,
+                start.local_prefill,
+                start.epoch
+            ),
+        );
+        match self.script {
+            DecodeScript::NoRoom => return Err(Status::resource_exhausted("out of KV blocks")),
+            DecodeScript::Fail(code) => return Err(Status::new(code, "scripted failure")),
+            _ => {}
+        }
         let (tx, rx) = mpsc::channel(64);
-        match self.rest {
-            // The whole script at once, then the end of the stream, as after a last token.
-            Some(n) => {
-                for t in tokens(1, n) {
-                    tx.try_send(Ok(t)).expect("room for the script");
+        let alive = CancellationToken::new();
+        tokio::spawn(heartbeats(tx.clone(), alive.clone()));
+        if start.local_prefill {
+            self.stream(spec.num_generated, max, tx.clone(), alive);
+        } else {
+            let xfer_id = self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1;
+            tx.try_send(down(generate_down::Msg::Reserved(reserved(
+                xfer_id,
+                start.epoch,
+            ))))
+            .expect("room");
+            self.waiting.lock().expect("no panics").insert(
+                xfer_id,
+                Waiting {
+                    epoch: start.epoch,
+                    from: spec.num_generated,
+                    max,
+                    down: tx.clone(),
+                    alive,
+                },
+            );
+            // Reprefills move the reservation to a newer epoch, or here.
+            let (this, calls) = (self.clone(), self.calls.clone());
+            tokio::spawn(async move {
+                while let Ok(Some(v1::GenerateUp {
+                    msg: Some(generate_up::Msg::Reprefill(r)),
+                })) = up.message().await
+                {
+                    calls.push(
+                        "reprefill",
+                        format!("epoch={} local={}", r.epoch, r.local_prefill),
+                    );
+                    let mut waiting = this.waiting.lock().expect("no panics");
+                    if r.local_prefill {
+                        if let Some(w) = waiting.remove(&xfer_id) {
+                            this.stream(w.from, w.max, w.down, w.alive);
+                        }
+                    } else if let Some(w) = waiting.get_mut(&xfer_id) {
+                        w.epoch = r.epoch;
+                        let _ = w.down.try_send(down(generate_down::Msg::Reserved(reserved(
+                            xfer_id, r.epoch,
+                        ))));
+                    }
                 }
-            }
-            // Open until the transfer is cancelled.
-            None => {
-                self.streams
-                    .lock()
-                    .expect("no test panics holding it")
-                    .insert(xfer_id, tx);
-            }
+            });
         }
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    type LocalGenerateStream = TokenStream;
-
-    async fn local_generate(
-        &self,
-        r: Request<v1::LocalGenerateRequest>,
-    ) -> Result<Response<TokenStream>, Status> {
-        let r = r.into_inner();
-        let prompt: Vec<String> = r.prompt_ids.iter().map(u32::to_string).collect();
-        self.calls.push("local_generate", prompt.join(","));
-        let n = r.stopping.map_or(4, |s| s.max_new_tokens);
-        let items: Vec<Result<v1::Token, Status>> = tokens(0, n).into_iter().map(Ok).collect();
-        Ok(Response::new(Box::pin(futures::stream::iter(items))))
-    }
-
     async fn done(
         &self,
-        _: Request<v1::DoneRequest>,
+        r: Request<v1::DoneRequest>,
     ) -> Result<Response<v1::DoneResponse>, Status> {
-        Err(Status::unimplemented("fake decode nodes get no Done"))
+        let d = r.into_inner();
+        self.calls
+            .push("done", format!("xfer={} epoch={}", d.xfer_id, d.epoch));
+        let w = {
+            let mut waiting = self.waiting.lock().expect("no panics");
+            match waiting.get(&d.xfer_id) {
+                None => return Err(Status::not_found("no reservation")),
+                Some(w) if w.epoch != d.epoch => {
+                    return Err(Status::invalid_argument("stale epoch"))
+                }
+                Some(_) => waiting.remove(&d.xfer_id).expect("present"),
+            }
+        };
+        self.stream(w.from, w.max, w.down, w.alive);
+        Ok(Response::new(v1::DoneResponse {}))
     }
 
-    async fn cancel(
+    async fn renew(
         &self,
-        r: Request<v1::CancelRequest>,
-    ) -> Result<Response<v1::CancelResponse>, Status> {
-        let xfer_id = r.get_ref().xfer_id;
-        self.calls.push("cancel", xfer_id);
-        let found = self
-            .streams
-            .lock()
-            .expect("no test panics holding it")
-            .remove(&xfer_id)
-            .is_some();
-        Ok(Response::new(v1::CancelResponse { found }))
+        _: Request<v1::RenewRequest>,
+    ) -> Result<Response<v1::RenewResponse>, Status> {
+        Ok(Response::new(v1::RenewResponse { lease_ms: 10_000 }))
+    }
+}
+
+fn reserved(xfer_id: u64, epoch: u64) -> v1::Reserved {
+    v1::Reserved {
+        xfer_id,
+        epoch,
+        block_ids: vec![0],
+        kv_endpoint: "127.0.0.1:1".into(),
+        lease_ms: 10_000,
+        layout: None,
     }
 }
 
@@ -190,52 +300,81 @@ impl Decode for FakeDecode {
 struct FakePrefill {
     script: PrefillScript,
     calls: Calls,
-    /// Notified when the node "dies": its CacheEvents stream breaks.
-    died: Arc<Notify>,
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<v1::PrefillEvent, Status>> + Send>>;
+
+fn event(e: prefill_event::Event) -> Result<v1::PrefillEvent, Status> {
+    Ok(v1::PrefillEvent { event: Some(e) })
 }
 
 #[tonic::async_trait]
 impl Prefill for FakePrefill {
+    type PrefillStream = EventStream;
+
     async fn prefill(
         &self,
         r: Request<v1::PrefillRequest>,
-    ) -> Result<Response<v1::PrefillResponse>, Status> {
+    ) -> Result<Response<EventStream>, Status> {
         let r = r.into_inner();
-        self.calls
-            .push("prefill", r.dest.as_ref().map_or(0, |d| d.xfer_id));
-        let first = match self.script {
-            PrefillScript::Fail(code) => return Err(Status::new(code, "scripted failure")),
-            PrefillScript::Answer(id) => id,
-            PrefillScript::AnswerThenDie(id) => {
-                // After the answer has left: the window the resume covers.
-                let died = Arc::clone(&self.died);
-                tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    died.notify_one();
-                });
-                id
+        let dest = r.dest.unwrap_or_default();
+        let spec = r.spec.unwrap_or_default();
+        self.calls.push(
+            "prefill",
+            format!("xfer={} epoch={}", dest.xfer_id, dest.epoch),
+        );
+        if let PrefillScript::Fail(code) = self.script {
+            return Err(Status::new(code, "scripted failure"));
+        }
+        let max = spec.stopping.map_or(4, |s| s.max_new_tokens);
+        let first = token(spec.num_generated, max);
+        let (tx, rx) = mpsc::channel(8);
+        let script = self.script;
+        tokio::spawn(async move {
+            match script {
+                PrefillScript::Hang => return tx.closed().await,
+                PrefillScript::Fail(_) => unreachable!("answered above"),
+                PrefillScript::Push | PrefillScript::DieMidPush => {}
             }
-        };
-        Ok(Response::new(v1::PrefillResponse {
-            first_token: Some(v1::Token {
-                token_id: first,
-                text: " first".into(),
+            let first_event = prefill_event::Event::First(v1::FirstToken {
+                token: Some(first.clone()),
+                num_tokens: spec.prompt_ids.len() as u32,
                 ..Default::default()
-            }),
-            num_tokens: r.prompt_ids.len() as u32,
-            cached_tokens: 0,
-            prefill_us: 1,
-        }))
+            });
+            let _ = tx.send(event(first_event)).await;
+            if matches!(script, PrefillScript::DieMidPush) {
+                let _ = tx.send(Err(Status::unavailable("connection reset"))).await;
+                return;
+            }
+            let done = async {
+                let mut client = DecodeClient::connect(format!("http://{}", dest.decode_endpoint))
+                    .await
+                    .map_err(|e| Status::unavailable(e.to_string()))?;
+                client
+                    .done(v1::DoneRequest {
+                        xfer_id: dest.xfer_id,
+                        epoch: dest.epoch,
+                        first_token: Some(first),
+                        ..Default::default()
+                    })
+                    .await
+            };
+            let _ = match done.await {
+                Ok(_) => tx.send(event(prefill_event::Event::Pushed(true))).await,
+                Err(s) => tx.send(Err(s)).await,
+            };
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
-/// The `Node` service of a fake: its Info, and a CacheEvents stream that breaks when the node
-/// dies.
+/// The `Node` service of a fake: its Info and an idle CacheEvents stream.
 #[derive(Clone)]
 struct FakeNodeRpc {
     role: Role,
-    died: Arc<Notify>,
 }
+
+type CacheEventStream = Pin<Box<dyn Stream<Item = Result<v1::CacheEventBatch, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl NodeRpc for FakeNodeRpc {
@@ -255,31 +394,24 @@ impl NodeRpc for FakeNodeRpc {
         Err(Status::unimplemented("fake"))
     }
 
-    type CacheEventsStream = TokenlessEvents;
+    type CacheEventsStream = CacheEventStream;
 
     async fn cache_events(
         &self,
         _: Request<v1::CacheEventsRequest>,
-    ) -> Result<Response<TokenlessEvents>, Status> {
+    ) -> Result<Response<CacheEventStream>, Status> {
         let snapshot = v1::CacheEventBatch {
             seq: 1,
             snapshot: true,
             events: Vec::new(),
             block_size: 16,
         };
-        let died = Arc::clone(&self.died);
-        let broken = async move {
-            died.notified().await;
-            Err(Status::unavailable("connection reset"))
-        };
         Ok(Response::new(Box::pin(futures::StreamExt::chain(
             futures::stream::once(async move { Ok(snapshot) }),
-            futures::stream::once(broken),
+            futures::stream::pending(),
         ))))
     }
 }
-
-type TokenlessEvents = Pin<Box<dyn Stream<Item = Result<v1::CacheEventBatch, Status>> + Send>>;
 
 /// A fake node serving on a free loopback port until the test ends.
 pub(crate) struct FakeNode {
@@ -301,23 +433,16 @@ async fn serve(router: tonic::transport::server::Router) -> (String, Cancellatio
     (endpoint, stop)
 }
 
-/// A decode node answering Reserve with `reserve`, whose streams yield `rest` tokens after
-/// the first (`None`: never).
-pub(crate) async fn decode(reserve: ReserveScript, rest: Option<u32>) -> FakeNode {
+pub(crate) async fn decode(script: DecodeScript) -> FakeNode {
     let calls = Calls::default();
-    let died = Arc::new(Notify::new());
     let router = tonic::transport::Server::builder()
         .add_service(DecodeServer::new(FakeDecode {
-            reserve,
-            rest,
+            script,
             calls: calls.clone(),
             next_xfer: Arc::new(AtomicU64::new(0)),
-            streams: Arc::new(Mutex::new(HashMap::new())),
+            waiting: Arc::new(Mutex::new(HashMap::new())),
         }))
-        .add_service(NodeServer::new(FakeNodeRpc {
-            role: Role::Decode,
-            died,
-        }));
+        .add_service(NodeServer::new(FakeNodeRpc { role: Role::Decode }));
     let (endpoint, stop) = serve(router).await;
     FakeNode {
         endpoint,
@@ -328,16 +453,13 @@ pub(crate) async fn decode(reserve: ReserveScript, rest: Option<u32>) -> FakeNod
 
 pub(crate) async fn prefill(script: PrefillScript) -> FakeNode {
     let calls = Calls::default();
-    let died = Arc::new(Notify::new());
     let router = tonic::transport::Server::builder()
         .add_service(PrefillServer::new(FakePrefill {
             script,
             calls: calls.clone(),
-            died: Arc::clone(&died),
         }))
         .add_service(NodeServer::new(FakeNodeRpc {
             role: Role::Prefill,
-            died,
         }));
     let (endpoint, stop) = serve(router).await;
     FakeNode {
@@ -367,8 +489,28 @@ impl RoutingPolicy for InOrder {
     }
 }
 
+/// The stall deadline the tests use: short, so a hang is found fast.
+pub(crate) const TEST_STALL: Duration = Duration::from_millis(400);
+
 /// A backend over the fakes, once every one of them answers `Info`.
 pub(crate) async fn backend(prefills: &[&FakeNode], decodes: &[&FakeNode]) -> ClusterBackend {
+    backend_with(
+        prefills,
+        decodes,
+        ClusterConfig {
+            max_local_prefill_tokens: 0,
+            max_stall: TEST_STALL,
+            migration_limit: 2,
+        },
+    )
+    .await
+}
+
+pub(crate) async fn backend_with(
+    prefills: &[&FakeNode],
+    decodes: &[&FakeNode],
+    config: ClusterConfig,
+) -> ClusterBackend {
     let endpoints =
         |nodes: &[&FakeNode]| -> Vec<String> { nodes.iter().map(|n| n.endpoint.clone()).collect() };
     let discovery = StaticDiscovery::new(&endpoints(prefills), &endpoints(decodes));
@@ -379,17 +521,11 @@ pub(crate) async fn backend(prefills: &[&FakeNode], decodes: &[&FakeNode]) -> Cl
         async move { all }
     })
     .await;
-    ClusterBackend::new(
-        pools,
-        ClusterConfig {
-            max_local_prefill_tokens: 0,
-        },
-        Box::new(InOrder),
-    )
+    ClusterBackend::new(pools, config, Box::new(InOrder))
 }
 
-/// A 5-token prompt for 4 new tokens.
-pub(crate) fn request() -> ValidRequest {
+/// A 5-token prompt for `max_new_tokens` new tokens.
+pub(crate) fn request(max_new_tokens: usize) -> ValidRequest {
     ValidRequest {
         request_id: crate::request::RequestId("req-1".into()),
         prompt_ids: vec![11, 12, 13, 14, 15],
@@ -402,7 +538,7 @@ pub(crate) fn request() -> ValidRequest {
             top_n_logprobs: 0,
         },
         stopping: StoppingParams {
-            max_new_tokens: 4,
+            max_new_tokens,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             ignore_eos: false,
@@ -411,17 +547,41 @@ pub(crate) fn request() -> ValidRequest {
     }
 }
 
-/// Reads a stream to its end: the token ids and the finish reason of the last one.
-pub(crate) async fn drain(
-    mut stream: crate::request::TokenStream,
-) -> (Vec<u32>, Vec<usize>, Option<FinishReason>) {
+/// What a client read from a stream.
+#[derive(Debug)]
+pub(crate) struct Read {
+    pub(crate) ids: Vec<u32>,
+    pub(crate) indices: Vec<usize>,
+    pub(crate) finish: Option<FinishReason>,
+    pub(crate) error: Option<crate::error::GatewayError>,
+}
+
+/// Reads a stream to its end.
+pub(crate) async fn drain(mut stream: crate::request::TokenStream) -> Read {
     use futures::StreamExt;
-    let (mut ids, mut indices, mut finish) = (Vec::new(), Vec::new(), None);
+    let mut read = Read {
+        ids: Vec::new(),
+        indices: Vec::new(),
+        finish: None,
+        error: None,
+    };
     while let Some(t) = stream.next().await {
-        let t = t.expect("a token, not an error");
-        ids.push(t.id);
-        indices.push(t.index);
-        finish = t.finish_reason;
+        match t {
+            Ok(t) => {
+                read.ids.push(t.id);
+                read.indices.push(t.index);
+                read.finish = t.finish_reason;
+            }
+            Err(e) => {
+                read.error = Some(e);
+                break;
+            }
+        }
     }
-    (ids, indices, finish)
+    read
+}
+
+/// The ids and indices of an uninterrupted `n`-token stream.
+pub(crate) fn complete(n: u32) -> (Vec<u32>, Vec<usize>) {
+    ((200..200 + n).collect(), (0..n as usize).collect())
 }

@@ -2,15 +2,17 @@
 //! the backend.
 
 pub mod backend;
-mod calls;
-mod cancel;
 pub mod discovery;
+mod driver;
+#[cfg(test)]
+mod driver_tests;
 pub mod etcd_discovery;
 #[cfg(test)]
 mod fake_nodes;
+mod health;
+mod placement;
 pub mod pool;
 pub mod prefix_index;
-mod resume;
 mod retry;
 mod route;
 pub mod routing;

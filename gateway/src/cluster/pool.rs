@@ -13,11 +13,12 @@ use proto::v1::decode_client::DecodeClient;
 use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{CacheEventsRequest, InfoRequest, NodeInfo};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use super::discovery::{Discovery, MemberChange, NodeEntry, NodeKey, Role};
+use super::health::{answers, Health, CHECK_INTERVAL};
 use super::prefix_index::{CacheEvent, PrefixIndex};
 
 /// How long a node that failed a call is skipped: until discovery removes it, or it recovers.
@@ -35,12 +36,10 @@ struct NodeState {
     info: Mutex<Option<NodeInfo>>,
     in_flight: AtomicUsize,
     quarantined_until: Mutex<Option<Instant>>,
-    /// Stops this node's cache-event follower and probe when the node leaves.
+    /// Stops this node's cache-event follower and probes when the node leaves.
     follower: CancellationToken,
-    /// Counts the times this node's `CacheEvents` stream broke with an error: the connection
-    /// died under it, as it does at once when the process is killed. Requests that depend on
-    /// work the node still does after answering (a KV push) watch it.
-    lost: watch::Sender<u64>,
+    /// Whether the node is suspect or lost its registration; see [`Health`].
+    health: Health,
 }
 
 /// One member with its client and load.
@@ -65,10 +64,24 @@ impl Node {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .is_some_and(|t| Instant::now() < t);
-        if quarantined {
+        if quarantined || self.state.health.is_suspect() {
             return false;
         }
         self.entry.registered || self.info().is_some()
+    }
+
+    /// Takes the node out of routing until it answers a health check: it stalled or lost its
+    /// connection, which a dead process and a hung one look alike in.
+    pub fn suspect(&self, why: &str) {
+        if self.state.health.mark_suspect() {
+            tracing::warn!(node_id = %self.entry.node_id, role = self.entry.role.as_str(), why, "node suspect; no new work until it answers a health check");
+            metrics::counter!("fission_gateway_suspect_nodes_total", "role" => self.entry.role.as_str()).increment(1);
+            tokio::spawn(probe_until_healthy(
+                self.entry.node_id.clone(),
+                self.channel.clone(),
+                Arc::clone(&self.state),
+            ));
+        }
     }
 
     pub fn info(&self) -> Option<NodeInfo> {
@@ -77,11 +90,6 @@ impl Node {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
-    }
-
-    /// Changes when the connection to this node breaks; see [`NodeState::lost`].
-    pub fn watch_lost(&self) -> watch::Receiver<u64> {
-        self.state.lost.subscribe()
     }
 
     /// Requests the gateway is running on this node now.
@@ -151,23 +159,37 @@ pub struct Pools {
     nodes: Mutex<HashMap<NodeKey, Arc<Node>>>,
     loads: Option<watch::Receiver<Loads>>,
     prefixes: Arc<Mutex<PrefixIndex>>,
+    /// Nodes whose registration ended without a drain and that then failed a health check:
+    /// the pool's loop removes them.
+    dead_tx: mpsc::UnboundedSender<NodeKey>,
 }
 
 impl Pools {
     /// Keeps the pools in step with discovery's changes, probes static members until they
     /// answer `Info`, and follows every member's prefix cache.
     pub fn spawn(discovery: Arc<dyn Discovery>) -> Arc<Self> {
+        let (dead_tx, mut dead_rx) = mpsc::unbounded_channel();
         let pools = Arc::new(Pools {
             nodes: Mutex::new(HashMap::new()),
             loads: discovery.loads(),
             prefixes: Arc::new(Mutex::new(PrefixIndex::new())),
+            dead_tx,
         });
         let mut changes = discovery.changes();
         let p = Arc::clone(&pools);
         tokio::spawn(async move {
             // Owns the discovery: its watch tasks live as long as this loop.
             let _discovery = discovery;
-            while let Some(change) = changes.recv().await {
+            loop {
+                let change = tokio::select! {
+                    change = changes.recv() => match change {
+                        Some(change) => change,
+                        None => return,
+                    },
+                    Some((role, node_id)) = dead_rx.recv() => {
+                        MemberChange::Remove { role, node_id }
+                    }
+                };
                 p.apply(change);
             }
         });
@@ -188,9 +210,28 @@ impl Pools {
                 }
                 return;
             }
+            MemberChange::Lost { role, node_id } => {
+                // A lease expired without a drain: the node died, or etcd lost it (an outage
+                // ends every lease at once). Keep routing to it while it answers.
+                if let Some(n) = nodes.get(&(role, node_id.clone())) {
+                    if n.state.health.mark_unregistered() {
+                        tracing::warn!(%node_id, role = role.as_str(), "node's registration ended without a drain; keeping it while it answers health checks");
+                        tokio::spawn(check_while_unregistered(
+                            n.key.clone(),
+                            n.channel.clone(),
+                            Arc::clone(&n.state),
+                            self.dead_tx.clone(),
+                        ));
+                    }
+                }
+                return;
+            }
             MemberChange::Add(m) | MemberChange::Update(m) => m,
         };
         let old = nodes.get(&m.key()).cloned();
+        if let Some(o) = &old {
+            o.state.health.clear_unregistered();
+        }
         if old.as_ref().is_some_and(|n| n.entry == m) {
             return;
         }
@@ -216,7 +257,7 @@ impl Pools {
                     in_flight: AtomicUsize::new(0),
                     quarantined_until: Mutex::new(None),
                     follower: CancellationToken::new(),
-                    lost: watch::channel(0).0,
+                    health: Health::default(),
                 });
                 tokio::spawn(follow_cache(
                     index_key(m.role, &m.node_id),
@@ -353,8 +394,17 @@ async fn follow_cache(
                 let batch = match msg {
                     Some(Ok(batch)) => batch,
                     Some(Err(status)) => {
+                        // The connection died under it, as it does at once when the process
+                        // is killed: no new work until it answers again.
                         tracing::debug!(node = %key, %status, "cache-event stream broke");
-                        state.lost.send_modify(|n| *n += 1);
+                        if state.health.mark_suspect() {
+                            tracing::warn!(node = %key, "connection to the node broke; no new work until it answers a health check");
+                            tokio::spawn(probe_until_healthy(
+                                key.clone(),
+                                channel.clone(),
+                                Arc::clone(&state),
+                            ));
+                        }
                         break;
                     }
                     // A clean end: the node shut down after finishing its work.
@@ -389,5 +439,46 @@ async fn follow_cache(
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Checks a suspect node until it answers, then routes to it again.
+async fn probe_until_healthy(node: String, channel: Channel, state: Arc<NodeState>) {
+    loop {
+        tokio::select! {
+            _ = state.follower.cancelled() => return,
+            _ = tokio::time::sleep(CHECK_INTERVAL) => {}
+        }
+        if answers(&channel).await {
+            state.health.clear_suspect();
+            tracing::info!(%node, "suspect node answered a health check; routing to it again");
+            return;
+        }
+    }
+}
+
+/// Checks a node whose registration ended without a drain until it registers again (kept) or
+/// fails a check (removed).
+async fn check_while_unregistered(
+    key: NodeKey,
+    channel: Channel,
+    state: Arc<NodeState>,
+    dead_tx: mpsc::UnboundedSender<NodeKey>,
+) {
+    loop {
+        if !state.health.is_unregistered() {
+            return;
+        }
+        if !answers(&channel).await {
+            if state.health.is_unregistered() {
+                tracing::info!(node_id = %key.1, role = key.0.as_str(), "unregistered node failed a health check; removing it");
+                let _ = dead_tx.send(key);
+            }
+            return;
+        }
+        tokio::select! {
+            _ = state.follower.cancelled() => return,
+            _ = tokio::time::sleep(CHECK_INTERVAL) => {}
+        }
     }
 }

@@ -3,12 +3,18 @@
 
 use std::sync::Arc;
 
+use proto::v1;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
+
 use super::backend::ClusterConfig;
-use super::calls::colocated;
 use super::discovery::Role;
+use super::driver::Driver;
+use super::placement::{place, NotPlaced};
 use super::pool::{Node, Pools};
-use super::retry::with_prefill_retries;
 use super::routing::{Candidate, RoutingPolicy};
+use super::wire::spec;
 use crate::error::GatewayError;
 use crate::request::{TokenStream, ValidRequest};
 
@@ -59,50 +65,75 @@ pub(crate) fn rank(
     }
 }
 
-/// Routes `r` and starts it; see the module docs.
+/// Routes `r`: places it on a decode node (holding room there: a reservation, or its place in
+/// the node's queue) and starts the driver that serves it from there. Resolves once the
+/// request is placed; everything after comes on the stream.
 pub(crate) async fn route(
-    pools: &Pools,
+    pools: &Arc<Pools>,
     config: &ClusterConfig,
-    policy: &dyn RoutingPolicy,
+    policy: &Arc<dyn RoutingPolicy>,
     r: ValidRequest,
 ) -> Result<TokenStream, GatewayError> {
-    let ready = pools.ready(Role::Decode);
-    let Some(first) = ready.first() else {
+    if pools.ready(Role::Decode).is_empty() {
         return Err(GatewayError::Unavailable {
             reason: "no decode node is ready".into(),
         });
-    };
-    let block_size = first.block_size();
-    let hashes = prefix_hash::block_hashes(&r.prompt_ids, block_size);
-    let rank_role = |role| rank(pools, policy, role, &r.prompt_ids, block_size, &hashes);
-    let decodes = rank_role(Role::Decode);
-    let prefills = rank_role(Role::Prefill);
-    let span = tracing::Span::current();
-    span.record("decode_reason", decodes.reason.as_str());
-    let short = r.prompt_ids.len() < config.max_local_prefill_tokens;
-    if prefills.nodes.is_empty() || short {
-        let why = if short {
-            "short_prompt"
-        } else {
-            "no_prefill_node"
-        };
-        metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => why)
-            .increment(1);
-        span.record("mode", "colocated");
-        span.record("prefill_reason", why);
-        tracing::debug!(request_id = %r.request_id, mode = "colocated", reason = why, decode_reason = %decodes.reason, "route");
-        return colocated(&decodes.nodes, &r).await;
     }
-    metrics::counter!("fission_gateway_route_total", "mode" => "disaggregated", "reason" => "default").increment(1);
-    span.record("mode", "disaggregated");
-    span.record("prefill_reason", prefills.reason.as_str());
-    tracing::debug!(
-        request_id = %r.request_id,
-        mode = "disaggregated",
-        policy = policy.name(),
-        decode_reason = %decodes.reason,
-        prefill_reason = %prefills.reason,
-        "route"
+    let (out, tokens) = mpsc::channel(64);
+    let driver = Driver {
+        pools: Arc::clone(pools),
+        policy: Arc::clone(policy),
+        config: config.clone(),
+        request: r,
+        emitted: Vec::new(),
+        epoch: 1,
+        migrations: 0,
+        prefill_attempts: 0,
+        out,
+    };
+    let span = tracing::Span::current();
+    let prompt = &driver.request.prompt_ids;
+    let block_size = pools.ready(Role::Decode)[0].block_size();
+    let hashes = prefix_hash::block_hashes(prompt, block_size);
+    let decodes = rank(
+        pools,
+        policy.as_ref(),
+        Role::Decode,
+        prompt,
+        block_size,
+        &hashes,
     );
-    with_prefill_retries(&decodes.nodes, &prefills.nodes, &r).await
+    span.record("decode_reason", decodes.reason.as_str());
+    let local = driver.prefill_locally();
+    let (mode, reason) = if !local {
+        let prefills = rank(
+            pools,
+            policy.as_ref(),
+            Role::Prefill,
+            prompt,
+            block_size,
+            &hashes,
+        );
+        span.record("prefill_reason", prefills.reason.as_str());
+        ("disaggregated", "default")
+    } else if prompt.len() < config.max_local_prefill_tokens {
+        ("colocated", "short_prompt")
+    } else {
+        ("colocated", "no_prefill_node")
+    };
+    metrics::counter!("fission_gateway_route_total", "mode" => mode, "reason" => reason)
+        .increment(1);
+    span.record("mode", mode);
+    tracing::debug!(request_id = %driver.request.request_id, mode, reason, decode_reason = %decodes.reason, "route");
+    let start = v1::GenerateStart {
+        spec: Some(spec(&driver.request, &[])),
+        local_prefill: local,
+        epoch: driver.epoch,
+    };
+    let call = place(&decodes.nodes, start)
+        .await
+        .map_err(NotPlaced::into_error)?;
+    span.record("decode_node", call.node.entry.node_id.as_str());
+    tokio::spawn(driver.run(call).instrument(span));
+    Ok(Box::pin(ReceiverStream::new(tokens)))
 }

@@ -40,6 +40,19 @@ pub(crate) fn finish_reason(f: v1::FinishReason) -> Option<FinishReason> {
     }
 }
 
+/// What the nodes generate for `r`, resuming after the `emitted` tokens the client has.
+pub(crate) fn spec(r: &ValidRequest, emitted: &[u32]) -> v1::GenerationSpec {
+    let mut prompt_ids = r.prompt_ids.clone();
+    prompt_ids.extend_from_slice(emitted);
+    v1::GenerationSpec {
+        request_id: r.request_id.to_string(),
+        prompt_ids,
+        num_generated: emitted.len() as u32,
+        sampling: Some(sampling(r)),
+        stopping: Some(stopping(r)),
+    }
+}
+
 pub(crate) fn generated(t: v1::Token) -> GeneratedToken {
     GeneratedToken {
         id: t.token_id,

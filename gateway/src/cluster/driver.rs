@@ -1,0 +1,501 @@
+//! One request's life on the cluster once it is placed: the task that reads its decode stream
+//! and, for remote prefill, its prefill call, and hands the tokens to the client's stream.
+//!
+//! Every hop has a progress deadline. Nodes heartbeat while they have nothing else to say, so
+//! silence for `max_stall` means a hung or dead node; while a decode node generates, a token is
+//! due every step, so a gap beyond `max_stall` (or 8 times the request's own time per output
+//! token, when that is longer) is a stall too. A stalled node is marked suspect: it takes no new
+//! work until a health check passes.
+//!
+//! - A prefill attempt that fails or stalls is retried into the same reservation at the next
+//!   epoch (Reprefill) on another prefill node; after `MAX_PREFILL_ATTEMPTS`, the decode node
+//!   prefills the prompt itself. Stale frames, Done and Renew of the old attempt are refused by
+//!   the decode node.
+//! - A decode node that fails or stalls mid-stream loses the request: it is placed again, on
+//!   another decode node, with the prompt plus every token already streamed as its prompt
+//!   (`num_generated` of them). A request's random draws depend only on its seed and the
+//!   position, and the new node's text and stop-string state are primed with the streamed
+//!   tokens, so the client sees the uninterrupted text: no token twice, none missing, one
+//!   finish. At most `migration_limit` times; after that, or when no node takes it within
+//!   [`MIGRATION_TIMEOUT`], the stream ends with an error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::v1::{self, generate_down, generate_up, prefill_event};
+use proto::ErrorCode;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Streaming;
+
+use super::backend::ClusterConfig;
+use super::discovery::Role;
+use super::placement::{place, DecodeCall, NotPlaced};
+use super::pool::{InFlight, Node, Pools};
+use super::retry::{node_failed, MAX_PREFILL_ATTEMPTS};
+use super::route::rank;
+use super::routing::RoutingPolicy;
+use super::wire::{generated, spec, upstream};
+use crate::error::GatewayError;
+use crate::request::{GeneratedToken, ValidRequest};
+
+/// How long a request may look for a new decode node after it lost one.
+pub(crate) const MIGRATION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a stall deadline stretches for slow requests: this many times their own TPOT.
+const STALL_TPOT_FACTOR: u32 = 8;
+
+pub(crate) type Out = mpsc::Sender<Result<GeneratedToken, GatewayError>>;
+
+/// What ended the request's time on one decode node.
+enum Served {
+    /// The last token is out, or the client left.
+    Done,
+    /// The decode node failed or stalled: move the request.
+    DecodeLost {
+        why: String,
+        stalled: bool,
+    },
+    /// The decode node gave the reservation up (its prefill node stopped renewing it): place
+    /// the request again, on any node.
+    ReservationLost(String),
+    Fail(GatewayError),
+}
+
+/// The request's prefill attempt in flight.
+struct PrefillAttempt {
+    node: Arc<Node>,
+    events: Streaming<v1::PrefillEvent>,
+    last_event: Instant,
+    _in_flight: InFlight,
+}
+
+pub(crate) struct Driver {
+    pub(crate) pools: Arc<Pools>,
+    pub(crate) policy: Arc<dyn RoutingPolicy>,
+    pub(crate) config: ClusterConfig,
+    pub(crate) request: ValidRequest,
+    /// The ids of the tokens the client has been sent, in order.
+    pub(crate) emitted: Vec<u32>,
+    /// The request's attempt: one more on every prefill retry and every migration.
+    pub(crate) epoch: u64,
+    pub(crate) migrations: usize,
+    pub(crate) prefill_attempts: usize,
+    pub(crate) out: Out,
+}
+
+impl Driver {
+    /// Serves the request from `call` to its end, migrating as needed.
+    pub(crate) async fn run(mut self, mut call: DecodeCall) {
+        loop {
+            let node = Arc::clone(&call.node);
+            let served = self.serve(call).await;
+            let reason = match served {
+                Served::Done => return,
+                Served::Fail(e) => {
+                    let _ = self.out.send(Err(e)).await;
+                    return;
+                }
+                Served::DecodeLost { why, stalled } => {
+                    if stalled {
+                        node.suspect("stalled mid-stream");
+                    } else {
+                        node.quarantine();
+                    }
+                    if self.migrations >= self.config.migration_limit {
+                        let e = GatewayError::Unavailable {
+                            reason: format!(
+                                "decode node {} {why}, and the request has moved {} times (--migration-limit)",
+                                node.entry.node_id, self.migrations
+                            ),
+                        };
+                        let _ = self.out.send(Err(e)).await;
+                        return;
+                    }
+                    self.migrations += 1;
+                    tracing::warn!(request_id = %self.request.request_id, node_id = %node.entry.node_id, %why, generated = self.emitted.len(), "decode node lost; migrating the request");
+                    if stalled {
+                        "stalled"
+                    } else {
+                        "failed"
+                    }
+                }
+                Served::ReservationLost(why) => {
+                    tracing::info!(request_id = %self.request.request_id, %why, "reservation lost; placing the request again");
+                    self.prefill_attempts += 1;
+                    "reservation_lost"
+                }
+            };
+            metrics::counter!("fission_gateway_migrations_total", "reason" => reason).increment(1);
+            self.epoch += 1;
+            call = match self.replace().await {
+                Ok(call) => call,
+                Err(e) => {
+                    let _ = self.out.send(Err(e)).await;
+                    return;
+                }
+            };
+        }
+    }
+
+    /// Places the request again, from where it is, within [`MIGRATION_TIMEOUT`].
+    async fn replace(&mut self) -> Result<DecodeCall, GatewayError> {
+        let deadline = Instant::now() + MIGRATION_TIMEOUT;
+        loop {
+            let decodes = self.ranked(Role::Decode);
+            let local = self.prefill_locally();
+            let start = v1::GenerateStart {
+                spec: Some(spec(&self.request, &self.emitted)),
+                local_prefill: local,
+                epoch: self.epoch,
+            };
+            match place(&decodes, start).await {
+                Ok(call) => return Ok(call),
+                Err(NotPlaced::Refused(e)) => return Err(e),
+                Err(not_placed) if Instant::now() >= deadline => {
+                    let e = not_placed.into_error();
+                    return Err(GatewayError::Unavailable {
+                        reason: format!("no decode node took the request back within 10 s: {e}"),
+                    });
+                }
+                Err(_) => {
+                    tokio::select! {
+                        () = self.out.closed() => return Err(GatewayError::Unavailable { reason: "the client left".into() }),
+                        () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Local prefill when the prompt is short, when no prefill node is ready, or when the
+    /// request has used up its prefill attempts.
+    pub(crate) fn prefill_locally(&self) -> bool {
+        self.request.prompt_ids.len() + self.emitted.len() < self.config.max_local_prefill_tokens
+            || self.prefill_attempts >= MAX_PREFILL_ATTEMPTS
+            || self.pools.ready(Role::Prefill).is_empty()
+    }
+
+    fn ranked(&self, role: Role) -> Vec<Arc<Node>> {
+        let prompt = self.prompt_ids();
+        let block_size = self
+            .pools
+            .ready(Role::Decode)
+            .first()
+            .map_or(16, |n| n.block_size());
+        let hashes = prefix_hash::block_hashes(&prompt, block_size);
+        rank(
+            &self.pools,
+            self.policy.as_ref(),
+            role,
+            &prompt,
+            block_size,
+            &hashes,
+        )
+        .nodes
+    }
+
+    fn prompt_ids(&self) -> Vec<u32> {
+        let mut ids = self.request.prompt_ids.clone();
+        ids.extend_from_slice(&self.emitted);
+        ids
+    }
+
+    /// Reads the request's streams on one decode node until it ends there.
+    async fn serve(&mut self, mut call: DecodeCall) -> Served {
+        let _decode_in_flight = InFlight::new(&call.node);
+        let mut prefill: Option<PrefillAttempt> = None;
+        if let Some(reserved) = call.reserved.take() {
+            match self.start_prefill(&call, &reserved).await {
+                Ok(attempt) => prefill = attempt,
+                Err(served) => return served,
+            }
+        }
+        let mut decode_seen = Instant::now();
+        let mut last_token: Option<Instant> = None;
+        let mut tpot: Option<Duration> = None;
+        let mut generating = false;
+        if let Some(first) = call.first.take() {
+            if let Some(served) = self
+                .on_decode(first, &mut generating, &mut last_token, &mut tpot)
+                .await
+            {
+                return served;
+            }
+        }
+        loop {
+            // A generating node owes a token every step; any node owes a message per heartbeat.
+            let stall = self.stall_limit(tpot);
+            let decode_deadline = match (generating, last_token) {
+                (true, Some(t)) => t.max(decode_seen) + stall,
+                _ => decode_seen + self.config.max_stall,
+            };
+            let prefill_deadline = prefill
+                .as_ref()
+                .map(|p| p.last_event + self.config.max_stall);
+            let deadline = prefill_deadline.map_or(decode_deadline, |p| p.min(decode_deadline));
+            tokio::select! {
+                biased;
+                () = self.out.closed() => return Served::Done,
+                msg = call.down.message() => {
+                    decode_seen = Instant::now();
+                    match msg {
+                        Ok(Some(down)) => {
+                            if let Some(generate_down::Msg::Reserved(r)) = &down.msg {
+                                match self.start_prefill(&call, r).await {
+                                    Ok(attempt) => prefill = attempt,
+                                    Err(served) => return served,
+                                }
+                                continue;
+                            }
+                            if let Some(served) = self
+                                .on_decode(down, &mut generating, &mut last_token, &mut tpot)
+                                .await
+                            {
+                                return served;
+                            }
+                        }
+                        Ok(None) => {
+                            return Served::DecodeLost { why: "ended the stream early".into(), stalled: false };
+                        }
+                        Err(s) if s.code() == tonic::Code::DeadlineExceeded => {
+                            return Served::ReservationLost(s.message().to_string());
+                        }
+                        Err(s) if node_failed(&s) => {
+                            return Served::DecodeLost { why: format!("failed: {}", s.message()), stalled: false };
+                        }
+                        Err(s) => return Served::Fail(upstream(s)),
+                    }
+                }
+                event = next_event(&mut prefill) => {
+                    match self.on_prefill_event(&call, &mut prefill, event).await {
+                        Ok(()) => {}
+                        Err(served) => return served,
+                    }
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    let now = Instant::now();
+                    if prefill_deadline.is_some_and(|d| now >= d) {
+                        if let Some(p) = prefill.take() {
+                            p.node.suspect("stalled on a prompt");
+                            let why = format!("prefill node {} sent nothing for {:?}", p.node.entry.node_id, self.config.max_stall);
+                            if let Err(served) = self.retry_prefill(&call, why).await {
+                                return served;
+                            }
+                        }
+                        continue;
+                    }
+                    let why = if generating {
+                        format!("sent no token for {stall:?}")
+                    } else {
+                        format!("sent nothing for {:?}", self.config.max_stall)
+                    };
+                    return Served::DecodeLost { why, stalled: true };
+                }
+            }
+        }
+    }
+
+    /// How long a generating node may go without a token.
+    fn stall_limit(&self, tpot: Option<Duration>) -> Duration {
+        tpot.map_or(self.config.max_stall, |t| {
+            self.config.max_stall.max(t * STALL_TPOT_FACTOR)
+        })
+    }
+
+    /// A message from the decode node. `Some` ends the request there.
+    async fn on_decode(
+        &mut self,
+        down: v1::GenerateDown,
+        generating: &mut bool,
+        last_token: &mut Option<Instant>,
+        tpot: &mut Option<Duration>,
+    ) -> Option<Served> {
+        match down.msg {
+            Some(generate_down::Msg::Token(t)) => {
+                let now = Instant::now();
+                if let Some(prev) = *last_token {
+                    let gap = now - prev;
+                    // A smoothed time per output token: one slow step does not stretch it much.
+                    *tpot = Some(tpot.map_or(gap, |t| (t * 4 + gap) / 5));
+                }
+                *last_token = Some(now);
+                *generating = true;
+                self.emit(generated(t)).await
+            }
+            Some(generate_down::Msg::Heartbeat(h)) => {
+                if h.phase() == v1::Phase::Running && last_token.is_none() {
+                    // Tokens are due from now on.
+                    *last_token = Some(Instant::now());
+                    *generating = true;
+                }
+                None
+            }
+            Some(generate_down::Msg::Reserved(_)) | None => None,
+        }
+    }
+
+    /// Sends `token` to the client unless it was sent already (a migrated or retried request
+    /// sees its streamed tokens again). `Some(Done)` after the last token or when the client
+    /// is gone.
+    async fn emit(&mut self, token: GeneratedToken) -> Option<Served> {
+        let expected = self.emitted.len();
+        if token.index < expected {
+            return None;
+        }
+        if token.index > expected {
+            return Some(Served::Fail(GatewayError::backend(
+                ErrorCode::Internal,
+                format!(
+                    "token {} arrived before token {expected}: the stream lost tokens",
+                    token.index
+                ),
+            )));
+        }
+        self.emitted.push(token.id);
+        let last = token.finish_reason.is_some();
+        if self.out.send(Ok(token)).await.is_err() || last {
+            return Some(Served::Done);
+        }
+        None
+    }
+
+    /// Starts a prefill attempt into `reserved` on the best ready prefill node; with none (or
+    /// attempts used up), has the decode node prefill the prompt itself.
+    async fn start_prefill(
+        &mut self,
+        call: &DecodeCall,
+        reserved: &v1::Reserved,
+    ) -> Result<Option<PrefillAttempt>, Served> {
+        loop {
+            let prefills = self.ranked(Role::Prefill);
+            let Some(node) = prefills.first().filter(|_| !self.prefill_locally()) else {
+                self.reprefill(call, true).await?;
+                return Ok(None);
+            };
+            let request = v1::PrefillRequest {
+                spec: Some(spec(&self.request, &self.emitted)),
+                dest: Some(v1::KvDestination {
+                    kv_endpoint: reserved.kv_endpoint.clone(),
+                    xfer_id: reserved.xfer_id,
+                    epoch: reserved.epoch,
+                    block_ids: reserved.block_ids.clone(),
+                    decode_endpoint: call.node.entry.grpc_endpoint.clone(),
+                    layout: reserved.layout,
+                    lease_ms: reserved.lease_ms,
+                }),
+            };
+            let span = tracing::Span::current();
+            span.record("prefill_node", node.entry.node_id.as_str());
+            let in_flight = InFlight::new(node);
+            match node
+                .prefill_client()
+                .prefill(telemetry::with_trace(request))
+                .await
+            {
+                Ok(events) => {
+                    return Ok(Some(PrefillAttempt {
+                        node: Arc::clone(node),
+                        events: events.into_inner(),
+                        last_event: Instant::now(),
+                        _in_flight: in_flight,
+                    }))
+                }
+                Err(s) if node_failed(&s) => {
+                    node.quarantine();
+                    self.prefill_attempts += 1;
+                    metrics::counter!("fission_gateway_prefill_retries_total").increment(1);
+                    tracing::info!(request_id = %self.request.request_id, prefill_node = %node.entry.node_id, error = %s.message(), "prefill node failed to take the prompt; trying the next");
+                    // The reservation is untouched: try the next node at the same epoch.
+                }
+                Err(s) => return Err(Served::Fail(upstream(s))),
+            }
+        }
+    }
+
+    async fn on_prefill_event(
+        &mut self,
+        call: &DecodeCall,
+        prefill: &mut Option<PrefillAttempt>,
+        event: Result<Option<v1::PrefillEvent>, tonic::Status>,
+    ) -> Result<(), Served> {
+        let Some(attempt) = prefill.as_mut() else {
+            return Ok(());
+        };
+        attempt.last_event = Instant::now();
+        match event {
+            Ok(Some(v1::PrefillEvent { event: Some(e) })) => match e {
+                prefill_event::Event::First(first) => {
+                    if let Some(token) = first.token {
+                        if let Some(served) = self.emit(generated(token)).await {
+                            return Err(served);
+                        }
+                    }
+                    Ok(())
+                }
+                prefill_event::Event::Pushed(_) => {
+                    *prefill = None;
+                    Ok(())
+                }
+                prefill_event::Event::Heartbeat(_) => Ok(()),
+            },
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => {
+                let node = prefill.take().map(|p| p.node);
+                let why = format!(
+                    "prefill node {} ended the call before its push",
+                    node.map(|n| n.entry.node_id.clone()).unwrap_or_default()
+                );
+                self.retry_prefill(call, why).await
+            }
+            Err(s) if node_failed(&s) || s.code() == tonic::Code::DataLoss => {
+                if let Some(p) = prefill.take() {
+                    p.node.quarantine();
+                }
+                self.retry_prefill(call, s.message().to_string()).await
+            }
+            Err(s) => Err(Served::Fail(upstream(s))),
+        }
+    }
+
+    /// The prefill attempt failed: the next one goes into the same reservation at a newer
+    /// epoch, on another prefill node (or here, once attempts are used up).
+    async fn retry_prefill(&mut self, call: &DecodeCall, why: String) -> Result<(), Served> {
+        self.prefill_attempts += 1;
+        metrics::counter!("fission_gateway_prefill_retries_total").increment(1);
+        tracing::info!(request_id = %self.request.request_id, attempt = self.prefill_attempts, %why, "prefill attempt failed; retrying at a new epoch");
+        let local = self.prefill_locally();
+        self.reprefill(call, local).await
+    }
+
+    async fn reprefill(&mut self, call: &DecodeCall, local: bool) -> Result<(), Served> {
+        self.epoch += 1;
+        let msg = v1::GenerateUp {
+            msg: Some(generate_up::Msg::Reprefill(v1::Reprefill {
+                epoch: self.epoch,
+                local_prefill: local,
+            })),
+        };
+        if call.up.send(msg).await.is_err() {
+            return Err(Served::DecodeLost {
+                why: "closed the request's stream".into(),
+                stalled: false,
+            });
+        }
+        if local {
+            metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => "prefill_failed")
+                .increment(1);
+        }
+        Ok(())
+    }
+}
+
+/// The next event of the prefill attempt in flight; pending when there is none.
+async fn next_event(
+    prefill: &mut Option<PrefillAttempt>,
+) -> Result<Option<v1::PrefillEvent>, tonic::Status> {
+    match prefill {
+        Some(p) => p.events.message().await,
+        None => std::future::pending().await,
+    }
+}

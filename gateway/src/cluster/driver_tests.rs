@@ -1,0 +1,216 @@
+//! The backend's request life against fake nodes over real gRPC: placement, prefill retries at
+//! new epochs, stall detection and migration.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::Backend;
+use crate::cluster::backend::ClusterConfig;
+use crate::cluster::fake_nodes::{
+    self, complete, drain, request, DecodeScript, PrefillScript, TEST_STALL,
+};
+use crate::request::FinishReason;
+
+fn ready_of(backend: &crate::cluster::ClusterBackend, role: &str) -> Vec<bool> {
+    let info = backend.describe();
+    info["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter(|n| n["role"] == role)
+        .map(|n| n["ready"].as_bool().expect("ready"))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_disaggregated_request_streams_the_prefill_token_then_the_decode_tokens() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&prefill], &[&decode]).await;
+
+    let read = drain(backend.generate(request(4)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
+    assert_eq!(read.finish, Some(FinishReason::Length));
+    assert!(read.error.is_none());
+    assert_eq!(
+        decode.calls.of("start"),
+        ["prompt=5 generated=0 local=false epoch=1"]
+    );
+    assert_eq!(prefill.calls.of("prefill"), ["xfer=1 epoch=1"]);
+    assert_eq!(decode.calls.of("done"), ["xfer=1 epoch=1"]);
+}
+
+#[tokio::test]
+async fn a_prefill_node_that_fails_like_a_dead_one_costs_a_retry_not_the_request() {
+    let dead = fake_nodes::prefill(PrefillScript::Fail(tonic::Code::Unavailable)).await;
+    let good = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&dead, &good], &[&decode]).await;
+
+    let read = drain(backend.generate(request(4)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
+    // The refused call never touched the reservation: the next node fills it at its epoch.
+    assert_eq!(dead.calls.of("prefill"), ["xfer=1 epoch=1"]);
+    assert_eq!(good.calls.of("prefill"), ["xfer=1 epoch=1"]);
+    assert!(decode.calls.of("reprefill").is_empty());
+    // The dead node is skipped for a while.
+    assert_eq!(ready_of(&backend, "prefill"), [false, true]);
+}
+
+#[tokio::test]
+async fn a_prefill_node_lost_mid_push_is_retried_at_a_new_epoch_and_its_stale_done_refused() {
+    let dying = fake_nodes::prefill(PrefillScript::DieMidPush).await;
+    let good = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&dying, &good], &[&decode]).await;
+
+    let read = drain(backend.generate(request(5)).await.expect("served")).await;
+    // The first token came from both attempts; the client sees it once.
+    assert_eq!((read.ids, read.indices), complete(5), "{:?}", read.error);
+    assert_eq!(read.finish, Some(FinishReason::Length));
+    assert_eq!(decode.calls.of("reprefill"), ["epoch=2 local=false"]);
+    assert_eq!(good.calls.of("prefill"), ["xfer=1 epoch=2"]);
+    assert_eq!(decode.calls.of("done"), ["xfer=1 epoch=2"]);
+}
+
+#[tokio::test]
+async fn a_prompt_the_prefill_node_rejects_is_not_retried() {
+    let strict = fake_nodes::prefill(PrefillScript::Fail(tonic::Code::InvalidArgument)).await;
+    let other = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&strict, &other], &[&decode]).await;
+
+    let read = drain(backend.generate(request(4)).await.expect("placed")).await;
+    let err = read.error.expect("a rejected prompt fails");
+    assert_eq!(err.code(), proto::ErrorCode::Validation, "{err}");
+    assert!(read.ids.is_empty());
+    assert!(other.calls.of("prefill").is_empty(), "no retry");
+}
+
+#[tokio::test]
+async fn when_every_prefill_node_fails_the_decode_node_prefills() {
+    let dead = fake_nodes::prefill(PrefillScript::DieMidPush).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&dead], &[&decode]).await;
+
+    let read = drain(backend.generate(request(4)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
+    // The only prefill node is quarantined after its failure: the next epoch runs here.
+    assert_eq!(decode.calls.of("reprefill"), ["epoch=2 local=true"]);
+}
+
+#[tokio::test]
+async fn a_hung_prefill_node_is_suspect_and_the_prompt_moves_within_the_stall_deadline() {
+    let hung = fake_nodes::prefill(PrefillScript::Hang).await;
+    let good = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&hung, &good], &[&decode]).await;
+
+    let started = Instant::now();
+    let read = drain(backend.generate(request(4)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
+    assert!(started.elapsed() < TEST_STALL + Duration::from_secs(2));
+    assert_eq!(decode.calls.of("reprefill"), ["epoch=2 local=false"]);
+    assert_eq!(good.calls.of("prefill"), ["xfer=1 epoch=2"]);
+}
+
+#[tokio::test]
+async fn a_decode_node_that_dies_mid_stream_hands_the_request_to_another_without_a_seam() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    let dying = fake_nodes::decode(DecodeScript::DieAfter(3)).await;
+    let good = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&prefill], &[&dying, &good]).await;
+
+    let read = drain(backend.generate(request(8)).await.expect("served")).await;
+    assert!(read.error.is_none(), "{:?}", read.error);
+    assert_eq!((read.ids, read.indices), complete(8), "{:?}", read.error);
+    assert_eq!(read.finish, Some(FinishReason::Length));
+    // Tokens 0..=3 were streamed: the new node prefills prompt + 4 at the next epoch.
+    assert_eq!(
+        good.calls.of("start"),
+        ["prompt=9 generated=4 local=false epoch=2"]
+    );
+    assert_eq!(
+        prefill.calls.of("prefill"),
+        ["xfer=1 epoch=1", "xfer=1 epoch=2"]
+    );
+}
+
+#[tokio::test]
+async fn a_decode_node_that_hangs_mid_stream_is_suspect_and_the_stream_continues_elsewhere() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    let hung = fake_nodes::decode(DecodeScript::HangAfter(2)).await;
+    let good = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&prefill], &[&hung, &good]).await;
+
+    let started = Instant::now();
+    let read = drain(backend.generate(request(6)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(6), "{:?}", read.error);
+    assert!(started.elapsed() < TEST_STALL + Duration::from_secs(2));
+    assert_eq!(
+        good.calls.of("start"),
+        ["prompt=8 generated=3 local=false epoch=2"]
+    );
+}
+
+#[tokio::test]
+async fn a_request_that_used_its_migrations_ends_with_an_error_event() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    let dying = fake_nodes::decode(DecodeScript::DieAfter(2)).await;
+    let good = fake_nodes::decode(DecodeScript::Serve).await;
+    let config = ClusterConfig {
+        max_local_prefill_tokens: 0,
+        max_stall: TEST_STALL,
+        migration_limit: 0,
+    };
+    let backend = fake_nodes::backend_with(&[&prefill], &[&dying, &good], config).await;
+
+    let read = drain(backend.generate(request(8)).await.expect("placed")).await;
+    assert_eq!(read.ids, vec![200, 201, 202]);
+    let err = read.error.expect("an error event ends the stream");
+    assert_eq!(err.code(), proto::ErrorCode::Unavailable, "{err}");
+    assert!(err.to_string().contains("migration-limit"), "{err}");
+    assert!(good.calls.of("start").is_empty());
+}
+
+#[tokio::test]
+async fn a_colocated_request_resumes_colocated() {
+    let dying = fake_nodes::decode(DecodeScript::DieAfter(1)).await;
+    let good = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[], &[&dying, &good]).await;
+
+    let read = drain(backend.generate(request(5)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(5), "{:?}", read.error);
+    assert_eq!(
+        dying.calls.of("start"),
+        ["prompt=5 generated=0 local=true epoch=1"]
+    );
+    assert_eq!(
+        good.calls.of("start"),
+        ["prompt=7 generated=2 local=true epoch=2"]
+    );
+}
+
+#[tokio::test]
+async fn decode_nodes_out_of_room_answer_overloaded_so_the_queue_holds_the_request() {
+    let full = fake_nodes::decode(DecodeScript::NoRoom).await;
+    let backend = fake_nodes::backend(&[], &[&full]).await;
+
+    let err = match backend.generate(request(4)).await {
+        Ok(_) => panic!("no room"),
+        Err(e) => e,
+    };
+    assert!(err.is_no_room(), "{err}");
+    // Out of room is not a failure: the node stays ready.
+    assert_eq!(ready_of(&backend, "decode"), [true]);
+}
+
+#[tokio::test]
+async fn a_decode_node_that_fails_the_call_is_skipped_for_the_next() {
+    let dead = fake_nodes::decode(DecodeScript::Fail(tonic::Code::Unavailable)).await;
+    let good = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[], &[&dead, &good]).await;
+
+    let read = drain(backend.generate(request(3)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(3), "{:?}", read.error);
+    assert_eq!(ready_of(&backend, "decode"), [false, true]);
+}

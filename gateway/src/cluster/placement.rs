@@ -1,0 +1,111 @@
+//! Placing a request on a decode node: open its `Generate` stream and read the node's first
+//! answer. Remote prefill: the reservation. Local prefill: the first heartbeat or token. A node
+//! without room answers RESOURCE_EXHAUSTED; a dead or draining one fails the call, and is
+//! skipped for the next.
+
+use std::sync::Arc;
+
+use proto::v1::{self, generate_down, generate_up};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use super::pool::Node;
+use super::retry::node_failed;
+use super::wire::upstream;
+use crate::error::GatewayError;
+
+/// A request's open stream on one decode node.
+pub(crate) struct DecodeCall {
+    pub(crate) node: Arc<Node>,
+    /// Reprefill goes up here; dropping it ends the request on the node (its blocks are freed).
+    pub(crate) up: mpsc::Sender<v1::GenerateUp>,
+    pub(crate) down: Streaming<v1::GenerateDown>,
+    /// Remote prefill: where to push, at which epoch. `None` for local prefill.
+    pub(crate) reserved: Option<v1::Reserved>,
+    /// A token or heartbeat the node sent first (local prefill), to handle before the rest.
+    pub(crate) first: Option<v1::GenerateDown>,
+}
+
+/// Why no decode node took the request.
+pub(crate) enum NotPlaced {
+    /// Every node is out of room: the request waits in the queue.
+    NoRoom,
+    /// Every node failed or none is ready.
+    Failed(GatewayError),
+    /// The node refused the request itself (a validation error): no other node would take it.
+    Refused(GatewayError),
+}
+
+impl NotPlaced {
+    pub(crate) fn into_error(self) -> GatewayError {
+        match self {
+            NotPlaced::NoRoom => {
+                metrics::counter!("fission_gateway_no_capacity_total").increment(1);
+                GatewayError::backend(
+                    proto::ErrorCode::Overloaded,
+                    "every decode node is out of KV blocks",
+                )
+            }
+            NotPlaced::Failed(e) | NotPlaced::Refused(e) => e,
+        }
+    }
+}
+
+/// Opens `start` on the first of `decodes` that takes it.
+pub(crate) async fn place(
+    decodes: &[Arc<Node>],
+    start: v1::GenerateStart,
+) -> Result<DecodeCall, NotPlaced> {
+    let mut no_room = false;
+    let mut last_failure = None;
+    for node in decodes {
+        match open(node, start.clone()).await {
+            Ok(call) => return Ok(call),
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => no_room = true,
+            Err(s) if node_failed(&s) => {
+                tracing::info!(node_id = %node.entry.node_id, code = ?s.code(), message = s.message(), "decode node failed to take the request; trying the next one");
+                node.quarantine();
+                last_failure = Some(upstream(s));
+            }
+            Err(s) => return Err(NotPlaced::Refused(upstream(s))),
+        }
+    }
+    if no_room {
+        return Err(NotPlaced::NoRoom);
+    }
+    Err(NotPlaced::Failed(last_failure.unwrap_or(
+        GatewayError::Unavailable {
+            reason: "no decode node is ready".into(),
+        },
+    )))
+}
+
+async fn open(node: &Arc<Node>, start: v1::GenerateStart) -> Result<DecodeCall, tonic::Status> {
+    let (up, up_rx) = mpsc::channel(4);
+    up.send(v1::GenerateUp {
+        msg: Some(generate_up::Msg::Start(start)),
+    })
+    .await
+    .map_err(|_| tonic::Status::internal("the up stream closed"))?;
+    let mut down = node
+        .decode_client()
+        .generate(telemetry::with_trace(ReceiverStream::new(up_rx)))
+        .await?
+        .into_inner();
+    let first = down
+        .message()
+        .await?
+        .ok_or_else(|| tonic::Status::unavailable("the decode node ended the stream at once"))?;
+    let (reserved, first) = match first.msg {
+        Some(generate_down::Msg::Reserved(r)) => (Some(r), None),
+        _ => (None, Some(first)),
+    };
+    Ok(DecodeCall {
+        node: Arc::clone(node),
+        up,
+        down,
+        reserved,
+        first,
+    })
+}
