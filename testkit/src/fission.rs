@@ -316,7 +316,12 @@ impl Added {
             .args(["node", "start", "--role", &config.role, "--model"])
             .arg(&config.model)
             .args(["--etcd", &config.etcd, "--node-id", &config.node_id])
-            .args(["--num-kv-blocks", "512", "--kv-transport", "tcp"])
+            .args(
+                [["--num-kv-blocks", "512"], ["--kv-transport", "tcp"]]
+                    .iter()
+                    .filter(|[flag, _]| !config.args.iter().any(|a| a == flag))
+                    .flatten(),
+            )
             .args(&config.args)
             .envs(config.env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")

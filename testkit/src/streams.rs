@@ -139,6 +139,18 @@ pub fn run(
     timeout: Duration,
     body: impl Fn(usize, usize) -> Value + Send + Sync + 'static,
 ) -> Vec<Record> {
+    run_until(url, clients, per_client, None, timeout, body)
+}
+
+/// As [`run`], but clients also stop starting requests at `until`.
+pub fn run_until(
+    url: &str,
+    clients: usize,
+    per_client: usize,
+    until: Option<Instant>,
+    timeout: Duration,
+    body: impl Fn(usize, usize) -> Value + Send + Sync + 'static,
+) -> Vec<Record> {
     let body = std::sync::Arc::new(body);
     let threads: Vec<_> = (0..clients)
         .map(|c| {
@@ -152,6 +164,9 @@ pub fn run(
                     let http = reqwest::Client::new();
                     let mut records = Vec::new();
                     for i in 0..per_client {
+                        if until.is_some_and(|u| Instant::now() >= u) {
+                            break;
+                        }
                         records.push(stream_one(&http, &url, &body(c, i), c, timeout).await);
                     }
                     records

@@ -87,9 +87,8 @@ fn a_prefill_node_killed_mid_push_costs_no_request() {
     });
     // Kill prefill-1 while it holds prompts.
     let victim = c.node("prefill-1").metrics.clone();
-    wait_until("prefill-1 has work", Duration::from_secs(60), || {
-        metric(&victim, "fission_prefill_queued_sequences") > 0.0
-            || metric(&victim, "fission_prefill_kv_blocks_used") > 0.0
+    wait_until("prefill-1 takes a prompt", Duration::from_secs(60), || {
+        metric(&victim, "fission_prefill_prompts_total") > 0.0
     });
     c.node("prefill-1").signal(libc::SIGKILL);
     let fault = Instant::now();
@@ -243,9 +242,10 @@ fn etcd_stopped_for_30_s_refuses_no_request() {
     );
     let url = c.url.clone();
     let etcd_pid = c.etcd.pid().expect("etcd runs") as i32;
+    // Closed-loop load from before the outage to 8 s after it.
+    let until = Instant::now() + Duration::from_secs(40);
     let load = std::thread::spawn(move || {
-        // About 45 s of closed-loop load: 3 clients x 150 requests of 16 tokens.
-        streams::run(&url, 3, 150, REQUEST_TIMEOUT, |client, i| {
+        streams::run_until(&url, 3, 5_000, Some(until), REQUEST_TIMEOUT, |client, i| {
             body(
                 &format!("Client {client} request {i}: once upon a time"),
                 16,
