@@ -351,7 +351,7 @@ mod tests {
             req: node_common::convert::request(
                 SeqId(id),
                 proto::v1::GenerationSpec {
-                    prompt_ids: prompt_ids,
+                    prompt_ids,
                     stopping: Some(stopping),
                     ..Default::default()
                 },

@@ -122,8 +122,7 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
     let refused = client
         .prefill(prompt("late", None))
         .await
-        .err()
-        .expect("no new prompt while draining");
+        .expect_err("no new prompt while draining");
     assert_refused_as_draining(&refused);
     // The drain holds for its deadline (2 s): /metrics is still up.
     assert_exposition(
