@@ -214,3 +214,33 @@ async fn a_decode_node_that_fails_the_call_is_skipped_for_the_next() {
     assert_eq!((read.ids, read.indices), complete(3), "{:?}", read.error);
     assert_eq!(ready_of(&backend, "decode"), [false, true]);
 }
+
+#[tokio::test]
+async fn a_client_that_leaves_closes_the_request_on_its_decode_node() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    // The stream hangs after its first tokens: only the client's leaving ends it.
+    let decode = fake_nodes::decode(DecodeScript::HangAfter(1)).await;
+    let config = ClusterConfig {
+        max_local_prefill_tokens: 0,
+        max_stall: Duration::from_secs(60),
+        migration_limit: 2,
+    };
+    let backend = fake_nodes::backend_with(&[&prefill], &[&decode], config).await;
+
+    let mut stream = backend.generate(request(8)).await.expect("served");
+    use futures::StreamExt;
+    let first = stream.next().await.expect("a token").expect("not an error");
+    assert_eq!(first.index, 0);
+    assert!(decode.calls.of("closed").is_empty());
+    drop(stream);
+    // The gateway closes the Generate stream: the node frees what the request held.
+    testkit::wait_until_async(
+        "the decode node sees the close",
+        Duration::from_secs(5),
+        || {
+            let closed = decode.calls.of("closed");
+            async move { closed.len() == 1 }
+        },
+    )
+    .await;
+}

@@ -211,6 +211,12 @@ impl Decode for FakeDecode {
         tokio::spawn(heartbeats(tx.clone(), alive.clone()));
         if start.local_prefill {
             self.stream(spec.num_generated, max, tx.clone(), alive);
+            // The gateway closes its side when the request ends or the client leaves.
+            let calls = self.calls.clone();
+            tokio::spawn(async move {
+                while let Ok(Some(_)) = up.message().await {}
+                calls.push("closed", "");
+            });
         } else {
             let xfer_id = self.next_xfer.fetch_add(1, Ordering::Relaxed) + 1;
             tx.try_send(down(generate_down::Msg::Reserved(reserved(
@@ -251,6 +257,7 @@ impl Decode for FakeDecode {
                         ))));
                     }
                 }
+                calls.push("closed", "");
             });
         }
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
