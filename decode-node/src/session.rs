@@ -258,7 +258,9 @@ impl Session {
                         ))
                     }
                 },
-                event = self.events.recv() => {
+                // Closed once the transfer is (activated, or never opened: local prefill);
+                // a closed channel answers at once, so it is polled only while open.
+                event = self.events.recv(), if !self.events.is_closed() => {
                     if let Some(event) = event {
                         if let Some(end) = self.on_event(stage, event).await {
                             return end;

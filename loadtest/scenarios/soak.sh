@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Soak under faults (not in CI): open-loop load for DURATION_S (600 by default) on a cluster of
-# 2 prefill + 2 decode nodes (stories260K, KV over TCP, etcd leases of 3 s), with a fault every
+# 2 prefill + 2 decode nodes (a tiny random model, KV over TCP, etcd leases of 3 s), with a fault every
 # FAULT_EVERY_S (30) chosen at random from:
 #   kill-prefill   SIGKILL a prefill node, start it again
 #   kill-decode    SIGKILL a decode node, start it again
@@ -23,7 +23,19 @@ RANDOM=$SEED
 mkdir -p "$OUT"
 cargo build --release -p deploy -p loadtest >/dev/null
 BIN=target/release
-MODEL=${MODEL:-../shared/models/stories260K}
+# The load generator's prompts are `<extra_N>` tokens of a padded 49k vocab: the same tiny
+# random model as compare_builds.sh (2 layers, SmolLM2's vocab).
+MODEL=${MODEL:-.models/tiny-49k}
+if [ ! -f "$MODEL/model.safetensors" ]; then
+  spec=$(mktemp)
+  cat > "$spec" <<'JSON'
+{"architecture":"LlamaForCausalLM","hidden":64,"layers":2,"heads":4,"kv_heads":2,"head_dim":16,"ffn":128,
+ "vocab":49152,"max_pos":2048,"rope_theta":10000.0,"rope_scaling":null,"rope_layout":"top_level",
+ "attention_bias":false,"tie_word_embeddings":true,"sliding_window":null,"dtype":"float32",
+ "init_std":0.02,"seed":0}
+JSON
+  "$BIN/fission" make-random-model --spec-json "$spec" --out "$MODEL" --tokenizer-from ../shared/models/stories260K
+fi
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 ETCD_PORT=$(port); ETCD_PEER=$(port)
@@ -113,3 +125,5 @@ curl -s "$URL/metrics" | grep -E '^fission_gateway_(migrations_total|prefill_ret
   | tee -a "$OUT/faults.log" || true
 { echo "lscpu:"; lscpu; } >"$OUT/lscpu.txt"
 cat "$OUT/load.txt"
+# A soak whose requests all fail (a prompt the model refuses) measures nothing.
+grep -qE 'requests [0-9]+ ok [1-9]' "$OUT/load.txt" || { echo "no request succeeded"; exit 1; }

@@ -144,6 +144,10 @@ impl Prompt {
         // The push sends Done with the first token once every layer is acknowledged.
         let _ = first_tx.send(token);
         keeper.phase = Phase::Pushing;
+        // Once the push may have sent Done, a Renew can find the reservation already activated
+        // (and gone): from then on the push's own outcome says whether the KV landed, so a
+        // failed renewal only stops the renewals.
+        let mut renewing = Some(&renewal);
         loop {
             tokio::select! {
                 biased;
@@ -158,7 +162,12 @@ impl Prompt {
                         Err(_) => Err(Failure::new(ErrorCode::Internal, "the push task ended")),
                     };
                 }
-                kept = keeper.tick(&events, Some(&renewal)) => kept?,
+                kept = keeper.tick(&events, renewing) => {
+                    if let Err(f) = kept {
+                        tracing::debug!(error = ?f, "renewal refused while pushing; the push decides");
+                        renewing = None;
+                    }
+                }
             }
         }
     }

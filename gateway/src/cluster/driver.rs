@@ -450,7 +450,11 @@ impl Driver {
             }
             Err(s) if node_failed(&s) || s.code() == tonic::Code::DataLoss => {
                 if let Some(p) = prefill.take() {
-                    p.node.quarantine();
+                    // Cancelled: the node gave the prompt up because the reservation moved on
+                    // (its lease ended on the decode node); the node itself is fine.
+                    if s.code() != tonic::Code::Cancelled {
+                        p.node.quarantine();
+                    }
                 }
                 self.retry_prefill(call, s.message().to_string()).await
             }
