@@ -85,11 +85,21 @@ fn a_prefill_node_killed_mid_push_costs_no_request() {
             )
         })
     });
-    // Kill prefill-1 while it holds prompts.
-    let victim = c.node("prefill-1").metrics.clone();
-    wait_until("prefill-1 takes a prompt", Duration::from_secs(60), || {
-        metric(&victim, "fission_prefill_prompts_total") > 0.0
-    });
+    // Kill prefill-1 while the gateway has a prompt in flight on it (computing or pushing;
+    // a 1.2K-token prompt takes about a second here, the kill follows in milliseconds).
+    wait_until(
+        "a prompt in flight on prefill-1",
+        Duration::from_secs(60),
+        || {
+            c.info()["backend"]["nodes"]
+                .as_array()
+                .is_some_and(|nodes| {
+                    nodes
+                        .iter()
+                        .any(|n| n["node_id"] == "prefill-1" && n["in_flight"].as_u64() > Some(0))
+                })
+        },
+    );
     c.node("prefill-1").signal(libc::SIGKILL);
     let fault = Instant::now();
     let records = load.join().unwrap();
