@@ -62,9 +62,10 @@ fn long_prompts_queued_behind_each_other_all_complete() {
     });
     report("4 clients x 1.2K-token prompts on 2P+1D", &records);
     assert_all_ok(&records, "with no fault");
-    // The prompts did queue: some waited well past the 400 ms lease for their first token.
+    // The prompts did queue: some waited past the 400 ms lease for their first token (a lease
+    // that counted the queue would have expired).
     let slowest = records.iter().filter_map(|r| r.first_token).max().unwrap();
-    assert!(slowest > Duration::from_millis(800), "{slowest:?}");
+    assert!(slowest > Duration::from_millis(400), "{slowest:?}");
     let d = &c.node("decode-0").metrics;
     assert_eq!(metric(d, "fission_decode_lease_expired_total"), 0.0);
     c.assert_kv_released();
