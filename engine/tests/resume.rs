@@ -61,19 +61,22 @@ fn fresh() -> Engine {
     )
 }
 
+fn prompt() -> Vec<u32> {
+    stories()
+        .tokenizer
+        .encode("Once upon a time", true)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
 fn text(events: &[(u32, usize, String, Option<FinishReason>)]) -> String {
     events.iter().map(|e| e.2.as_str()).collect()
 }
 
 #[test]
 fn a_resumed_request_continues_with_the_same_tokens_and_text() {
-    let model = stories();
-    let prompt = model
-        .tokenizer
-        .encode("Once upon a time", true)
-        .unwrap()
-        .get_ids()
-        .to_vec();
+    let prompt = prompt();
     let whole = run(&mut fresh(), request(prompt.clone(), 0, Vec::new(), 77));
     assert_eq!(whole.len(), MAX_NEW);
     for k in [1, 7, 23, MAX_NEW - 1] {
@@ -86,13 +89,7 @@ fn a_resumed_request_continues_with_the_same_tokens_and_text() {
 
 #[test]
 fn a_stop_string_across_the_migration_point_still_matches() {
-    let model = stories();
-    let prompt = model
-        .tokenizer
-        .encode("Once upon a time", true)
-        .unwrap()
-        .get_ids()
-        .to_vec();
+    let prompt = prompt();
     let whole = run(&mut fresh(), request(prompt.clone(), 0, Vec::new(), 5));
     // A stop string made of the text just before token k and just after it.
     let k = 12;

@@ -18,16 +18,8 @@ NEW=$(realpath "$2")
 cargo build --release -p loadtest
 LOADTEST=target/release/fission-loadtest
 M=${MODEL:-.models/tiny-49k}
-if [ ! -f "$M/model.safetensors" ] && [ -z "${MODEL:-}" ]; then
-  spec=$(mktemp)
-  cat > "$spec" <<'JSON'
-{"architecture":"LlamaForCausalLM","hidden":64,"layers":2,"heads":4,"kv_heads":2,"head_dim":16,"ffn":128,
- "vocab":49152,"max_pos":2048,"rope_theta":10000.0,"rope_scaling":null,"rope_layout":"top_level",
- "attention_bias":false,"tie_word_embeddings":true,"sliding_window":null,"dtype":"float32",
- "init_std":0.02,"seed":0}
-JSON
-  "$NEW" make-random-model --spec-json "$spec" --out "$M" --tokenizer-from ../shared/models/stories260K
-fi
+source loadtest/scenarios/tiny_model.sh
+[ -n "${MODEL:-}" ] || tiny_model "$NEW" "$M"
 STORIES=${STORIES:-../shared/models/stories260K}
 OUT=.bench/compare-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$OUT"

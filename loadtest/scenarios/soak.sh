@@ -24,18 +24,10 @@ mkdir -p "$OUT"
 cargo build --release -p deploy -p loadtest >/dev/null
 BIN=target/release
 # The load generator's prompts are `<extra_N>` tokens of a padded 49k vocab: the same tiny
-# random model as compare_builds.sh (2 layers, SmolLM2's vocab).
+# random model as compare_builds.sh (loadtest/scenarios/tiny_model.sh).
 MODEL=${MODEL:-.models/tiny-49k}
-if [ ! -f "$MODEL/model.safetensors" ]; then
-  spec=$(mktemp)
-  cat > "$spec" <<'JSON'
-{"architecture":"LlamaForCausalLM","hidden":64,"layers":2,"heads":4,"kv_heads":2,"head_dim":16,"ffn":128,
- "vocab":49152,"max_pos":2048,"rope_theta":10000.0,"rope_scaling":null,"rope_layout":"top_level",
- "attention_bias":false,"tie_word_embeddings":true,"sliding_window":null,"dtype":"float32",
- "init_std":0.02,"seed":0}
-JSON
-  "$BIN/fission" make-random-model --spec-json "$spec" --out "$MODEL" --tokenizer-from ../shared/models/stories260K
-fi
+source loadtest/scenarios/tiny_model.sh
+tiny_model "$BIN/fission" "$MODEL"
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 ETCD_PORT=$(port); ETCD_PEER=$(port)
