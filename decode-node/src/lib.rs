@@ -21,7 +21,6 @@ use std::time::Duration;
 use clap::Args;
 use cluster::Role;
 use kvtransfer::{KvServer, QuicConfig, QuicServer, TcpConfig, TcpServer, TransferRegistry};
-use node_common::kv::KvBackend;
 use node_common::launch::NodeRole;
 use node_common::node::{NodeArgs, NodeListeners, RoleService, Started};
 use node_common::NodeError;
@@ -93,13 +92,12 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
     });
     // kvtransfer has no metrics of its own: a refused frame counts as this node's error.
     let count_refusal = |_: &kvtransfer::KvTransferError| ERRORS.count(ErrorCode::KvTransfer);
-    let kv = &config.node.kv;
     // The data plane outlives the drain: a draining node still receives the KV of work it
     // accepted.
     let stop = s.data_plane_stop.clone();
-    let (kv_port, kv_task) = match kv.kv_transport {
-        KvBackend::Quic => {
-            let server = QuicServer::bind(config.kv_addr, &kv.tls()?, QuicConfig::default())?
+    let (kv_port, kv_task) = match &s.kv_identity {
+        Some(identity) => {
+            let server = QuicServer::bind(config.kv_addr, identity, QuicConfig::default())?
                 .on_refusal(count_refusal);
             let port = server.local_addr()?.port();
             (
@@ -107,7 +105,7 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
                 tokio::spawn(server.serve(registry.clone(), sink, stop)),
             )
         }
-        KvBackend::Tcp => {
+        None => {
             let server = TcpServer::bind(config.kv_addr, TcpConfig::default())
                 .await?
                 .on_refusal(count_refusal);

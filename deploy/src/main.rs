@@ -34,6 +34,9 @@ enum Command {
     /// Inspect or drain the nodes of a running cluster.
     #[command(subcommand)]
     Nodes(cmd::nodes::NodesCommand),
+    /// Create a cluster CA and issue role certificates.
+    #[command(subcommand)]
+    Certs(cmd::certs::CertsCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -55,6 +58,7 @@ fn main() -> anyhow::Result<()> {
         Command::MakeRandomModel(args) => cmd::random_model::run(args),
         Command::Bench(c) => cmd::bench::run(c),
         Command::Up(args) => cmd::up::run(args),
+        Command::Certs(c) => cmd::certs::run(c),
         Command::Node(c) => cmd::serve::run_node(c),
         Command::Gateway(c) => cmd::serve::run_gateway(c),
         Command::Nodes(c) => cmd::nodes::run(c),

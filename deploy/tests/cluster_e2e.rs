@@ -208,6 +208,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     );
     let drained = Command::new(env!("CARGO_BIN_EXE_fission"))
         .args(["nodes", "drain", "prefill-0", "--etcd", &etcd])
+        .args(cluster.admin_credentials())
         .status()
         .expect("fission nodes drain");
     assert!(drained.success());

@@ -8,6 +8,7 @@ use crate::cluster::{
     policy, ClusterBackend, ClusterConfig, Discovery, EtcdMembers, PolicyKind, Pools,
     StaticDiscovery,
 };
+use crate::auth::{self, ApiKey, AuthConfig, KeyStore};
 use crate::{GatewayConfig, GatewayError};
 use clap::Args;
 use tokio_util::sync::CancellationToken;
@@ -104,6 +105,29 @@ pub struct GatewayArgs {
     pub max_new_tokens_default: usize,
     #[arg(long, env = "FISSION_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
     pub request_timeout_ms: u64,
+    // The HTTP edge: API keys and body size (see `crate::auth`, `crate::body_limit`).
+    /// An API key clients must send (`Authorization: Bearer KEY` or `x-api-key: KEY`);
+    /// repeatable. FISSION_API_KEY holds one. With no key here or in --api-key-file, the API
+    /// is open. Keys on a command line are visible to local users (`ps`): prefer the
+    /// variable or the file.
+    #[arg(long = "api-key", env = "FISSION_API_KEY", hide_env_values = true)]
+    pub api_keys: Vec<ApiKey>,
+    /// A file of API keys, one a line (blank lines and `#` comments ignored), re-read on
+    /// SIGHUP; a reload that fails keeps the keys in force.
+    #[arg(long, env = "FISSION_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Serve /health without an API key (for load balancers' probes).
+    #[arg(long, env = "FISSION_PUBLIC_HEALTH")]
+    pub public_health: bool,
+    /// Serve /metrics without an API key (for a Prometheus without credentials).
+    #[arg(long, env = "FISSION_PUBLIC_METRICS")]
+    pub public_metrics: bool,
+    /// Request bodies larger than this get 413.
+    #[arg(long, env = "FISSION_MAX_BODY_BYTES", default_value_t = crate::config::DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// The gateway's certificate for mutual TLS with the nodes (role gateway).
+    #[command(flatten)]
+    pub tls: identity::TlsArgs,
 }
 
 /// eos ids from generation_config.json (or config.json), plus bos: a model that emits bos
@@ -146,6 +170,8 @@ pub async fn run_cluster(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), GatewayError> {
+    // First: from here on a SIGHUP reloads the keys instead of ending the process.
+    let auth = auth_config(&cli, &shutdown)?;
     let model_id = cli.model_id.clone().unwrap_or_else(|| {
         cli.model_dir
             .canonicalize()
@@ -153,6 +179,14 @@ pub async fn run_cluster(
             .and_then(|p| p.file_name().map(|s| s.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "model".into())
     });
+    // Checked first: a gateway without a usable identity fails at once, not at its first
+    // request.
+    let security = cli
+        .tls
+        .grpc(identity::PeerRole::Gateway)
+        .map_err(|e| GatewayError::Config {
+            message: e.to_string(),
+        })?;
     let mut config = GatewayConfig::new(model_id, cli.model_dir.join("tokenizer.json"));
     let tc = cli.model_dir.join("tokenizer_config.json");
     config.tokenizer_config_path = tc.is_file().then_some(tc);
@@ -165,6 +199,8 @@ pub async fn run_cluster(
     config.max_new_tokens_default = cli.max_new_tokens_default;
     config.request_timeout_ms = cli.request_timeout_ms;
     config.eos_token_ids = stop_ids(&cli.model_dir);
+    config.max_body_bytes = cli.max_body_bytes;
+    config.auth = auth;
     let discovery: Arc<dyn Discovery> = if cli.etcd.is_empty() {
         Arc::new(StaticDiscovery::new(&cli.prefill_nodes, &cli.decode_nodes))
     } else {
@@ -181,7 +217,7 @@ pub async fn run_cluster(
                 })?,
         )
     };
-    let pools = Pools::spawn(discovery);
+    let pools = Pools::spawn(discovery, security);
     let backend = Arc::new(ClusterBackend::new(
         pools,
         ClusterConfig {
@@ -192,4 +228,25 @@ pub async fn run_cluster(
         policy(cli.routing),
     ));
     crate::run(config, listener, backend, shutdown).await
+}
+
+/// The API keys from flags, with the key file's reloaded on SIGHUP until `shutdown`.
+fn auth_config(
+    cli: &GatewayArgs,
+    shutdown: &CancellationToken,
+) -> Result<AuthConfig, GatewayError> {
+    let keys = KeyStore::load(cli.api_keys.clone(), cli.api_key_file.clone())?;
+    if keys.key_file().is_some() {
+        auth::spawn_reload_on_sighup(keys.clone(), shutdown.clone())?;
+    }
+    if keys.is_required() {
+        tracing::info!(keys = keys.len(), file = ?keys.key_file(), public_health = cli.public_health, public_metrics = cli.public_metrics, "api keys required");
+    } else {
+        tracing::info!("no api key configured: the API is open to anyone who reaches it");
+    }
+    Ok(AuthConfig {
+        keys,
+        public_health: cli.public_health,
+        public_metrics: cli.public_metrics,
+    })
 }

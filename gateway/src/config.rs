@@ -2,7 +2,11 @@
 
 use std::path::PathBuf;
 
+use crate::auth::AuthConfig;
 use crate::error::GatewayError;
+
+/// 2 MiB: a prompt of hundreds of thousands of tokens, in JSON.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
 
 /// Everything the gateway needs to know before it serves. The binary fills it from flags; tests
 /// start from [`GatewayConfig::new`] and override fields.
@@ -39,6 +43,10 @@ pub struct GatewayConfig {
     pub shutdown_grace_ms: u64,
     /// Tokens that end a sequence (the model's EOS ids), passed to the backend as stop tokens.
     pub eos_token_ids: Vec<u32>,
+    /// The largest request body accepted; a larger one gets 413.
+    pub max_body_bytes: usize,
+    /// Who may call the API: open by default.
+    pub auth: AuthConfig,
 }
 
 impl GatewayConfig {
@@ -60,6 +68,8 @@ impl GatewayConfig {
             request_timeout_ms: 300_000,
             shutdown_grace_ms: 30_000,
             eos_token_ids: Vec::new(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            auth: AuthConfig::default(),
         }
     }
 
@@ -83,6 +93,9 @@ impl GatewayConfig {
         }
         if self.max_concurrent_requests == 0 {
             return Err(invalid("max_concurrent_requests", "must be >= 1".into(), 0));
+        }
+        if self.max_body_bytes == 0 {
+            return Err(invalid("max_body_bytes", "must be >= 1".into(), 0));
         }
         if self.request_timeout_ms == 0 {
             return Err(invalid("request_timeout_ms", "must be >= 1".into(), 0));

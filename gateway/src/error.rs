@@ -1,10 +1,11 @@
 //! The gateway's one error type, and the only two places it becomes something a client sees: an
-//! HTTP response ([`IntoResponse`]) and an SSE error event ([`GatewayError::to_sse_event`]).
-//! Statuses and `error_type`s come from [`proto::ErrorCode`], never from here.
+//! HTTP response ([`IntoResponse`]; at the HTTP edge in the shape of the path's API, see
+//! [`ApiShape`]) and an SSE error event ([`GatewayError::to_sse_event`]). Statuses and
+//! `error_type`s come from [`proto::ErrorCode`], never from here.
 
 use std::path::PathBuf;
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use proto::ErrorCode;
@@ -65,6 +66,26 @@ pub enum GatewayError {
 
     #[error("no route for {method} {path}")]
     NotFound { method: String, path: String },
+
+    #[error("method {method} is not allowed on {path} (see the Allow header)")]
+    MethodNotAllowed { method: String, path: String },
+
+    #[error(
+        "the request body must be at most {limit_bytes} bytes (--max-body-bytes), given {}",
+        given_size(*.given_bytes)
+    )]
+    BodyTooLarge {
+        limit_bytes: usize,
+        /// Its `Content-Length`; `None` for a chunked body, cut off at the limit.
+        given_bytes: Option<u64>,
+    },
+
+    #[error("missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")]
+    MissingApiKey,
+
+    /// Never says which key was close, or how long the keys are.
+    #[error("invalid API key")]
+    InvalidApiKey,
 
     #[error("model is overloaded: {max_concurrent_requests} requests are in flight")]
     Overloaded { max_concurrent_requests: usize },
@@ -144,6 +165,9 @@ impl GatewayError {
             Self::InputTooLong { .. } | Self::TotalTooLong { .. } => ErrorCode::InputTooLong,
             Self::MalformedJson { .. } => ErrorCode::BadRequest,
             Self::NotFound { .. } => ErrorCode::NotFound,
+            Self::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
+            Self::BodyTooLarge { .. } => ErrorCode::PayloadTooLarge,
+            Self::MissingApiKey | Self::InvalidApiKey => ErrorCode::Unauthorized,
             Self::Overloaded { .. } | Self::QueueFull { .. } | Self::QueueTimeout { .. } => {
                 ErrorCode::Overloaded
             }
@@ -190,16 +214,92 @@ struct ErrorBody {
     error_type: &'static str,
 }
 
-impl IntoResponse for GatewayError {
-    fn into_response(self) -> Response {
+/// OpenAI's error body, which its SDKs parse: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Serialize)]
+struct OpenAiErrorBody {
+    error: OpenAiError,
+}
+
+#[derive(Debug, Serialize)]
+struct OpenAiError {
+    message: String,
+    #[serde(rename = "type")]
+    error_type: &'static str,
+    param: Option<&'static str>,
+    code: &'static str,
+}
+
+/// Whose error shape a response takes. Errors raised at the HTTP edge, before a request
+/// reaches its API (a missing key, a body over the limit, a wrong method, an unknown path),
+/// take the shape of the API the path belongs to: OpenAI's under `/v1/`, TGI's elsewhere.
+/// The APIs' own errors keep TGI's shape on every route (see [`IntoResponse`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ApiShape {
+    Tgi,
+    OpenAi,
+}
+
+impl ApiShape {
+    pub(crate) fn of(path: &str) -> Self {
+        if path == "/v1" || path.starts_with("/v1/") {
+            Self::OpenAi
+        } else {
+            Self::Tgi
+        }
+    }
+}
+
+impl GatewayError {
+    /// The error as a response in `shape`: the status from the code table, a JSON body, and
+    /// `WWW-Authenticate: Bearer` when the client must present an API key.
+    pub(crate) fn into_shaped_response(self, shape: ApiShape) -> Response {
         let code = self.code();
         let status =
             StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = (status, axum::Json(self.reported())).into_response();
+        let body = self.reported();
+        let mut response = match shape {
+            ApiShape::Tgi => (status, axum::Json(body)).into_response(),
+            ApiShape::OpenAi => {
+                let body = OpenAiErrorBody {
+                    error: OpenAiError {
+                        message: body.error,
+                        error_type: body.error_type,
+                        param: None,
+                        code: self.openai_code(),
+                    },
+                };
+                (status, axum::Json(body)).into_response()
+            }
+        };
+        if matches!(self, Self::MissingApiKey | Self::InvalidApiKey) {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            );
+        }
         // For the request span (see `server::http_request_span`): the code travels with the
         // response, so nothing has to read the body back.
         response.extensions_mut().insert(code);
         response
+    }
+
+    /// OpenAI's `code`: its own names for a missing or wrong key, the code table's otherwise.
+    fn openai_code(&self) -> &'static str {
+        match self {
+            Self::MissingApiKey => "missing_api_key",
+            Self::InvalidApiKey => "invalid_api_key",
+            other => other.code().as_str(),
+        }
+    }
+}
+
+fn given_size(given_bytes: Option<u64>) -> String {
+    given_bytes.map_or_else(|| "more (chunked)".into(), |n| format!("{n} bytes"))
+}
+
+impl IntoResponse for GatewayError {
+    fn into_response(self) -> Response {
+        self.into_shaped_response(ApiShape::Tgi)
     }
 }
 
@@ -237,6 +337,45 @@ mod tests {
         for (error, status) in cases {
             assert_eq!(error.into_response().status().as_u16(), status);
         }
+    }
+
+    #[tokio::test]
+    async fn edge_errors_take_the_shape_of_their_api() {
+        use http_body_util::BodyExt;
+        let body = |response: Response| async move {
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            serde_json::from_slice::<serde_json::Value>(&bytes).unwrap()
+        };
+        let response = GatewayError::InvalidApiKey.into_shaped_response(ApiShape::of("/v1/models"));
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(response.headers()[header::WWW_AUTHENTICATE], "Bearer");
+        assert_eq!(
+            body(response).await,
+            serde_json::json!({"error": {
+                "message": "invalid API key",
+                "type": "authentication",
+                "param": null,
+                "code": "invalid_api_key",
+            }})
+        );
+        let response = GatewayError::MissingApiKey.into_shaped_response(ApiShape::of("/generate"));
+        assert_eq!(response.headers()[header::WWW_AUTHENTICATE], "Bearer");
+        let tgi = body(response).await;
+        assert_eq!(tgi["error_type"], "authentication");
+        assert!(tgi["error"].as_str().unwrap().contains("Bearer"), "{tgi}");
+        let too_large = GatewayError::BodyTooLarge {
+            limit_bytes: 10,
+            given_bytes: Some(11),
+        };
+        let response = too_large.into_shaped_response(ApiShape::of("/v1/completions"));
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(response.headers().get(header::WWW_AUTHENTICATE).is_none());
+        let openai = body(response).await;
+        assert_eq!(openai["error"]["code"], "payload_too_large");
+        let message = openai["error"]["message"].as_str().unwrap();
+        assert!(message.contains("10") && message.contains("11"), "{message}");
+        assert_eq!(ApiShape::of("/v1"), ApiShape::OpenAi);
+        assert_eq!(ApiShape::of("/v1x"), ApiShape::Tgi);
     }
 
     #[test]

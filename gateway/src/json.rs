@@ -3,29 +3,39 @@
 //!
 //! The body is parsed whatever its `Content-Type` (clients such as `curl -d` send
 //! `application/x-www-form-urlencoded`): text that is not JSON is a 400, JSON of the wrong shape
-//! a 422.
+//! a 422, and one over `--max-body-bytes` a 413 (though [`crate::body_limit`] refuses those
+//! before a handler runs: this is the backstop).
 
 use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, FailedToBufferBody};
 use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
 use crate::error::GatewayError;
+use crate::state::AppState;
 
 pub(crate) struct Json<T>(pub T);
 
-impl<S, T> FromRequest<S> for Json<T>
+impl<T> FromRequest<AppState> for Json<T>
 where
-    S: Send + Sync,
     T: DeserializeOwned,
 {
     type Rejection = GatewayError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            GatewayError::MalformedJson {
-                message: rejection.body_text(),
-            }
-        })?;
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|rejection| match rejection {
+                BytesRejection::FailedToBufferBody(FailedToBufferBody::LengthLimitError(_)) => {
+                    GatewayError::BodyTooLarge {
+                        limit_bytes: state.config().max_body_bytes,
+                        given_bytes: None,
+                    }
+                }
+                other => GatewayError::MalformedJson {
+                    message: other.body_text(),
+                },
+            })?;
         parse(&bytes).map(Json)
     }
 }

@@ -6,6 +6,7 @@
 //! knows nodes only through the [`Backend`] trait. Its errors are one [`GatewayError`], mapped to
 //! HTTP and SSE through `proto::ErrorCode`.
 
+mod body_limit;
 mod chat_template;
 mod generation;
 mod json;
@@ -16,6 +17,7 @@ mod state;
 mod tgi;
 mod validation;
 
+pub mod auth;
 pub mod backend;
 pub mod cli;
 pub mod cluster;

@@ -27,6 +27,8 @@ pub const QUEUE_WAIT: &str = "fission_gateway_queue_wait_seconds";
 /// Requests the queue refused, by reason (`full`, `timeout`).
 pub const QUEUE_REJECTED: &str = "fission_gateway_queue_rejected_total";
 pub const GENERATED_TOKENS: &str = "fission_gateway_generated_tokens";
+/// Requests refused for their API key, by reason (`missing`, `invalid`).
+pub const AUTH_FAILURES_TOTAL: &str = "fission_gateway_auth_failures_total";
 
 /// Installs the process-wide recorder once and returns its handle; later calls (a second
 /// gateway in one test process) share it. It is the recorder every Fission component uses
@@ -97,6 +99,10 @@ fn describe() {
     describe_gauge!(
         "fission_gateway_cluster_nodes",
         "Nodes in etcd by role and state (serving, draining, refused)."
+    );
+    describe_counter!(
+        AUTH_FAILURES_TOTAL,
+        "Requests refused with 401 for their API key, by reason: missing or invalid."
     );
     describe_counter!(REQUESTS_TOTAL, "Generation requests received, by endpoint.");
     describe_counter!(ERRORS_TOTAL, "Errors sent to clients, by error_type.");

@@ -3,10 +3,13 @@
 //!
 //! Generation: TGI's `POST /generate` and `/generate_stream` ([`crate::tgi`]), OpenAI's `POST
 //! /v1/completions` and `/v1/chat/completions` ([`crate::openai`]). Around them: `GET /info`,
-//! `GET /health`, `POST /tokenize`, `GET /metrics` and `GET /v1/models`. Unknown routes get a JSON
-//! 404.
+//! `GET /health`, `POST /tokenize`, `GET /metrics` and `GET /v1/models`.
+//!
+//! At the edge, before any of them: API keys ([`crate::auth`]), then the body size limit
+//! ([`crate::body_limit`]). Unknown routes get a JSON 404 and a wrong method a JSON 405 with
+//! `Allow`, in the shape of the path's API.
 
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, Method, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -15,9 +18,9 @@ use axum::Router;
 use serde::{Deserialize, Serialize};
 use tracing::{field, Instrument};
 
-use crate::error::GatewayError;
+use crate::error::{ApiShape, GatewayError};
 use crate::json::Json;
-use crate::openai;
+use crate::{auth, body_limit, openai};
 use crate::state::AppState;
 use crate::tgi;
 
@@ -42,6 +45,18 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .merge(api)
         .fallback(not_found)
+        // After every route: it is set on the routes registered so far. axum adds `Allow`.
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            body_limit::limit_body,
+        ))
+        .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
+        // Outermost: a request without a key is refused before anything reads its body.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ))
         .with_state(state)
 }
 
@@ -209,11 +224,20 @@ async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> 
     }))
 }
 
-async fn not_found(method: Method, uri: Uri) -> GatewayError {
+async fn not_found(method: Method, uri: Uri) -> Response {
     GatewayError::NotFound {
         method: method.to_string(),
         path: uri.path().to_string(),
     }
+    .into_shaped_response(ApiShape::of(uri.path()))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    GatewayError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+    }
+    .into_shaped_response(ApiShape::of(uri.path()))
 }
 
 #[cfg(test)]
@@ -289,8 +313,42 @@ mod tests {
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
         assert_eq!(body["error_type"], "validation");
         let request = Request::get("/v2/nothing").body(Body::empty()).unwrap();
-        let (status, body) = call(app, request).await;
+        let (status, body) = call(app.clone(), request).await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert!(body["error"].as_str().unwrap().contains("/v2/nothing"));
+        let request = Request::get("/v1/nothing").body(Body::empty()).unwrap();
+        let (status, body) = call(app, request).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(body["error"]["code"], "not_found", "{body}");
+    }
+
+    #[tokio::test]
+    async fn a_wrong_method_is_a_json_405_with_allow() {
+        let (app, _) = test_app();
+        for (method, uri, allow) in [
+            ("GET", "/generate", "POST"),
+            ("DELETE", "/info", "GET,HEAD"),
+            ("PUT", "/v1/chat/completions", "POST"),
+        ] {
+            let request = Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED, "{uri}");
+            assert_eq!(response.headers()[header::ALLOW], allow, "{uri}");
+            assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            let message = if uri.starts_with("/v1/") {
+                assert_eq!(body["error"]["type"], "method_not_allowed", "{body}");
+                body["error"]["message"].as_str().unwrap().to_string()
+            } else {
+                assert_eq!(body["error_type"], "method_not_allowed", "{body}");
+                body["error"].as_str().unwrap().to_string()
+            };
+            assert!(message.contains(method) && message.contains(uri), "{message}");
+        }
     }
 }

@@ -22,12 +22,13 @@ use kv_types::KvLayout;
 
 use crate::header::LayerHeader;
 use crate::quic::{new_endpoint, QuicConfig, QuicServer, QuicTransport, QuicWindows};
+use crate::quic::{quic_client_config, quic_server_config};
 use crate::registry::{Reservation, TransferRegistry};
 use crate::sink::DiscardSink;
 use crate::stream_io::io_error;
 use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
-use crate::tls::{generate_dev_ca, TlsIdentity};
 use crate::transport::{send_all_layers, KvConnection, KvServer, KvTransport};
+use identity::{generate_dev_ca, PeerRole, TlsIdentity};
 
 #[derive(Clone, Debug)]
 pub enum BenchBackend {
@@ -197,8 +198,8 @@ async fn run_with_servers(
     let registry = TransferRegistry::default();
     let sink = Arc::new(DiscardSink::default());
     let ca = generate_dev_ca()?;
-    let server_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("bench-decode")?)?;
-    let client_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("bench-prefill")?)?;
+    let server_tls = TlsIdentity::dev(&ca, &ca.issue(PeerRole::Decode, "bench-decode")?)?;
+    let client_tls = TlsIdentity::dev(&ca, &ca.issue(PeerRole::Prefill, "bench-prefill")?)?;
 
     let mut runners = Vec::new();
     for backend in &cfg.backends {
@@ -208,7 +209,7 @@ async fn run_with_servers(
                 let server = new_endpoint(
                     loopback,
                     config,
-                    Some(server_tls.quic_server_config(transport.clone())?),
+                    Some(quic_server_config(&server_tls, transport.clone())?),
                 )?;
                 let addr = server
                     .local_addr()
@@ -225,7 +226,7 @@ async fn run_with_servers(
                     server.close(quinn::VarInt::from_u32(0), b"done");
                 });
                 let mut client = new_endpoint(loopback, config, None)?;
-                client.set_default_client_config(client_tls.quic_client_config(transport)?);
+                client.set_default_client_config(quic_client_config(&client_tls, transport)?);
                 let endpoint = addr.to_string();
                 let conn = client
                     .connect(addr, "localhost")

@@ -161,6 +161,8 @@ pub enum KvTransferError {
     // ---- set-up ---------------------------------------------------------------------------
     #[error("tls: {what}: {reason}")]
     Tls { what: &'static str, reason: String },
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
     #[error("{path}: {source}")]
     File {
         path: String,
@@ -228,7 +230,7 @@ impl KvTransferError {
             Self::Connection { .. } => "connection",
             Self::Io { .. } => "io",
             Self::Stream { .. } => "stream",
-            Self::Tls { .. } => "tls",
+            Self::Tls { .. } | Self::Identity(_) => "tls",
             Self::File { .. } => "file",
             Self::Bind { .. } => "bind",
             Self::Config { .. } => "config",

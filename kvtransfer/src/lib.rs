@@ -28,7 +28,7 @@
 //! # Backends
 //!
 //! - [`QuicServer`] / [`QuicTransport`]: QUIC with mutual TLS against a cluster CA
-//!   ([`tls`]), ALPN `fission-kv/1`, one stream per layer, tuned flow-control windows
+//!   (the [`identity`] crate's certificates), ALPN `fission-kv/1`, one stream per layer, tuned flow-control windows
 //!   ([`QuicWindows::TUNED`]).
 //! - [`TcpServer`] / [`TcpTransport`]: the same frames over TCP with a small connection pool
 //!   per endpoint, for networks that block UDP.
@@ -82,7 +82,6 @@ mod registry;
 mod sink;
 mod stream_io;
 mod tcp;
-pub mod tls;
 mod transport;
 mod verdict;
 
@@ -90,14 +89,13 @@ pub use error::KvTransferError;
 pub use frame::{decode_frame, FrameHeader, FrameLimits};
 pub use header::LayerHeader;
 pub use kv_types::{KvDtype, KvLayout, TransferId, MAX_DIM};
-pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows};
+pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows, ALPN};
 pub use registry::{
     Admission, Ignored, LayerClaim, Outcome, RegistryConfig, RegistryStats, Reservation,
     TransferProgress, TransferRegistry, TransferStatus,
 };
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
-pub use tls::{generate_dev_ca, Ca, NodeCert, TlsFiles, TlsIdentity, ALPN};
 pub use transport::{
     send_all_layers, KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat,
 };

@@ -26,12 +26,12 @@ use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
-use crate::tls::TlsIdentity;
 use crate::transport::{
     receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
     RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
+use identity::TlsIdentity;
 
 /// Flow-control windows. The receive windows are what this side advertises to its peer; the
 /// send window caps how much unacknowledged data this side buffers per connection.
@@ -197,6 +197,40 @@ pub(crate) fn new_endpoint(
     .map_err(bind)
 }
 
+/// ALPN protocol id of the KV transfer protocol, version 1: a peer that speaks anything else
+/// fails the handshake.
+pub const ALPN: &[u8] = b"fission-kv/1";
+
+fn tls_err(what: &'static str) -> impl FnOnce(String) -> KvTransferError {
+    move |reason| KvTransferError::Tls { what, reason }
+}
+
+/// The server side of mutual TLS with the cluster CA ([`identity`]), for QUIC.
+pub(crate) fn quic_server_config(
+    tls: &TlsIdentity,
+    transport: Arc<quinn::TransportConfig>,
+) -> Result<quinn::ServerConfig, KvTransferError> {
+    let crypto =
+        quinn::crypto::rustls::QuicServerConfig::try_from(tls.rustls_server_config(&[ALPN])?)
+            .map_err(|e| tls_err("quic server config")(e.to_string()))?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    config.transport_config(transport);
+    Ok(config)
+}
+
+/// The client side of mutual TLS with the cluster CA, for QUIC.
+pub(crate) fn quic_client_config(
+    tls: &TlsIdentity,
+    transport: Arc<quinn::TransportConfig>,
+) -> Result<quinn::ClientConfig, KvTransferError> {
+    let crypto =
+        quinn::crypto::rustls::QuicClientConfig::try_from(tls.rustls_client_config(&[ALPN])?)
+            .map_err(|e| tls_err("quic client config")(e.to_string()))?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(transport);
+    Ok(config)
+}
+
 /// Receives layers over QUIC.
 pub struct QuicServer {
     endpoint: quinn::Endpoint,
@@ -211,7 +245,7 @@ impl QuicServer {
         tls: &TlsIdentity,
         config: QuicConfig,
     ) -> Result<Self, KvTransferError> {
-        let server = tls.quic_server_config(Arc::new(config.transport_config()?))?;
+        let server = quic_server_config(tls, Arc::new(config.transport_config()?))?;
         let endpoint = new_endpoint(addr, &config, Some(server))?;
         Ok(Self {
             endpoint,
@@ -331,9 +365,10 @@ impl QuicTransport {
     /// Binds the client endpoint; call inside a tokio runtime.
     pub fn new(tls: &TlsIdentity, config: QuicConfig) -> Result<Self, KvTransferError> {
         let mut endpoint = new_endpoint(config.client_bind_addr, &config, None)?;
-        endpoint.set_default_client_config(
-            tls.quic_client_config(Arc::new(config.transport_config()?))?,
-        );
+        endpoint.set_default_client_config(quic_client_config(
+            tls,
+            Arc::new(config.transport_config()?),
+        )?);
         Ok(Self {
             endpoint,
             config,
@@ -526,14 +561,16 @@ mod tests {
     use crate::header::LayerHeader;
     use crate::refusal_log::RefusalLog;
     use crate::sink::DiscardSink;
-    use crate::tls::generate_dev_ca;
+    use identity::{generate_dev_ca, PeerRole};
     use kv_types::{KvDtype, KvLayout, TransferId};
 
     #[tokio::test]
     async fn refused_frames_reach_the_observer() {
         let ca = generate_dev_ca().unwrap();
-        let server_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("decode-0").unwrap()).unwrap();
-        let client_tls = TlsIdentity::dev(&ca, &ca.issue_node_cert("prefill-0").unwrap()).unwrap();
+        let server_tls =
+            TlsIdentity::dev(&ca, &ca.issue(PeerRole::Decode, "decode-0").unwrap()).unwrap();
+        let client_tls =
+            TlsIdentity::dev(&ca, &ca.issue(PeerRole::Prefill, "prefill-0").unwrap()).unwrap();
         let refusals = RefusalLog::default();
         let server = QuicServer::bind(
             ([127, 0, 0, 1], 0).into(),

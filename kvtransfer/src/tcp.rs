@@ -37,6 +37,9 @@ pub struct TcpConfig {
     /// Client: most connections per endpoint, so most layers in flight to one node.
     pub connections_per_endpoint: usize,
     pub connect_timeout_ms: u64,
+    /// Client: the local address connections leave from (the node's own interface), or the
+    /// system's choice when unset.
+    pub bind_ip: Option<std::net::IpAddr>,
     /// Server: connections served at once; further ones wait in the listen backlog.
     pub max_connections: usize,
     pub limits: FrameLimits,
@@ -47,6 +50,7 @@ impl Default for TcpConfig {
         Self {
             connections_per_endpoint: 8,
             connect_timeout_ms: 5_000,
+            bind_ip: None,
             max_connections: 1024,
             limits: FrameLimits::default(),
         }
@@ -215,6 +219,7 @@ impl KvTransport for TcpTransport {
                 let pool = Arc::new(Pool {
                     endpoint: endpoint.into(),
                     addr,
+                    bind_ip: self.config.bind_ip,
                     connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
                     idle: Mutex::new(Vec::new()),
                     permits: Arc::new(Semaphore::new(self.config.connections_per_endpoint.max(1))),
@@ -240,6 +245,7 @@ impl KvTransport for TcpTransport {
 struct Pool {
     endpoint: Arc<str>,
     addr: SocketAddr,
+    bind_ip: Option<std::net::IpAddr>,
     connect_timeout: Duration,
     idle: Mutex<Vec<TcpStream>>,
     permits: Arc<Semaphore>,
@@ -251,7 +257,19 @@ impl Pool {
             endpoint: self.endpoint.to_string(),
             reason,
         };
-        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(self.addr))
+        let connect = async {
+            let Some(ip) = self.bind_ip.filter(|ip| !ip.is_unspecified()) else {
+                return TcpStream::connect(self.addr).await;
+            };
+            let socket = if ip.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            socket.bind(SocketAddr::new(ip, 0))?;
+            socket.connect(self.addr).await
+        };
+        let stream = tokio::time::timeout(self.connect_timeout, connect)
             .await
             .map_err(|_| {
                 connect_err(format!(

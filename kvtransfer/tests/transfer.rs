@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use identity::{generate_dev_ca, Ca, PeerRole, TlsIdentity};
 use kvtransfer::{
-    generate_dev_ca, send_all_layers, Ca, FrameHeader, KvConnection, KvDtype, KvLayout, KvServer,
-    KvTransferError, KvTransport, LayerHeader, MemorySink, QuicConfig, QuicServer, QuicTransport,
-    Reservation, TcpConfig, TcpServer, TcpTransport, TlsIdentity, TransferRegistry, TransferStatus,
-    Verdict,
+    send_all_layers, FrameHeader, KvConnection, KvDtype, KvLayout, KvServer, KvTransferError,
+    KvTransport, LayerHeader, MemorySink, QuicConfig, QuicServer, QuicTransport, Reservation,
+    TcpConfig, TcpServer, TcpTransport, TransferRegistry, TransferStatus, Verdict,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
@@ -74,8 +74,8 @@ fn loopback() -> SocketAddr {
 }
 
 fn identities(ca: &Ca) -> (TlsIdentity, TlsIdentity) {
-    let server = TlsIdentity::dev(ca, &ca.issue_node_cert("decode-0").unwrap()).unwrap();
-    let client = TlsIdentity::dev(ca, &ca.issue_node_cert("prefill-0").unwrap()).unwrap();
+    let server = TlsIdentity::dev(ca, &ca.issue(PeerRole::Decode, "decode-0").unwrap()).unwrap();
+    let client = TlsIdentity::dev(ca, &ca.issue(PeerRole::Prefill, "prefill-0").unwrap()).unwrap();
     (server, client)
 }
 
@@ -631,6 +631,47 @@ async fn tcp_shutdown_ends_the_server_promptly() {
         // The stalled connection was closed by the server.
         let mut buf = [0u8; 1];
         assert_eq!(stalled.read(&mut buf).await.unwrap_or(0), 0);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_client_without_a_certificate_is_refused_in_the_handshake() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    with_timeout(async {
+        let ca = generate_dev_ca().unwrap();
+        let (server_tls, _) = identities(&ca);
+        let server = QuicServer::bind(loopback(), &server_tls, QuicConfig::default()).unwrap();
+        let (endpoint, registry, _sink, shutdown, server) = start_server(server);
+        // A client that trusts the cluster CA and speaks the protocol, but has no certificate.
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(ca.cert_pem().as_bytes()) {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let mut crypto = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        crypto.alpn_protocols = vec![kvtransfer::ALPN.to_vec()];
+        let mut client = quinn::Endpoint::client(loopback()).unwrap();
+        client.set_default_client_config(quinn::ClientConfig::new(Arc::new(
+            quinn::crypto::rustls::QuicClientConfig::try_from(crypto).unwrap(),
+        )));
+        let addr: std::net::SocketAddr = endpoint.parse().unwrap();
+        // With TLS 1.3 the client may finish its side first; the server's refusal then closes
+        // the connection.
+        let refused = match client.connect(addr, "localhost").unwrap().await {
+            Err(e) => e.to_string(),
+            Ok(conn) => conn.closed().await.to_string(),
+        };
+        assert!(refused.contains("no certificates"), "{refused}");
+        assert_eq!(registry.stats().frames_accepted, 0);
+        shutdown.cancel();
+        server.await.unwrap().unwrap();
     })
     .await;
 }

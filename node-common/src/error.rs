@@ -9,6 +9,8 @@ pub enum NodeError {
     Engine(#[from] engine::error::EngineError),
     #[error(transparent)]
     KvTransfer(#[from] kvtransfer::KvTransferError),
+    #[error(transparent)]
+    Identity(#[from] identity::IdentityError),
     #[error("io error on {what}: {source}")]
     Io {
         what: String,

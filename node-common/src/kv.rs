@@ -1,9 +1,8 @@
-//! KV-transfer set-up shared by both roles: which backend, and the TLS identity.
-
-use std::path::PathBuf;
+//! KV-transfer set-up shared by both roles: which backend, and whether the node's identity
+//! allows it.
 
 use clap::{Args, ValueEnum};
-use kvtransfer::{TlsFiles, TlsIdentity};
+use identity::{TlsArgs, TlsIdentity};
 
 use crate::error::NodeError;
 
@@ -30,26 +29,26 @@ impl KvBackend {
 pub struct KvArgs {
     #[arg(long, env = "FISSION_KV_TRANSPORT", value_enum, default_value_t = KvBackend::Quic)]
     pub kv_transport: KvBackend,
-    /// Cluster CA certificate (PEM); QUIC needs it.
-    #[arg(long, env = "FISSION_TLS_CA")]
-    pub tls_ca: Option<PathBuf>,
-    /// This node's certificate (PEM), issued by the cluster CA.
-    #[arg(long, env = "FISSION_TLS_CERT")]
-    pub tls_cert: Option<PathBuf>,
-    #[arg(long, env = "FISSION_TLS_KEY")]
-    pub tls_key: Option<PathBuf>,
 }
 
 impl KvArgs {
-    pub fn tls(&self) -> Result<TlsIdentity, NodeError> {
-        match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
-            (Some(ca), Some(cert), Some(key)) => Ok(TlsIdentity::from_files(&TlsFiles {
-                ca_cert: ca.clone(),
-                cert: cert.clone(),
-                key: key.clone(),
-            })?),
-            _ => Err(NodeError::Config(
-                "the QUIC KV transport needs --tls-ca, --tls-cert and --tls-key (fission up generates a dev CA), or use --kv-transport tcp".into(),
+    /// Checks the backend against the node's identity: QUIC is mutual TLS and needs the
+    /// certificate; TCP has no TLS, so it runs only where `--insecure` says plaintext is
+    /// acceptable. Returns the identity QUIC uses.
+    pub fn identity(&self, tls: &TlsArgs) -> Result<Option<TlsIdentity>, NodeError> {
+        match self.kv_transport {
+            KvBackend::Quic => match tls.identity()? {
+                Some(identity) => Ok(Some(identity)),
+                None => Err(NodeError::Config(
+                    "the QUIC KV transport needs --tls-ca, --tls-cert and --tls-key (fission up generates a dev CA), or use --kv-transport tcp with --insecure".into(),
+                )),
+            },
+            KvBackend::Tcp if tls.insecure => {
+                tracing::warn!("--kv-transport tcp: KV blocks travel unencrypted and unauthenticated; for local development or a trusted network only");
+                Ok(None)
+            }
+            KvBackend::Tcp => Err(NodeError::Config(
+                "the TCP KV transport has no TLS: it needs --insecure (local development only), or use the default --kv-transport quic".into(),
             )),
         }
     }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use cluster::Role;
+use identity::{GrpcSecurity, PeerRole, TlsArgs, TlsIdentity};
 use engine::engine::Engine;
 use kv_types::KvLayout;
 use proto::v1::NodeInfo;
@@ -18,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::engine_args::EngineArgs;
 use crate::engine_state::EngineState;
 use crate::error::NodeError;
+use crate::access::AccessLayer;
 use crate::grpc::{stop_server, GRPC_STOP_GRACE};
 use crate::kv::KvArgs;
 use crate::membership::{node_record, random_node_id, ClusterArgs, Membership, WorkTracker};
@@ -35,6 +37,8 @@ pub struct NodeArgs {
     pub cluster: ClusterArgs,
     #[command(flatten)]
     pub kv: KvArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// Sockets every node serves on, bound by the caller (tests bind port 0).
@@ -64,6 +68,12 @@ pub struct Started {
     pub stop_streams: CancellationToken,
     /// Host put in the endpoints the node advertises.
     pub advertise_host: String,
+    /// The address the node serves gRPC on: its outgoing KV connections leave from it too.
+    pub listen_ip: std::net::IpAddr,
+    /// How the node's gRPC channels are secured, for the clients it opens (prefill to decode).
+    pub grpc: GrpcSecurity,
+    /// The identity the KV transport uses; `None` for the `--insecure` TCP backend.
+    pub kv_identity: Option<TlsIdentity>,
 }
 
 /// What a role built on a [`Started`] node.
@@ -90,6 +100,20 @@ where
     Fut: Future<Output = Result<RoleService, NodeError>>,
 {
     let metrics = crate::metrics_http::install_recorder();
+    // The identity is checked before the engine loads: a wrong certificate fails in
+    // milliseconds, not after the weights.
+    let grpc_security = args.tls.grpc(match role {
+        Role::Prefill => PeerRole::Prefill,
+        Role::Decode => PeerRole::Decode,
+    })?;
+    let kv_identity = args.kv.identity(&args.tls)?;
+    let grpc_addr = listeners
+        .grpc
+        .local_addr()
+        .map_err(|source| NodeError::Io {
+            what: "grpc listener".into(),
+            source,
+        })?;
     let node_id = args
         .node_id
         .clone()
@@ -119,15 +143,11 @@ where
         data_plane_stop: data_plane_stop.clone(),
         stop_streams: server_stop.clone(),
         advertise_host: args.cluster.advertise_host.clone(),
+        listen_ip: grpc_addr.ip(),
+        grpc: grpc_security.clone(),
+        kv_identity,
     })
     .await?;
-    let grpc_addr = listeners
-        .grpc
-        .local_addr()
-        .map_err(|source| NodeError::Io {
-            what: "grpc listener".into(),
-            source,
-        })?;
     let node_service = NodeService {
         info: service.info.clone(),
         cache_log: Arc::clone(&state_rx.cache),
@@ -136,7 +156,9 @@ where
     };
     tracing::info!(%node_id, role = role.as_str(), %grpc_addr, kv_endpoint = %service.kv_endpoint, "node serving");
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        grpc_security
+            .server()?
+            .layer(AccessLayer::new(&grpc_security))
             .add_routes(service.routes)
             .add_service(node_service.into_server())
             .serve_with_incoming_shutdown(

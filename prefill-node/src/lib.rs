@@ -17,7 +17,6 @@ use std::sync::Arc;
 use clap::Args;
 use cluster::Role;
 use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
-use node_common::kv::KvBackend;
 use node_common::launch::NodeRole;
 use node_common::node::{NodeArgs, NodeListeners, RoleService, Started};
 use node_common::NodeError;
@@ -58,34 +57,37 @@ pub async fn run(
     listeners: NodeListeners,
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
-    let kv = config.node.kv.clone();
     let heartbeat = std::time::Duration::from_millis(config.heartbeat_ms.max(1));
     node_common::node::serve(
         Role::Prefill,
         &config.node,
         listeners,
         shutdown,
-        |s| async move { build(s, &kv, heartbeat) },
+        |s| async move { build(s, heartbeat) },
     )
     .await
 }
 
-fn build(
-    s: Started,
-    kv: &node_common::kv::KvArgs,
-    heartbeat: std::time::Duration,
-) -> Result<RoleService, NodeError> {
+fn build(s: Started, heartbeat: std::time::Duration) -> Result<RoleService, NodeError> {
     crate::metrics::describe();
-    let transport = match kv.kv_transport {
-        KvBackend::Quic => {
-            push::Transport::Quic(QuicTransport::new(&kv.tls()?, QuicConfig::default())?)
-        }
-        KvBackend::Tcp => push::Transport::Tcp(TcpTransport::new(TcpConfig::default())),
+    // Pushes leave from the node's own address, not every interface.
+    let transport = match &s.kv_identity {
+        Some(identity) => push::Transport::Quic(QuicTransport::new(
+            identity,
+            QuicConfig {
+                client_bind_addr: std::net::SocketAddr::new(s.listen_ip, 0),
+                ..QuicConfig::default()
+            },
+        )?),
+        None => push::Transport::Tcp(TcpTransport::new(TcpConfig {
+            bind_ip: Some(s.listen_ip),
+            ..TcpConfig::default()
+        })),
     };
     let service = service::PrefillService {
         handle: actor::EngineHandle::spawn(s.engine, s.state),
         transport: Arc::new(transport),
-        clients: push::DecodeClients::default(),
+        clients: push::DecodeClients::new(s.grpc.clone()),
         layout: s.layout,
         info: s.info.clone(),
         next_seq: AtomicU64::new(1),

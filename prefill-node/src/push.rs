@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use identity::GrpcSecurity;
 use kv_types::{KvLayout, TransferId};
 use kvtransfer::{
     FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader, QuicConnection,
@@ -86,17 +87,23 @@ fn push_delay() -> Option<Duration> {
     None
 }
 
-/// gRPC clients of decode nodes, one per endpoint.
-#[derive(Default, Clone)]
+/// gRPC clients of decode nodes, one per endpoint, over the node's own identity (the decode
+/// node lets only a prefill certificate renew and complete its reservations).
+#[derive(Clone)]
 pub struct DecodeClients {
+    security: GrpcSecurity,
     clients: Arc<Mutex<HashMap<String, DecodeClient<Channel>>>>,
 }
 
 impl DecodeClients {
-    pub async fn get(
-        &self,
-        endpoint: &str,
-    ) -> Result<DecodeClient<Channel>, tonic::transport::Error> {
+    pub fn new(security: GrpcSecurity) -> Self {
+        Self {
+            security,
+            clients: Arc::default(),
+        }
+    }
+
+    pub async fn get(&self, endpoint: &str) -> Result<DecodeClient<Channel>, String> {
         if let Some(c) = self
             .clients
             .lock()
@@ -105,10 +112,13 @@ impl DecodeClients {
         {
             return Ok(c.clone());
         }
-        let channel = Channel::from_shared(format!("http://{endpoint}"))
-            .expect("endpoints are host:port")
+        let channel = self
+            .security
+            .endpoint(endpoint)
+            .map_err(|e| e.to_string())?
             .connect()
-            .await?;
+            .await
+            .map_err(|e| e.to_string())?;
         let client = DecodeClient::new(channel);
         self.clients
             .lock()
@@ -456,7 +466,7 @@ mod tests {
     async fn push_two_layers(p: &Peers, xfer_id: u64) -> Result<PushReport, PushError> {
         let job = PushJob {
             transport: Arc::new(Transport::Tcp(TcpTransport::default())),
-            clients: DecodeClients::default(),
+            clients: DecodeClients::new(GrpcSecurity::Insecure),
             xfer_id: TransferId(xfer_id),
             dest: KvDestination {
                 kv_endpoint: p.kv_endpoint.clone(),

@@ -50,6 +50,7 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
         "4",
         "--kv-transport",
         "tcp",
+        "--insecure",
         "--drain-timeout-s",
         "2",
     ])

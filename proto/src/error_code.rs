@@ -13,8 +13,13 @@ pub enum ErrorCode {
     InputTooLong,
     /// The request body is not valid JSON or misses fields.
     BadRequest,
+    /// No API key, or one the service does not hold.
     Unauthorized,
     NotFound,
+    /// The route exists but not for this method.
+    MethodNotAllowed,
+    /// The request body is over the size limit.
+    PayloadTooLarge,
     /// Too many concurrent requests, or no node has room.
     Overloaded,
     /// No node can serve the request right now.
@@ -29,12 +34,14 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 11] = [
+    pub const ALL: [ErrorCode; 13] = [
         ErrorCode::Validation,
         ErrorCode::InputTooLong,
         ErrorCode::BadRequest,
         ErrorCode::Unauthorized,
         ErrorCode::NotFound,
+        ErrorCode::MethodNotAllowed,
+        ErrorCode::PayloadTooLarge,
         ErrorCode::Overloaded,
         ErrorCode::Unavailable,
         ErrorCode::Timeout,
@@ -49,6 +56,8 @@ impl ErrorCode {
             ErrorCode::BadRequest => 400,
             ErrorCode::Unauthorized => 401,
             ErrorCode::NotFound => 404,
+            ErrorCode::MethodNotAllowed => 405,
+            ErrorCode::PayloadTooLarge => 413,
             ErrorCode::Overloaded => 429,
             ErrorCode::Unavailable => 503,
             ErrorCode::Timeout => 504,
@@ -65,6 +74,9 @@ impl ErrorCode {
             }
             ErrorCode::Unauthorized => tonic::Code::Unauthenticated,
             ErrorCode::NotFound => tonic::Code::NotFound,
+            ErrorCode::MethodNotAllowed => tonic::Code::Unimplemented,
+            // What gRPC itself answers to a message over the size limit.
+            ErrorCode::PayloadTooLarge => tonic::Code::ResourceExhausted,
             ErrorCode::Overloaded => tonic::Code::ResourceExhausted,
             ErrorCode::Unavailable => tonic::Code::Unavailable,
             ErrorCode::Timeout => tonic::Code::DeadlineExceeded,
@@ -80,6 +92,8 @@ impl ErrorCode {
         match self {
             // TGI reports a prompt over the limit as a validation error.
             ErrorCode::InputTooLong => "validation",
+            // OpenAI's name for it (`AuthenticationError`, type `authentication`).
+            ErrorCode::Unauthorized => "authentication",
             other => other.as_str(),
         }
     }
@@ -92,6 +106,8 @@ impl ErrorCode {
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::NotFound => "not_found",
+            ErrorCode::MethodNotAllowed => "method_not_allowed",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Timeout => "timeout",
@@ -129,9 +145,14 @@ mod tests {
     fn grpc_mapping_round_trips_except_merged_kinds() {
         for c in ErrorCode::ALL {
             let back = ErrorCode::from_grpc(c.grpc_code());
-            // InputTooLong and BadRequest share InvalidArgument with Validation.
-            let same_status =
-                back.http_status() == c.http_status() || matches!(c, ErrorCode::BadRequest);
+            // InputTooLong and BadRequest share InvalidArgument with Validation; a body over
+            // the limit shares ResourceExhausted with Overloaded; an HTTP method is no gRPC
+            // kind (Unimplemented is read back as Internal).
+            let merged = matches!(
+                c,
+                ErrorCode::BadRequest | ErrorCode::PayloadTooLarge | ErrorCode::MethodNotAllowed
+            );
+            let same_status = back.http_status() == c.http_status() || merged;
             assert!(same_status, "{c:?} -> {:?} -> {back:?}", c.grpc_code());
         }
     }
@@ -141,6 +162,10 @@ mod tests {
         assert_eq!(ErrorCode::InputTooLong.http_status(), 422);
         assert_eq!(ErrorCode::Overloaded.http_status(), 429);
         assert_eq!(ErrorCode::Unavailable.http_status(), 503);
+        assert_eq!(ErrorCode::Unauthorized.http_status(), 401);
+        assert_eq!(ErrorCode::Unauthorized.error_type(), "authentication");
+        assert_eq!(ErrorCode::MethodNotAllowed.http_status(), 405);
+        assert_eq!(ErrorCode::PayloadTooLarge.http_status(), 413);
         let labels: std::collections::HashSet<_> =
             ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(labels.len(), ErrorCode::ALL.len());

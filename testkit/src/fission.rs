@@ -146,10 +146,14 @@ pub struct Up {
     pub url: String,
     /// Node name (`prefill-0`, `decode-0`, ...) and its metrics URL, as `fission up` printed.
     pub metrics: Vec<(String, String)>,
+    /// Node name and its gRPC `host:port`, as `fission up` printed.
+    pub grpc: Vec<(String, String)>,
     /// The `fission node start ...` command `fission up` printed for adding a node.
     pub join: String,
     /// The etcd URL it printed.
     pub etcd: String,
+    /// The `fission nodes list|drain ...` command it printed, with the admin certificate.
+    pub operate: String,
 }
 
 impl Up {
@@ -163,6 +167,8 @@ impl Up {
             .args(["--decode", &config.decode.to_string()])
             .args(["--port", &port.to_string()])
             .args(["--kv-transport", &config.kv_transport])
+            // The plaintext KV backend is allowed only where a user says so.
+            .args((config.kv_transport == "tcp").then_some("--insecure"))
             .args([
                 "--ready-timeout-s",
                 &config.ready_timeout.as_secs().to_string(),
@@ -181,6 +187,8 @@ impl Up {
         let mut child = cmd.spawn().expect("fission up starts");
         let out = child.stdout.take().expect("stdout");
         let (mut metrics, mut url, mut join, mut etcd) = (Vec::new(), None, String::new(), None);
+        let mut operate = String::new();
+        let mut grpc = Vec::new();
         for line in BufReader::new(out).lines() {
             let line = line.expect("a line");
             if let Some(rest) = line.strip_prefix("Fission is up: ") {
@@ -189,9 +197,13 @@ impl Up {
             }
             if let Some(rest) = line.strip_prefix("add a node: ") {
                 join = rest.to_string();
+            } else if let Some(rest) = line.strip_prefix("operate: ") {
+                operate = rest.to_string();
             } else if let Some(rest) = line.strip_prefix("etcd: ") {
                 etcd = rest.split_whitespace().next().map(str::to_string);
             } else if let Some((name, m)) = line.split_once(" grpc=") {
+                let addr = m.split_whitespace().next().unwrap_or_default();
+                grpc.push((name.to_string(), addr.to_string()));
                 let m = m.split("metrics=").nth(1).expect("a metrics url");
                 metrics.push((name.to_string(), m.to_string()));
             }
@@ -207,8 +219,10 @@ impl Up {
             child,
             url: url.unwrap_or_else(|| panic!("fission up did not come up:\n{}", log())),
             metrics,
+            grpc,
             join,
             etcd: etcd.unwrap_or_default(),
+            operate,
         };
         // `fission up` reports healthy once a decode node answers; the tests need every node
         // routable.
@@ -225,6 +239,17 @@ impl Up {
             },
         );
         up
+    }
+
+    /// The credentials a node of `role` added to this cluster needs (its `--tls-*` and
+    /// `--etcd-*` flags and `--insecure`), taken from the join command `fission up` printed.
+    pub fn credentials(&self, role: &str) -> Vec<String> {
+        credential_flags(&self.join.replace("decode|prefill", role))
+    }
+
+    /// The credentials of the operator's commands (`fission nodes drain`).
+    pub fn admin_credentials(&self) -> Vec<String> {
+        credential_flags(&self.operate)
     }
 
     pub fn metrics_url(&self, node: &str) -> &str {
@@ -273,6 +298,27 @@ impl Drop for Up {
     }
 }
 
+/// The `--tls-*`, `--etcd-*` (with their values) and `--insecure` flags of a command line.
+fn credential_flags(command: &str) -> Vec<String> {
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < words.len() {
+        let w = words[i];
+        if w == "--insecure" {
+            out.push(w.to_string());
+        } else if (w.starts_with("--tls-") || (w.starts_with("--etcd-") && w != "--etcd"))
+            && i + 1 < words.len()
+        {
+            out.push(w.to_string());
+            out.push(words[i + 1].to_string());
+            i += 1;
+        }
+        i += 1;
+    }
+    out
+}
+
 /// `fission nodes list --json --etcd ETCD`: every registered node (empty when it fails).
 pub fn nodes_json(fission: &Path, etcd: &str) -> Vec<Value> {
     let Ok(out) = Command::new(fission)
@@ -303,7 +349,9 @@ pub struct NodeConfig {
     pub node_id: String,
     pub model: PathBuf,
     pub etcd: String,
-    /// Flags after the defaults (`--num-kv-blocks 512 --kv-transport tcp`), which they beat.
+    /// Flags after the defaults (`--num-kv-blocks 512 --kv-transport tcp --insecure`), which
+    /// they beat. A node of a mutual-TLS cluster needs its credentials here
+    /// ([`Up::credentials`]); `--insecure` then only allows the plaintext KV backend.
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
     pub log: PathBuf,
@@ -321,6 +369,13 @@ impl Added {
                     .iter()
                     .filter(|[flag, _]| !config.args.iter().any(|a| a == flag))
                     .flatten(),
+            )
+            .args(
+                (!config
+                    .args
+                    .iter()
+                    .any(|a| a == "--insecure" || a == "--kv-transport"))
+                .then_some("--insecure"),
             )
             .args(&config.args)
             .envs(config.env.iter().map(|(k, v)| (k, v)))

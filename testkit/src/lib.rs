@@ -7,6 +7,7 @@
 //! tests only: `phoenix` starts a local trace backend and reads it back, `metrics` and
 //! `serving` talk to a service a test started on 127.0.0.1.
 
+pub mod certs;
 pub mod fission;
 pub mod metrics;
 pub mod phoenix;

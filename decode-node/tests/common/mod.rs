@@ -37,6 +37,8 @@ pub async fn start(flags: &[&str]) -> TestNode {
         "4",
         "--kv-transport",
         "tcp",
+        // In-process node tests are plaintext; deploy/tests/trust_boundary.rs covers mTLS.
+        "--insecure",
         "--kv-addr",
         "127.0.0.1:0",
     ];

@@ -41,6 +41,9 @@ pub enum NodesCommand {
         node_id: String,
         #[command(flatten)]
         etcd: EtcdArgs,
+        /// An admin (or gateway) certificate: nodes let no other role drain them.
+        #[command(flatten)]
+        tls: identity::TlsArgs,
     },
 }
 
@@ -51,7 +54,7 @@ pub fn run(cmd: NodesCommand) -> anyhow::Result<()> {
     rt.block_on(async move {
         match cmd {
             NodesCommand::List { etcd, json } => list(&etcd, json).await,
-            NodesCommand::Drain { node_id, etcd } => drain(&etcd, &node_id).await,
+            NodesCommand::Drain { node_id, etcd, tls } => drain(&etcd, &tls, &node_id).await,
         }
     })
 }
@@ -126,7 +129,8 @@ async fn list(etcd: &EtcdArgs, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn drain(etcd: &EtcdArgs, node_id: &str) -> anyhow::Result<()> {
+async fn drain(etcd: &EtcdArgs, tls: &identity::TlsArgs, node_id: &str) -> anyhow::Result<()> {
+    let security = tls.grpc_as(&[identity::PeerRole::Admin, identity::PeerRole::Gateway])?;
     let nodes = cluster::list_nodes(&etcd.config()).await?;
     let Some(node) = nodes.iter().find(|s| s.record.node_id == node_id) else {
         bail!(
@@ -134,9 +138,12 @@ async fn drain(etcd: &EtcdArgs, node_id: &str) -> anyhow::Result<()> {
             etcd.cluster
         );
     };
-    let url = format!("http://{}", node.record.grpc_endpoint);
-    let started = NodeClient::connect(url)
-        .await?
+    let channel = security
+        .endpoint(&node.record.grpc_endpoint)?
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {node_id} at {}", node.record.grpc_endpoint))?;
+    let started = NodeClient::new(channel)
         .drain(DrainRequest {})
         .await?
         .into_inner()

@@ -1,5 +1,5 @@
 //! `fission up`: a local cluster of separate processes (an etcd, N prefill nodes, M decode
-//! nodes and a gateway), with a dev CA for the KV transport. Nodes register in etcd and the
+//! nodes and a gateway), with a dev CA that gives each process a certificate for its role. Nodes register in etcd and the
 //! gateway discovers them there, so `fission node start` can add more while it runs. It prints
 //! the etcd URL and the gateway URL, and on Ctrl-C or SIGTERM stops every process cleanly.
 
@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use engine::loader::{ModelFiles, ModelSource};
+use identity::PeerRole;
+
+use crate::cmd::dev_certs::{tls_args, tls_flags, DevCerts};
 
 #[derive(Args, Debug)]
 pub struct UpArgs {
@@ -43,6 +46,10 @@ pub struct UpArgs {
     /// Extra flags for the gateway, repeatable.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
     pub gateway_args: Vec<String>,
+    /// Allow the plaintext KV backend (`--kv-transport tcp`), for local development. gRPC
+    /// stays mutual TLS.
+    #[arg(long)]
+    pub insecure: bool,
     /// Seconds to wait for the cluster to become healthy.
     #[arg(long, default_value_t = 300)]
     pub ready_timeout_s: u64,
@@ -149,7 +156,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the fission binary")?;
     let dir = model_dir(&args.model)?;
     let work = tempfile::Builder::new().prefix("fission-up-").tempdir()?;
-    let ca = kvtransfer::generate_dev_ca()?;
+    if args.kv_transport == "tcp" && !args.insecure {
+        bail!(
+            "--kv-transport tcp has no TLS: add --insecure to say plaintext KV is acceptable here"
+        );
+    }
+    // Every process gets a certificate for its role from one dev CA: the nodes' gRPC and
+    // QUIC are mutual TLS, and each node lets only the right roles call each method.
+    let certs = DevCerts::create(work.path())?;
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [libc::SIGINT, libc::SIGTERM] {
         signal_flag(sig, Arc::clone(&stop))?;
@@ -167,29 +181,38 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     };
     println!("etcd: {etcd} (cluster {})", args.cluster);
-    // Nodes added later (`fission node start`) must speak the cluster's KV transport, and for
-    // QUIC hold a certificate from its CA: issue one they can share, and say how to use it.
+    // Nodes added later (`fission node start`) must speak the cluster's KV transport and hold
+    // a certificate for their role from its CA: issue one per role they can share, named so
+    // that choosing the role in the printed command chooses the certificate too.
     let mut join = format!(
         "fission node start --role decode|prefill --model {} --etcd {etcd} --cluster {} --kv-transport {}",
         dir.display(),
         args.cluster,
         args.kv_transport
     );
-    if args.kv_transport == "quic" {
-        let added = tempfile::Builder::new()
-            .prefix("added-")
-            .tempdir_in(work.path())?
-            .keep();
-        let tls =
-            kvtransfer::tls::write_dev_tls_files(&added, &ca, &ca.issue_node_cert("added-node")?)?;
-        join.push_str(&format!(
-            " --tls-ca {} --tls-cert {} --tls-key {}",
-            tls.ca_cert.display(),
-            tls.cert.display(),
-            tls.key.display()
-        ));
+    let joined = tempfile::Builder::new()
+        .prefix("join-")
+        .tempdir_in(work.path())?
+        .keep();
+    for role in [PeerRole::Decode, PeerRole::Prefill] {
+        let cert = certs.ca().issue(role, role.as_str())?;
+        identity::write_pem_files(&joined, certs.ca(), &cert)?;
+    }
+    join.push_str(&format!(
+        " --tls-ca {0}/ca.pem --tls-cert {0}/decode|prefill.pem --tls-key {0}/decode|prefill.key",
+        joined.display()
+    ));
+    if args.insecure {
+        join.push_str(" --insecure");
     }
     println!("add a node: {join}");
+    // The operator's commands (`fission nodes drain`) present an admin certificate.
+    let admin = certs.issue(PeerRole::Admin, "admin")?;
+    println!(
+        "operate: fission nodes list|drain --etcd {etcd} --cluster {} {}",
+        args.cluster,
+        tls_flags(&admin)
+    );
     let mut procs = Procs {
         children: Vec::new(),
     };
@@ -198,8 +221,12 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             let name = format!("{role}-{i}");
             let grpc = format!("127.0.0.1:{}", free_port()?);
             let metrics = format!("127.0.0.1:{}", free_port()?);
-            let cert = ca.issue_node_cert(&name)?;
-            let tls = kvtransfer::tls::write_dev_tls_files(work.path(), &ca, &cert)?;
+            let peer_role = if role == "decode" {
+                PeerRole::Decode
+            } else {
+                PeerRole::Prefill
+            };
+            let tls = certs.issue(peer_role, &name)?;
             let mut cmd = Command::new(&exe);
             cmd.args([
                 "node",
@@ -214,16 +241,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .arg("--model")
             .arg(&dir)
             .args(["--kv-transport", &args.kv_transport])
-            .arg("--tls-ca")
-            .arg(&tls.ca_cert)
-            .arg("--tls-cert")
-            .arg(&tls.cert)
-            .arg("--tls-key")
-            .arg(&tls.key)
+            .args(tls_args(&tls))
             .args(["--etcd", &etcd, "--cluster", &args.cluster])
             .args(&args.node_args);
             if role == "decode" {
                 cmd.args(["--kv-addr", "127.0.0.1:0"]);
+            }
+            if args.insecure {
+                cmd.arg("--insecure");
             }
             otel_child(
                 &mut cmd,
@@ -237,6 +262,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let http = format!("127.0.0.1:{}", args.port);
     let mut cmd = Command::new(&exe);
     cmd.args(["gateway", "--addr", &http])
+        .args(tls_args(&certs.issue(PeerRole::Gateway, "gateway")?))
         .arg("--model-dir")
         .arg(&dir)
         .args(["--etcd", &etcd, "--cluster", &args.cluster])

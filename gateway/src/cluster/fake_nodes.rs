@@ -521,7 +521,7 @@ pub(crate) async fn backend_with(
     let endpoints =
         |nodes: &[&FakeNode]| -> Vec<String> { nodes.iter().map(|n| n.endpoint.clone()).collect() };
     let discovery = StaticDiscovery::new(&endpoints(prefills), &endpoints(decodes));
-    let pools = Pools::spawn(Arc::new(discovery));
+    let pools = Pools::spawn(Arc::new(discovery), identity::GrpcSecurity::Insecure);
     let ready = |role| pools.ready(role).len();
     testkit::wait_until_async("the fakes answer Info", Duration::from_secs(10), || {
         let all = ready(Role::Prefill) == prefills.len() && ready(Role::Decode) == decodes.len();

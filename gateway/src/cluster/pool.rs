@@ -15,7 +15,8 @@ use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{CacheEventsRequest, InfoRequest, NodeInfo};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use identity::GrpcSecurity;
+use tonic::transport::Channel;
 
 use super::discovery::{Discovery, MemberChange, NodeEntry, NodeKey, Role};
 use super::health::{answers, Health, CHECK_INTERVAL};
@@ -162,18 +163,21 @@ pub struct Pools {
     /// Nodes whose registration ended without a drain and that then failed a health check:
     /// the pool's loop removes them.
     dead_tx: mpsc::UnboundedSender<NodeKey>,
+    /// How the gateway dials nodes: its certificate is what lets it call them.
+    security: GrpcSecurity,
 }
 
 impl Pools {
     /// Keeps the pools in step with discovery's changes, probes static members until they
     /// answer `Info`, and follows every member's prefix cache.
-    pub fn spawn(discovery: Arc<dyn Discovery>) -> Arc<Self> {
+    pub fn spawn(discovery: Arc<dyn Discovery>, security: GrpcSecurity) -> Arc<Self> {
         let (dead_tx, mut dead_rx) = mpsc::unbounded_channel();
         let pools = Arc::new(Pools {
             nodes: Mutex::new(HashMap::new()),
             loads: discovery.loads(),
             prefixes: Arc::new(Mutex::new(PrefixIndex::new())),
             dead_tx,
+            security,
         });
         let mut changes = discovery.changes();
         let p = Arc::clone(&pools);
@@ -244,9 +248,12 @@ impl Pools {
                 if let Some(n) = &old {
                     n.state.follower.cancel();
                 }
-                let Ok(ep) = Endpoint::from_shared(format!("http://{}", m.grpc_endpoint)) else {
-                    tracing::warn!(node_id = %m.node_id, endpoint = %m.grpc_endpoint, "bad endpoint");
-                    return;
+                let ep = match self.security.endpoint(&m.grpc_endpoint) {
+                    Ok(ep) => ep,
+                    Err(e) => {
+                        tracing::warn!(node_id = %m.node_id, endpoint = %m.grpc_endpoint, error = %e, "bad endpoint");
+                        return;
+                    }
                 };
                 let channel = ep
                     .connect_timeout(Duration::from_secs(2))

@@ -1,0 +1,91 @@
+//! How the nodes' gRPC channels are secured: mutual TLS with the cluster CA, or, for local
+//! development only, plaintext.
+
+use std::time::Duration;
+
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
+
+use crate::error::IdentityError;
+use crate::role::PeerRole;
+use crate::tls::TlsIdentity;
+
+/// A TLS handshake that takes longer is cut: a peer that opens a connection and sends nothing
+/// must not hold a server task.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug)]
+pub enum GrpcSecurity {
+    /// Every connection is mutual TLS: both ends present a certificate from the cluster CA.
+    Mtls {
+        identity: TlsIdentity,
+        /// The name checked in servers' certificates instead of the host dialled, for clusters
+        /// whose nodes share one certificate name (pod addresses are not known in advance).
+        server_name: Option<String>,
+    },
+    /// Plaintext, no peer checks: `--insecure`, for local development only.
+    Insecure,
+}
+
+impl GrpcSecurity {
+    pub fn is_insecure(&self) -> bool {
+        matches!(self, GrpcSecurity::Insecure)
+    }
+
+    /// A client endpoint for the gRPC server at `host:port`.
+    pub fn endpoint(&self, host_port: &str) -> Result<Endpoint, IdentityError> {
+        let invalid = |e: tonic::transport::Error| {
+            IdentityError::Config(format!("grpc endpoint {host_port}: {e}"))
+        };
+        match self {
+            GrpcSecurity::Insecure => {
+                Endpoint::from_shared(format!("http://{host_port}")).map_err(invalid)
+            }
+            GrpcSecurity::Mtls {
+                identity,
+                server_name,
+            } => {
+                let mut tls = ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(identity.ca_pem()))
+                    .identity(Identity::from_pem(identity.cert_pem(), identity.key_pem()))
+                    .timeout(HANDSHAKE_TIMEOUT);
+                if let Some(name) = server_name {
+                    tls = tls.domain_name(name.clone());
+                }
+                Endpoint::from_shared(format!("https://{host_port}"))
+                    .map_err(invalid)?
+                    .tls_config(tls)
+                    .map_err(invalid)
+            }
+        }
+    }
+
+    /// A server builder that, with mutual TLS, refuses any peer without a certificate from the
+    /// cluster CA during the handshake. Which role may call which method is checked per call
+    /// ([`GrpcSecurity::peer_role`]).
+    pub fn server(&self) -> Result<Server, IdentityError> {
+        match self {
+            GrpcSecurity::Insecure => Ok(Server::builder()),
+            GrpcSecurity::Mtls { identity, .. } => {
+                let tls = ServerTlsConfig::new()
+                    .identity(Identity::from_pem(identity.cert_pem(), identity.key_pem()))
+                    .client_ca_root(Certificate::from_pem(identity.ca_pem()))
+                    .timeout(HANDSHAKE_TIMEOUT);
+                Server::builder()
+                    .tls_config(tls)
+                    .map_err(|e| IdentityError::Tls {
+                        what: "grpc server",
+                        reason: e.to_string(),
+                    })
+            }
+        }
+    }
+
+    /// The role of the peer that sent `request`, from the certificate it presented. `None`
+    /// on a plaintext connection or for a certificate naming no role.
+    pub fn peer_role(extensions: &http::Extensions) -> Option<PeerRole> {
+        let info = extensions.get::<TlsConnectInfo<TcpConnectInfo>>()?;
+        let certs = info.peer_certs()?;
+        PeerRole::from_cert_der(certs.first()?)
+    }
+}
