@@ -379,6 +379,7 @@ fn other_model_is_refused_and_shared_prefixes_stick_to_their_node() {
     // shared-prefix requests go on, on the other node.
     let out = fission()
         .args(["nodes", "drain", holder, "--etcd", &etcd_url])
+        .args(up.admin_credentials())
         .output()
         .unwrap();
     assert!(

@@ -36,6 +36,13 @@ etcd --data-dir "$OUT/etcd" --listen-client-urls "http://127.0.0.1:$ETCD_PORT" \
   --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" >"$OUT/etcd.log" 2>&1 &
 ETCD_PID=$!
 ETCD="http://127.0.0.1:$ETCD_PORT"
+# Mutual-TLS gRPC, as in production: a CA and a certificate per process (`fission certs`).
+"$BIN/fission" certs init --out "$OUT/tls" >/dev/null
+certs() { # role name: prints the process's --tls-* flags
+  "$BIN/fission" certs issue --ca-cert "$OUT/tls/ca.pem" --ca-key "$OUT/tls/ca.key" \
+    --role "$1" --name "$2" --out "$OUT/tls" >/dev/null
+  echo "--tls-ca $OUT/tls/ca.pem --tls-cert $OUT/tls/$2.pem --tls-key $OUT/tls/$2.key"
+}
 declare -A PID METRICS
 cleanup() {
   kill -CONT "$ETCD_PID" 2>/dev/null || true
@@ -50,7 +57,8 @@ start_node() { # role id
   local role=$1 id=$2 m
   m=$(port)
   "$BIN/fission" node start --role "$role" --model "$MODEL" --etcd "$ETCD" --node-id "$id" \
-    --num-kv-blocks 512 --kv-transport tcp --lease-ttl-s 3 --metrics-addr "127.0.0.1:$m" \
+    --num-kv-blocks 512 --kv-transport tcp --insecure --lease-ttl-s 3 --metrics-addr "127.0.0.1:$m" \
+    $(certs "$role" "$id") \
     >>"$OUT/$id.out" 2>>"$OUT/$id.log" &
   PID[$id]=$!
   METRICS[$id]="http://127.0.0.1:$m/metrics"
@@ -59,6 +67,7 @@ for id in prefill-0 prefill-1; do start_node prefill "$id"; done
 for id in decode-0 decode-1; do start_node decode "$id"; done
 GW_PORT=$(port)
 "$BIN/fission" gateway --addr "127.0.0.1:$GW_PORT" --model-dir "$MODEL" --etcd "$ETCD" \
+  $(certs gateway gateway) \
   >"$OUT/gateway.out" 2>"$OUT/gateway.log" &
 PID[gateway]=$!
 URL="http://127.0.0.1:$GW_PORT"

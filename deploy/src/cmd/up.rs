@@ -3,6 +3,7 @@
 //! gateway discovers them there, so `fission node start` can add more while it runs. It prints
 //! the etcd URL and the gateway URL, and on Ctrl-C or SIGTERM stops every process cleanly.
 
+use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -46,8 +47,8 @@ pub struct UpArgs {
     /// Extra flags for the gateway, repeatable.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
     pub gateway_args: Vec<String>,
-    /// Allow the plaintext KV backend (`--kv-transport tcp`), for local development. gRPC
-    /// stays mutual TLS.
+    /// No TLS anywhere, for local development: plaintext gRPC that anyone who reaches a port
+    /// may call, and the plaintext KV backend (`--kv-transport tcp`, which needs it).
     #[arg(long)]
     pub insecure: bool,
     /// Seconds to wait for the cluster to become healthy.
@@ -156,14 +157,27 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the fission binary")?;
     let dir = model_dir(&args.model)?;
     let work = tempfile::Builder::new().prefix("fission-up-").tempdir()?;
-    if args.kv_transport == "tcp" && !args.insecure {
-        bail!(
-            "--kv-transport tcp has no TLS: add --insecure to say plaintext KV is acceptable here"
-        );
+    match (args.kv_transport.as_str(), args.insecure) {
+        ("tcp", false) => bail!(
+            "--kv-transport tcp has no TLS: add --insecure to say plaintext is acceptable here"
+        ),
+        ("quic", true) => {
+            bail!("the QUIC KV transport is always TLS: --insecure needs --kv-transport tcp")
+        }
+        _ => {}
     }
     // Every process gets a certificate for its role from one dev CA: the nodes' gRPC and
     // QUIC are mutual TLS, and each node lets only the right roles call each method.
-    let certs = DevCerts::create(work.path())?;
+    let certs = (!args.insecure)
+        .then(|| DevCerts::create(work.path()))
+        .transpose()?;
+    // A process's credentials: its certificate's flags, or `--insecure`.
+    let credentials = |role: PeerRole, name: &str| -> anyhow::Result<Vec<OsString>> {
+        Ok(match &certs {
+            Some(certs) => tls_args(&certs.issue(role, name)?).to_vec(),
+            None => vec!["--insecure".into()],
+        })
+    };
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [libc::SIGINT, libc::SIGTERM] {
         signal_flag(sig, Arc::clone(&stop))?;
@@ -190,29 +204,35 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         args.cluster,
         args.kv_transport
     );
-    let joined = tempfile::Builder::new()
-        .prefix("join-")
-        .tempdir_in(work.path())?
-        .keep();
-    for role in [PeerRole::Decode, PeerRole::Prefill] {
-        let cert = certs.ca().issue(role, role.as_str())?;
-        identity::write_pem_files(&joined, certs.ca(), &cert)?;
-    }
-    join.push_str(&format!(
-        " --tls-ca {0}/ca.pem --tls-cert {0}/decode|prefill.pem --tls-key {0}/decode|prefill.key",
-        joined.display()
-    ));
-    if args.insecure {
-        join.push_str(" --insecure");
+    // The operator's commands (`fission nodes drain`) present an admin certificate.
+    let mut operate = format!(
+        "fission nodes list|drain --etcd {etcd} --cluster {}",
+        args.cluster
+    );
+    match &certs {
+        Some(certs) => {
+            let joined = tempfile::Builder::new()
+                .prefix("join-")
+                .tempdir_in(work.path())?
+                .keep();
+            for role in [PeerRole::Decode, PeerRole::Prefill] {
+                let cert = certs.ca().issue(role, role.as_str())?;
+                identity::write_pem_files(&joined, certs.ca(), &cert)?;
+            }
+            join.push_str(&format!(
+                " --tls-ca {0}/ca.pem --tls-cert {0}/decode|prefill.pem --tls-key {0}/decode|prefill.key",
+                joined.display()
+            ));
+            operate.push(' ');
+            operate.push_str(&tls_flags(&certs.issue(PeerRole::Admin, "admin")?));
+        }
+        None => {
+            join.push_str(" --insecure");
+            operate.push_str(" --insecure");
+        }
     }
     println!("add a node: {join}");
-    // The operator's commands (`fission nodes drain`) present an admin certificate.
-    let admin = certs.issue(PeerRole::Admin, "admin")?;
-    println!(
-        "operate: fission nodes list|drain --etcd {etcd} --cluster {} {}",
-        args.cluster,
-        tls_flags(&admin)
-    );
+    println!("operate: {operate}");
     let mut procs = Procs {
         children: Vec::new(),
     };
@@ -226,7 +246,6 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             } else {
                 PeerRole::Prefill
             };
-            let tls = certs.issue(peer_role, &name)?;
             let mut cmd = Command::new(&exe);
             cmd.args([
                 "node",
@@ -241,14 +260,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .arg("--model")
             .arg(&dir)
             .args(["--kv-transport", &args.kv_transport])
-            .args(tls_args(&tls))
+            .args(credentials(peer_role, &name)?)
             .args(["--etcd", &etcd, "--cluster", &args.cluster])
             .args(&args.node_args);
             if role == "decode" {
                 cmd.args(["--kv-addr", "127.0.0.1:0"]);
-            }
-            if args.insecure {
-                cmd.arg("--insecure");
             }
             otel_child(
                 &mut cmd,
@@ -262,7 +278,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let http = format!("127.0.0.1:{}", args.port);
     let mut cmd = Command::new(&exe);
     cmd.args(["gateway", "--addr", &http])
-        .args(tls_args(&certs.issue(PeerRole::Gateway, "gateway")?))
+        .args(credentials(PeerRole::Gateway, "gateway")?)
         .arg("--model-dir")
         .arg(&dir)
         .args(["--etcd", &etcd, "--cluster", &args.cluster])

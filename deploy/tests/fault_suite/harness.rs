@@ -6,6 +6,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use identity::PeerRole;
+use testkit::certs::TestCerts;
 use testkit::fission::{free_port, http_get, metric, Added, KillOnDrop, NodeConfig};
 use testkit::streams::Record;
 use testkit::wait_until;
@@ -72,6 +74,8 @@ pub struct Cluster {
     pub gateway: KillOnDrop,
     /// Every node started, by id; a test may kill one (it stays listed).
     pub nodes: Vec<(String, Added)>,
+    /// The cluster CA: the faults run over mutual-TLS gRPC, as in production.
+    pub certs: TestCerts,
 }
 
 impl Cluster {
@@ -89,6 +93,7 @@ impl Cluster {
             gateway_metrics: String::new(),
             gateway: KillOnDrop(Command::new("true").spawn().expect("true runs")),
             nodes: Vec::new(),
+            certs: TestCerts::new(dir),
         };
         for s in specs {
             c.add(s);
@@ -100,6 +105,7 @@ impl Cluster {
             .arg("--model-dir")
             .arg(model)
             .args(["--etcd", &etcd_url])
+            .args(c.certs.flags(PeerRole::Gateway, "gateway"))
             .args(gateway_args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -120,6 +126,12 @@ impl Cluster {
 
     pub fn add(&mut self, s: Spec) {
         let mut args = vec!["--lease-ttl-s".to_string(), LEASE_TTL_S.to_string()];
+        let role = if s.role == "decode" {
+            PeerRole::Decode
+        } else {
+            PeerRole::Prefill
+        };
+        args.extend(self.certs.flags(role, &s.node_id));
         args.extend(s.args);
         let added = Added::start(&NodeConfig {
             fission: fission(),
