@@ -67,6 +67,14 @@ pub async fn run(
     let local_addr = listener.local_addr().map_err(GatewayError::Serve)?;
     tracing::info!(%local_addr, model_id = %state.config().model_id, "gateway listening");
 
+    // Tokens go out as small SSE writes: with Nagle's algorithm each write after the first
+    // waits for the client's delayed ACK (about 40 ms on Linux), which would set every
+    // stream's TTFT and TPOT floor.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::warn!(%error, "could not set TCP_NODELAY on a client connection");
+        }
+    });
     let serve = axum::serve(listener, app(state.clone()))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .into_future();

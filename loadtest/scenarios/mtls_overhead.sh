@@ -27,8 +27,11 @@ for r in gateway prefill decode; do
   "$BIN/fission" certs issue --ca-cert "$OUT/tls/ca.pem" --ca-key "$OUT/tls/ca.key" \
     --role $r --name $r --out "$OUT/tls" >/dev/null
 done
+# A process's credentials; `--insecure` on the nodes in both modes, for the TCP KV path.
 creds() { # mode role
-  if [ "$1" = mtls ]; then echo "--tls-ca $OUT/tls/ca.pem --tls-cert $OUT/tls/$2.pem --tls-key $OUT/tls/$2.key"
+  if [ "$1" = mtls ]; then
+    echo "--tls-ca $OUT/tls/ca.pem --tls-cert $OUT/tls/$2.pem --tls-key $OUT/tls/$2.key"
+    [ "$2" = gateway ] || echo "--insecure"
   else echo "--insecure"; fi
 }
 
@@ -45,9 +48,8 @@ trap 'stop_cluster; kill $ETCD_PID 2>/dev/null || true' EXIT
 start_cluster() { # mode run -> sets URL
   local mode=$1 run=$2 cluster="c$run$1" role
   for role in prefill decode; do
-    # --insecure on both: the KV path is plaintext TCP in both modes.
     "$BIN/fission" node start --role $role --model "$M" --etcd "$ETCD" --cluster "$cluster" \
-      --node-id "$role-0" --num-kv-blocks 1024 --kv-transport tcp --insecure \
+      --node-id "$role-0" --num-kv-blocks 1024 --kv-transport tcp \
       --grpc-addr "127.0.0.1:$(port)" --metrics-addr "127.0.0.1:$(port)" $(creds "$mode" $role) \
       >"$OUT/$role-$mode-$run.out" 2>"$OUT/$role-$mode-$run.log" &
     PIDS+=($!)

@@ -8,18 +8,18 @@ use std::sync::Arc;
 
 use clap::Args;
 use cluster::Role;
-use identity::{GrpcSecurity, PeerRole, TlsArgs, TlsIdentity};
 use engine::engine::Engine;
+use identity::{GrpcSecurity, PeerRole, TlsArgs, TlsIdentity};
 use kv_types::KvLayout;
 use proto::v1::NodeInfo;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::access::AccessLayer;
 use crate::engine_args::EngineArgs;
 use crate::engine_state::EngineState;
 use crate::error::NodeError;
-use crate::access::AccessLayer;
 use crate::grpc::{stop_server, GRPC_STOP_GRACE};
 use crate::kv::KvArgs;
 use crate::membership::{node_record, random_node_id, ClusterArgs, Membership, WorkTracker};
@@ -162,7 +162,10 @@ where
             .add_routes(service.routes)
             .add_service(node_service.into_server())
             .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listeners.grpc),
+                // Tokens and heartbeats are small writes: without TCP_NODELAY each waits for
+                // the peer's delayed ACK (about 40 ms), the floor of every TTFT and TPOT.
+                tonic::transport::server::TcpIncoming::from(listeners.grpc)
+                    .with_nodelay(Some(true)),
                 server_stop.clone().cancelled_owned(),
             ),
     );
