@@ -14,6 +14,18 @@ pub enum ClusterError {
     #[error("etcd {op} timed out after {timeout_ms} ms")]
     Timeout { op: &'static str, timeout_ms: u64 },
 
+    /// etcd refused the user or password. Never carries the password.
+    #[error("authentication failed for etcd user {user}: {reason}; check the user and its password (--etcd-user, --etcd-password-file)")]
+    EtcdAuth { user: String, reason: String },
+
+    /// A certificate, key or password file for etcd could not be read.
+    #[error("etcd credentials: reading {path}: {source}")]
+    EtcdFile {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+
     #[error("local etcd: {0}")]
     LocalEtcd(String),
 

@@ -6,12 +6,14 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 
 use crate::error::ClusterError;
+use crate::etcd_security::{authenticate, EtcdSecurity};
 
-/// Where etcd is and how patiently to talk to it.
+/// Where etcd is, how to reach it safely, and how patiently to talk to it.
 #[derive(Debug, Clone)]
 pub struct EtcdConfig {
-    /// For example `["http://127.0.0.1:2379"]`.
+    /// For example `["http://127.0.0.1:2379"]`, or `https://` with [`EtcdSecurity::tls`].
     pub endpoints: Vec<String>,
+    pub security: EtcdSecurity,
     /// Names the key space: `/fission/{cluster}/...`.
     pub cluster: String,
     pub connect_timeout_ms: u64,
@@ -26,12 +28,18 @@ impl EtcdConfig {
     pub fn new(endpoints: Vec<String>, cluster: impl Into<String>) -> Self {
         EtcdConfig {
             endpoints,
+            security: EtcdSecurity::default(),
             cluster: cluster.into(),
             connect_timeout_ms: 1_000,
             request_timeout_ms: 2_000,
             retry_min_ms: 100,
             retry_max_ms: 1_000,
         }
+    }
+
+    pub fn with_security(mut self, security: EtcdSecurity) -> Self {
+        self.security = security;
+        self
     }
 
     pub(crate) fn validate(&self) -> Result<(), ClusterError> {
@@ -49,7 +57,7 @@ impl EtcdConfig {
                 value: self.cluster.clone(),
             });
         }
-        Ok(())
+        self.security.validate(&self.endpoints)
     }
 
     pub(crate) fn request_timeout(&self) -> Duration {
@@ -57,17 +65,34 @@ impl EtcdConfig {
     }
 
     /// Builds a client. The channel connects lazily and reconnects by itself, so this succeeds
-    /// while etcd is down; calls fail until it is back.
+    /// while etcd is down; calls fail until it is back. With credentials it authenticates
+    /// first, and fails at once when etcd refuses them (see [`authenticate`]).
     pub(crate) async fn connect(&self) -> Result<Client, ClusterError> {
         self.validate()?;
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_millis(self.connect_timeout_ms))
             // etcd answers pings more often than every 5 s (its --grpc-keepalive-min-time)
             // with GOAWAY, which broke every watch every few seconds; 10 s stays clear of it.
-            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
-        Client::connect(&self.endpoints, Some(options))
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            // etcd forgets tokens when it restarts and when they sit unused (--auth-token-ttl):
+            // a call refused for its token authenticates again and is retried once.
+            .with_auto_token_refresh(true);
+        if let Some(tls) = self.security.tls_options()? {
+            options = options.with_tls(tls);
+        }
+        let mut client = Client::connect(&self.endpoints, Some(options))
             .await
-            .map_err(ClusterError::etcd("connect"))
+            .map_err(ClusterError::etcd("connect"))?;
+        if let Some(credentials) = &self.security.credentials {
+            authenticate(
+                &mut client,
+                credentials,
+                self.request_timeout(),
+                self.backoff(),
+            )
+            .await?;
+        }
+        Ok(client)
     }
 
     pub(crate) fn backoff(&self) -> Backoff {

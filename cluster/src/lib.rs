@@ -10,6 +10,9 @@
 //! - `/fission/c/nodes/{role}/{node_id}`: the JSON [`NodeRecord`], attached to the node's lease.
 //! - `/fission/c/load/{role}/{node_id}`: the JSON [`NodeLoad`], attached to the same lease.
 //!
+//! The connection to etcd can be TLS, with a client certificate, and authenticated as an etcd
+//! user ([`EtcdSecurity`]); [`EtcdSecurityArgs`] are the flags for it that every process takes.
+//!
 //! This crate knows etcd and the record format only. It must not touch models, KV blocks or
 //! request routing: consumers decide what a member means.
 
@@ -17,6 +20,8 @@ mod admission;
 mod discovery;
 mod error;
 mod etcd;
+mod etcd_args;
+mod etcd_security;
 mod fingerprint;
 mod load;
 mod local_etcd;
@@ -28,8 +33,10 @@ pub use admission::Refusal;
 pub use discovery::{ClusterChange, DiscoveryConfig, EtcdDiscovery, Members};
 pub use error::ClusterError;
 pub use etcd::EtcdConfig;
+pub use etcd_args::EtcdSecurityArgs;
+pub use etcd_security::{EtcdClientCert, EtcdCredentials, EtcdPassword, EtcdSecurity, EtcdTls};
 pub use fingerprint::model_fingerprint;
 pub use load::{list_nodes, LoadWatch, Loads, NodeStatus};
-pub use local_etcd::LocalEtcd;
+pub use local_etcd::{EtcdServerTls, LocalEtcd};
 pub use record::{NodeKey, NodeLoad, NodeRecord, Role};
 pub use registration::{Registration, RegistrationConfig};

@@ -1,5 +1,6 @@
 //! A single-member etcd started from PATH on free loopback ports, for `fission up` and tests:
-//! a real etcd, not a fake, with a data directory that outlives restarts of the process.
+//! a real etcd, not a fake, with a data directory that outlives restarts of the process. With
+//! [`EtcdServerTls`] its clients must speak TLS and present a certificate from the given CA.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -14,6 +15,18 @@ pub struct LocalEtcd {
     data_dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    /// Plain HTTP `/health` (and `/metrics`), which needs no client certificate.
+    metrics_port: u16,
+    tls: Option<EtcdServerTls>,
+}
+
+/// etcd's server side of TLS: its certificate and key, and the CA every client certificate
+/// must chain to (`--client-cert-auth`).
+#[derive(Debug, Clone)]
+pub struct EtcdServerTls {
+    pub ca_cert: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -25,25 +38,49 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> ClusterError + '_ {
 }
 
 impl LocalEtcd {
-    /// Starts etcd with its data under `dir` and waits until it answers `/health`.
+    /// Starts etcd with its data under `dir`, for plaintext clients, and waits until it answers
+    /// `/health`.
     pub fn start(dir: &Path) -> Result<LocalEtcd, ClusterError> {
+        Self::start_with(dir, None)
+    }
+
+    /// [`LocalEtcd::start`], serving clients over TLS only and refusing any without a
+    /// certificate from `tls.ca_cert`.
+    pub fn start_tls(dir: &Path, tls: EtcdServerTls) -> Result<LocalEtcd, ClusterError> {
+        Self::start_with(dir, Some(tls))
+    }
+
+    fn start_with(dir: &Path, tls: Option<EtcdServerTls>) -> Result<LocalEtcd, ClusterError> {
+        let port = || free_port().map_err(io("picking a port"));
         let mut etcd = LocalEtcd {
             child: None,
             data_dir: dir.join("etcd-data"),
-            client_port: free_port().map_err(io("picking a port"))?,
-            peer_port: free_port().map_err(io("picking a port"))?,
+            client_port: port()?,
+            peer_port: port()?,
+            metrics_port: port()?,
+            tls,
         };
         etcd.spawn()?;
         Ok(etcd)
     }
 
+    /// The client URL: `https://` when it serves TLS.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
-    /// How to reach it, for the cluster named `cluster`.
+    /// How to reach it, for the cluster named `cluster`. With TLS this trusts its CA but
+    /// presents no client certificate: set [`crate::EtcdTls::client_cert`] to be let in.
     pub fn config(&self, cluster: &str) -> crate::EtcdConfig {
-        crate::EtcdConfig::new(vec![self.endpoint()], cluster)
+        let tls = self.tls.as_ref().map(|tls| crate::EtcdTls {
+            ca_cert: tls.ca_cert.clone(),
+            client_cert: None,
+        });
+        crate::EtcdConfig::new(vec![self.endpoint()], cluster).with_security(crate::EtcdSecurity {
+            tls,
+            credentials: None,
+        })
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -81,7 +118,14 @@ impl LocalEtcd {
             .append(true)
             .open(self.data_dir.join("etcd.log"))
             .map_err(io("opening the etcd log"))?;
-        let child = Command::new("etcd")
+        let mut cmd = Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            cmd.arg("--client-cert-auth")
+                .arg(format!("--trusted-ca-file={}", tls.ca_cert.display()))
+                .arg(format!("--cert-file={}", tls.cert.display()))
+                .arg(format!("--key-file={}", tls.key.display()));
+        }
+        let child = cmd
             .arg("--name=fission")
             .arg(format!("--data-dir={}", self.data_dir.join("member").display()))
             .arg(format!("--listen-client-urls={client}"))
@@ -89,6 +133,10 @@ impl LocalEtcd {
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
             .arg(format!("--initial-cluster=fission={peer}"))
+            .arg(format!(
+                "--listen-metrics-urls=http://127.0.0.1:{}",
+                self.metrics_port
+            ))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -108,7 +156,7 @@ impl LocalEtcd {
 
     fn wait_healthy(&mut self, timeout: Duration) -> Result<(), ClusterError> {
         let deadline = Instant::now() + timeout;
-        let addr = format!("127.0.0.1:{}", self.client_port);
+        let addr = format!("127.0.0.1:{}", self.metrics_port);
         loop {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
@@ -131,7 +179,7 @@ impl LocalEtcd {
     }
 }
 
-/// etcd's own `/health` over plain HTTP/1.1.
+/// etcd's own `/health` over plain HTTP/1.1, on its metrics port.
 fn health(addr: &str) -> bool {
     let probe = || -> std::io::Result<String> {
         let mut s = TcpStream::connect(addr)?;
