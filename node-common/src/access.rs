@@ -102,7 +102,11 @@ where
                     "peer_role" => role.map_or("none", PeerRole::as_str),
                 )
                 .increment(1);
-                tracing::warn!(path = request.uri().path(), peer_role = role.map_or("none", PeerRole::as_str), "grpc call refused");
+                tracing::warn!(
+                    path = request.uri().path(),
+                    peer_role = role.map_or("none", PeerRole::as_str),
+                    "grpc call refused"
+                );
                 return Either::Left(ready(Ok(status.into_http())));
             }
         }
@@ -134,7 +138,11 @@ mod tests {
                 methods += 1;
             }
         }
-        assert_eq!(methods, POLICY.len(), "a policy entry names no proto method");
+        assert_eq!(
+            methods,
+            POLICY.len(),
+            "a policy entry names no proto method"
+        );
     }
 
     #[test]

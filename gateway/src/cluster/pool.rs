@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 
 use cluster::{Loads, NodeLoad};
 use futures::StreamExt;
+use identity::GrpcSecurity;
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{CacheEventsRequest, InfoRequest, NodeInfo};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use identity::GrpcSecurity;
 use tonic::transport::Channel;
 
 use super::discovery::{Discovery, MemberChange, NodeEntry, NodeKey, Role};
