@@ -83,6 +83,11 @@ impl LocalEtcd {
         })
     }
 
+    /// etcd's own log (its stderr), appended to across restarts.
+    pub fn log_path(&self) -> PathBuf {
+        self.data_dir.join("etcd.log")
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
     }
@@ -116,7 +121,7 @@ impl LocalEtcd {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(self.data_dir.join("etcd.log"))
+            .open(self.log_path())
             .map_err(io("opening the etcd log"))?;
         let mut cmd = Command::new("etcd");
         if let Some(tls) = &self.tls {
@@ -162,7 +167,7 @@ impl LocalEtcd {
                 if let Ok(Some(status)) = c.try_wait() {
                     return Err(ClusterError::LocalEtcd(format!(
                         "etcd exited with {status}; see {}",
-                        self.data_dir.join("etcd.log").display()
+                        self.log_path().display()
                     )));
                 }
             }

@@ -81,6 +81,11 @@ pub struct NodeLoad {
     pub running_sequences: u64,
 }
 
+/// Every key of the cluster: what an etcd role for it must cover.
+pub(crate) fn cluster_prefix(cluster: &str) -> String {
+    format!("/fission/{cluster}/")
+}
+
 pub(crate) fn nodes_prefix(cluster: &str, role: Option<Role>) -> String {
     match role {
         Some(role) => format!("/fission/{cluster}/nodes/{role}/"),

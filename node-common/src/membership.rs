@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use cluster::{EtcdConfig, NodeLoad, NodeRecord, Registration, RegistrationConfig, Role};
+use cluster::{
+    EtcdConfig, EtcdSecurityArgs, NodeLoad, NodeRecord, Registration, RegistrationConfig, Role,
+};
 use kv_types::KvLayout;
 use proto::ErrorCode;
 use tokio::sync::{watch, Notify};
@@ -34,11 +36,25 @@ pub struct ClusterArgs {
     /// Host put in the endpoints this node advertises.
     #[arg(long, env = "FISSION_ADVERTISE_HOST", default_value = "127.0.0.1")]
     pub advertise_host: String,
+    /// TLS and user for etcd.
+    #[command(flatten)]
+    pub etcd_security: EtcdSecurityArgs,
 }
 
 impl ClusterArgs {
-    pub fn etcd_config(&self) -> Option<EtcdConfig> {
-        (!self.etcd.is_empty()).then(|| EtcdConfig::new(self.etcd.clone(), self.cluster.clone()))
+    /// How to reach etcd; `None` without `--etcd`. Fails on etcd security flags that do not
+    /// go together, or a password file that cannot be read.
+    pub fn etcd_config(&self) -> Result<Option<EtcdConfig>, NodeError> {
+        if self.etcd.is_empty() {
+            return Ok(None);
+        }
+        let security = self
+            .etcd_security
+            .security()
+            .map_err(|e| NodeError::Config(e.to_string()))?;
+        Ok(Some(
+            EtcdConfig::new(self.etcd.clone(), self.cluster.clone()).with_security(security),
+        ))
     }
 }
 
@@ -160,7 +176,7 @@ impl Membership {
     ) -> Result<Membership, NodeError> {
         let node_id = record.node_id.clone();
         let drain_timeout = Duration::from_secs(args.drain_timeout_s);
-        let Some(etcd) = args.etcd_config() else {
+        let Some(etcd) = args.etcd_config()? else {
             return Ok(Membership {
                 node_id,
                 registration: None,
@@ -270,6 +286,7 @@ mod tests {
             lease_ttl_s: 5,
             drain_timeout_s: 30,
             advertise_host: "127.0.0.1".into(),
+            etcd_security: EtcdSecurityArgs::default(),
         };
         let (load_tx, load_rx) = watch::channel(WorkLoad {
             running: 1,

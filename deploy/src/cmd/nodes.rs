@@ -18,11 +18,15 @@ pub struct EtcdArgs {
     pub etcd: Vec<String>,
     #[arg(long, env = "FISSION_CLUSTER", default_value = "fission")]
     pub cluster: String,
+    /// TLS and user for etcd (`fission up` prints them).
+    #[command(flatten)]
+    pub security: cluster::EtcdSecurityArgs,
 }
 
 impl EtcdArgs {
-    fn config(&self) -> EtcdConfig {
-        EtcdConfig::new(self.etcd.clone(), self.cluster.clone())
+    fn config(&self) -> anyhow::Result<EtcdConfig> {
+        Ok(EtcdConfig::new(self.etcd.clone(), self.cluster.clone())
+            .with_security(self.security.security()?))
     }
 }
 
@@ -89,7 +93,7 @@ fn to_json(s: &NodeStatus) -> serde_json::Value {
 }
 
 async fn list(etcd: &EtcdArgs, json: bool) -> anyhow::Result<()> {
-    let nodes = cluster::list_nodes(&etcd.config())
+    let nodes = cluster::list_nodes(&etcd.config()?)
         .await
         .with_context(|| format!("reading the cluster from {:?}", etcd.etcd))?;
     if json {
@@ -131,7 +135,7 @@ async fn list(etcd: &EtcdArgs, json: bool) -> anyhow::Result<()> {
 
 async fn drain(etcd: &EtcdArgs, tls: &identity::TlsArgs, node_id: &str) -> anyhow::Result<()> {
     let security = tls.grpc_as(&[identity::PeerRole::Admin, identity::PeerRole::Gateway])?;
-    let nodes = cluster::list_nodes(&etcd.config()).await?;
+    let nodes = cluster::list_nodes(&etcd.config()?).await?;
     let Some(node) = nodes.iter().find(|s| s.record.node_id == node_id) else {
         bail!(
             "no node {node_id} is registered in cluster {}",
