@@ -3,8 +3,8 @@
 //! `--client-cert-auth`), and etcd's own user/password authentication.
 //!
 //! TLS keeps anyone on the network from reading or forging membership; the client certificate
-//! and the password decide who may write it. Without a password etcd runs every call as the
-//! common name of the client certificate, when it has one.
+//! and the password decide who may write it. With authentication on, etcd runs a call that
+//! carries no password token as the user named by the client certificate's common name.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
