@@ -195,7 +195,11 @@ impl KeyStore {
         let from_file = read_key_file(path)?;
         let digests = Digests::new(self.inner.inline.iter().chain(&from_file));
         let count = digests.0.len();
-        *self.inner.current.write().expect("no panic holds the key lock") = Arc::new(digests);
+        *self
+            .inner
+            .current
+            .write()
+            .expect("no panic holds the key lock") = Arc::new(digests);
         Ok(count)
     }
 
@@ -216,7 +220,13 @@ impl KeyStore {
     }
 
     fn current(&self) -> Arc<Digests> {
-        Arc::clone(&self.inner.current.read().expect("no panic holds the key lock"))
+        Arc::clone(
+            &self
+                .inner
+                .current
+                .read()
+                .expect("no panic holds the key lock"),
+        )
     }
 }
 
@@ -376,7 +386,10 @@ mod tests {
         assert_eq!(keys, vec![key("alpha"), key("beta")]);
         let error = parse_key_file("alpha\nbad key\n").unwrap_err();
         assert!(error.contains("line 2"), "{error}");
-        assert!(!error.contains("bad key"), "the key is not repeated: {error}");
+        assert!(
+            !error.contains("bad key"),
+            "the key is not repeated: {error}"
+        );
         assert!("".parse::<ApiKey>().is_err());
         assert!("tab\there".parse::<ApiKey>().is_err());
     }
@@ -516,7 +529,10 @@ mod tests {
         for (method, uri) in ROUTES {
             for (key, code) in [
                 (None, "missing_api_key"),
-                (Some(("authorization", "Bearer sk-wrong")), "invalid_api_key"),
+                (
+                    Some(("authorization", "Bearer sk-wrong")),
+                    "invalid_api_key",
+                ),
             ] {
                 let (status, headers, body) = call(&app, method, uri, key).await;
                 assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {uri}");
@@ -531,7 +547,10 @@ mod tests {
                     assert!(body["error"].is_string(), "{body}");
                 }
             }
-            for key in [("authorization", "Bearer sk-test"), ("x-api-key", "sk-test")] {
+            for key in [
+                ("authorization", "Bearer sk-test"),
+                ("x-api-key", "sk-test"),
+            ] {
                 let (status, _, body) = call(&app, method, uri, Some(key)).await;
                 let expected = if uri == "/nowhere" {
                     StatusCode::NOT_FOUND

@@ -52,7 +52,10 @@ pub(crate) async fn limit_body(
         None => {
             let (parts, body) = request.into_parts();
             match read_at_most(body, limit_bytes).await {
-                Ok(Some(bytes)) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
+                Ok(Some(bytes)) => {
+                    next.run(Request::from_parts(parts, Body::from(bytes)))
+                        .await
+                }
                 Ok(None) => too_large(None),
                 Err(error) => error.into_shaped_response(shape),
             }

@@ -272,10 +272,9 @@ impl GatewayError {
             }
         };
         if matches!(self, Self::MissingApiKey | Self::InvalidApiKey) {
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer"),
-            );
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         // For the request span (see `server::http_request_span`): the code travels with the
         // response, so nothing has to read the body back.
@@ -373,7 +372,10 @@ mod tests {
         let openai = body(response).await;
         assert_eq!(openai["error"]["code"], "payload_too_large");
         let message = openai["error"]["message"].as_str().unwrap();
-        assert!(message.contains("10") && message.contains("11"), "{message}");
+        assert!(
+            message.contains("10") && message.contains("11"),
+            "{message}"
+        );
         assert_eq!(ApiShape::of("/v1"), ApiShape::OpenAi);
         assert_eq!(ApiShape::of("/v1x"), ApiShape::Tgi);
     }

@@ -20,9 +20,9 @@ use tracing::{field, Instrument};
 
 use crate::error::{ApiShape, GatewayError};
 use crate::json::Json;
-use crate::{auth, body_limit, openai};
 use crate::state::AppState;
 use crate::tgi;
+use crate::{auth, body_limit, openai};
 
 /// The gateway's router.
 pub fn app(state: AppState) -> Router {
@@ -348,7 +348,10 @@ mod tests {
                 assert_eq!(body["error_type"], "method_not_allowed", "{body}");
                 body["error"].as_str().unwrap().to_string()
             };
-            assert!(message.contains(method) && message.contains(uri), "{message}");
+            assert!(
+                message.contains(method) && message.contains(uri),
+                "{message}"
+            );
         }
     }
 }

@@ -71,20 +71,50 @@ async fn auth_failures_are_counted_by_reason() {
     server.stop().await;
 }
 
-/// A 413 whose body is what the gateway meant to send, and the connection was not reset
-/// under it.
-async fn assert_413(response: reqwest::Result<reqwest::Response>, openai: bool) {
-    let response = response.expect("a 413, not a reset connection");
-    assert_eq!(response.status(), 413);
-    assert_eq!(response.headers()["content-type"], "application/json");
-    let body: Value = response.json().await.unwrap();
+/// Posts `body` the way Python's `http.client` does: every byte written before the response is
+/// read. A server that answered without reading the body and closed would reset the connection
+/// under the writes; returns the status line's code and the JSON body.
+fn post_whole(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, Value)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    stream.write_all(body)?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_default();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    Ok((status, serde_json::from_str(body).unwrap_or(Value::Null)))
+}
+
+/// The 413's body names the limit, in the shape of the path's API.
+fn assert_413(status: u16, body: &Value, openai: bool) {
+    assert_eq!(status, 413, "{body}");
     let message = if openai {
         assert_eq!(body["error"]["type"], "payload_too_large", "{body}");
-        body["error"]["message"].as_str().unwrap().to_string()
+        &body["error"]["message"]
     } else {
         assert_eq!(body["error_type"], "payload_too_large", "{body}");
-        body["error"].as_str().unwrap().to_string()
+        &body["error"]
     };
+    let message = message.as_str().unwrap();
     assert!(message.contains("65536"), "names the limit: {message}");
 }
 
@@ -93,19 +123,21 @@ async fn bodies_over_the_limit_get_a_json_413_declared_or_chunked() {
     let mut config = config();
     config.max_body_bytes = 64 << 10;
     let server = TestServer::start(config, FakeScript::default()).await;
-    // Far past the limit and the sockets' buffers: unread, it would reset the connection.
-    let prompt = "once upon a time ".repeat((8 << 20) / 17);
-    let body = json!({"inputs": &prompt, "prompt": &prompt}).to_string();
-    for (path, openai) in [("/generate", false), ("/v1/completions", true)] {
-        for _ in 0..3 {
-            let declared = server
-                .client
-                .post(server.url(path))
-                .header("content-type", "application/json")
-                .body(body.clone())
-                .send()
-                .await;
-            assert_413(declared, openai).await;
+    // Far past the limit and the sockets' buffers: left unread, it would reset the connection.
+    let prompt = "once upon a time ".repeat((24 << 20) / 17);
+    for (path, field, openai) in [
+        ("/generate", "inputs", false),
+        ("/v1/completions", "prompt", true),
+    ] {
+        let body = json!({field: &prompt}).to_string();
+        for _ in 0..2 {
+            let (addr, whole) = (server.addr, body.clone());
+            let (status, json) =
+                tokio::task::spawn_blocking(move || post_whole(addr, path, whole.as_bytes()))
+                    .await
+                    .unwrap()
+                    .expect("a 413, not a reset connection");
+            assert_413(status, &json, openai);
         }
         let chunks: Vec<reqwest::Result<Vec<u8>>> = body
             .as_bytes()
@@ -118,20 +150,19 @@ async fn bodies_over_the_limit_get_a_json_413_declared_or_chunked() {
             .header("content-type", "application/json")
             .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
             .send()
-            .await;
-        assert_413(chunked, openai).await;
+            .await
+            .expect("a 413, not a reset connection");
+        assert_eq!(chunked.headers()["content-type"], "application/json");
+        let status = chunked.status().as_u16();
+        assert_413(status, &chunked.json().await.unwrap(), openai);
     }
     // Under the limit, both ways still work.
     let small = json!({"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).to_string();
+    let chunks = [Ok::<_, std::io::Error>(small.clone())];
     let response = server
         .client
         .post(server.url("/generate"))
-        .body(reqwest::Body::wrap_stream(futures::stream::iter([Ok::<
-            _,
-            std::io::Error,
-        >(
-            small.clone()
-        )])))
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
         .send()
         .await
         .unwrap();

@@ -71,11 +71,15 @@ async fn sighup_swaps_the_key_file_and_a_failed_reload_keeps_the_keys() {
     let client = reqwest::Client::new();
     let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
     // It answers only once its SIGHUP handler is in place (installed before it serves).
-    wait_until_async("the gateway accepts the first key", Duration::from_secs(60), || {
-        let client = client.clone();
-        let addr = addr.clone();
-        async move { info_status(&client, &addr, "sk-old").await == Some(200) }
-    })
+    wait_until_async(
+        "the gateway accepts the first key",
+        Duration::from_secs(60),
+        || {
+            let client = client.clone();
+            let addr = addr.clone();
+            async move { info_status(&client, &addr, "sk-old").await == Some(200) }
+        },
+    )
     .await;
     assert_eq!(info_status(&client, &addr, "sk-new").await, Some(401));
 
