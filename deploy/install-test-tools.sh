@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real backends the observability tests talk to:
 #   - Arize Phoenix (an OTLP trace backend, from PyPI) into the ignored venv .peers/phoenix-venv
+#   - OpenAI's Python SDK (openai), in the same venv: the API-key tests call the gateway with it
 #   - promtool (Debian's `prometheus` package), which validates /metrics expositions
 # Idempotent: each step is skipped when its tool is already there. The Phoenix venv path can be
 # overridden with FISSION_PHOENIX_VENV; the tests read the same variable.
@@ -17,7 +18,12 @@ if [ ! -x "${interp:-/nonexistent}" ] || ! "$venv/bin/python" -c 'import phoenix
   mkdir -p "$(dirname "$venv")"
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --upgrade pip
-  "$venv/bin/pip" install --quiet arize-phoenix
+  "$venv/bin/pip" install --quiet arize-phoenix openai
+fi
+# A venv made before the SDK was on the list gets it on its own.
+if ! "$venv/bin/python" -c 'import openai' >/dev/null 2>&1; then
+  echo "installing openai into $venv" >&2
+  "$venv/bin/pip" install --quiet openai
 fi
 
 if ! command -v promtool >/dev/null 2>&1; then

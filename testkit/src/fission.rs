@@ -28,13 +28,25 @@ pub fn free_port() -> u16 {
 
 /// GET `url` on a runtime of its own thread (tests poll from sync code); `None` on any error.
 pub fn http_get(url: &str) -> Option<String> {
+    http_get_with_key(url, None)
+}
+
+/// [`http_get`] with `api_key` as a bearer token when one is given.
+pub fn http_get_with_key(url: &str, api_key: Option<&str>) -> Option<String> {
     let url = url.to_string();
+    let api_key = api_key.map(str::to_string);
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .ok()?;
-        rt.block_on(async { reqwest::get(&url).await.ok()?.text().await.ok() })
+        rt.block_on(async {
+            let mut request = reqwest::Client::new().get(&url);
+            if let Some(key) = api_key {
+                request = request.bearer_auth(key);
+            }
+            request.send().await.ok()?.text().await.ok()
+        })
     })
     .join()
     .ok()
@@ -117,6 +129,9 @@ pub struct UpConfig {
     /// Any other flags of `fission up`.
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// An API key the gateway requires (given to `fission up` in `FISSION_API_KEY`); the
+    /// handle's own requests ([`Up::info`]) send it.
+    pub api_key: Option<String>,
     /// Where the cluster's stderr goes; inherited when unset.
     pub log: Option<PathBuf>,
     pub ready_timeout: Duration,
@@ -134,6 +149,7 @@ impl UpConfig {
             node_args: vec!["--num-kv-blocks=512".into()],
             args: Vec::new(),
             env: Vec::new(),
+            api_key: None,
             log: None,
             ready_timeout: Duration::from_secs(120),
         }
@@ -154,6 +170,8 @@ pub struct Up {
     pub etcd: String,
     /// The `fission nodes list|drain ...` command it printed, with the admin certificate.
     pub operate: String,
+    /// [`UpConfig::api_key`].
+    pub api_key: Option<String>,
 }
 
 impl Up {
@@ -175,7 +193,10 @@ impl Up {
             ])
             .args(config.node_args.iter().map(|a| format!("--node-arg={a}")))
             .args(&config.args)
+            // A key in the test runner's environment would lock out every other test.
+            .env_remove("FISSION_API_KEY")
             .envs(config.env.iter().map(|(k, v)| (k, v)))
+            .envs(config.api_key.as_ref().map(|k| ("FISSION_API_KEY", k)))
             .stdout(Stdio::piped());
         if let Some(etcd) = &config.etcd {
             cmd.args(["--etcd", etcd]);
@@ -223,6 +244,7 @@ impl Up {
             join,
             etcd: etcd.unwrap_or_default(),
             operate,
+            api_key: config.api_key.clone(),
         };
         // `fission up` reports healthy once a decode node answers; the tests need every node
         // routable.
@@ -267,8 +289,8 @@ impl Up {
 
     /// The gateway's `/info`.
     pub fn info(&self) -> Value {
-        serde_json::from_str(&http_get(&format!("{}/info", self.url)).unwrap_or_default())
-            .unwrap_or_default()
+        let info = http_get_with_key(&format!("{}/info", self.url), self.api_key.as_deref());
+        serde_json::from_str(&info.unwrap_or_default()).unwrap_or_default()
     }
 
     /// The node ids in the gateway's pools.

@@ -6,7 +6,7 @@
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -47,6 +47,10 @@ pub struct UpArgs {
     /// Extra flags for the gateway, repeatable.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
     pub gateway_args: Vec<String>,
+    /// An API key clients must send to the gateway (`Authorization: Bearer KEY`); repeatable.
+    /// FISSION_API_KEY holds one. The gateway reads them from a file, off its command line.
+    #[arg(long = "api-key", env = "FISSION_API_KEY", hide_env_values = true)]
+    pub api_keys: Vec<gateway::auth::ApiKey>,
     /// No TLS anywhere, for local development: plaintext gRPC that anyone who reaches a port
     /// may call, and the plaintext KV backend (`--kv-transport tcp`, which needs it).
     #[arg(long)]
@@ -120,13 +124,21 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-/// A minimal HTTP/1.1 GET, enough to poll /health without an HTTP client dependency.
-pub fn http_get(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {
+/// A minimal HTTP/1.1 GET, enough to poll /info without an HTTP client dependency; with
+/// `api_key` as a bearer token when one is given.
+pub fn http_get(
+    addr: &str,
+    path: &str,
+    api_key: Option<&gateway::auth::ApiKey>,
+) -> anyhow::Result<(u16, String)> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let authorization = api_key
+        .map(|k| format!("Authorization: Bearer {}\r\n", k.expose()))
+        .unwrap_or_default();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n"
     )?;
     let mut buf = String::new();
     s.read_to_string(&mut buf)?;
@@ -287,16 +299,29 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             args.max_local_prefill_tokens
         ))
         .args(&args.gateway_args);
+    if !args.api_keys.is_empty() {
+        let keys = write_key_file(work.path(), &args.api_keys)?;
+        cmd.arg("--api-key-file")
+            .arg(keys)
+            .env_remove("FISSION_API_KEY");
+    }
     otel_child(&mut cmd, "fission-gateway", args.otlp_endpoint.as_deref());
     procs.children.push(("gateway".into(), spawn(cmd)?));
     wait_ready(
         &http,
+        args.api_keys.first(),
         args.prefill + args.decode,
         &mut procs,
         &stop,
         Duration::from_secs(args.ready_timeout_s),
     )?;
     println!("Fission is up: http://{http}");
+    if !args.api_keys.is_empty() {
+        println!(
+            "API keys required ({}); with FISSION_API_KEY set to one: curl -H \"Authorization: Bearer $FISSION_API_KEY\" http://{http}/v1/models",
+            args.api_keys.len()
+        );
+    }
     let _ = std::io::stdout().flush();
     let mut etcd_retry_at = Instant::now();
     let mut etcd_backoff = Duration::from_secs(1);
@@ -373,9 +398,27 @@ fn exited(procs: &mut Procs) -> Option<String> {
     None
 }
 
-/// Waits until the gateway routes to all `nodes` (its `/info` lists them ready).
+/// Writes the gateway's API keys, one a line, readable by this user only.
+fn write_key_file(dir: &Path, keys: &[gateway::auth::ApiKey]) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("api-keys");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    for key in keys {
+        writeln!(file, "{}", key.expose())?;
+    }
+    Ok(path)
+}
+
+/// Waits until the gateway routes to all `nodes` (its `/info`, asked with `api_key`, lists
+/// them ready).
 fn wait_ready(
     http: &str,
+    api_key: Option<&gateway::auth::ApiKey>,
     nodes: usize,
     procs: &mut Procs,
     stop: &AtomicBool,
@@ -383,7 +426,7 @@ fn wait_ready(
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok((200, body)) = http_get(http, "/info") {
+        if let Ok((200, body)) = http_get(http, "/info", api_key) {
             if body.matches("\"ready\":true").count() >= nodes {
                 return Ok(());
             }
