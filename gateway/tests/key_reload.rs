@@ -35,15 +35,6 @@ async fn info_status(client: &reqwest::Client, addr: &str, key: &str) -> Option<
     Some(response.status().as_u16())
 }
 
-/// `--insecure` when this build has it: with node mTLS a gateway without a certificate needs
-/// it to start, and this test talks to no node.
-fn insecure_flag() -> Option<&'static str> {
-    let help = Command::new(GATEWAY).arg("--help").output().unwrap();
-    String::from_utf8_lossy(&help.stdout)
-        .contains("--insecure")
-        .then_some("--insecure")
-}
-
 #[tokio::test]
 async fn sighup_swaps_the_key_file_and_a_failed_reload_keeps_the_keys() {
     let dir = tempfile::tempdir().unwrap();
@@ -51,7 +42,8 @@ async fn sighup_swaps_the_key_file_and_a_failed_reload_keeps_the_keys() {
     write_keys(&keys, "# first generation\nsk-old\n");
     let log = dir.path().join("gateway.log");
     let addr = format!("127.0.0.1:{}", free_port());
-    // A static cluster whose one decode node is not there: /info answers without it.
+    // A static cluster whose one decode node is not there: /info answers without it, and
+    // without node certificates (`--insecure`) since no node is ever called.
     let nowhere = format!("127.0.0.1:{}", free_port());
     let mut gateway = KillOnDrop(
         Command::new(GATEWAY)
@@ -59,7 +51,7 @@ async fn sighup_swaps_the_key_file_and_a_failed_reload_keeps_the_keys() {
             .args(["--decode-nodes", &nowhere])
             .arg("--api-key-file")
             .arg(&keys)
-            .args(insecure_flag())
+            .arg("--insecure")
             .env("RUST_LOG", "info")
             .env_remove("FISSION_API_KEY")
             .stdin(Stdio::null())
