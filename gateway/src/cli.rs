@@ -4,11 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::auth::{self, ApiKey, AuthConfig, KeyStore};
 use crate::cluster::{
     policy, ClusterBackend, ClusterConfig, Discovery, EtcdMembers, PolicyKind, Pools,
     StaticDiscovery,
 };
-use crate::auth::{self, ApiKey, AuthConfig, KeyStore};
 use crate::{GatewayConfig, GatewayError};
 use clap::Args;
 use tokio_util::sync::CancellationToken;
@@ -60,6 +60,9 @@ pub struct GatewayArgs {
     /// The cluster's name in etcd (its key prefix).
     #[arg(long, env = "FISSION_CLUSTER", default_value = "fission")]
     pub cluster: String,
+    /// TLS and user for etcd.
+    #[command(flatten)]
+    pub etcd_security: cluster::EtcdSecurityArgs,
     /// How prefill and decode nodes are picked.
     #[arg(long, env = "FISSION_ROUTING", value_enum, default_value_t = PolicyKind::CacheAware)]
     pub routing: PolicyKind,
@@ -208,7 +211,14 @@ pub async fn run_cluster(
         // the first node to register does.
         let fingerprint = cluster::model_fingerprint(&cli.model_dir).ok();
         tracing::info!(etcd = ?cli.etcd, cluster = %cli.cluster, fingerprint = ?fingerprint, routing = %cli.routing, "discovering nodes in etcd");
-        let etcd = cluster::EtcdConfig::new(cli.etcd.clone(), cli.cluster.clone());
+        let security = cli
+            .etcd_security
+            .security()
+            .map_err(|e| GatewayError::Config {
+                message: e.to_string(),
+            })?;
+        let etcd =
+            cluster::EtcdConfig::new(cli.etcd.clone(), cli.cluster.clone()).with_security(security);
         Arc::new(
             EtcdMembers::start(etcd, fingerprint)
                 .await

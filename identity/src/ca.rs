@@ -154,7 +154,14 @@ pub fn write_pem_files(dir: &Path, ca: &Ca, cert: &RoleCert) -> Result<TlsFiles,
             path: path.display().to_string(),
             source,
         };
-        std::fs::write(&path, contents).map_err(io)?;
+        // Children may be reading a shared file (ca.pem) already: never rewrite it in place
+        // when it holds the same bytes, and otherwise replace it atomically.
+        if std::fs::read_to_string(&path).is_ok_and(|c| c == contents) {
+            return Ok(path);
+        }
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, contents).map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)?;
         #[cfg(unix)]
         if private {
             use std::os::unix::fs::PermissionsExt;

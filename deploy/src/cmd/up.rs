@@ -58,9 +58,14 @@ pub struct UpArgs {
     /// Seconds to wait for the cluster to become healthy.
     #[arg(long, default_value_t = 300)]
     pub ready_timeout_s: u64,
-    /// Use this etcd instead of starting one from PATH.
+    /// Use this etcd instead of starting one from PATH (which serves TLS to the cluster CA's
+    /// certificates, unless --insecure).
     #[arg(long, env = "FISSION_ETCD")]
     pub etcd: Option<String>,
+    /// TLS and user for the etcd given with --etcd, passed on to every process. A password
+    /// given by value reaches them in their environment, never on their command lines.
+    #[command(flatten)]
+    pub etcd_security: cluster::EtcdSecurityArgs,
     /// The cluster's name in etcd.
     #[arg(long, env = "FISSION_CLUSTER", default_value = "fission")]
     pub cluster: String,
@@ -183,12 +188,26 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let certs = (!args.insecure)
         .then(|| DevCerts::create(work.path()))
         .transpose()?;
-    // A process's credentials: its certificate's flags, or `--insecure`.
+    let etcd_security = args.etcd_security.security()?;
+    if args.etcd.is_none() && (etcd_security.tls.is_some() || etcd_security.credentials.is_some()) {
+        bail!("the --etcd-* flags are for an etcd given with --etcd: the one fission up starts uses the cluster CA");
+    }
+    // A process's credentials: its certificate's flags, or `--insecure`, and how it reaches
+    // etcd: the etcd flags given, or, on the etcd started here, the same certificate.
     let credentials = |role: PeerRole, name: &str| -> anyhow::Result<Vec<OsString>> {
-        Ok(match &certs {
-            Some(certs) => tls_args(&certs.issue(role, name)?).to_vec(),
+        let mut flags = match &certs {
+            Some(certs) => {
+                let files = certs.issue(role, name)?;
+                let mut flags = tls_args(&files).to_vec();
+                if args.etcd.is_none() {
+                    flags.extend(etcd_client_cert(&files).to_args());
+                }
+                flags
+            }
             None => vec!["--insecure".into()],
-        })
+        };
+        flags.extend(args.etcd_security.to_args());
+        Ok(flags)
     };
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [libc::SIGINT, libc::SIGTERM] {
@@ -200,7 +219,20 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let etcd = match &args.etcd {
         Some(url) => url.clone(),
         None => {
-            let e = cluster::LocalEtcd::start(work.path())?;
+            // Clients must present a certificate from the cluster CA: the etcd holds the
+            // membership every process trusts.
+            let e = match &certs {
+                Some(certs) => {
+                    let server = certs.issue(PeerRole::Etcd, "etcd")?;
+                    let tls = cluster::EtcdServerTls {
+                        ca_cert: server.ca_cert,
+                        cert: server.cert,
+                        key: server.key,
+                    };
+                    cluster::LocalEtcd::start_tls(work.path(), tls)?
+                }
+                None => cluster::LocalEtcd::start(work.path())?,
+            };
             let url = e.endpoint();
             local_etcd = Some(e);
             url
@@ -235,14 +267,28 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 " --tls-ca {0}/ca.pem --tls-cert {0}/decode|prefill.pem --tls-key {0}/decode|prefill.key",
                 joined.display()
             ));
+            if args.etcd.is_none() {
+                join.push_str(&format!(
+                    " --etcd-ca {0}/ca.pem --etcd-cert {0}/decode|prefill.pem --etcd-key {0}/decode|prefill.key",
+                    joined.display()
+                ));
+            }
+            let admin = certs.issue(PeerRole::Admin, "admin")?;
             operate.push(' ');
-            operate.push_str(&tls_flags(&certs.issue(PeerRole::Admin, "admin")?));
+            operate.push_str(&tls_flags(&admin));
+            if args.etcd.is_none() {
+                operate.push_str(&shown(&etcd_client_cert(&admin).to_args()));
+            }
         }
         None => {
             join.push_str(" --insecure");
             operate.push_str(" --insecure");
         }
     }
+    // No password here, ever: a password given by value is to be set as FISSION_ETCD_PASSWORD.
+    let etcd_flags = shown(&args.etcd_security.to_args());
+    join.push_str(&etcd_flags);
+    operate.push_str(&etcd_flags);
     println!("add a node: {join}");
     println!("operate: {operate}");
     let mut procs = Procs {
@@ -274,6 +320,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .args(["--kv-transport", &args.kv_transport])
             .args(credentials(peer_role, &name)?)
             .args(["--etcd", &etcd, "--cluster", &args.cluster])
+            .envs(args.etcd_security.password_env())
             .args(&args.node_args);
             if role == "decode" {
                 cmd.args(["--kv-addr", "127.0.0.1:0"]);
@@ -294,6 +341,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         .arg("--model-dir")
         .arg(&dir)
         .args(["--etcd", &etcd, "--cluster", &args.cluster])
+        .envs(args.etcd_security.password_env())
         .arg(format!(
             "--max-local-prefill-tokens={}",
             args.max_local_prefill_tokens
@@ -361,6 +409,23 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     procs.stop(Duration::from_secs(30));
     drop(local_etcd);
     Ok(())
+}
+
+/// The etcd flags that present `files`' certificate to the etcd `fission up` started.
+fn etcd_client_cert(files: &identity::TlsFiles) -> cluster::EtcdSecurityArgs {
+    cluster::EtcdSecurityArgs::client_cert(
+        files.ca_cert.clone(),
+        files.cert.clone(),
+        files.key.clone(),
+    )
+}
+
+/// Flags as text to print, each after a space.
+fn shown(flags: &[OsString]) -> String {
+    flags
+        .iter()
+        .map(|f| format!(" {}", f.to_string_lossy()))
+        .collect()
 }
 
 /// Removes and returns one child that has exited, with its exit status.

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
 use identity::PeerRole;
+use serde_json::{json, Value};
 use testkit::certs::TestCerts;
 use testkit::fission::{free_port, http_get, metric, Added, KillOnDrop, NodeConfig};
 use testkit::streams::Record;
