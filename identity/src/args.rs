@@ -61,7 +61,11 @@ impl TlsArgs {
     /// [`TlsArgs::grpc`] for a process that may act as any of `roles` (the operator's
     /// commands take an admin or a gateway certificate).
     pub fn grpc_as(&self, roles: &[PeerRole]) -> Result<GrpcSecurity, IdentityError> {
-        let names = roles.iter().map(|r| r.as_str()).collect::<Vec<_>>().join(" or ");
+        let names = roles
+            .iter()
+            .map(|r| r.as_str())
+            .collect::<Vec<_>>()
+            .join(" or ");
         match self.identity()? {
             Some(identity) => {
                 let has = identity.role();
