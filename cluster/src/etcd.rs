@@ -95,6 +95,13 @@ impl EtcdConfig {
         Ok(client)
     }
 
+    /// Checks the configuration and, with credentials, that etcd accepts them: a process runs
+    /// it before its slow start-up (loading weights) so that a wrong password fails in
+    /// milliseconds. An etcd that does not answer yet is not an error.
+    pub async fn check_access(&self) -> Result<(), ClusterError> {
+        self.connect().await.map(drop)
+    }
+
     pub(crate) fn backoff(&self) -> Backoff {
         Backoff::new(
             Duration::from_millis(self.retry_min_ms.max(1)),

@@ -126,8 +126,9 @@ fn fission_up_runs_on_an_etcd_with_tls_and_a_password() {
     let log = std::fs::read_to_string(dir.path().join("up.log")).unwrap();
     assert!(!log.contains(PASSWORD), "the password is in the log");
 
-    // The operator's etcd flags as printed (`list` takes no node certificate), with the
-    // password in the environment.
+    // The operator's flags exactly as printed (`list` reads etcd only, and accepts the node
+    // certificate flags so one line works for both subcommands), with the password in the
+    // environment.
     let printed = up.admin_credentials();
     let etcd_flags: Vec<&[String]> = printed
         .chunks(2)
@@ -137,7 +138,7 @@ fn fission_up_runs_on_an_etcd_with_tls_and_a_password() {
     let list = |password: &str| {
         Command::new(FISSION)
             .args(["nodes", "list", "--json", "--etcd", &up.etcd])
-            .args(etcd_flags.concat())
+            .args(&printed)
             .env("FISSION_ETCD_PASSWORD", password)
             .output()
             .unwrap()
@@ -189,4 +190,6 @@ fn a_node_with_a_wrong_etcd_password_exits_naming_the_user() {
         "{log}"
     );
     assert!(!log.contains("not-the-password"), "{log}");
+    // Refused before the weights load, not after.
+    assert!(!log.contains("kv cache allocated"), "{log}");
 }

@@ -107,6 +107,12 @@ where
         Role::Decode => PeerRole::Decode,
     })?;
     let kv_identity = args.kv.identity(&args.tls)?;
+    // So is etcd's password.
+    if let Some(etcd) = args.cluster.etcd_config()? {
+        etcd.check_access()
+            .await
+            .map_err(|e| NodeError::Config(format!("etcd: {e}")))?;
+    }
     let grpc_addr = listeners
         .grpc
         .local_addr()

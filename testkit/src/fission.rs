@@ -210,7 +210,8 @@ impl Up {
         let (mut metrics, mut url, mut join, mut etcd) = (Vec::new(), None, String::new(), None);
         let mut operate = String::new();
         let mut grpc = Vec::new();
-        for line in BufReader::new(out).lines() {
+        let mut lines = BufReader::new(out).lines();
+        for line in lines.by_ref() {
             let line = line.expect("a line");
             if let Some(rest) = line.strip_prefix("Fission is up: ") {
                 url = Some(rest.trim().to_string());
@@ -229,6 +230,9 @@ impl Up {
                 metrics.push((name.to_string(), m.to_string()));
             }
         }
+        // Keep reading: `fission up` prints more after it is up, and a closed pipe must not be
+        // what a test measures.
+        std::thread::spawn(move || lines.for_each(drop));
         let log = || {
             config
                 .log

@@ -39,6 +39,10 @@ pub enum NodesCommand {
         /// `{"nodes": [{"node_id", "role", ...}]}` instead of a table.
         #[arg(long)]
         json: bool,
+        /// Accepted and unused, so that the `operate:` line `fission up` prints works for
+        /// every subcommand: listing reads etcd only, never a node.
+        #[command(flatten)]
+        _tls: identity::TlsArgs,
     },
     /// Drain a node: it takes no new requests, finishes its work, leaves and exits.
     Drain {
@@ -57,7 +61,7 @@ pub fn run(cmd: NodesCommand) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move {
         match cmd {
-            NodesCommand::List { etcd, json } => list(&etcd, json).await,
+            NodesCommand::List { etcd, json, .. } => list(&etcd, json).await,
             NodesCommand::Drain { node_id, etcd, tls } => drain(&etcd, &tls, &node_id).await,
         }
     })

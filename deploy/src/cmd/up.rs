@@ -19,6 +19,14 @@ use identity::PeerRole;
 
 use crate::cmd::dev_certs::{tls_args, tls_flags, DevCerts};
 
+/// `println!` that survives a closed stdout: whoever started `fission up` (a script reading up
+/// to "Fission is up", `| head`) may stop reading, and the cluster must keep running.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 #[derive(Args, Debug)]
 pub struct UpArgs {
     /// A model directory, or a hub repo id (`org/name[@revision]`).
@@ -238,7 +246,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             url
         }
     };
-    println!("etcd: {etcd} (cluster {})", args.cluster);
+    say!("etcd: {etcd} (cluster {})", args.cluster);
     // Nodes added later (`fission node start`) must speak the cluster's KV transport and hold
     // a certificate for their role from its CA: issue one per role they can share, named so
     // that choosing the role in the printed command chooses the certificate too.
@@ -289,8 +297,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let etcd_flags = shown(&args.etcd_security.to_args());
     join.push_str(&etcd_flags);
     operate.push_str(&etcd_flags);
-    println!("add a node: {join}");
-    println!("operate: {operate}");
+    say!("add a node: {join}");
+    say!("operate: {operate}");
     let mut procs = Procs {
         children: Vec::new(),
     };
@@ -330,7 +338,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
                 &format!("fission-{role}"),
                 args.otlp_endpoint.as_deref(),
             );
-            println!("{name} grpc={grpc} metrics=http://{metrics}/metrics");
+            say!("{name} grpc={grpc} metrics=http://{metrics}/metrics");
             procs.children.push((name, spawn(cmd)?));
         }
     }
@@ -363,9 +371,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         &stop,
         Duration::from_secs(args.ready_timeout_s),
     )?;
-    println!("Fission is up: http://{http}");
+    say!("Fission is up: http://{http}");
     if !args.api_keys.is_empty() {
-        println!(
+        say!(
             "API keys required ({}); with FISSION_API_KEY set to one: curl -H \"Authorization: Bearer $FISSION_API_KEY\" http://{http}/v1/models",
             args.api_keys.len()
         );
