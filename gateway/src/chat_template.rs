@@ -29,6 +29,9 @@ pub(crate) struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Why the template is a stand-in, for a model never trained on chats
+    /// (`fission_chat_template_stand_in` in `tokenizer_config.json`).
+    stand_in: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -55,9 +58,18 @@ impl ChatTemplate {
         };
         let bos_token = token_text(config.get("bos_token")).unwrap_or_default();
         let eos_token = token_text(config.get("eos_token")).unwrap_or_default();
+        let stand_in = config
+            .get("fission_chat_template_stand_in")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
         Self::new(template, bos_token, eos_token)
-            .map(Some)
+            .map(|t| Some(Self { stand_in, ..t }))
             .map_err(|e| load_error(e.to_string()))
+    }
+
+    /// Why this template is a stand-in, if it is one.
+    pub(crate) fn stand_in(&self) -> Option<&str> {
+        self.stand_in.as_deref()
     }
 
     /// Compiles `source`; a syntax error is a [`GatewayError::Template`].
@@ -78,6 +90,7 @@ impl ChatTemplate {
             env,
             bos_token,
             eos_token,
+            stand_in: None,
         })
     }
 

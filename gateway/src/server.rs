@@ -116,6 +116,10 @@ struct Info {
     max_stop_sequences: usize,
     max_top_n_tokens: usize,
     chat_template: bool,
+    /// Set when the model's chat template is a stand-in (a model never trained on chats), and
+    /// why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    chat_template_stand_in: Option<String>,
     router: &'static str,
     version: &'static str,
     /// The admission queue: its limits and what waits in it now.
@@ -133,6 +137,10 @@ async fn info(State(state): State<AppState>) -> axum::Json<Info> {
         max_stop_sequences: config.max_stop_sequences,
         max_top_n_tokens: config.max_top_n_tokens,
         chat_template: state.validator().has_chat_template(),
+        chat_template_stand_in: state
+            .validator()
+            .chat_template_stand_in()
+            .map(str::to_string),
         router: "fission-gateway",
         version: env!("CARGO_PKG_VERSION"),
         queue: state.queue().describe(),

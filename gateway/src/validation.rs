@@ -109,6 +109,11 @@ impl Validator {
         self.chat_template.is_some()
     }
 
+    /// Why the chat template is a stand-in (see [`ChatTemplate::stand_in`]).
+    pub(crate) fn chat_template_stand_in(&self) -> Option<&str> {
+        self.chat_template.as_ref().and_then(ChatTemplate::stand_in)
+    }
+
     /// Checks `parameters`, tokenizes `prompt` and checks its length. CPU-bound (tokenization):
     /// call it off the async runtime.
     pub(crate) fn validate(

@@ -46,7 +46,7 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
     let model = LoadedModel::load(
-        &ModelSource::parse(&args.model),
+        &ModelSource::parse(&crate::default_model::resolve(&args.model)?),
         dtype,
         &candle_core::Device::Cpu,
     )

@@ -73,21 +73,35 @@ fn require_etcd(etcd: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--model stories260K` names the embedded default model (see [`crate::default_model`]).
+fn embedded_model(model: &mut String) -> anyhow::Result<()> {
+    *model = crate::default_model::resolve(model)?;
+    Ok(())
+}
+
 pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
     match cmd {
-        NodeCommand::Prefill(cli) => launch::<PrefillNode>(cli)?,
-        NodeCommand::Decode(cli) => launch::<DecodeNode>(cli)?,
+        NodeCommand::Prefill(mut cli) => {
+            embedded_model(&mut cli.config.node.engine.model)?;
+            launch::<PrefillNode>(cli)?
+        }
+        NodeCommand::Decode(mut cli) => {
+            embedded_model(&mut cli.config.node.engine.model)?;
+            launch::<DecodeNode>(cli)?
+        }
         NodeCommand::Start(s) => {
             let argv = with_free_ports(s.role, s.rest);
             match s.role {
                 NodeRole::Prefill => {
-                    let cli = Flags::<PrefillConfig>::parse_from(argv).node;
+                    let mut cli = Flags::<PrefillConfig>::parse_from(argv).node;
                     require_etcd(&cli.config.node.cluster.etcd)?;
+                    embedded_model(&mut cli.config.node.engine.model)?;
                     launch::<PrefillNode>(cli)?
                 }
                 NodeRole::Decode => {
-                    let cli = Flags::<DecodeConfig>::parse_from(argv).node;
+                    let mut cli = Flags::<DecodeConfig>::parse_from(argv).node;
                     require_etcd(&cli.config.node.cluster.etcd)?;
+                    embedded_model(&mut cli.config.node.engine.model)?;
                     launch::<DecodeNode>(cli)?
                 }
             }

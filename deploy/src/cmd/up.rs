@@ -29,12 +29,9 @@ macro_rules! say {
 
 #[derive(Args, Debug)]
 pub struct UpArgs {
-    /// A model directory, or a hub repo id (`org/name[@revision]`).
-    #[arg(
-        long,
-        env = "FISSION_MODEL",
-        default_value = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    )]
+    /// A model directory, or a hub repo id (`org/name[@revision]`). The default, stories260K,
+    /// is embedded in the binary and needs no network.
+    #[arg(long, env = "FISSION_MODEL", default_value = crate::default_model::NAME)]
     pub model: String,
     #[arg(long, default_value_t = 1)]
     pub prefill: usize,
@@ -168,8 +165,9 @@ pub fn http_get(
 }
 
 fn model_dir(spec: &str) -> anyhow::Result<PathBuf> {
-    let files = ModelFiles::resolve(&ModelSource::parse(spec)).map_err(|e| {
-        anyhow::anyhow!("{e}\nOn a machine without network, point at a local model: fission up --model PATH (for example ../shared/models/stories260K)")
+    let spec = crate::default_model::resolve(spec)?;
+    let files = ModelFiles::resolve(&ModelSource::parse(&spec)).map_err(|e| {
+        anyhow::anyhow!("{e}\nOn a machine without network, serve a local model directory (fission up --model PATH) or the embedded default (leave out --model)")
     })?;
     Ok(files
         .config
