@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 12's cost check: a 1P+1D cluster whose gRPC is mutual TLS with role checks (every
 # process holds a certificate from one CA, `fission certs`), against the same cluster with
-# plaintext gRPC (`--insecure`), alternating runs in ABBA order in one session. The KV path is
+# plaintext gRPC (`--insecure`), both running side by side, measured in short alternating
+# windows (ABBA) so that adjacent windows see the same machine. The KV path is
 # TCP in both, so the only difference is the gRPC channels (gateway -> nodes, prefill ->
-# decode). Per run: closed-loop tokens/s (8 clients, 64-token prompts, 32 new tokens, 20 s
-# after a 3 s warm-up), the cluster's CPU per request from /proc, and sequential TTFT medians
-# (64- and 512-token prompts). The tiny random model keeps per-request work small, so per-call
-# TLS costs show as much as they can; MODEL=DIR measures another model. RUNS=N runs per mode (3).
+# decode). Per window: closed-loop tokens/s (8 clients, 64-token prompts, 32 new tokens,
+# WINDOW_S=8 s), the cluster's CPU per request from /proc, and sequential TTFT medians (64- and
+# 512-token prompts). The tiny random model keeps per-request work small, so per-call
+# TLS costs show as much as they can; MODEL=DIR measures another model. RUNS=N windows per mode (12).
 # Output: .bench/mtls-<time>/results.csv and a summary with medians and ratios.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,41 +46,49 @@ PIDS=()
 stop_cluster() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done; PIDS=(); }
 trap 'stop_cluster; kill $ETCD_PID 2>/dev/null || true' EXIT
 
-start_cluster() { # mode run -> sets URL
-  local mode=$1 run=$2 cluster="c$run$1" role
+declare -A URLS CLUSTER_PIDS
+start_cluster() { # mode: both clusters run side by side, idle while the other is measured
+  local mode=$1 cluster="c$1" role first=${#PIDS[@]}
   for role in prefill decode; do
     "$BIN/fission" node start --role $role --model "$M" --etcd "$ETCD" --cluster "$cluster" \
       --node-id "$role-0" --num-kv-blocks 1024 --kv-transport tcp \
       --grpc-addr "127.0.0.1:$(port)" --metrics-addr "127.0.0.1:$(port)" $(creds "$mode" $role) \
-      >"$OUT/$role-$mode-$run.out" 2>"$OUT/$role-$mode-$run.log" &
+      >"$OUT/$role-$mode.out" 2>"$OUT/$role-$mode.log" &
     PIDS+=($!)
   done
   GW_PORT=$(port)
   "$BIN/fission" gateway --addr "127.0.0.1:$GW_PORT" --model-dir "$M" --etcd "$ETCD" \
-    --cluster "$cluster" $(creds "$mode" gateway) >/dev/null 2>"$OUT/gateway-$mode-$run.log" &
+    --cluster "$cluster" $(creds "$mode" gateway) >/dev/null 2>"$OUT/gateway-$mode.log" &
   PIDS+=($!)
-  URL="http://127.0.0.1:$GW_PORT"
+  URLS[$mode]="http://127.0.0.1:$GW_PORT"
+  CLUSTER_PIDS[$mode]="${PIDS[*]:$first}"
   local t0=$SECONDS
-  until [ "$(curl -s "$URL/info" | grep -o '"ready":true' | wc -l)" -ge 2 ]; do
-    [ $((SECONDS - t0)) -lt 120 ] || { echo "cluster $mode did not come up"; tail "$OUT"/*-"$mode-$run".log; exit 1; }
+  until [ "$(curl -s "${URLS[$mode]}/info" | grep -o '"ready":true' | wc -l)" -ge 2 ]; do
+    [ $((SECONDS - t0)) -lt 120 ] || { echo "cluster $mode did not come up"; tail "$OUT"/*-"$mode".log; exit 1; }
     sleep 0.2
   done
 }
+start_cluster plain
+start_cluster mtls
+for mode in plain mtls; do # warm-up
+  "$BIN/fission-loadtest" --url "${URLS[$mode]}" closed-loop --concurrency 8 --warmup-s 0 \
+    --duration-s 3 --prompt-tokens 64 --max-new-tokens 32 >/dev/null
+done
 
+# Short windows alternating ABBA: the shared machine's speed drifts over minutes, and a pair
+# of adjacent windows sees the same machine.
 echo "run,mode,req_per_s,tokens_per_s,cpu_ms_per_req,ttft64_ms,ttft512_ms" > "$OUT/results.csv"
-for run in $(seq "${RUNS:-3}"); do
+for run in $(seq "${RUNS:-12}"); do
   order="plain mtls"
   [ $((run % 2)) = 0 ] && order="mtls plain"
   for mode in $order; do
-    start_cluster "$mode" "$run"
-    "$BIN/fission-loadtest" --url "$URL" closed-loop --concurrency 8 --warmup-s 0 \
-      --duration-s 3 --prompt-tokens 64 --max-new-tokens 32 >/dev/null
-    t0=$(cpu_ticks "${PIDS[@]}")
+    URL=${URLS[$mode]}
+    read -ra pids <<< "${CLUSTER_PIDS[$mode]}"
+    t0=$(cpu_ticks "${pids[@]}")
     out=$("$BIN/fission-loadtest" --url "$URL" closed-loop --concurrency 8 --warmup-s 0 \
-      --duration-s 20 --prompt-tokens 64 --max-new-tokens 32)
-    t1=$(cpu_ticks "${PIDS[@]}")
-    ttft=$("$BIN/fission-loadtest" --url "$URL" ttft --prompt-tokens 64,512 --repeats 9 --max-new-tokens 4)
-    stop_cluster
+      --duration-s "${WINDOW_S:-8}" --prompt-tokens 64 --max-new-tokens 32)
+    t1=$(cpu_ticks "${pids[@]}")
+    ttft=$("$BIN/fission-loadtest" --url "$URL" ttft --prompt-tokens 64,512 --repeats 5 --max-new-tokens 4)
     line=$(echo "$out" | grep throughput)
     ok=$(echo "$out" | grep -oE 'requests ok [0-9]+' | awk '{print $3}')
     failed=$(echo "$out" | grep -oE 'failed [0-9]+' | awk '{print $2}')
@@ -107,5 +116,10 @@ pairs = sorted(float(m["tokens_per_s"]) / float(p["tokens_per_s"])
                for p in rows if p["mode"] == "plain" and p["run"] == m["run"])
 print("per-run tokens/s ratios (mTLS/plaintext): " + ", ".join(f"{r:.3f}" for r in pairs)
       + f"; median {statistics.median(pairs):.3f}")
+cpairs = sorted(float(m["cpu_ms_per_req"]) / float(p["cpu_ms_per_req"])
+                for m in rows if m["mode"] == "mtls"
+                for p in rows if p["mode"] == "plain" and p["run"] == m["run"])
+print("per-run CPU/request ratios (mTLS/plaintext): " + ", ".join(f"{r:.3f}" for r in cpairs)
+      + f"; median {statistics.median(cpairs):.3f}")
 PY
 echo "results: $OUT/results.csv"
