@@ -10,6 +10,7 @@
 pub mod certs;
 pub mod fission;
 pub mod metrics;
+pub mod netns;
 pub mod phoenix;
 pub mod promtool;
 pub mod serving;

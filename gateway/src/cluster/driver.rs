@@ -33,7 +33,7 @@ use super::discovery::Role;
 use super::placement::{place, DecodeCall, NotPlaced};
 use super::pool::{InFlight, Node, Pools};
 use super::retry::{node_failed, MAX_PREFILL_ATTEMPTS};
-use super::route::rank;
+use super::route::{rank, Ranked};
 use super::routing::RoutingPolicy;
 use super::wire::{generated, spec, upstream};
 use crate::error::GatewayError;
@@ -142,7 +142,7 @@ impl Driver {
     async fn replace(&mut self) -> Result<DecodeCall, GatewayError> {
         let deadline = Instant::now() + MIGRATION_TIMEOUT;
         loop {
-            let decodes = self.ranked(Role::Decode);
+            let decodes = self.ranked(Role::Decode).nodes;
             let local = self.prefill_locally();
             let start = v1::GenerateStart {
                 spec: Some(spec(&self.request, &self.emitted)),
@@ -176,7 +176,7 @@ impl Driver {
             || self.pools.ready(Role::Prefill).is_empty()
     }
 
-    fn ranked(&self, role: Role) -> Vec<Arc<Node>> {
+    fn ranked(&self, role: Role) -> Ranked {
         let prompt = self.prompt_ids();
         let block_size = self
             .pools
@@ -192,7 +192,6 @@ impl Driver {
             block_size,
             &hashes,
         )
-        .nodes
     }
 
     fn prompt_ids(&self) -> Vec<u32> {
@@ -368,8 +367,13 @@ impl Driver {
         reserved: &v1::Reserved,
     ) -> Result<Option<PrefillAttempt>, Served> {
         loop {
+            if self.prefill_locally() {
+                self.reprefill(call, true).await?;
+                return Ok(None);
+            }
             let prefills = self.ranked(Role::Prefill);
-            let Some(node) = prefills.first().filter(|_| !self.prefill_locally()) else {
+            tracing::Span::current().record("prefill_reason", prefills.reason.as_str());
+            let Some(node) = prefills.nodes.first() else {
                 self.reprefill(call, true).await?;
                 return Ok(None);
             };

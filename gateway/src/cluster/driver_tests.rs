@@ -40,6 +40,32 @@ async fn a_disaggregated_request_streams_the_prefill_token_then_the_decode_token
 }
 
 #[tokio::test]
+async fn round_robin_takes_turns_over_the_prefill_nodes() {
+    let a = fake_nodes::prefill(PrefillScript::Push).await;
+    let b = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend_with_policy(
+        &[&a, &b],
+        &[&decode],
+        ClusterConfig {
+            max_local_prefill_tokens: 0,
+            max_stall: TEST_STALL,
+            migration_limit: 2,
+        },
+        crate::cluster::routing::policy(crate::cluster::routing::PolicyKind::RoundRobin),
+    )
+    .await;
+    for _ in 0..4 {
+        let read = drain(backend.generate(request(2)).await.expect("served")).await;
+        assert!(read.error.is_none(), "{:?}", read.error);
+    }
+    // Each request takes one turn: ranking the prefill pool twice per request once sent
+    // every request to the same node of two.
+    assert_eq!(a.calls.of("prefill").len(), 2);
+    assert_eq!(b.calls.of("prefill").len(), 2);
+}
+
+#[tokio::test]
 async fn a_prefill_node_that_fails_like_a_dead_one_costs_a_retry_not_the_request() {
     let dead = fake_nodes::prefill(PrefillScript::Fail(tonic::Code::Unavailable)).await;
     let good = fake_nodes::prefill(PrefillScript::Push).await;

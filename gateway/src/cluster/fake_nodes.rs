@@ -518,6 +518,16 @@ pub(crate) async fn backend_with(
     decodes: &[&FakeNode],
     config: ClusterConfig,
 ) -> ClusterBackend {
+    backend_with_policy(prefills, decodes, config, Box::new(InOrder)).await
+}
+
+/// As [`backend_with`], routing with `policy`.
+pub(crate) async fn backend_with_policy(
+    prefills: &[&FakeNode],
+    decodes: &[&FakeNode],
+    config: ClusterConfig,
+    policy: Box<dyn RoutingPolicy>,
+) -> ClusterBackend {
     let endpoints =
         |nodes: &[&FakeNode]| -> Vec<String> { nodes.iter().map(|n| n.endpoint.clone()).collect() };
     let discovery = StaticDiscovery::new(&endpoints(prefills), &endpoints(decodes));
@@ -528,7 +538,7 @@ pub(crate) async fn backend_with(
         async move { all }
     })
     .await;
-    ClusterBackend::new(pools, config, Box::new(InOrder))
+    ClusterBackend::new(pools, config, policy)
 }
 
 /// A 5-token prompt for `max_new_tokens` new tokens.

@@ -105,16 +105,10 @@ pub(crate) async fn route(
     );
     span.record("decode_reason", decodes.reason.as_str());
     let local = driver.prefill_locally();
+    // The prefill node is ranked when the prefill starts (`start_prefill`), once: ranking it
+    // here too took a second round-robin turn per request, so that with two prefill nodes
+    // every request went to the same one.
     let (mode, reason) = if !local {
-        let prefills = rank(
-            pools,
-            policy.as_ref(),
-            Role::Prefill,
-            prompt,
-            block_size,
-            &hashes,
-        );
-        span.record("prefill_reason", prefills.reason.as_str());
         ("disaggregated", "default")
     } else if prompt.len() < config.max_local_prefill_tokens {
         ("colocated", "short_prompt")
