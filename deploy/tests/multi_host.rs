@@ -39,6 +39,9 @@ const STALL: Duration = Duration::from_millis(1000);
 const STREAMS: usize = 4;
 const STREAM_TOKENS: usize = 300;
 
+/// One cluster at a time: two at once on a 2-core CI machine would only test the scheduler.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn lab_or_skip() -> Option<Lab> {
     match Lab::new(HOSTS) {
         Ok(lab) => Some(lab),
@@ -50,8 +53,20 @@ fn lab_or_skip() -> Option<Lab> {
     }
 }
 
-/// `fission certs init`, then one certificate per process naming its role and its address.
-fn issue_certs(lab: &Lab, dir: &Path) {
+/// How the nodes' certificates name them.
+#[derive(Clone, Copy, PartialEq)]
+enum Names {
+    /// Each its own certificate for its own address: peers check the address they dial.
+    PerHost,
+    /// One certificate per role, all with the DNS name [`SHARED_NAME`], which every client
+    /// checks instead of the address (`--tls-server-name`): a pool behind one Secret.
+    Shared,
+}
+
+const SHARED_NAME: &str = "fission-node";
+
+/// `fission certs init`, then the certificates `names` asks for.
+fn issue_certs(lab: &Lab, dir: &Path, names: Names) {
     let run = |args: &[&str]| {
         let out = Command::new(FISSION).args(args).output().unwrap();
         assert!(out.status.success(), "fission {args:?}: {out:?}");
@@ -61,7 +76,10 @@ fn issue_certs(lab: &Lab, dir: &Path) {
     let (ca, key) = (format!("{out}/ca.pem"), format!("{out}/ca.key"));
     for host in ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"] {
         let role = host.split('-').next().unwrap();
-        let ip = lab.host(host).ip.to_string();
+        let (name, san) = match names {
+            Names::PerHost => (host.to_string(), lab.host(host).ip.to_string()),
+            Names::Shared => (role.to_string(), SHARED_NAME.to_string()),
+        };
         run(&[
             "certs",
             "issue",
@@ -72,25 +90,33 @@ fn issue_certs(lab: &Lab, dir: &Path) {
             "--role",
             role,
             "--name",
-            host,
+            &name,
             "--san",
-            &ip,
+            &san,
             "--out",
             out,
         ]);
     }
 }
 
-fn tls_flags(dir: &Path, name: &str) -> Vec<String> {
+fn tls_flags(dir: &Path, host: &str, names: Names) -> Vec<String> {
     let d = dir.display();
-    vec![
+    let name = match names {
+        Names::PerHost => host,
+        Names::Shared => host.split('-').next().unwrap(),
+    };
+    let mut flags = vec![
         "--tls-ca".into(),
         format!("{d}/ca.pem"),
         "--tls-cert".into(),
         format!("{d}/{name}.pem"),
         "--tls-key".into(),
         format!("{d}/{name}.key"),
-    ]
+    ];
+    if names == Names::Shared {
+        flags.extend(["--tls-server-name".into(), SHARED_NAME.into()]);
+    }
+    flags
 }
 
 fn spawn(mut cmd: Command, log: &Path) -> KillOnDrop {
@@ -112,10 +138,10 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn start(lab: Lab) -> Cluster {
+    fn start(lab: Lab, names: Names) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let certs = dir.path().join("tls");
-        issue_certs(&lab, &certs);
+        issue_certs(&lab, &certs, names);
         let etcd_ip = lab.host("etcd").ip;
         let etcd_url = format!("http://{etcd_ip}:2379");
         let mut procs = Vec::new();
@@ -146,7 +172,7 @@ impl Cluster {
                 .arg(format!("--grpc-addr={ip}:{GRPC_PORT}"))
                 .arg(format!("--metrics-addr={ip}:{METRICS_PORT}"))
                 .arg(format!("--advertise-host={ip}"))
-                .args(tls_flags(&certs, node));
+                .args(tls_flags(&certs, node, names));
             if role == "decode" {
                 cmd.arg(format!("--kv-addr={ip}:{KV_PORT}"))
                     // Slow enough steps for a link to go down mid-stream.
@@ -165,7 +191,7 @@ impl Cluster {
             // Spread the requests so that every host serves some.
             .args(["--routing", "round-robin"])
             .arg(format!("--max-stall-ms={}", STALL.as_millis()))
-            .args(tls_flags(&certs, "gateway"))
+            .args(tls_flags(&certs, "gateway", names))
             .env_remove("FISSION_API_KEY");
         procs.push(spawn(gateway, &dir.path().join("gateway.log")));
 
@@ -241,16 +267,8 @@ fn all_ok(records: &[Record], what: &str) {
     assert_eq!(failed, 0, "{what}:\n{}", streams::summary(records));
 }
 
-#[test]
-fn a_cluster_across_hosts_serves_the_reference_and_survives_a_cut_link() {
-    let Some(lab) = lab_or_skip() else {
-        return;
-    };
-    // The lab goes away (its namespaces and whatever runs in them) when this thread's
-    // cluster drops, also on a failed assertion.
-    let c = Cluster::start(lab);
-
-    // The reference ids, through every prefill and decode host (round-robin spreads them).
+/// The reference ids, twice, through every prefill and decode host (round-robin spreads them).
+fn serves_the_reference_on_every_host(c: &Cluster) {
     let refs: Value = serde_json::from_str(
         &std::fs::read_to_string(stories_dir().join("reference_greedy.json")).unwrap(),
     )
@@ -304,6 +322,33 @@ fn a_cluster_across_hosts_serves_the_reference_and_survives_a_cut_link() {
             testkit::fission::metric_sum(&c.metrics(node), "fission_decode_generated_tokens_total");
         assert!(served >= 1.0, "{node} decoded nothing");
     }
+}
+
+#[test]
+fn a_pool_sharing_one_certificate_name_serves_across_hosts() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(lab) = lab_or_skip() else {
+        return;
+    };
+    let c = Cluster::start(lab, Names::Shared);
+    serves_the_reference_on_every_host(&c);
+    c.assert_kv_released();
+}
+
+#[test]
+fn a_cluster_across_hosts_serves_the_reference_and_survives_a_cut_link() {
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(lab) = lab_or_skip() else {
+        return;
+    };
+    // The lab goes away (its namespaces and whatever runs in them) when this thread's
+    // cluster drops, also on a failed assertion.
+    let c = Cluster::start(lab, Names::PerHost);
+    serves_the_reference_on_every_host(&c);
 
     // Each stream's tokens, uninterrupted (stories260K may end a story before
     // STREAM_TOKENS: it stops on BOS as well as EOS).

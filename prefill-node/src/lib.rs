@@ -76,6 +76,12 @@ fn build(s: Started, heartbeat: std::time::Duration) -> Result<RoleService, Node
             identity,
             QuicConfig {
                 client_bind_addr: std::net::SocketAddr::new(s.listen_ip, 0),
+                // Nodes whose certificates share one name (a pool behind one Secret) are
+                // checked by that name on the KV channel as on gRPC (`--tls-server-name`).
+                server_name: match &s.grpc {
+                    identity::GrpcSecurity::Mtls { server_name, .. } => server_name.clone(),
+                    identity::GrpcSecurity::Insecure => None,
+                },
                 ..QuicConfig::default()
             },
         )?),

@@ -45,7 +45,10 @@ impl Lab {
     /// A lab with one host per name, at 10.233.0.2, .3, ... in order. `Err` says why
     /// namespaces cannot be made here (not root, no iproute2, no permission).
     pub fn new(names: &[&str]) -> Result<Lab, String> {
-        let prefix = format!("fx{}", std::process::id());
+        // Unique per lab, so that two at once (two tests of one binary) never share a name.
+        static LABS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = LABS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let prefix = format!("fx{}-{n}", std::process::id());
         let bridge_ns = format!("{prefix}-br");
         let mut lab = Lab {
             bridge_ns: bridge_ns.clone(),
