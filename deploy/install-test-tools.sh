@@ -33,3 +33,9 @@ if ! command -v promtool >/dev/null 2>&1; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+
+# kubernetes-validate: the Kubernetes API schemas, offline, for the manifests in deploy/k8s.
+if ! "$venv/bin/python" -c 'import kubernetes_validate' >/dev/null 2>&1; then
+  echo "installing kubernetes-validate into $venv" >&2
+  "$venv/bin/pip" install --quiet kubernetes-validate
+fi

@@ -110,6 +110,8 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn run_gateway(cli: gateway::cli::GatewayCli) -> anyhow::Result<()> {
+pub fn run_gateway(mut cli: gateway::cli::GatewayCli) -> anyhow::Result<()> {
+    let dir = cli.args.model_dir.to_string_lossy().into_owned();
+    cli.args.model_dir = crate::default_model::resolve(&dir)?.into();
     Ok(gateway::cli::launch(cli)?)
 }
