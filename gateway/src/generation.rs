@@ -20,7 +20,6 @@ use crate::request::{FinishReason, GeneratedToken, RequestId, TokenStream, Valid
 /// A started generation.
 pub(crate) struct Generation {
     pub request_id: RequestId,
-    pub prompt_tokens: usize,
     /// The seed, when the request samples (TGI reports none for greedy decoding).
     pub seed: Option<u64>,
     /// Tokens in order, ending after the finish or after one error.
@@ -107,17 +106,22 @@ impl Generation {
         .boxed();
         Ok(Self {
             request_id,
-            prompt_tokens,
             seed,
             tokens,
         })
     }
+}
 
-    /// Waits for every token; the first error fails the whole generation.
-    pub(crate) async fn collect(mut self) -> Result<Completed, GatewayError> {
+impl Completed {
+    /// Waits for every token of `tokens` (request `request_id`'s); the first error fails the
+    /// whole generation.
+    pub(crate) async fn collect(
+        request_id: RequestId,
+        mut stream: BoxStream<'static, Result<GeneratedToken, GatewayError>>,
+    ) -> Result<Self, GatewayError> {
         let mut tokens = Vec::new();
         let mut text = String::new();
-        while let Some(item) = self.tokens.next().await {
+        while let Some(item) = stream.next().await {
             let token = item?;
             text.push_str(&token.text);
             tokens.push(token);
@@ -126,7 +130,7 @@ impl Generation {
             // The guard ends every stream with a finish reason or an error; keep the error kind
             // the guard would have given, should that ever change.
             GatewayError::StreamEndedEarly {
-                request_id: self.request_id.clone(),
+                request_id,
                 generated_tokens: tokens.len(),
             }
         })?;
@@ -135,6 +139,11 @@ impl Generation {
             text,
             finish_reason,
         })
+    }
+
+    /// The generated token ids, in order.
+    pub(crate) fn ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.id).collect()
     }
 }
 

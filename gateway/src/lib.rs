@@ -12,6 +12,7 @@ mod generation;
 mod json;
 mod openai;
 pub mod queue;
+mod sequences;
 mod sse;
 mod state;
 mod tgi;

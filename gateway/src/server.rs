@@ -29,6 +29,7 @@ pub fn app(state: AppState) -> Router {
     // Only the API is traced: a scrape of /metrics or a /health probe every few seconds would
     // each start a root trace and bury the requests in Jaeger.
     let api = Router::new()
+        .route("/", post(tgi::compat_generate))
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/v1/completions", post(openai::completions::completions))
@@ -125,10 +126,11 @@ struct Info {
 
 async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     let config = state.config();
+    let limits = state.limits();
     axum::Json(Info {
         model_id: config.model_id.clone(),
-        max_input_tokens: config.max_input_tokens,
-        max_total_tokens: config.max_total_tokens,
+        max_input_tokens: limits.max_input_tokens,
+        max_total_tokens: limits.max_total_tokens,
         max_concurrent_requests: config.max_concurrent_requests,
         max_stop_sequences: config.max_stop_sequences,
         max_top_n_tokens: config.max_top_n_tokens,
@@ -211,17 +213,26 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+/// The served model under its id and each alias (`--served-model-name`), with the context
+/// the cluster really holds.
 async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> {
-    axum::Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": state.config().model_id,
-            "object": "model",
-            "created": state.started_at_unix(),
-            "owned_by": "fission",
-            "max_model_len": state.config().max_total_tokens,
-        }],
-    }))
+    let max_model_len = state.limits().max_total_tokens;
+    let data: Vec<serde_json::Value> = state
+        .config()
+        .model_names()
+        .into_iter()
+        .map(|name| {
+            serde_json::json!({
+                "id": name,
+                "object": "model",
+                "created": state.started_at_unix(),
+                "owned_by": "fission",
+                "root": state.config().model_id,
+                "max_model_len": max_model_len,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "object": "list", "data": data }))
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
