@@ -214,19 +214,19 @@ impl GatewayError {
 }
 
 /// The body of every error response and SSE error event.
-#[derive(Debug, Serialize)]
-struct ErrorBody {
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorBody {
     error: String,
     error_type: &'static str,
 }
 
 /// OpenAI's error body, which its SDKs parse: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Serialize)]
-struct OpenAiErrorBody {
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct OpenAiErrorBody {
     error: OpenAiErrorFields,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct OpenAiErrorFields {
     message: String,
     #[serde(rename = "type")]

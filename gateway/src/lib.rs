@@ -26,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod fake;
 pub mod metrics;
+pub mod openapi;
 pub mod request;
 pub mod server;
 

@@ -41,6 +41,7 @@ pub fn app(state: AppState) -> Router {
         ));
     Router::new()
         .route("/v1/models", get(models))
+        .route("/openapi.json", get(openapi_json))
         .route("/info", get(info))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -108,7 +109,7 @@ async fn http_request_span(
     response
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Info {
     model_id: String,
     max_input_tokens: usize,
@@ -124,6 +125,7 @@ struct Info {
     backend: serde_json::Value,
 }
 
+#[utoipa::path(get, path = "/info", tag = "Service", responses((status = 200, body = Info)))]
 async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     let config = state.config();
     let limits = state.limits();
@@ -142,6 +144,10 @@ async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     })
 }
 
+#[utoipa::path(get, path = "/health", tag = "Service", responses(
+    (status = 200, description = "The backend is ready"),
+    (status = 503, description = "No decode node is ready", body = crate::error::ErrorBody),
+))]
 async fn health(State(state): State<AppState>) -> Response {
     if state.backend().is_ready() {
         axum::Json(serde_json::json!({ "status": "ok" })).into_response()
@@ -159,13 +165,13 @@ async fn health(State(state): State<AppState>) -> Response {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct TokenizeRequest {
     inputs: String,
 }
 
 /// TGI's token, with `start`/`stop` as character offsets into the input.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct SimpleToken {
     id: u32,
     text: String,
@@ -173,6 +179,10 @@ struct SimpleToken {
     stop: usize,
 }
 
+#[utoipa::path(post, path = "/tokenize", tag = "TGI", request_body = TokenizeRequest, responses(
+    (status = 200, body = Vec<SimpleToken>),
+    (status = 422, body = crate::error::ErrorBody),
+))]
 async fn tokenize(
     State(state): State<AppState>,
     Json(request): Json<TokenizeRequest>,
@@ -205,6 +215,9 @@ async fn tokenize(
     Ok(axum::Json(tokens))
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "Service", responses(
+    (status = 200, description = "Prometheus text exposition", content_type = "text/plain"),
+))]
 async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -215,6 +228,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 
 /// The served model under its id and each alias (`--served-model-name`), with the context
 /// the cluster really holds.
+#[utoipa::path(get, path = "/v1/models", tag = "OpenAI", responses((status = 200, description = "The served model and its aliases")))]
 async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> {
     let max_model_len = state.limits().max_total_tokens;
     let data: Vec<serde_json::Value> = state
@@ -233,6 +247,11 @@ async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> 
         })
         .collect();
     axum::Json(serde_json::json!({ "object": "list", "data": data }))
+}
+
+/// The API's OpenAPI document ([`crate::openapi`]).
+async fn openapi_json() -> axum::Json<utoipa::openapi::OpenApi> {
+    axum::Json(crate::openapi::document())
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {

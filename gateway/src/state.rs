@@ -99,18 +99,21 @@ impl AppState {
     }
 
     /// Checks OpenAI's `model` against the names this gateway serves. An absent `model` is
-    /// taken as the served one.
+    /// taken as the served one, and so is `tgi`: TGI's own clients (`text_generation`'s
+    /// `Client.chat`) always send that placeholder, which TGI accepts.
     pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), GatewayError> {
         let names = self.inner.config.model_names();
         match model {
-            Some(given) if !names.contains(&given) => Err(GatewayError::ModelNotFound {
-                given: given.to_string(),
-                served: names
-                    .iter()
-                    .map(|n| format!("`{n}`"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            }),
+            Some(given) if given != "tgi" && !names.contains(&given) => {
+                Err(GatewayError::ModelNotFound {
+                    given: given.to_string(),
+                    served: names
+                        .iter()
+                        .map(|n| format!("`{n}`"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })
+            }
             _ => Ok(()),
         }
     }

@@ -20,7 +20,7 @@ use crate::sse::json_event;
 use crate::state::AppState;
 use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct GenerateRequest {
     inputs: String,
     #[serde(default)]
@@ -28,7 +28,7 @@ pub(crate) struct GenerateRequest {
 }
 
 /// `POST /`'s body: a generate request and whether to stream it.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CompatGenerateRequest {
     inputs: String,
     #[serde(default)]
@@ -42,7 +42,7 @@ pub(crate) struct CompatGenerateRequest {
 const MAX_BEST_OF: usize = 8;
 
 /// Every field may be absent or `null`, as TGI's clients send them.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 struct TgiParameters {
     max_new_tokens: Option<u32>,
     temperature: Option<f32>,
@@ -126,14 +126,14 @@ impl TgiParameters {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct GenerateResponse {
     generated_text: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     details: Option<Details>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Details {
     finish_reason: &'static str,
     generated_tokens: usize,
@@ -147,7 +147,7 @@ struct Details {
 }
 
 /// One of `best_of`'s sequences other than the answer.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct BestOfSequence {
     generated_text: String,
     finish_reason: &'static str,
@@ -159,7 +159,7 @@ struct BestOfSequence {
     top_tokens: Vec<Vec<Token>>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Token {
     id: u32,
     text: String,
@@ -167,7 +167,7 @@ struct Token {
     special: bool,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct StreamResponse {
     /// 1 for the first token, as in TGI.
     index: usize,
@@ -177,13 +177,25 @@ struct StreamResponse {
     details: Option<StreamDetails>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct StreamDetails {
     finish_reason: &'static str,
     generated_tokens: usize,
     seed: Option<u64>,
 }
 
+#[utoipa::path(
+    post,
+    path = "/generate",
+    tag = "TGI",
+    request_body = GenerateRequest,
+    responses(
+        (status = 200, description = "The generated text", body = GenerateResponse),
+        (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
+    )
+)]
 pub(crate) async fn generate(
     State(state): State<AppState>,
     Json(request): Json<GenerateRequest>,
@@ -193,6 +205,18 @@ pub(crate) async fn generate(
     Ok(axum::Json(response).into_response())
 }
 
+#[utoipa::path(
+    post,
+    path = "/generate_stream",
+    tag = "TGI",
+    request_body = GenerateRequest,
+    responses(
+        (status = 200, description = "Server-sent events, one per token", body = StreamResponse, content_type = "text/event-stream"),
+        (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
+    )
+)]
 pub(crate) async fn generate_stream(
     State(state): State<AppState>,
     Json(request): Json<GenerateRequest>,
@@ -203,6 +227,18 @@ pub(crate) async fn generate_stream(
 
 /// `POST /`: TGI's compat route. Streams as `/generate_stream` with `stream: true`; otherwise
 /// answers as `/generate`, but with a list of one response, which TGI's clients index.
+#[utoipa::path(
+    post,
+    path = "/",
+    tag = "TGI",
+    request_body = CompatGenerateRequest,
+    responses(
+        (status = 200, description = "A list of one response; server-sent events with `stream: true`", body = Vec<GenerateResponse>),
+        (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
+    )
+)]
 pub(crate) async fn compat_generate(
     State(state): State<AppState>,
     Json(request): Json<CompatGenerateRequest>,

@@ -18,7 +18,7 @@ use crate::validation::{FieldNames, Prompt, Validator};
 /// OpenAI's largest `top_logprobs`.
 const MAX_TOP_LOGPROBS: u32 = 20;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct ChatRequest {
     messages: Vec<RequestMessage>,
     max_tokens: Option<u32>,
@@ -30,7 +30,7 @@ pub(crate) struct ChatRequest {
     common: CommonFields,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct RequestMessage {
     role: String,
     #[serde(default)]
@@ -39,14 +39,14 @@ struct RequestMessage {
 }
 
 /// A string, or a list of parts of which only `text` parts are supported.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct ContentPart {
     #[serde(rename = "type")]
     kind: String,
@@ -82,7 +82,7 @@ impl RequestMessage {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChatCompletion {
     id: String,
     object: &'static str,
@@ -93,7 +93,7 @@ struct ChatCompletion {
     usage: Usage,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Choice {
     index: u32,
     message: OutputMessage,
@@ -101,13 +101,13 @@ struct Choice {
     finish_reason: &'static str,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct OutputMessage {
     role: &'static str,
     content: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChatChunk {
     id: String,
     object: &'static str,
@@ -119,7 +119,7 @@ struct ChatChunk {
     usage: Option<Usage>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChunkChoice {
     index: u32,
     delta: Delta,
@@ -129,19 +129,19 @@ struct ChunkChoice {
 
 /// `role` and `tool_calls` are on every chunk: OpenAI sends the role on the first only, but
 /// TGI's clients (`text_generation`'s `ChoiceDelta`) require both on each.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Delta {
     role: &'static str,
     content: String,
     tool_calls: Option<Vec<serde_json::Value>>,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, utoipa::ToSchema)]
 struct Logprobs {
     content: Vec<TokenLogprob>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct TokenLogprob {
     token: String,
     logprob: f32,
@@ -149,7 +149,7 @@ struct TokenLogprob {
     top_logprobs: Vec<TopLogprob>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct TopLogprob {
     token: String,
     logprob: f32,
@@ -178,6 +178,18 @@ impl Logprobs {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    tag = "OpenAI",
+    request_body = ChatRequest,
+    responses(
+        (status = 200, description = "The chat completion; server-sent chunks with `stream: true`", body = ChatCompletion),
+        (status = 400, description = "Invalid request", body = crate::error::OpenAiErrorBody),
+        (status = 404, description = "Unknown model", body = crate::error::OpenAiErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::OpenAiErrorBody),
+    )
+)]
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
     OpenAiJson(request): OpenAiJson<ChatRequest>,

@@ -18,7 +18,7 @@ use crate::validation::{FieldNames, Prompt, Validator};
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists. Each
 /// prompt of a list gets its own choices.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum PromptInput {
     One(String),
@@ -56,7 +56,7 @@ const MAX_LOGPROBS: u32 = 5;
 /// OpenAI's largest `best_of`.
 const MAX_BEST_OF: u32 = 20;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CompletionRequest {
     prompt: PromptInput,
     max_tokens: Option<u32>,
@@ -99,7 +99,7 @@ impl CompletionRequest {
 }
 
 /// Both the response and each streamed chunk.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Completion {
     id: String,
     object: &'static str,
@@ -111,7 +111,7 @@ struct Completion {
     usage: Option<Usage>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Choice {
     index: u32,
     text: String,
@@ -119,7 +119,7 @@ struct Choice {
     finish_reason: Option<&'static str>,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, utoipa::ToSchema)]
 struct Logprobs {
     tokens: Vec<String>,
     token_logprobs: Vec<f32>,
@@ -143,6 +143,18 @@ impl Logprobs {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    tag = "OpenAI",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion; server-sent chunks with `stream: true`", body = Completion),
+        (status = 400, description = "Invalid request", body = crate::error::OpenAiErrorBody),
+        (status = 404, description = "Unknown model", body = crate::error::OpenAiErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::OpenAiErrorBody),
+    )
+)]
 pub(crate) async fn completions(
     State(state): State<AppState>,
     OpenAiJson(request): OpenAiJson<CompletionRequest>,

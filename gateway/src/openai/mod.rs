@@ -19,14 +19,14 @@ use crate::state::AppState;
 use crate::validation::{FieldNames, GenerateParameters, Prompt};
 
 /// `stop`: one string or a list.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum StopSequences {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 struct StreamOptions {
     include_usage: Option<bool>,
 }
@@ -36,7 +36,7 @@ pub(crate) const MAX_N: u32 = 128;
 
 /// The fields both endpoints take. `top_k`, `repetition_penalty` and `ignore_eos` are vLLM's
 /// extensions. Unknown fields are ignored.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CommonFields {
     /// Checked against the served id and its aliases ([`AppState::check_model`]).
     model: Option<String>,
@@ -145,7 +145,7 @@ pub(crate) fn invalid(
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub(crate) struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
