@@ -17,6 +17,12 @@ use crate::queue::{Queue, QueueConfig};
 use crate::request::ValidRequest;
 use crate::validation::{FieldNames, GenerateParameters, Limits, Prompt, Validator};
 
+/// `model` values that mean "whatever this server serves": TGI's and Hugging Face's clients
+/// send them to a server given by URL (`text_generation`'s `Client.chat` sends `tgi`,
+/// `huggingface_hub`'s `InferenceClient(base_url=...).chat_completion` sends `dummy`), and TGI
+/// accepts them.
+pub(crate) const PLACEHOLDER_MODELS: [&str; 2] = ["tgi", "dummy"];
+
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<Shared>,
@@ -99,12 +105,11 @@ impl AppState {
     }
 
     /// Checks OpenAI's `model` against the names this gateway serves. An absent `model` is
-    /// taken as the served one, and so is `tgi`: TGI's own clients (`text_generation`'s
-    /// `Client.chat`) always send that placeholder, which TGI accepts.
+    /// taken as the served one, and so are [`PLACEHOLDER_MODELS`].
     pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), GatewayError> {
         let names = self.inner.config.model_names();
         match model {
-            Some(given) if given != "tgi" && !names.contains(&given) => {
+            Some(given) if !PLACEHOLDER_MODELS.contains(&given) && !names.contains(&given) => {
                 Err(GatewayError::ModelNotFound {
                     given: given.to_string(),
                     served: names

@@ -197,6 +197,17 @@ async fn a_stream_of_n_choices_ends_once_after_all() {
     assert!(chunks
         .iter()
         .all(|c| c["system_fingerprint"].as_str().is_some()));
+    // TGI's own client sends `model: "tgi"` and cannot parse `[DONE]`.
+    let events = server
+        .stream(
+            "/v1/completions",
+            json!({"model": "tgi", "prompt": "Hi", "max_tokens": 2, "stream": true}),
+        )
+        .await
+        .collect()
+        .await;
+    assert_eq!(parse(&events).1, 0, "{events:?}");
+    assert_eq!(events.len(), 2, "{events:?}");
     server.stop().await;
 }
 
@@ -220,7 +231,7 @@ async fn unknown_models_are_404_and_aliases_are_served() {
             .contains("gpt-4"));
     }
     // The id, an alias and TGI's placeholder are all served, and named after the id.
-    for model in ["stories260K", "tiny", "tgi"] {
+    for model in ["stories260K", "tiny", "tgi", "dummy"] {
         let body: Value = server
             .post(
                 "/v1/chat/completions",

@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage};
+use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage, MAX_N};
 use crate::error::{GatewayError, OpenAiError};
 use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
@@ -181,6 +181,15 @@ pub(crate) async fn completions(
         .common
         .parameters(request.max_tokens, request.logprobs)?;
     let prompts = request.prompt.into_prompts()?;
+    // One request may not ask for more sequences than `n` alone may.
+    if prompts.len() * best_of > MAX_N as usize {
+        return Err(invalid(
+            "n",
+            format!("times `best_of` times the prompts must be at most {MAX_N}"),
+            format!("{} prompts x {best_of}", prompts.len()),
+        )
+        .into());
+    }
     let groups = start_all(
         &state,
         "completions",

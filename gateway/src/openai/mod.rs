@@ -68,6 +68,13 @@ impl CommonFields {
         self.n.unwrap_or(1) as usize
     }
 
+    /// Whether the stream ends with `data: [DONE]`. Not for `model: "tgi"`: TGI's own Python
+    /// client (`text_generation`, which always sends that placeholder) parses every `data:`
+    /// line as JSON and fails on `[DONE]`; the stream's end still closes it.
+    pub(crate) fn sends_done(&self) -> bool {
+        self.model.as_deref() != Some("tgi")
+    }
+
     pub(crate) fn include_usage(&self) -> bool {
         self.stream_options
             .as_ref()
@@ -165,7 +172,8 @@ impl Usage {
 /// The SSE response of a streaming request with `choices` choices, whose tokens `tokens`
 /// yields tagged with their choice's index: `chunk` gives each token's event (with
 /// `finish_reason` on a choice's last); after every choice's last, `usage_chunk` gives a final
-/// chunk with `choices: []` and the usage when `include_usage`, then `data: [DONE]`. A failed
+/// chunk with `choices: []` and the usage when `include_usage`, then `data: [DONE]` (see
+/// [`CommonFields::sends_done`]). A failed
 /// stream ends with the error event instead, and no `[DONE]`; the other choices are dropped,
 /// which cancels them upstream.
 pub(crate) fn sse_response<C, U>(
@@ -181,6 +189,7 @@ where
     U: Fn(Usage) -> Event + Send + 'static,
 {
     let include_usage = common.include_usage();
+    let sends_done = common.sends_done();
     let mut completion_tokens = 0;
     let mut finished = 0;
     let mut failed = false;
@@ -200,7 +209,9 @@ where
                         if include_usage {
                             events.push(usage_chunk(Usage::new(prompt_tokens, completion_tokens)));
                         }
-                        events.push(Event::default().data("[DONE]"));
+                        if sends_done {
+                            events.push(Event::default().data("[DONE]"));
+                        }
                     }
                     events
                 }
