@@ -133,9 +133,9 @@ for resp in tg.generate_stream(prompt, max_new_tokens=12, stop_sequences=[stop])
     last = resp
 out["stream_stop"] = {"text": text, "generated_text": last.generated_text,
                       "finish": last.details.finish_reason.value}
-c = tg.chat(messages=[Message(role="user", content="Tell me a story")], max_tokens=8)
+c = tg.chat(messages=[Message(role="user", content="Tell me a story")], max_tokens=8, temperature=0)
 out["tg_chat"] = {"content": c.choices[0].message.content, "fingerprint": c.system_fingerprint}
-chunks = list(tg.chat(messages=[Message(role="user", content="Tell me a story")], max_tokens=8, stream=True))
+chunks = list(tg.chat(messages=[Message(role="user", content="Tell me a story")], max_tokens=8, temperature=0, stream=True))
 out["tg_chat_stream"] = {"chunks": len(chunks),
                          "content": "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices),
                          "fingerprint": chunks[0].system_fingerprint}
@@ -146,9 +146,9 @@ d = hub.text_generation(prompt, max_new_tokens=12, details=True)
 out["hub_details"] = {"text": d.generated_text, "finish": d.details.finish_reason,
                       "tokens": len(d.details.tokens)}
 out["hub_stream"] = "".join(hub.text_generation(prompt, max_new_tokens=12, stream=True))
-hc = hub.chat_completion([{"role": "user", "content": "Tell me a story"}], max_tokens=8)
+hc = hub.chat_completion([{"role": "user", "content": "Tell me a story"}], max_tokens=8, temperature=0)
 out["hub_chat"] = {"content": hc.choices[0].message.content, "fingerprint": hc.system_fingerprint}
-hs = list(hub.chat_completion([{"role": "user", "content": "Tell me a story"}], max_tokens=8, stream=True))
+hs = list(hub.chat_completion([{"role": "user", "content": "Tell me a story"}], max_tokens=8, temperature=0, stream=True))
 out["hub_chat_stream"] = "".join(ch.choices[0].delta.content or "" for ch in hs if ch.choices)
 print(json.dumps(out))
 "#;
