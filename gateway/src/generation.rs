@@ -126,14 +126,14 @@ impl Completed {
             text.push_str(&token.text);
             tokens.push(token);
         }
-        let finish_reason = tokens.last().and_then(|t| t.finish_reason).ok_or_else(|| {
-            // The guard ends every stream with a finish reason or an error; keep the error kind
-            // the guard would have given, should that ever change.
-            GatewayError::StreamEndedEarly {
+        // The guard ends every stream with a finish reason or an error; keep the error kind
+        // the guard would have given, should that ever change.
+        let Some(finish_reason) = tokens.last().and_then(|t| t.finish_reason) else {
+            return Err(GatewayError::StreamEndedEarly {
                 request_id,
                 generated_tokens: tokens.len(),
-            }
-        })?;
+            });
+        };
         Ok(Completed {
             tokens,
             text,

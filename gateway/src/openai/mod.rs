@@ -169,6 +169,9 @@ impl Usage {
     }
 }
 
+/// Every choice's tokens as they come, each tagged with its choice's index.
+pub(crate) type ChoiceTokens = BoxStream<'static, (usize, Result<GeneratedToken, GatewayError>)>;
+
 /// The SSE response of a streaming request with `choices` choices, whose tokens `tokens`
 /// yields tagged with their choice's index: `chunk` gives each token's event (with
 /// `finish_reason` on a choice's last); after every choice's last, `usage_chunk` gives a final
@@ -177,7 +180,7 @@ impl Usage {
 /// stream ends with the error event instead, and no `[DONE]`; the other choices are dropped,
 /// which cancels them upstream.
 pub(crate) fn sse_response<C, U>(
-    tokens: BoxStream<'static, (usize, Result<GeneratedToken, GatewayError>)>,
+    tokens: ChoiceTokens,
     choices: usize,
     prompt_tokens: usize,
     common: &CommonFields,
@@ -252,13 +255,7 @@ pub(crate) async fn start_all(
 
 /// The choices of every group as one stream, tagged with their index in the response, and
 /// the prompts' tokens together.
-pub(crate) fn merge_choices(
-    groups: Vec<Sequences>,
-) -> (
-    BoxStream<'static, (usize, Result<GeneratedToken, GatewayError>)>,
-    usize,
-    usize,
-) {
+pub(crate) fn merge_choices(groups: Vec<Sequences>) -> (ChoiceTokens, usize, usize) {
     let per_group = groups.first().map_or(1, |g| g.streams.len());
     let choices = groups.len() * per_group;
     let prompt_tokens = groups.iter().map(|g| g.prompt_ids.len()).sum();
