@@ -71,7 +71,7 @@ pub fn chat_template(data: &[u8]) {
     // (OpenAI's routes answer it with 400.)
     let answer = response::check(PATH, &exchange, &[200, 400]);
     if let Some(generated) = &exchange.generated {
-        response::check_generation(PATH, &answer, generated, gateway);
+        response::check_generation(PATH, &answer, generated, exchange.sequences, gateway);
     }
     if let (false, Body::Json(body)) = (raises, &answer) {
         let message = body["error"]["message"].as_str().unwrap_or_default();

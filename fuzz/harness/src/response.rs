@@ -121,7 +121,13 @@ fn events(path: &str, exchange: &Exchange) -> Vec<String> {
 }
 
 /// Checks a successful generation against the request the backend was given.
-pub(crate) fn check_generation(path: &str, body: &Body, request: &ValidRequest, gw: &TestGateway) {
+pub(crate) fn check_generation(
+    path: &str,
+    body: &Body,
+    request: &ValidRequest,
+    sequences: usize,
+    gw: &TestGateway,
+) {
     let prompt_tokens = request.prompt_ids.len();
     let max_new_tokens = request.stopping.max_new_tokens;
     match body {
@@ -139,7 +145,14 @@ pub(crate) fn check_generation(path: &str, body: &Body, request: &ValidRequest, 
                 &choice["text"]
             };
             assert!(text.is_string(), "{path}: {body}");
-            check_usage(path, &body["usage"], prompt_tokens, max_new_tokens, gw);
+            check_usage(
+                path,
+                &body["usage"],
+                prompt_tokens,
+                max_new_tokens,
+                sequences,
+                gw,
+            );
         }
         Body::Events(events) if path == "/generate_stream" => {
             let last: Value = serde_json::from_str(events.last().expect("checked non-empty"))
@@ -162,13 +175,22 @@ pub(crate) fn check_generation(path: &str, body: &Body, request: &ValidRequest, 
                 value.get("usage").filter(|u| !u.is_null()).cloned()
             });
             if let Some(usage) = usage {
-                check_usage(path, &usage, prompt_tokens, max_new_tokens, gw);
+                check_usage(path, &usage, prompt_tokens, max_new_tokens, sequences, gw);
             }
         }
     }
 }
 
-fn check_usage(path: &str, usage: &Value, prompt: usize, max_new: usize, gw: &TestGateway) {
+/// With several sequences (`n`, `best_of`, prompt lists) the usage adds theirs up: `prompt`
+/// and `max_new` are the last sequence's, each bound scales with their number.
+fn check_usage(
+    path: &str,
+    usage: &Value,
+    prompt: usize,
+    max_new: usize,
+    sequences: usize,
+    gw: &TestGateway,
+) {
     let count = |field: &str| {
         usage[field]
             .as_u64()
@@ -179,8 +201,14 @@ fn check_usage(path: &str, usage: &Value, prompt: usize, max_new: usize, gw: &Te
         count("completion_tokens"),
         count("total_tokens"),
     );
-    assert_eq!(prompt_tokens, prompt, "{path}: {usage}");
-    assert!(completion <= max_new, "{path}: {usage}");
+    if sequences <= 1 {
+        assert_eq!(prompt_tokens, prompt, "{path}: {usage}");
+    }
+    let sequences = sequences.max(1);
+    assert!(completion <= max_new * sequences, "{path}: {usage}");
     assert_eq!(total, prompt_tokens + completion, "{path}: {usage}");
-    assert!(total <= gw.config.max_total_tokens, "{path}: {usage}");
+    assert!(
+        total <= gw.config.max_total_tokens * sequences,
+        "{path}: {usage}"
+    );
 }
