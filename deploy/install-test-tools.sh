@@ -2,6 +2,8 @@
 # Installs the real backends the observability tests talk to:
 #   - Arize Phoenix (an OTLP trace backend, from PyPI) into the ignored venv .peers/phoenix-venv
 #   - OpenAI's Python SDK (openai), in the same venv: the API-key tests call the gateway with it
+#   - TGI's and Hugging Face's clients (text-generation, huggingface_hub) and schemathesis, in the
+#     same venv: the API-compatibility tests (deploy/tests/api_compat_e2e.rs) run them
 #   - promtool (Debian's `prometheus` package), which validates /metrics expositions
 # Idempotent: each step is skipped when its tool is already there. The Phoenix venv path can be
 # overridden with FISSION_PHOENIX_VENV; the tests read the same variable.
@@ -25,6 +27,15 @@ if ! "$venv/bin/python" -c 'import openai' >/dev/null 2>&1; then
   echo "installing openai into $venv" >&2
   "$venv/bin/pip" install --quiet openai
 fi
+
+# The API-compatibility tests' clients and fuzzer, each installed when it is missing.
+for pair in text_generation:text-generation huggingface_hub:huggingface_hub schemathesis:schemathesis; do
+  module="${pair%%:*}" package="${pair#*:}"
+  if ! "$venv/bin/python" -c "import $module" >/dev/null 2>&1; then
+    echo "installing $package into $venv" >&2
+    "$venv/bin/pip" install --quiet "$package"
+  fi
+done
 
 if ! command -v promtool >/dev/null 2>&1; then
   sudo=""

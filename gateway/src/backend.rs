@@ -29,6 +29,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the backend can take requests now (`/health`).
     fn is_ready(&self) -> bool;
 
+    /// The smallest context (prompt + generated tokens) among the nodes ready now, when known:
+    /// the gateway lowers its limits to it, so it never admits what no node can hold.
+    fn max_context(&self) -> Option<usize> {
+        None
+    }
+
     /// What `/info` reports under `backend`: nodes, their roles and state, and the like.
     fn describe(&self) -> serde_json::Value;
 }

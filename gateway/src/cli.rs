@@ -53,6 +53,14 @@ pub struct GatewayArgs {
     /// The model id reported by the APIs; defaults to the directory name.
     #[arg(long, env = "FISSION_MODEL_ID")]
     pub model_id: Option<String>,
+    /// Another name clients may give as OpenAI's `model` (repeatable); `/v1/models` lists it.
+    /// Any name that is neither this nor the model id gets 404 `model_not_found`.
+    #[arg(
+        long = "served-model-name",
+        env = "FISSION_SERVED_MODEL_NAME",
+        value_delimiter = ','
+    )]
+    pub served_model_names: Vec<String>,
     /// etcd endpoints, comma separated: nodes are discovered there as they register and
     /// leave. Without it, `--decode-nodes` (and `--prefill-nodes`) give a static cluster.
     #[arg(long, env = "FISSION_ETCD", value_delimiter = ',')]
@@ -193,6 +201,7 @@ pub async fn run_cluster(
     let mut config = GatewayConfig::new(model_id, cli.model_dir.join("tokenizer.json"));
     let tc = cli.model_dir.join("tokenizer_config.json");
     config.tokenizer_config_path = tc.is_file().then_some(tc);
+    config.served_model_names = cli.served_model_names.clone();
     config.max_input_tokens = cli.max_input_tokens;
     config.max_total_tokens = cli.max_total_tokens;
     config.max_concurrent_requests = cli.max_concurrent_requests;

@@ -14,6 +14,9 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
 pub struct GatewayConfig {
     /// The model's name, reported by `/info` and `/v1/models` and echoed in OpenAI responses.
     pub model_id: String,
+    /// Other names clients may give as OpenAI's `model` (`--served-model-name`); `model_id` is
+    /// always accepted. Any other name gets 404 `model_not_found`.
+    pub served_model_names: Vec<String>,
     /// `tokenizer.json` of the model.
     pub tokenizer_path: PathBuf,
     /// `tokenizer_config.json`: the chat template and the `bos_token`/`eos_token` it renders.
@@ -54,6 +57,7 @@ impl GatewayConfig {
     pub fn new(model_id: impl Into<String>, tokenizer_path: impl Into<PathBuf>) -> Self {
         Self {
             model_id: model_id.into(),
+            served_model_names: Vec::new(),
             tokenizer_path: tokenizer_path.into(),
             tokenizer_config_path: None,
             max_input_tokens: 1024,
@@ -71,6 +75,17 @@ impl GatewayConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             auth: AuthConfig::default(),
         }
+    }
+
+    /// The names OpenAI's `model` may take: the id first, then the aliases.
+    pub fn model_names(&self) -> Vec<&str> {
+        let mut names = vec![self.model_id.as_str()];
+        for name in &self.served_model_names {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+        names
     }
 
     /// Checks that the limits agree with each other. Errors name the setting and its value.

@@ -27,10 +27,12 @@ pub enum GatewayError {
     },
 
     #[error(
-        "input tokens + `{field}` must be at most {max_total_tokens}, given {input_tokens} input \
-         tokens and {max_new_tokens} `{field}`"
+        "`{inputs_field}` ({input_tokens} tokens) + `{field}` ({max_new_tokens}) exceeds \
+         max_total_tokens {max_total_tokens}"
     )]
     TotalTooLong {
+        /// The prompt's field (`inputs`, `prompt`, `messages`).
+        inputs_field: &'static str,
         field: &'static str,
         input_tokens: usize,
         max_new_tokens: usize,
@@ -63,6 +65,10 @@ pub enum GatewayError {
     /// The body is JSON but not the request's shape (a missing field, a wrong type).
     #[error("invalid request body: {message}")]
     InvalidBody { message: String },
+
+    /// OpenAI's `model` names something this gateway does not serve.
+    #[error("the model `{given}` does not exist; this server serves {served}")]
+    ModelNotFound { given: String, served: String },
 
     #[error("no route for {method} {path}")]
     NotFound { method: String, path: String },
@@ -164,7 +170,7 @@ impl GatewayError {
             | Self::InvalidBody { .. } => ErrorCode::Validation,
             Self::InputTooLong { .. } | Self::TotalTooLong { .. } => ErrorCode::InputTooLong,
             Self::MalformedJson { .. } => ErrorCode::BadRequest,
-            Self::NotFound { .. } => ErrorCode::NotFound,
+            Self::NotFound { .. } | Self::ModelNotFound { .. } => ErrorCode::NotFound,
             Self::MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
             Self::BodyTooLarge { .. } => ErrorCode::PayloadTooLarge,
             Self::MissingApiKey | Self::InvalidApiKey => ErrorCode::Unauthorized,
@@ -208,20 +214,20 @@ impl GatewayError {
 }
 
 /// The body of every error response and SSE error event.
-#[derive(Debug, Serialize)]
-struct ErrorBody {
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct ErrorBody {
     error: String,
     error_type: &'static str,
 }
 
 /// OpenAI's error body, which its SDKs parse: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Serialize)]
-struct OpenAiErrorBody {
-    error: OpenAiError,
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub(crate) struct OpenAiErrorBody {
+    error: OpenAiErrorFields,
 }
 
-#[derive(Debug, Serialize)]
-struct OpenAiError {
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct OpenAiErrorFields {
     message: String,
     #[serde(rename = "type")]
     error_type: &'static str,
@@ -250,21 +256,25 @@ impl ApiShape {
 }
 
 impl GatewayError {
-    /// The error as a response in `shape`: the status from the code table, a JSON body, and
-    /// `WWW-Authenticate: Bearer` when the client must present an API key.
+    /// The error as a response in `shape`: the status from the code table (OpenAI's variant of
+    /// it on OpenAI's routes), a JSON body, and `WWW-Authenticate: Bearer` when the client must
+    /// present an API key.
     pub(crate) fn into_shaped_response(self, shape: ApiShape) -> Response {
         let code = self.code();
-        let status =
-            StatusCode::from_u16(code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status = match shape {
+            ApiShape::Tgi => code.http_status(),
+            ApiShape::OpenAi => code.openai_http_status(),
+        };
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = self.reported();
         let mut response = match shape {
             ApiShape::Tgi => (status, axum::Json(body)).into_response(),
             ApiShape::OpenAi => {
                 let body = OpenAiErrorBody {
-                    error: OpenAiError {
+                    error: OpenAiErrorFields {
                         message: body.error,
                         error_type: body.error_type,
-                        param: None,
+                        param: self.param(),
                         code: self.openai_code(),
                     },
                 };
@@ -282,13 +292,46 @@ impl GatewayError {
         response
     }
 
-    /// OpenAI's `code`: its own names for a missing or wrong key, the code table's otherwise.
+    /// OpenAI's `code`: its own names for a missing or wrong key and an unknown model, the code
+    /// table's otherwise.
     fn openai_code(&self) -> &'static str {
         match self {
             Self::MissingApiKey => "missing_api_key",
             Self::InvalidApiKey => "invalid_api_key",
+            Self::ModelNotFound { .. } => "model_not_found",
             other => other.code().as_str(),
         }
+    }
+
+    /// OpenAI's `param`: the request field the error is about, when there is one.
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::EmptyInput { field }
+            | Self::InputTooLong { field, .. }
+            | Self::TotalTooLong { field, .. }
+            | Self::InvalidParameter { field, .. }
+            | Self::Unsupported { field, .. } => Some(field),
+            Self::NoChatTemplate { .. } | Self::Template { .. } => Some("messages"),
+            Self::ModelNotFound { .. } => Some("model"),
+            _ => None,
+        }
+    }
+}
+
+/// A [`GatewayError`] answered in OpenAI's shape: what the `/v1/*` handlers return, so `?`
+/// turns every error they meet into OpenAI's body and status.
+#[derive(Debug)]
+pub(crate) struct OpenAiError(pub GatewayError);
+
+impl From<GatewayError> for OpenAiError {
+    fn from(error: GatewayError) -> Self {
+        Self(error)
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        self.0.into_shaped_response(ApiShape::OpenAi)
     }
 }
 

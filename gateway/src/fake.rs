@@ -66,6 +66,8 @@ pub struct FakeBackend {
     ready: std::sync::atomic::AtomicBool,
     counts: Arc<watch::Sender<FakeCounts>>,
     last_request: Mutex<Option<ValidRequest>>,
+    /// What [`Backend::max_context`] answers; 0 for "unknown".
+    max_context: std::sync::atomic::AtomicUsize,
 }
 
 impl FakeBackend {
@@ -75,11 +77,18 @@ impl FakeBackend {
             ready: true.into(),
             counts: Arc::new(watch::channel(FakeCounts::default()).0),
             last_request: Mutex::new(None),
+            max_context: 0.into(),
         }
     }
 
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Pretends the nodes hold at most `tokens` tokens of context (0: unknown).
+    pub fn set_max_context(&self, tokens: usize) {
+        self.max_context
+            .store(tokens, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn counts(&self) -> FakeCounts {
@@ -156,6 +165,10 @@ impl Backend for FakeBackend {
 
     fn is_ready(&self) -> bool {
         self.ready.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn max_context(&self) -> Option<usize> {
+        Some(self.max_context.load(std::sync::atomic::Ordering::SeqCst)).filter(|&c| c > 0)
     }
 
     fn describe(&self) -> serde_json::Value {

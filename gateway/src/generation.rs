@@ -20,7 +20,6 @@ use crate::request::{FinishReason, GeneratedToken, RequestId, TokenStream, Valid
 /// A started generation.
 pub(crate) struct Generation {
     pub request_id: RequestId,
-    pub prompt_tokens: usize,
     /// The seed, when the request samples (TGI reports none for greedy decoding).
     pub seed: Option<u64>,
     /// Tokens in order, ending after the finish or after one error.
@@ -107,34 +106,44 @@ impl Generation {
         .boxed();
         Ok(Self {
             request_id,
-            prompt_tokens,
             seed,
             tokens,
         })
     }
+}
 
-    /// Waits for every token; the first error fails the whole generation.
-    pub(crate) async fn collect(mut self) -> Result<Completed, GatewayError> {
+impl Completed {
+    /// Waits for every token of `tokens` (request `request_id`'s); the first error fails the
+    /// whole generation.
+    pub(crate) async fn collect(
+        request_id: RequestId,
+        mut stream: BoxStream<'static, Result<GeneratedToken, GatewayError>>,
+    ) -> Result<Self, GatewayError> {
         let mut tokens = Vec::new();
         let mut text = String::new();
-        while let Some(item) = self.tokens.next().await {
+        while let Some(item) = stream.next().await {
             let token = item?;
             text.push_str(&token.text);
             tokens.push(token);
         }
-        let finish_reason = tokens.last().and_then(|t| t.finish_reason).ok_or_else(|| {
-            // The guard ends every stream with a finish reason or an error; keep the error kind
-            // the guard would have given, should that ever change.
-            GatewayError::StreamEndedEarly {
-                request_id: self.request_id.clone(),
+        // The guard ends every stream with a finish reason or an error; keep the error kind
+        // the guard would have given, should that ever change.
+        let Some(finish_reason) = tokens.last().and_then(|t| t.finish_reason) else {
+            return Err(GatewayError::StreamEndedEarly {
+                request_id,
                 generated_tokens: tokens.len(),
-            }
-        })?;
+            });
+        };
         Ok(Completed {
             tokens,
             text,
             finish_reason,
         })
+    }
+
+    /// The generated token ids, in order.
+    pub(crate) fn ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.id).collect()
     }
 }
 

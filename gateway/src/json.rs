@@ -11,7 +11,7 @@ use axum::extract::rejection::{BytesRejection, FailedToBufferBody};
 use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
-use crate::error::GatewayError;
+use crate::error::{GatewayError, OpenAiError};
 use crate::state::AppState;
 
 pub(crate) struct Json<T>(pub T);
@@ -37,6 +37,21 @@ where
                 },
             })?;
         parse(&bytes).map(Json)
+    }
+}
+
+/// [`Json`] for OpenAI's routes: a bad body is answered in OpenAI's error shape.
+pub(crate) struct OpenAiJson<T>(pub T);
+
+impl<T> FromRequest<AppState> for OpenAiJson<T>
+where
+    T: DeserializeOwned,
+{
+    type Rejection = OpenAiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let Json(value) = Json::from_request(req, state).await?;
+        Ok(Self(value))
     }
 }
 

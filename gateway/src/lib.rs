@@ -12,6 +12,7 @@ mod generation;
 mod json;
 mod openai;
 pub mod queue;
+mod sequences;
 mod sse;
 mod state;
 mod tgi;
@@ -25,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod fake;
 pub mod metrics;
+pub mod openapi;
 pub mod request;
 pub mod server;
 

@@ -29,6 +29,7 @@ pub fn app(state: AppState) -> Router {
     // Only the API is traced: a scrape of /metrics or a /health probe every few seconds would
     // each start a root trace and bury the requests in Jaeger.
     let api = Router::new()
+        .route("/", post(tgi::compat_generate))
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/v1/completions", post(openai::completions::completions))
@@ -40,6 +41,7 @@ pub fn app(state: AppState) -> Router {
         ));
     Router::new()
         .route("/v1/models", get(models))
+        .route("/openapi.json", get(openapi_json))
         .route("/info", get(info))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -107,7 +109,7 @@ async fn http_request_span(
     response
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Info {
     model_id: String,
     max_input_tokens: usize,
@@ -127,12 +129,14 @@ struct Info {
     backend: serde_json::Value,
 }
 
+#[utoipa::path(get, path = "/info", tag = "Service", responses((status = 200, body = Info)))]
 async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     let config = state.config();
+    let limits = state.limits();
     axum::Json(Info {
         model_id: config.model_id.clone(),
-        max_input_tokens: config.max_input_tokens,
-        max_total_tokens: config.max_total_tokens,
+        max_input_tokens: limits.max_input_tokens,
+        max_total_tokens: limits.max_total_tokens,
         max_concurrent_requests: config.max_concurrent_requests,
         max_stop_sequences: config.max_stop_sequences,
         max_top_n_tokens: config.max_top_n_tokens,
@@ -148,6 +152,10 @@ async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     })
 }
 
+#[utoipa::path(get, path = "/health", tag = "Service", responses(
+    (status = 200, description = "The backend is ready"),
+    (status = 503, description = "No decode node is ready", body = crate::error::ErrorBody),
+))]
 async fn health(State(state): State<AppState>) -> Response {
     if state.backend().is_ready() {
         axum::Json(serde_json::json!({ "status": "ok" })).into_response()
@@ -165,13 +173,13 @@ async fn health(State(state): State<AppState>) -> Response {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct TokenizeRequest {
     inputs: String,
 }
 
 /// TGI's token, with `start`/`stop` as character offsets into the input.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct SimpleToken {
     id: u32,
     text: String,
@@ -179,6 +187,10 @@ struct SimpleToken {
     stop: usize,
 }
 
+#[utoipa::path(post, path = "/tokenize", tag = "TGI", request_body = TokenizeRequest, responses(
+    (status = 200, body = Vec<SimpleToken>),
+    (status = 422, body = crate::error::ErrorBody),
+))]
 async fn tokenize(
     State(state): State<AppState>,
     Json(request): Json<TokenizeRequest>,
@@ -211,6 +223,9 @@ async fn tokenize(
     Ok(axum::Json(tokens))
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "Service", responses(
+    (status = 200, description = "Prometheus text exposition", content_type = "text/plain"),
+))]
 async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -219,17 +234,32 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+/// The served model under its id and each alias (`--served-model-name`), with the context
+/// the cluster really holds.
+#[utoipa::path(get, path = "/v1/models", tag = "OpenAI", responses((status = 200, description = "The served model and its aliases")))]
 async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> {
-    axum::Json(serde_json::json!({
-        "object": "list",
-        "data": [{
-            "id": state.config().model_id,
-            "object": "model",
-            "created": state.started_at_unix(),
-            "owned_by": "fission",
-            "max_model_len": state.config().max_total_tokens,
-        }],
-    }))
+    let max_model_len = state.limits().max_total_tokens;
+    let data: Vec<serde_json::Value> = state
+        .config()
+        .model_names()
+        .into_iter()
+        .map(|name| {
+            serde_json::json!({
+                "id": name,
+                "object": "model",
+                "created": state.started_at_unix(),
+                "owned_by": "fission",
+                "root": state.config().model_id,
+                "max_model_len": max_model_len,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "object": "list", "data": data }))
+}
+
+/// The API's OpenAPI document ([`crate::openapi`]).
+async fn openapi_json() -> axum::Json<utoipa::openapi::OpenApi> {
+    axum::Json(crate::openapi::document())
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {

@@ -15,7 +15,13 @@ use crate::generation::Generation;
 use crate::metrics;
 use crate::queue::{Queue, QueueConfig};
 use crate::request::ValidRequest;
-use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
+use crate::validation::{FieldNames, GenerateParameters, Limits, Prompt, Validator};
+
+/// `model` values that mean "whatever this server serves": TGI's and Hugging Face's clients
+/// send them to a server given by URL (`text_generation`'s `Client.chat` sends `tgi`,
+/// `huggingface_hub`'s `InferenceClient(base_url=...).chat_completion` sends `dummy`), and TGI
+/// accepts them.
+pub(crate) const PLACEHOLDER_MODELS: [&str; 2] = ["tgi", "dummy"];
 
 #[derive(Clone)]
 pub struct AppState {
@@ -92,6 +98,41 @@ impl AppState {
         self.inner.started_at_unix
     }
 
+    /// The limits requests are held to now: the configured ones, lowered to the smallest
+    /// context among the ready nodes. `/info`, `/v1/models` and validation all read them here.
+    pub(crate) fn limits(&self) -> Limits {
+        Limits::new(&self.inner.config, self.inner.backend.max_context())
+    }
+
+    /// Checks OpenAI's `model` against the names this gateway serves. An absent `model` is
+    /// taken as the served one, and so are [`PLACEHOLDER_MODELS`].
+    pub(crate) fn check_model(&self, model: Option<&str>) -> Result<(), GatewayError> {
+        let names = self.inner.config.model_names();
+        match model {
+            Some(given) if !PLACEHOLDER_MODELS.contains(&given) && !names.contains(&given) => {
+                Err(GatewayError::ModelNotFound {
+                    given: given.to_string(),
+                    served: names
+                        .iter()
+                        .map(|n| format!("`{n}`"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// What OpenAI's `system_fingerprint` reports: the build and the model, which together
+    /// decide what a seeded request generates.
+    pub(crate) fn system_fingerprint(&self) -> String {
+        format!(
+            "fission-{}-{}",
+            env!("CARGO_PKG_VERSION"),
+            self.inner.config.model_id
+        )
+    }
+
     /// Validates, queues and starts one generation: the path every generation endpoint takes.
     /// Validation comes first: the queue is bounded by prompt tokens too, and a request that
     /// cannot be served should not wait to be told so.
@@ -102,6 +143,21 @@ impl AppState {
         parameters: GenerateParameters,
         fields: FieldNames,
     ) -> Result<Generation, GatewayError> {
+        let request = self
+            .validate_request(endpoint, prompt, parameters, fields)
+            .await?;
+        self.start(request).await
+    }
+
+    /// Counts and validates one request, and records what validation learnt on the request's
+    /// span.
+    pub(crate) async fn validate_request(
+        &self,
+        endpoint: &'static str,
+        prompt: Prompt,
+        parameters: GenerateParameters,
+        fields: FieldNames,
+    ) -> Result<ValidRequest, GatewayError> {
         let received_at = Instant::now();
         ::metrics::counter!(metrics::REQUESTS_TOTAL, "endpoint" => endpoint).increment(1);
         let request = self
@@ -113,6 +169,11 @@ impl AppState {
         http_request.record("request_id", request.request_id.as_str());
         http_request.record("prompt_tokens", request.prompt_ids.len() as i64);
         http_request.record("max_new_tokens", request.stopping.max_new_tokens as i64);
+        Ok(request)
+    }
+
+    /// Queues and starts a validated request.
+    pub(crate) async fn start(&self, request: ValidRequest) -> Result<Generation, GatewayError> {
         Generation::start(
             &self.inner.config.model_id,
             self.inner.backend.as_ref(),
@@ -133,9 +194,10 @@ impl AppState {
         received_at: Instant,
     ) -> Result<ValidRequest, GatewayError> {
         let validator = Arc::clone(&self.inner.validator);
+        let limits = self.limits();
         let span = tracing::info_span!("validate", prompt_tokens = tracing::field::Empty);
         let request = tokio::task::spawn_blocking(move || {
-            validator.validate(prompt, parameters, fields, received_at)
+            validator.validate(prompt, parameters, fields, limits, received_at)
         })
         .instrument(span.clone())
         .await

@@ -1,30 +1,48 @@
-//! TGI's generation API: `POST /generate` and `POST /generate_stream`, in TGI's shapes.
+//! TGI's generation API: `POST /generate` and `POST /generate_stream`, and `POST /`, which
+//! serves either by the request's `stream` field (a non-streamed answer there is a list of
+//! one, as TGI sends it), in TGI's shapes.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use futures::{Stream, StreamExt};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::GatewayError;
+use crate::generation::Completed;
 use crate::json::Json;
-use crate::request::GeneratedToken;
+use crate::request::{FinishReason, GeneratedToken};
+use crate::sequences::{best_first, Sequences};
 use crate::sse::json_event;
 use crate::state::AppState;
 use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct GenerateRequest {
     inputs: String,
     #[serde(default)]
     parameters: Option<TgiParameters>,
 }
 
+/// `POST /`'s body: a generate request and whether to stream it.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub(crate) struct CompatGenerateRequest {
+    inputs: String,
+    #[serde(default)]
+    parameters: Option<TgiParameters>,
+    #[serde(default)]
+    stream: bool,
+}
+
+/// TGI's `--max-best-of` default is 2; a few more cost little here, as the sequences share
+/// the prompt's blocks.
+const MAX_BEST_OF: usize = 8;
+
 /// Every field may be absent or `null`, as TGI's clients send them.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 struct TgiParameters {
     max_new_tokens: Option<u32>,
     temperature: Option<f32>,
@@ -37,9 +55,61 @@ struct TgiParameters {
     details: Option<bool>,
     top_n_tokens: Option<u32>,
     return_full_text: Option<bool>,
+    /// Sequences to sample; the one with the highest logprob per token is the answer and the
+    /// others come in `details.best_of_sequences`.
+    best_of: Option<usize>,
+    decoder_input_details: Option<bool>,
 }
 
 impl TgiParameters {
+    /// TGI's rules for `best_of`: positive, at most [`MAX_BEST_OF`], and above 1 only when
+    /// sampling without a seed and without streaming. Gives the sequences to run.
+    fn best_of(&self, stream: bool) -> Result<usize, GatewayError> {
+        let Some(best_of) = self.best_of else {
+            return Ok(1);
+        };
+        let invalid = |reason: &str| GatewayError::InvalidParameter {
+            field: "best_of",
+            reason: reason.into(),
+            given: best_of.to_string(),
+        };
+        if best_of == 0 {
+            return Err(invalid("must be strictly positive"));
+        }
+        if best_of > MAX_BEST_OF {
+            return Err(invalid(&format!("must be at most {MAX_BEST_OF}")));
+        }
+        if best_of > 1 {
+            if stream {
+                return Err(invalid("must be 1 when streaming tokens"));
+            }
+            if self.seed.is_some() {
+                return Err(invalid("must be 1 when `seed` is set"));
+            }
+            let samples = self.do_sample.unwrap_or(false)
+                || self.temperature.is_some_and(|t| t != 1.0 && t > 0.0)
+                || self.top_k.is_some_and(|k| k > 0)
+                || self.top_p.is_some_and(|p| p < 1.0);
+            if !samples {
+                return Err(invalid("must be 1 for greedy decoding (set `do_sample`)"));
+            }
+        }
+        Ok(best_of)
+    }
+
+    /// `decoder_input_details` asks for the prompt's logprobs, which the nodes do not
+    /// compute yet: refused rather than answered with an empty `prefill`.
+    fn check_decoder_input_details(&self) -> Result<(), GatewayError> {
+        if self.decoder_input_details.unwrap_or(false) {
+            return Err(GatewayError::Unsupported {
+                field: "decoder_input_details",
+                reason: "the nodes do not compute prompt logprobs yet; only false is accepted"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     fn generate_parameters(&self) -> GenerateParameters {
         GenerateParameters {
             max_new_tokens: self.max_new_tokens,
@@ -56,15 +126,30 @@ impl TgiParameters {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct GenerateResponse {
     generated_text: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     details: Option<Details>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Details {
+    finish_reason: &'static str,
+    generated_tokens: usize,
+    seed: Option<u64>,
+    prefill: Vec<Token>,
+    tokens: Vec<Token>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    top_tokens: Vec<Vec<Token>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    best_of_sequences: Option<Vec<BestOfSequence>>,
+}
+
+/// One of `best_of`'s sequences other than the answer.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct BestOfSequence {
+    generated_text: String,
     finish_reason: &'static str,
     generated_tokens: usize,
     seed: Option<u64>,
@@ -74,7 +159,7 @@ struct Details {
     top_tokens: Vec<Vec<Token>>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Token {
     id: u32,
     text: String,
@@ -82,7 +167,7 @@ struct Token {
     special: bool,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct StreamResponse {
     /// 1 for the first token, as in TGI.
     index: usize,
@@ -92,76 +177,195 @@ struct StreamResponse {
     details: Option<StreamDetails>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct StreamDetails {
     finish_reason: &'static str,
     generated_tokens: usize,
     seed: Option<u64>,
 }
 
+#[utoipa::path(
+    post,
+    path = "/generate",
+    tag = "TGI",
+    request_body = GenerateRequest,
+    responses(
+        (status = 200, description = "The generated text", body = GenerateResponse),
+        (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
+    )
+)]
 pub(crate) async fn generate(
     State(state): State<AppState>,
     Json(request): Json<GenerateRequest>,
 ) -> Result<Response, GatewayError> {
     let parameters = request.parameters.unwrap_or_default();
-    let prompt = request.inputs;
-    let generation = state
-        .generate(
-            "generate",
+    let response = generate_once(&state, "generate", request.inputs, parameters).await?;
+    Ok(axum::Json(response).into_response())
+}
+
+#[utoipa::path(
+    post,
+    path = "/generate_stream",
+    tag = "TGI",
+    request_body = GenerateRequest,
+    responses(
+        (status = 200, description = "Server-sent events, one per token", body = StreamResponse, content_type = "text/event-stream"),
+        (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
+    )
+)]
+pub(crate) async fn generate_stream(
+    State(state): State<AppState>,
+    Json(request): Json<GenerateRequest>,
+) -> Result<Response, GatewayError> {
+    let parameters = request.parameters.unwrap_or_default();
+    stream(&state, "generate_stream", request.inputs, parameters).await
+}
+
+/// `POST /`: TGI's compat route. Streams as `/generate_stream` with `stream: true`; otherwise
+/// answers as `/generate`, but with a list of one response, which TGI's clients index.
+#[utoipa::path(
+    post,
+    path = "/",
+    tag = "TGI",
+    request_body = CompatGenerateRequest,
+    responses(
+        (status = 200, description = "A list of one response; server-sent events with `stream: true`", body = Vec<GenerateResponse>),
+        (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
+    )
+)]
+pub(crate) async fn compat_generate(
+    State(state): State<AppState>,
+    Json(request): Json<CompatGenerateRequest>,
+) -> Result<Response, GatewayError> {
+    let parameters = request.parameters.unwrap_or_default();
+    if request.stream {
+        return stream(&state, "generate_stream", request.inputs, parameters).await;
+    }
+    let response = generate_once(&state, "generate", request.inputs, parameters).await?;
+    Ok(axum::Json(vec![response]).into_response())
+}
+
+async fn generate_once(
+    state: &AppState,
+    endpoint: &'static str,
+    prompt: String,
+    parameters: TgiParameters,
+) -> Result<GenerateResponse, GatewayError> {
+    let best_of = parameters.best_of(false)?;
+    parameters.check_decoder_input_details()?;
+    let request = state
+        .validate_request(
+            endpoint,
             Prompt::Text(prompt.clone()),
             parameters.generate_parameters(),
             FieldNames::TGI,
         )
         .await?;
-    let seed = generation.seed;
-    let completed = generation.collect().await?;
+    let sequences = Sequences::start(state, request, best_of).await?;
+    let seeds = sequences.seeds.clone();
+    let completed = sequences.collect().await?;
     let validator = state.validator();
-    let details = parameters.details.unwrap_or(false).then(|| Details {
-        finish_reason: completed.finish_reason.as_tgi_str(),
-        generated_tokens: completed.tokens.len(),
-        seed,
-        prefill: Vec::new(),
-        tokens: completed
-            .tokens
-            .iter()
-            .map(|t| token(validator, t))
-            .collect(),
-        top_tokens: if parameters.top_n_tokens.unwrap_or(0) > 0 {
-            completed
-                .tokens
-                .iter()
-                .map(|t| top_tokens(validator, t))
-                .collect()
-        } else {
-            Vec::new()
-        },
-    });
-    let generated_text = if parameters.return_full_text.unwrap_or(false) {
-        prompt + &completed.text
+    let with_top_tokens = parameters.top_n_tokens.unwrap_or(0) > 0;
+    let prefix = if parameters.return_full_text.unwrap_or(false) {
+        prompt
     } else {
-        completed.text
+        String::new()
     };
-    Ok(axum::Json(GenerateResponse {
-        generated_text,
+    let order = best_first(&completed);
+    let best = order[0];
+    let details = parameters.details.unwrap_or(false).then(|| {
+        let others = order[1..]
+            .iter()
+            .map(|&i| BestOfSequence {
+                generated_text: format!("{prefix}{}", tgi_text(validator, &completed[i])),
+                finish_reason: completed[i].finish_reason.as_tgi_str(),
+                generated_tokens: completed[i].tokens.len(),
+                seed: seeds[i],
+                prefill: Vec::new(),
+                tokens: tokens(validator, &completed[i]),
+                top_tokens: all_top_tokens(validator, &completed[i], with_top_tokens),
+            })
+            .collect();
+        Details {
+            finish_reason: completed[best].finish_reason.as_tgi_str(),
+            generated_tokens: completed[best].tokens.len(),
+            seed: seeds[best],
+            prefill: Vec::new(),
+            tokens: tokens(validator, &completed[best]),
+            top_tokens: all_top_tokens(validator, &completed[best], with_top_tokens),
+            best_of_sequences: (best_of > 1).then_some(others),
+        }
+    });
+    Ok(GenerateResponse {
+        generated_text: format!("{prefix}{}", tgi_text(validator, &completed[best])),
         details,
     })
-    .into_response())
 }
 
-pub(crate) async fn generate_stream(
-    State(state): State<AppState>,
-    Json(request): Json<GenerateRequest>,
-) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, GatewayError> {
-    let parameters = request.parameters.unwrap_or_default();
+/// The generated text as TGI reports it: a stop sequence stays in it (the nodes cut the text
+/// before it, so it is decoded again from the token ids).
+fn tgi_text(validator: &Validator, completed: &Completed) -> String {
+    if completed.finish_reason != FinishReason::Stop {
+        return completed.text.clone();
+    }
+    let full = validator.decode(&completed.ids());
+    // Decoding the ids gives back at least what was streamed; anything else means the ids are
+    // not this tokenizer's (a test's fake tokens), and the streamed text is all there is.
+    if full.starts_with(&completed.text) {
+        full
+    } else {
+        completed.text.clone()
+    }
+}
+
+fn tokens(validator: &Validator, completed: &Completed) -> Vec<Token> {
+    completed
+        .tokens
+        .iter()
+        .map(|t| token(validator, t))
+        .collect()
+}
+
+fn all_top_tokens(validator: &Validator, completed: &Completed, wanted: bool) -> Vec<Vec<Token>> {
+    if !wanted {
+        return Vec::new();
+    }
+    completed
+        .tokens
+        .iter()
+        .map(|t| top_tokens(validator, t))
+        .collect()
+}
+
+async fn stream(
+    state: &AppState,
+    endpoint: &'static str,
+    prompt: String,
+    parameters: TgiParameters,
+) -> Result<Response, GatewayError> {
+    parameters.best_of(true)?;
+    if parameters.decoder_input_details.unwrap_or(false) {
+        return Err(GatewayError::InvalidParameter {
+            field: "decoder_input_details",
+            reason: "must be false when streaming tokens".into(),
+            given: "true".into(),
+        });
+    }
     let mut text = if parameters.return_full_text.unwrap_or(false) {
-        request.inputs.clone()
+        prompt.clone()
     } else {
         String::new()
     };
     let generation = state
         .generate(
-            "generate_stream",
-            Prompt::Text(request.inputs),
+            endpoint,
+            Prompt::Text(prompt),
             parameters.generate_parameters(),
             FieldNames::TGI,
         )
@@ -169,10 +373,21 @@ pub(crate) async fn generate_stream(
     let seed = generation.seed;
     let validator = Arc::clone(state.validator());
     let mut count = 0;
+    let mut ids = Vec::new();
+    let mut streamed = String::new();
     let events = generation.tokens.map(move |item| {
         let event = match item {
-            Ok(generated) => {
+            Ok(mut generated) => {
                 count += 1;
+                ids.push(generated.id);
+                if generated.finish_reason == Some(FinishReason::Stop) {
+                    // TGI keeps the stop sequence: the last token's whole text.
+                    let full = validator.decode(&ids);
+                    if let Some(rest) = full.strip_prefix(streamed.as_str()) {
+                        generated.text = rest.to_string();
+                    }
+                }
+                streamed.push_str(&generated.text);
                 text.push_str(&generated.text);
                 let response = StreamResponse {
                     index: count,
@@ -189,9 +404,11 @@ pub(crate) async fn generate_stream(
             }
             Err(error) => error.to_sse_event(),
         };
-        Ok(event)
+        Ok::<_, Infallible>(event)
     });
-    Ok(Sse::new(events).keep_alive(KeepAlive::default()))
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 fn token(validator: &Validator, generated: &GeneratedToken) -> Token {

@@ -20,6 +20,36 @@ pub(crate) enum Prompt {
     /// Rendered with the chat template, which writes its own special tokens, then tokenized
     /// without adding any.
     Chat(Vec<ChatMessage>),
+    /// Token ids as the client gave them (OpenAI's `prompt` as a list of ids): taken as they
+    /// are, no special tokens added, each checked against the vocabulary.
+    Ids(Vec<u32>),
+}
+
+/// The length limits a request is checked against: the configured ones, lowered to what the
+/// cluster's nodes can hold ([`crate::AppState::limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    pub max_input_tokens: usize,
+    pub max_total_tokens: usize,
+}
+
+impl Limits {
+    /// `configured`, lowered so that no request exceeds `max_context` tokens in all (the
+    /// smallest context among the nodes, when known). Input keeps room for one new token.
+    pub(crate) fn new(configured: &GatewayConfig, max_context: Option<usize>) -> Self {
+        let max_total_tokens = max_context
+            .filter(|&c| c >= 2)
+            .map_or(configured.max_total_tokens, |c| {
+                c.min(configured.max_total_tokens)
+            });
+        Self {
+            max_total_tokens,
+            max_input_tokens: configured
+                .max_input_tokens
+                .min(max_total_tokens.saturating_sub(1))
+                .max(1),
+        }
+    }
 }
 
 /// What each API calls the fields whose errors the validator reports.
@@ -121,6 +151,7 @@ impl Validator {
         prompt: Prompt,
         parameters: GenerateParameters,
         fields: FieldNames,
+        limits: Limits,
         received_at: Instant,
     ) -> Result<ValidRequest, GatewayError> {
         let sampling = self.sampling(&parameters, fields)?;
@@ -128,24 +159,25 @@ impl Validator {
         let prompt_ids = self.prompt_ids(prompt, fields)?;
 
         let input_tokens = prompt_ids.len();
-        if input_tokens > self.config.max_input_tokens {
+        if input_tokens > limits.max_input_tokens {
             return Err(GatewayError::InputTooLong {
                 field: fields.inputs,
                 input_tokens,
-                max_input_tokens: self.config.max_input_tokens,
+                max_input_tokens: limits.max_input_tokens,
             });
         }
-        let room = self.config.max_total_tokens.saturating_sub(input_tokens);
+        let room = limits.max_total_tokens.saturating_sub(input_tokens);
         let max_new_tokens = match parameters.max_new_tokens {
             Some(0) => {
                 return Err(invalid(fields.max_new_tokens, "must be at least 1", 0));
             }
             Some(n) if n as usize > room => {
                 return Err(GatewayError::TotalTooLong {
+                    inputs_field: fields.inputs,
                     field: fields.max_new_tokens,
                     input_tokens,
                     max_new_tokens: n as usize,
-                    max_total_tokens: self.config.max_total_tokens,
+                    max_total_tokens: limits.max_total_tokens,
                 });
             }
             Some(n) => n as usize,
@@ -261,6 +293,22 @@ impl Validator {
                         })?;
                 (template.apply(&messages)?, false)
             }
+            Prompt::Ids(ids) => {
+                if ids.is_empty() {
+                    return Err(GatewayError::EmptyInput {
+                        field: fields.inputs,
+                    });
+                }
+                let vocab = self.tokenizer.get_vocab_size(true);
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                    return Err(invalid(
+                        fields.inputs,
+                        format!("token ids must be below the vocabulary size {vocab}"),
+                        id,
+                    ));
+                }
+                return Ok(ids);
+            }
         };
         if text.is_empty() {
             return Err(GatewayError::EmptyInput {
@@ -281,6 +329,11 @@ impl Validator {
             .map_err(|e| GatewayError::Tokenizer {
                 message: e.to_string(),
             })
+    }
+
+    /// The text of `ids`, special tokens left out: what TGI reports as `generated_text`.
+    pub(crate) fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, true).unwrap_or_default()
     }
 
     /// The text of one token on its own (for `top_tokens`), special tokens included.
@@ -329,6 +382,7 @@ mod tests {
             Prompt::Text(text.into()),
             p,
             FieldNames::TGI,
+            Limits::new(&v.config, None),
             Instant::now(),
         )
     }
@@ -489,6 +543,7 @@ mod tests {
             Prompt::Chat(messages),
             GenerateParameters::default(),
             FieldNames::CHAT,
+            Limits::new(&v.config, None),
             Instant::now(),
         );
         assert!(matches!(result, Err(GatewayError::NoChatTemplate { .. })));

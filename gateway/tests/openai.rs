@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_error, chat_tokenizer_config, config, tokenizer, TestServer};
+use common::{chat_tokenizer_config, config, tokenizer, TestServer};
 use gateway::fake::FakeScript;
 use serde_json::{json, Value};
 
@@ -25,7 +25,7 @@ async fn completions_report_text_and_usage() {
     let response = server
         .post(
             "/v1/completions",
-            json!({"model": "whatever", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "seed": 3}),
+            json!({"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "seed": 3}),
         )
         .await;
     assert_eq!(response.status(), 200);
@@ -190,11 +190,12 @@ async fn streaming_chat_sends_role_then_deltas_then_done() {
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
     assert_eq!(
         chunks[0]["choices"][0]["delta"],
-        json!({"role": "assistant", "content": " Once"})
+        json!({"role": "assistant", "content": " Once", "tool_calls": null})
     );
+    // The role on every chunk, and `tool_calls`: TGI's client requires both.
     assert_eq!(
         chunks[1]["choices"][0]["delta"],
-        json!({"content": " upon"})
+        json!({"role": "assistant", "content": " upon", "tool_calls": null})
     );
     assert_eq!(chunks[2]["choices"][0]["finish_reason"], "length");
     let logprob = &chunks[0]["choices"][0]["logprobs"]["content"][0];
@@ -206,14 +207,21 @@ async fn streaming_chat_sends_role_then_deltas_then_done() {
     server.stop().await;
 }
 
+/// OpenAI's ranges, answered in OpenAI's shape with 400 and the field as `param`.
 #[tokio::test]
 async fn openai_validation_errors() {
     let server = TestServer::start(config(), FakeScript::default()).await;
     let cases = [
-        ("/v1/completions", json!({"prompt": "Hi", "n": 2}), "`n`"),
+        ("/v1/completions", json!({"prompt": "Hi", "n": 0}), "n"),
+        ("/v1/completions", json!({"prompt": "Hi", "n": 129}), "n"),
         (
             "/v1/completions",
             json!({"prompt": "Hi", "temperature": -0.5}),
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "temperature": 2.5}),
             "temperature",
         ),
         (
@@ -226,35 +234,64 @@ async fn openai_validation_errors() {
             json!({"prompt": "Hi", "max_tokens": 1000}),
             "max_tokens",
         ),
-        ("/v1/completions", json!({"prompt": ["a", "b"]}), "prompt"),
+        ("/v1/completions", json!({"prompt": []}), "prompt"),
+        ("/v1/completions", json!({"prompt": [1, 100000]}), "prompt"),
         (
             "/v1/completions",
             json!({"prompt": "Hi", "presence_penalty": 0.5}),
             "presence_penalty",
         ),
         (
+            "/v1/completions",
+            json!({"prompt": "Hi", "frequency_penalty": -2.5}),
+            "frequency_penalty",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "logprobs": 6}),
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "n": 3, "best_of": 2}),
+            "best_of",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "best_of": 3, "stream": true}),
+            "best_of",
+        ),
+        (
             "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "Hi"}], "n": 3}),
-            "`n`",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 21, "logprobs": true}),
+            "top_logprobs",
         ),
     ];
-    for (path, body, needle) in cases {
-        let message = assert_error(server.post(path, body.clone()).await, 422, "validation").await;
-        assert!(message.contains(needle), "{body}: {message}");
+    for (path, body, param) in cases {
+        let response = server.post(path, body.clone()).await;
+        assert_eq!(response.status(), 400, "{body}");
+        let error: Value = response.json().await.unwrap();
+        assert_eq!(error["error"]["param"], param, "{body}: {error}");
+        assert_eq!(error["error"]["type"], "validation", "{body}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(param), "{body}: {message}");
     }
     // stories260K has no chat template.
-    let message = assert_error(
-        server
-            .post(
-                "/v1/chat/completions",
-                json!({"messages": [{"role": "user", "content": "Hi"}]}),
-            )
-            .await,
-        422,
-        "validation",
-    )
-    .await;
+    let response = server
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}]}),
+        )
+        .await;
+    assert_eq!(response.status(), 400);
+    let error: Value = response.json().await.unwrap();
+    let message = error["error"]["message"].as_str().unwrap();
     assert!(message.contains("chat template"), "{message}");
+    // A body that is not the request's shape is OpenAI-shaped too.
+    let response = server.post("/v1/completions", json!({"prompt": 5})).await;
+    assert_eq!(response.status(), 400);
+    let error: Value = response.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "validation", "{error}");
     server.stop().await;
 }
 

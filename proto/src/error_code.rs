@@ -67,6 +67,15 @@ impl ErrorCode {
         }
     }
 
+    /// The status on OpenAI-compatible routes: OpenAI answers every rejected parameter, a
+    /// prompt over the context included, with 400 where TGI uses 422.
+    pub fn openai_http_status(self) -> u16 {
+        match self {
+            ErrorCode::Validation | ErrorCode::InputTooLong => 400,
+            other => other.http_status(),
+        }
+    }
+
     pub fn grpc_code(self) -> tonic::Code {
         match self {
             ErrorCode::Validation | ErrorCode::InputTooLong | ErrorCode::BadRequest => {
@@ -166,6 +175,9 @@ mod tests {
         assert_eq!(ErrorCode::Unauthorized.error_type(), "authentication");
         assert_eq!(ErrorCode::MethodNotAllowed.http_status(), 405);
         assert_eq!(ErrorCode::PayloadTooLarge.http_status(), 413);
+        assert_eq!(ErrorCode::Validation.openai_http_status(), 400);
+        assert_eq!(ErrorCode::InputTooLong.openai_http_status(), 400);
+        assert_eq!(ErrorCode::Overloaded.openai_http_status(), 429);
         let labels: std::collections::HashSet<_> =
             ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
         assert_eq!(labels.len(), ErrorCode::ALL.len());

@@ -60,7 +60,7 @@ fn post(gateway: &TestGateway, path: &str, mode: u8, body: &[u8]) {
     let exchange = gateway.send(request(path, mode, body.to_vec()));
     let answer = response::check(path, &exchange, CONTENT_STATUSES);
     if let Some(generated) = &exchange.generated {
-        response::check_generation(path, &answer, generated, gateway);
+        response::check_generation(path, &answer, generated, exchange.sequences, gateway);
     }
 }
 

@@ -79,6 +79,16 @@ impl Backend for ClusterBackend {
         !self.pools.ready(Role::Decode).is_empty()
     }
 
+    fn max_context(&self) -> Option<usize> {
+        self.pools
+            .all()
+            .iter()
+            .filter(|n| n.is_ready())
+            .filter_map(|n| n.info().map(|i| i.max_context as usize))
+            .filter(|&c| c > 0)
+            .min()
+    }
+
     fn describe(&self) -> serde_json::Value {
         let nodes: Vec<serde_json::Value> = self
             .pools
@@ -93,6 +103,7 @@ impl Backend for ClusterBackend {
                     "draining": n.entry.draining,
                     "registered": n.entry.registered,
                     "in_flight": n.in_flight(),
+                    "max_context": n.info().map(|i| i.max_context),
                     "cached_blocks": self.pools.cached_blocks(n),
                     "load": self.pools.load(n).map(|l| serde_json::json!({
                         "free_blocks": l.free_blocks,

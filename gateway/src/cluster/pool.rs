@@ -272,13 +272,13 @@ impl Pools {
                     Arc::clone(&self.prefixes),
                     Arc::clone(&state),
                 ));
-                if !m.registered {
-                    tokio::spawn(probe_until_answered(
-                        m.clone(),
-                        channel.clone(),
-                        Arc::clone(&state),
-                    ));
-                }
+                // Registered members too: their `Info` carries the context the gateway's
+                // limits must not exceed, which the registration does not.
+                tokio::spawn(probe_until_answered(
+                    m.clone(),
+                    channel.clone(),
+                    Arc::clone(&state),
+                ));
                 (channel, state)
             }
         };
@@ -347,8 +347,8 @@ impl Pools {
     }
 }
 
-/// Asks a static member for its `Info` until it answers (it is routable from then on) or it
-/// leaves the pool. Each probe runs under a timeout: a node whose listener is bound but whose
+/// Asks a member for its `Info` until it answers (a static member is routable from then on;
+/// every member's context bounds the gateway's limits) or it leaves the pool. Each probe runs under a timeout: a node whose listener is bound but whose
 /// server is not up yet must not hold the probe forever.
 async fn probe_until_answered(entry: NodeEntry, channel: Channel, state: Arc<NodeState>) {
     loop {

@@ -6,16 +6,19 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use super::{sse_response, CommonFields, Usage};
+use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage};
 use crate::chat_template::ChatMessage;
-use crate::error::GatewayError;
-use crate::json::Json;
+use crate::error::{GatewayError, OpenAiError};
+use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
 use crate::sse::json_event;
 use crate::state::{unix_now, AppState};
 use crate::validation::{FieldNames, Prompt, Validator};
 
-#[derive(Debug, Deserialize)]
+/// OpenAI's largest `top_logprobs`.
+const MAX_TOP_LOGPROBS: u32 = 20;
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct ChatRequest {
     messages: Vec<RequestMessage>,
     max_tokens: Option<u32>,
@@ -27,7 +30,7 @@ pub(crate) struct ChatRequest {
     common: CommonFields,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct RequestMessage {
     role: String,
     #[serde(default)]
@@ -36,14 +39,14 @@ struct RequestMessage {
 }
 
 /// A string, or a list of parts of which only `text` parts are supported.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 struct ContentPart {
     #[serde(rename = "type")]
     kind: String,
@@ -79,17 +82,18 @@ impl RequestMessage {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChatCompletion {
     id: String,
     object: &'static str,
     created: u64,
     model: String,
+    system_fingerprint: String,
     choices: Vec<Choice>,
     usage: Usage,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Choice {
     index: u32,
     message: OutputMessage,
@@ -97,24 +101,25 @@ struct Choice {
     finish_reason: &'static str,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct OutputMessage {
     role: &'static str,
     content: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChatChunk {
     id: String,
     object: &'static str,
     created: u64,
     model: String,
+    system_fingerprint: String,
     choices: Vec<ChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Usage>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChunkChoice {
     index: u32,
     delta: Delta,
@@ -122,20 +127,21 @@ struct ChunkChoice {
     finish_reason: Option<&'static str>,
 }
 
-#[derive(Debug, Serialize)]
+/// `role` and `tool_calls` are on every chunk: OpenAI sends the role on the first only, but
+/// TGI's clients (`text_generation`'s `ChoiceDelta`) require both on each.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Delta {
-    /// On the first chunk only.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<&'static str>,
+    role: &'static str,
     content: String,
+    tool_calls: Option<Vec<serde_json::Value>>,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, utoipa::ToSchema)]
 struct Logprobs {
     content: Vec<TokenLogprob>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct TokenLogprob {
     token: String,
     logprob: f32,
@@ -143,7 +149,7 @@ struct TokenLogprob {
     top_logprobs: Vec<TopLogprob>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct TopLogprob {
     token: String,
     logprob: f32,
@@ -172,18 +178,36 @@ impl Logprobs {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    tag = "OpenAI",
+    request_body = ChatRequest,
+    responses(
+        (status = 200, description = "The chat completion; server-sent chunks with `stream: true`", body = ChatCompletion),
+        (status = 400, description = "Invalid request", body = crate::error::OpenAiErrorBody),
+        (status = 404, description = "Unknown model", body = crate::error::OpenAiErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::OpenAiErrorBody),
+    )
+)]
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
-    Json(request): Json<ChatRequest>,
-) -> Result<Response, GatewayError> {
+    OpenAiJson(request): OpenAiJson<ChatRequest>,
+) -> Result<Response, OpenAiError> {
+    state.check_model(request.common.model())?;
     let with_logprobs = request.logprobs.unwrap_or(false);
-    if let (Some(top), false) = (request.top_logprobs.filter(|&n| n > 0), with_logprobs) {
-        return Err(GatewayError::InvalidParameter {
-            field: "top_logprobs",
-            reason: "needs `logprobs: true`".into(),
-            given: top.to_string(),
-        });
+    if let Some(top) = request.top_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+        return Err(invalid(
+            "top_logprobs",
+            format!("must be between 0 and {MAX_TOP_LOGPROBS}"),
+            top,
+        )
+        .into());
     }
+    if let (Some(top), false) = (request.top_logprobs.filter(|&n| n > 0), with_logprobs) {
+        return Err(invalid("top_logprobs", "needs `logprobs: true`", top).into());
+    }
+    let n = request.common.n();
     let parameters = request.common.parameters(
         request.max_completion_tokens.or(request.max_tokens),
         request.top_logprobs.filter(|_| with_logprobs),
@@ -193,86 +217,100 @@ pub(crate) async fn chat_completions(
         .into_iter()
         .map(RequestMessage::into_chat_message)
         .collect::<Result<Vec<_>, _>>()?;
-    let generation = state
-        .generate(
-            "chat_completions",
-            Prompt::Chat(messages),
-            parameters,
-            FieldNames::CHAT,
-        )
-        .await?;
+    let groups = start_all(
+        &state,
+        "chat_completions",
+        vec![Prompt::Chat(messages)],
+        parameters,
+        FieldNames::CHAT,
+        n,
+    )
+    .await?;
 
-    let id = format!("chatcmpl-{}", generation.request_id);
+    let id = format!("chatcmpl-{}", groups[0].request_id);
     let model = state.config().model_id.clone();
+    let fingerprint = state.system_fingerprint();
     let created = unix_now();
     let validator = Arc::clone(state.validator());
 
     if request.common.stream() {
-        let usage_chunk = {
-            let (id, model) = (id.clone(), model.clone());
-            move |usage| {
-                json_event(&ChatChunk {
-                    id: id.clone(),
-                    object: "chat.completion.chunk",
-                    created,
-                    model: model.clone(),
-                    choices: Vec::new(),
-                    usage: Some(usage),
-                })
-            }
+        let (tokens, choices, prompt_tokens) = merge_choices(groups);
+        let chat_chunk = move |choices: Vec<ChunkChoice>, usage: Option<Usage>| ChatChunk {
+            id: id.clone(),
+            object: "chat.completion.chunk",
+            created,
+            model: model.clone(),
+            system_fingerprint: fingerprint.clone(),
+            choices,
+            usage,
         };
-        let mut first = true;
-        let chunk = move |token: &GeneratedToken| {
-            let role = std::mem::take(&mut first).then_some("assistant");
+        let usage_chunk = {
+            let chat_chunk = chat_chunk.clone();
+            move |usage| json_event(&chat_chunk(Vec::new(), Some(usage)))
+        };
+        let chunk = move |choice: usize, token: &GeneratedToken| {
             let logprobs = with_logprobs.then(|| {
                 let mut logprobs = Logprobs::default();
                 logprobs.push(&validator, token);
                 logprobs
             });
-            json_event(&ChatChunk {
-                id: id.clone(),
-                object: "chat.completion.chunk",
-                created,
-                model: model.clone(),
-                choices: vec![ChunkChoice {
-                    index: 0,
+            json_event(&chat_chunk(
+                vec![ChunkChoice {
+                    index: choice as u32,
                     delta: Delta {
-                        role,
+                        role: "assistant",
                         content: token.text.clone(),
+                        tool_calls: None,
                     },
                     logprobs,
                     finish_reason: token.finish_reason.map(|r| r.as_openai_str()),
                 }],
-                usage: None,
-            })
+                None,
+            ))
         };
-        return Ok(sse_response(generation, &request.common, chunk, usage_chunk).into_response());
+        let sse = sse_response(
+            tokens,
+            choices,
+            prompt_tokens,
+            &request.common,
+            chunk,
+            usage_chunk,
+        );
+        return Ok(sse.into_response());
     }
 
-    let prompt_tokens = generation.prompt_tokens;
-    let completed = generation.collect().await?;
-    let logprobs = with_logprobs.then(|| {
-        let mut logprobs = Logprobs::default();
-        for token in &completed.tokens {
-            logprobs.push(&validator, token);
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for group in groups {
+        prompt_tokens += group.prompt_ids.len();
+        for completed in group.collect().await? {
+            completion_tokens += completed.tokens.len();
+            let logprobs = with_logprobs.then(|| {
+                let mut logprobs = Logprobs::default();
+                for token in &completed.tokens {
+                    logprobs.push(&validator, token);
+                }
+                logprobs
+            });
+            choices.push(Choice {
+                index: choices.len() as u32,
+                message: OutputMessage {
+                    role: "assistant",
+                    content: completed.text,
+                },
+                logprobs,
+                finish_reason: completed.finish_reason.as_openai_str(),
+            });
         }
-        logprobs
-    });
+    }
     Ok(axum::Json(ChatCompletion {
         id,
         object: "chat.completion",
         created,
         model,
-        choices: vec![Choice {
-            index: 0,
-            message: OutputMessage {
-                role: "assistant",
-                content: completed.text,
-            },
-            logprobs,
-            finish_reason: completed.finish_reason.as_openai_str(),
-        }],
-        usage: Usage::new(prompt_tokens, completed.tokens.len()),
+        system_fingerprint: fingerprint,
+        choices,
+        usage: Usage::new(prompt_tokens, completion_tokens),
     })
     .into_response())
 }

@@ -7,46 +7,111 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use super::{sse_response, CommonFields, Usage};
-use crate::error::GatewayError;
-use crate::json::Json;
+use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage, MAX_N};
+use crate::error::{GatewayError, OpenAiError};
+use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
+use crate::sequences::best_first;
 use crate::sse::json_event;
 use crate::state::{unix_now, AppState};
 use crate::validation::{FieldNames, Prompt, Validator};
 
-/// `prompt`: a string, or a list holding exactly one.
-#[derive(Debug, Deserialize)]
+/// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists. Each
+/// prompt of a list gets its own choices.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum PromptInput {
     One(String),
     Many(Vec<String>),
+    Ids(Vec<u32>),
+    ManyIds(Vec<Vec<u32>>),
 }
 
-#[derive(Debug, Deserialize)]
+impl PromptInput {
+    fn into_prompts(self) -> Result<Vec<Prompt>, GatewayError> {
+        let prompts: Vec<Prompt> = match self {
+            Self::One(text) => vec![Prompt::Text(text)],
+            Self::Many(texts) => texts.into_iter().map(Prompt::Text).collect(),
+            Self::Ids(ids) => vec![Prompt::Ids(ids)],
+            Self::ManyIds(lists) => lists.into_iter().map(Prompt::Ids).collect(),
+        };
+        if prompts.is_empty() {
+            return Err(GatewayError::EmptyInput { field: "prompt" });
+        }
+        if prompts.len() > MAX_PROMPTS {
+            return Err(invalid(
+                "prompt",
+                format!("must hold at most {MAX_PROMPTS} prompts"),
+                prompts.len(),
+            ));
+        }
+        Ok(prompts)
+    }
+}
+
+/// The most prompts one request may carry.
+const MAX_PROMPTS: usize = 64;
+/// OpenAI's largest `logprobs` on completions.
+const MAX_LOGPROBS: u32 = 5;
+/// OpenAI's largest `best_of`.
+const MAX_BEST_OF: u32 = 20;
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CompletionRequest {
     prompt: PromptInput,
     max_tokens: Option<u32>,
     /// How many alternatives to report per token; any value (0 too) turns logprobs on.
     logprobs: Option<u32>,
     echo: Option<bool>,
+    /// Sequences generated per prompt, of which the `n` with the highest logprob per token
+    /// are returned.
+    best_of: Option<u32>,
     #[serde(flatten)]
     common: CommonFields,
 }
 
+impl CompletionRequest {
+    /// Sequences to run per prompt, checked against `n`.
+    fn best_of(&self) -> Result<usize, GatewayError> {
+        let n = self.common.n();
+        let Some(best_of) = self.best_of else {
+            return Ok(n);
+        };
+        if !(1..=MAX_BEST_OF).contains(&best_of) {
+            return Err(invalid(
+                "best_of",
+                format!("must be between 1 and {MAX_BEST_OF}"),
+                best_of,
+            ));
+        }
+        if (best_of as usize) < n {
+            return Err(invalid(
+                "best_of",
+                format!("must be at least n ({n})"),
+                best_of,
+            ));
+        }
+        if best_of as usize > n && self.common.stream() {
+            return Err(invalid("best_of", "must equal n when streaming", best_of));
+        }
+        Ok(best_of as usize)
+    }
+}
+
 /// Both the response and each streamed chunk.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Completion {
     id: String,
     object: &'static str,
     created: u64,
     model: String,
+    system_fingerprint: String,
     choices: Vec<Choice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Usage>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Choice {
     index: u32,
     text: String,
@@ -54,7 +119,7 @@ struct Choice {
     finish_reason: Option<&'static str>,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Default, Serialize, utoipa::ToSchema)]
 struct Logprobs {
     tokens: Vec<String>,
     token_logprobs: Vec<f32>,
@@ -78,107 +143,145 @@ impl Logprobs {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/completions",
+    tag = "OpenAI",
+    request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion; server-sent chunks with `stream: true`", body = Completion),
+        (status = 400, description = "Invalid request", body = crate::error::OpenAiErrorBody),
+        (status = 404, description = "Unknown model", body = crate::error::OpenAiErrorBody),
+        (status = 429, description = "Overloaded", body = crate::error::OpenAiErrorBody),
+    )
+)]
 pub(crate) async fn completions(
     State(state): State<AppState>,
-    Json(request): Json<CompletionRequest>,
-) -> Result<Response, GatewayError> {
-    let prompt = match request.prompt {
-        PromptInput::One(prompt) => prompt,
-        PromptInput::Many(mut prompts) if prompts.len() == 1 => prompts.remove(0),
-        PromptInput::Many(prompts) => {
-            return Err(GatewayError::InvalidParameter {
-                field: "prompt",
-                reason: "must be a string or a list of exactly one string".into(),
-                given: format!("a list of {}", prompts.len()),
-            })
-        }
-    };
+    OpenAiJson(request): OpenAiJson<CompletionRequest>,
+) -> Result<Response, OpenAiError> {
+    state.check_model(request.common.model())?;
     if request.echo.unwrap_or(false) {
         return Err(GatewayError::Unsupported {
             field: "echo",
             reason: "only false is accepted".into(),
-        });
+        }
+        .into());
     }
+    if let Some(logprobs) = request.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+        return Err(invalid(
+            "logprobs",
+            format!("must be between 0 and {MAX_LOGPROBS}"),
+            logprobs,
+        )
+        .into());
+    }
+    let best_of = request.best_of()?;
+    let n = request.common.n();
     let parameters = request
         .common
         .parameters(request.max_tokens, request.logprobs)?;
-    let generation = state
-        .generate(
-            "completions",
-            Prompt::Text(prompt),
-            parameters,
-            FieldNames::COMPLETIONS,
+    let prompts = request.prompt.into_prompts()?;
+    // One request may not ask for more sequences than `n` alone may.
+    if prompts.len() * best_of > MAX_N as usize {
+        return Err(invalid(
+            "n",
+            format!("times `best_of` times the prompts must be at most {MAX_N}"),
+            format!("{} prompts x {best_of}", prompts.len()),
         )
-        .await?;
+        .into());
+    }
+    let groups = start_all(
+        &state,
+        "completions",
+        prompts,
+        parameters,
+        FieldNames::COMPLETIONS,
+        best_of,
+    )
+    .await?;
 
-    let id = format!("cmpl-{}", generation.request_id);
+    let id = format!("cmpl-{}", groups[0].request_id);
     let model = state.config().model_id.clone();
+    let fingerprint = state.system_fingerprint();
     let created = unix_now();
     let with_logprobs = request.logprobs.is_some();
     let validator = Arc::clone(state.validator());
+    let completion = move |choices: Vec<Choice>, usage: Option<Usage>| Completion {
+        id: id.clone(),
+        object: "text_completion",
+        created,
+        model: model.clone(),
+        system_fingerprint: fingerprint.clone(),
+        choices,
+        usage,
+    };
 
     if request.common.stream() {
+        let (tokens, choices, prompt_tokens) = merge_choices(groups);
         let usage_chunk = {
-            let (id, model) = (id.clone(), model.clone());
-            move |usage| {
-                json_event(&Completion {
-                    id: id.clone(),
-                    object: "text_completion",
-                    created,
-                    model: model.clone(),
-                    choices: Vec::new(),
-                    usage: Some(usage),
-                })
-            }
+            let completion = completion.clone();
+            move |usage| json_event(&completion(Vec::new(), Some(usage)))
         };
-        let mut offset = 0;
-        let chunk = move |token: &GeneratedToken| {
+        // Each choice's text so far, for `text_offset`.
+        let mut offsets = vec![0; choices];
+        let chunk = move |choice: usize, token: &GeneratedToken| {
             let logprobs = with_logprobs.then(|| {
                 let mut logprobs = Logprobs::default();
-                logprobs.push(&validator, token, offset);
+                logprobs.push(&validator, token, offsets[choice]);
                 logprobs
             });
-            offset += token.text.len();
-            json_event(&Completion {
-                id: id.clone(),
-                object: "text_completion",
-                created,
-                model: model.clone(),
-                choices: vec![Choice {
-                    index: 0,
+            offsets[choice] += token.text.len();
+            json_event(&completion(
+                vec![Choice {
+                    index: choice as u32,
                     text: token.text.clone(),
                     logprobs,
                     finish_reason: token.finish_reason.map(|r| r.as_openai_str()),
                 }],
-                usage: None,
-            })
+                None,
+            ))
         };
-        return Ok(sse_response(generation, &request.common, chunk, usage_chunk).into_response());
+        let sse = sse_response(
+            tokens,
+            choices,
+            prompt_tokens,
+            &request.common,
+            chunk,
+            usage_chunk,
+        );
+        return Ok(sse.into_response());
     }
 
-    let prompt_tokens = generation.prompt_tokens;
-    let completed = generation.collect().await?;
-    let logprobs = with_logprobs.then(|| {
-        let mut logprobs = Logprobs::default();
-        let mut offset = 0;
-        for token in &completed.tokens {
-            logprobs.push(&validator, token, offset);
-            offset += token.text.len();
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for group in groups {
+        prompt_tokens += group.prompt_ids.len();
+        let completed = group.collect().await?;
+        completion_tokens += completed.iter().map(|c| c.tokens.len()).sum::<usize>();
+        let mut order = best_first(&completed);
+        if best_of == n {
+            // Without `best_of` the choices keep their order.
+            order.sort_unstable();
         }
-        logprobs
-    });
-    Ok(axum::Json(Completion {
-        id,
-        object: "text_completion",
-        created,
-        model,
-        choices: vec![Choice {
-            index: 0,
-            text: completed.text,
-            logprobs,
-            finish_reason: Some(completed.finish_reason.as_openai_str()),
-        }],
-        usage: Some(Usage::new(prompt_tokens, completed.tokens.len())),
-    })
-    .into_response())
+        for &i in order.iter().take(n) {
+            let completed = &completed[i];
+            let logprobs = with_logprobs.then(|| {
+                let mut logprobs = Logprobs::default();
+                let mut offset = 0;
+                for token in &completed.tokens {
+                    logprobs.push(&validator, token, offset);
+                    offset += token.text.len();
+                }
+                logprobs
+            });
+            choices.push(Choice {
+                index: choices.len() as u32,
+                text: completed.text.clone(),
+                logprobs,
+                finish_reason: Some(completed.finish_reason.as_openai_str()),
+            });
+        }
+    }
+    let usage = Usage::new(prompt_tokens, completion_tokens);
+    Ok(axum::Json(completion(choices, Some(usage))).into_response())
 }

@@ -10,28 +10,36 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 
+use futures::stream::BoxStream;
+
 use crate::error::GatewayError;
-use crate::generation::Generation;
 use crate::request::GeneratedToken;
-use crate::validation::GenerateParameters;
+use crate::sequences::Sequences;
+use crate::state::AppState;
+use crate::validation::{FieldNames, GenerateParameters, Prompt};
 
 /// `stop`: one string or a list.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum StopSequences {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 struct StreamOptions {
     include_usage: Option<bool>,
 }
 
+/// OpenAI's largest `n` (and `best_of` on completions).
+pub(crate) const MAX_N: u32 = 128;
+
 /// The fields both endpoints take. `top_k`, `repetition_penalty` and `ignore_eos` are vLLM's
-/// extensions. `model` and other unknown fields are ignored: the gateway serves one model.
-#[derive(Debug, Default, Deserialize)]
+/// extensions. Unknown fields are ignored.
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CommonFields {
+    /// Checked against the served id and its aliases ([`AppState::check_model`]).
+    model: Option<String>,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<i64>,
@@ -47,8 +55,24 @@ pub(crate) struct CommonFields {
 }
 
 impl CommonFields {
+    pub(crate) fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
     pub(crate) fn stream(&self) -> bool {
         self.stream.unwrap_or(false)
+    }
+
+    /// Choices per prompt; checked by [`Self::parameters`].
+    pub(crate) fn n(&self) -> usize {
+        self.n.unwrap_or(1) as usize
+    }
+
+    /// Whether the stream ends with `data: [DONE]`. Not for `model: "tgi"`: TGI's own Python
+    /// client (`text_generation`, which always sends that placeholder) parses every `data:`
+    /// line as JSON and fails on `[DONE]`; the stream's end still closes it.
+    pub(crate) fn sends_done(&self) -> bool {
+        self.model.as_deref() != Some("tgi")
     }
 
     pub(crate) fn include_usage(&self) -> bool {
@@ -58,30 +82,41 @@ impl CommonFields {
             .unwrap_or(false)
     }
 
-    /// Checks what only OpenAI requests can get wrong and resolves the rest. OpenAI requests
-    /// always sample; `temperature: 0` makes them greedy.
+    /// Checks OpenAI's ranges, which are narrower than TGI's, and resolves the parameters.
+    /// OpenAI requests always sample; `temperature: 0` makes them greedy.
     pub(crate) fn parameters(
         &self,
         max_tokens: Option<u32>,
         top_n_tokens: Option<u32>,
     ) -> Result<GenerateParameters, GatewayError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(GatewayError::InvalidParameter {
-                field: "n",
-                reason: "must be 1".into(),
-                given: n.to_string(),
-            });
+        if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+            return Err(invalid("temperature", "must be between 0 and 2", t));
+        }
+        if let Some(p) = self.top_p.filter(|&p| !(p > 0.0 && p <= 1.0)) {
+            return Err(invalid("top_p", "must be in (0, 1]", p));
+        }
+        if let Some(n) = self.n.filter(|n| !(1..=MAX_N).contains(n)) {
+            return Err(invalid("n", format!("must be between 1 and {MAX_N}"), n));
+        }
+        if let Some(k) = self.top_k.filter(|&k| k < -1) {
+            return Err(invalid("top_k", "must be -1 (off) or >= 0", k));
         }
         let penalties = [
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
         ];
         for (field, value) in penalties {
-            if let Some(value) = value.filter(|&v| v != 0.0) {
-                return Err(GatewayError::Unsupported {
-                    field,
-                    reason: format!("only 0 is accepted, given {value}"),
-                });
+            match value {
+                Some(v) if !(-2.0..=2.0).contains(&v) => {
+                    return Err(invalid(field, "must be between -2 and 2", v));
+                }
+                Some(v) if v != 0.0 => {
+                    return Err(GatewayError::Unsupported {
+                        field,
+                        reason: format!("only 0 is accepted, given {v}"),
+                    });
+                }
+                _ => {}
             }
         }
         let stop = match &self.stop {
@@ -93,7 +128,8 @@ impl CommonFields {
             max_new_tokens: max_tokens,
             temperature: self.temperature,
             do_sample: true,
-            top_k: self.top_k,
+            // vLLM's -1 is "off", as 0 is here.
+            top_k: self.top_k.map(|k| k.max(0)),
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
@@ -104,7 +140,19 @@ impl CommonFields {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub(crate) fn invalid(
+    field: &'static str,
+    reason: impl Into<String>,
+    given: impl ToString,
+) -> GatewayError {
+    GatewayError::InvalidParameter {
+        field,
+        reason: reason.into(),
+        given: given.to_string(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub(crate) struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -121,39 +169,102 @@ impl Usage {
     }
 }
 
-/// The SSE response of a streaming request: `chunk` gives each token's event (with
-/// `finish_reason` on the last); after the last, `usage_chunk` gives a final chunk with `choices:
-/// []` and the usage when `include_usage`, then `data: [DONE]`. A failed stream ends with the
-/// error event instead, and no `[DONE]`.
+/// Every choice's tokens as they come, each tagged with its choice's index.
+pub(crate) type ChoiceTokens = BoxStream<'static, (usize, Result<GeneratedToken, GatewayError>)>;
+
+/// The SSE response of a streaming request with `choices` choices, whose tokens `tokens`
+/// yields tagged with their choice's index: `chunk` gives each token's event (with
+/// `finish_reason` on a choice's last); after every choice's last, `usage_chunk` gives a final
+/// chunk with `choices: []` and the usage when `include_usage`, then `data: [DONE]` (see
+/// [`CommonFields::sends_done`]). A failed
+/// stream ends with the error event instead, and no `[DONE]`; the other choices are dropped,
+/// which cancels them upstream.
 pub(crate) fn sse_response<C, U>(
-    generation: Generation,
+    tokens: ChoiceTokens,
+    choices: usize,
+    prompt_tokens: usize,
     common: &CommonFields,
     mut chunk: C,
     usage_chunk: U,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>>
 where
-    C: FnMut(&GeneratedToken) -> Event + Send + 'static,
+    C: FnMut(usize, &GeneratedToken) -> Event + Send + 'static,
     U: Fn(Usage) -> Event + Send + 'static,
 {
     let include_usage = common.include_usage();
-    let prompt_tokens = generation.prompt_tokens;
+    let sends_done = common.sends_done();
     let mut completion_tokens = 0;
-    let events = generation
-        .tokens
-        .map(move |item| match item {
-            Ok(token) => {
-                completion_tokens += 1;
-                let mut events = vec![chunk(&token)];
-                if token.finish_reason.is_some() {
-                    if include_usage {
-                        events.push(usage_chunk(Usage::new(prompt_tokens, completion_tokens)));
-                    }
-                    events.push(Event::default().data("[DONE]"));
-                }
-                events
+    let mut finished = 0;
+    let mut failed = false;
+    let events = tokens
+        .map(move |(choice, item)| {
+            if failed {
+                return None;
             }
-            Err(error) => vec![error.to_sse_event()],
+            Some(match item {
+                Ok(token) => {
+                    completion_tokens += 1;
+                    let mut events = vec![chunk(choice, &token)];
+                    if token.finish_reason.is_some() {
+                        finished += 1;
+                    }
+                    if token.finish_reason.is_some() && finished == choices {
+                        if include_usage {
+                            events.push(usage_chunk(Usage::new(prompt_tokens, completion_tokens)));
+                        }
+                        if sends_done {
+                            events.push(Event::default().data("[DONE]"));
+                        }
+                    }
+                    events
+                }
+                Err(error) => {
+                    failed = true;
+                    vec![error.to_sse_event()]
+                }
+            })
         })
-        .flat_map(|events| futures::stream::iter(events.into_iter().map(Ok)));
+        .take_while(|events| futures::future::ready(events.is_some()))
+        .flat_map(|events| futures::stream::iter(events.unwrap_or_default().into_iter().map(Ok)));
     Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+/// Starts `count` sequences of each prompt; the response's choice `i * count + j` is prompt
+/// `i`'s sequence `j`. All prompts are validated before any starts.
+pub(crate) async fn start_all(
+    state: &AppState,
+    endpoint: &'static str,
+    prompts: Vec<Prompt>,
+    parameters: GenerateParameters,
+    fields: FieldNames,
+    count: usize,
+) -> Result<Vec<Sequences>, GatewayError> {
+    let mut requests = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        requests.push(
+            state
+                .validate_request(endpoint, prompt, parameters.clone(), fields)
+                .await?,
+        );
+    }
+    let started = requests
+        .into_iter()
+        .map(|request| Sequences::start(state, request, count));
+    futures::future::try_join_all(started).await
+}
+
+/// The choices of every group as one stream, tagged with their index in the response, and
+/// the prompts' tokens together.
+pub(crate) fn merge_choices(groups: Vec<Sequences>) -> (ChoiceTokens, usize, usize) {
+    let per_group = groups.first().map_or(1, |g| g.streams.len());
+    let choices = groups.len() * per_group;
+    let prompt_tokens = groups.iter().map(|g| g.prompt_ids.len()).sum();
+    let merged = futures::stream::select_all(groups.into_iter().enumerate().map(|(i, group)| {
+        group
+            .merged()
+            .map(move |(j, item)| (i * per_group + j, item))
+            .boxed()
+    }))
+    .boxed();
+    (merged, choices, prompt_tokens)
 }

@@ -191,8 +191,13 @@ impl SseReader {
     }
 }
 
-/// Checks an error body: exactly `{"error": <non-empty string>, "error_type": expected}`.
+/// Checks an error body in the shape of the path's API, and returns its message. TGI's routes:
+/// exactly `{"error": <non-empty string>, "error_type": expected}` with `status`. OpenAI's
+/// (`/v1/`): `{"error": {"message", "type": expected, "param", "code"}}`, where a TGI 422 is a
+/// 400.
 pub async fn assert_error(response: reqwest::Response, status: u16, error_type: &str) -> String {
+    let openai = response.url().path().starts_with("/v1/");
+    let status = if openai && status == 422 { 400 } else { status };
     assert_eq!(response.status(), status);
     let content_type = response.headers()["content-type"]
         .to_str()
@@ -200,10 +205,20 @@ pub async fn assert_error(response: reqwest::Response, status: u16, error_type: 
         .to_string();
     assert_eq!(content_type, "application/json");
     let body: serde_json::Value = response.json().await.expect("a JSON error body");
-    assert_eq!(body["error_type"], error_type, "{body}");
-    let object = body.as_object().expect("an object");
-    assert_eq!(object.len(), 2, "{body}");
-    let message = body["error"].as_str().expect("a string error").to_string();
+    let message = if openai {
+        assert_eq!(body["error"]["type"], error_type, "{body}");
+        let error = body["error"].as_object().expect("an error object");
+        assert_eq!(error.len(), 4, "{body}");
+        body["error"]["message"]
+            .as_str()
+            .expect("a message")
+            .to_string()
+    } else {
+        assert_eq!(body["error_type"], error_type, "{body}");
+        let object = body.as_object().expect("an object");
+        assert_eq!(object.len(), 2, "{body}");
+        body["error"].as_str().expect("a string error").to_string()
+    };
     assert!(!message.is_empty());
     message
 }
