@@ -13,11 +13,12 @@ use crate::ids::{BlockId, SeqId};
 use crate::kv::allocator::BlockAllocator;
 use crate::kv::cache::KvCache;
 use crate::model::{ForwardBatch, LoadedModel};
-use crate::sampling::{sample, SampledToken, SamplingParams};
+use crate::sampling::{SampledToken, SamplingParams};
 use crate::scheduler::{Batch, NewSequence, Scheduler, SchedulerConfig};
 use crate::stopping::{FinishReason, StoppingCriteria};
 
 mod cache_events;
+mod constrain;
 mod disagg;
 mod observer;
 pub use crate::kv::allocator::CacheEvent;
@@ -78,6 +79,8 @@ pub struct Request {
     pub num_generated: usize,
     pub sampling: SamplingParams,
     pub stopping: StoppingCriteria,
+    /// What the output must match (structured output); `None` leaves it free.
+    pub grammar: Option<grammar::GrammarSpec>,
 }
 
 impl Request {
@@ -95,6 +98,7 @@ impl Request {
                 stop_strings: Vec::new(),
                 ignore_eos: true,
             },
+            grammar: None,
         }
     }
 }
@@ -144,6 +148,8 @@ struct SeqState {
     /// Prefill node: the sequence leaves the engine after its first token, whatever its
     /// stopping criteria say; the decode node generates the rest.
     prefill_only: bool,
+    /// The grammar the output follows, advanced past every token generated so far.
+    grammar: Option<grammar::Constraint>,
 }
 
 pub struct Engine {
@@ -161,6 +167,10 @@ pub struct Engine {
     max_reserved_blocks: usize,
     /// The step's plan as observers see it; kept so a step does not allocate it anew.
     scheduled: Vec<ScheduledSeq>,
+    /// The vocabulary grammars compile against, built on the first constrained request.
+    grammar_vocab: Option<Arc<grammar::Vocabulary>>,
+    /// A constrained sequence's masked logits row; kept so a step does not allocate it anew.
+    mask_scratch: Vec<f32>,
 }
 
 impl Engine {
@@ -239,6 +249,8 @@ impl Engine {
                 .min(mc.max_context),
             reserved: HashMap::new(),
             max_reserved_blocks: (num_blocks as f64 * cfg.reservation_fraction) as usize,
+            grammar_vocab: None,
+            mask_scratch: Vec::new(),
         })
     }
 
@@ -343,6 +355,10 @@ impl Engine {
         for &token_id in &req.prompt_ids[prompt_len..] {
             text.push(token_id)?;
         }
+        let grammar = match &req.grammar {
+            Some(spec) => Some(self.compile_grammar(spec, &req.prompt_ids[prompt_len..])?),
+            None => None,
+        };
         self.states.insert(
             req.seq_id,
             SeqState {
@@ -351,6 +367,7 @@ impl Engine {
                 text,
                 num_generated: req.num_generated,
                 prefill_only,
+                grammar,
             },
         );
         Ok(())
@@ -441,19 +458,29 @@ impl Engine {
             )?
         };
         let vocab = self.model.config().vocab_size;
-        let sampled = crate::model::logits_rows(&logits, |rows| {
+        let (states, scheduler, scratch) =
+            (&mut self.states, &self.scheduler, &mut self.mask_scratch);
+        let sampled = crate::model::logits_rows(&logits, |rows| -> Result<Vec<_>> {
             let mut out = Vec::with_capacity(fb.logits_rows.len());
             for (row, item) in plan.items.iter().filter(|i| i.sample).enumerate() {
                 let logits = &rows[row * vocab..(row + 1) * vocab];
-                let Some(state) = self.states.get(&item.seq_id) else {
+                let Some(state) = states.get_mut(&item.seq_id) else {
                     continue; // cancelled between schedule and now
                 };
-                let context = self.penalty_context(item.seq_id, &state.sampling);
-                let tok = sample(logits, &state.sampling, &context, item.context_len as u64);
+                let context = penalty_context(scheduler, item.seq_id, &state.sampling);
+                let tok = constrain::sample_constrained(
+                    logits,
+                    state.grammar.as_mut(),
+                    &state.stopping.stop_token_ids,
+                    scratch,
+                    &state.sampling,
+                    &context,
+                    item.context_len as u64,
+                )?;
                 out.push((item.seq_id, tok));
             }
-            out
-        })?;
+            Ok(out)
+        })??;
         let ids: Vec<(SeqId, u32)> = sampled.iter().map(|(s, t)| (*s, t.token_id)).collect();
         self.scheduler.commit(&plan, &ids);
         let mut events = Vec::with_capacity(sampled.len());
@@ -478,17 +505,6 @@ impl Engine {
         fb
     }
 
-    /// Prompt and output ids, only when a repetition penalty needs them.
-    fn penalty_context(&self, seq_id: SeqId, sampling: &SamplingParams) -> Vec<u32> {
-        if sampling.repetition_penalty == 1.0 {
-            return Vec::new();
-        }
-        self.scheduler
-            .sequence(seq_id)
-            .map(|s| s.prompt_ids.iter().chain(&s.output_ids).copied().collect())
-            .unwrap_or_default()
-    }
-
     fn emit(&mut self, seq_id: SeqId, token: SampledToken) -> Result<TokenEvent> {
         let state = self
             .states
@@ -499,10 +515,26 @@ impl Engine {
         let mut finish = state
             .stopping
             .check_token(token.token_id, state.num_generated);
+        let stop_token = finish == Some(FinishReason::Eos);
+        if !stop_token {
+            if let Some(grammar) = &mut state.grammar {
+                grammar
+                    .accept(token.token_id)
+                    .map_err(|e| EngineError::InvalidParameter {
+                        field: "grammar",
+                        reason: "the sampled token broke the grammar".into(),
+                        given: e.to_string(),
+                    })?;
+                // A complete match admits nothing more: the output ends as at an eos token.
+                if grammar.is_complete() {
+                    finish = Some(FinishReason::Eos);
+                }
+            }
+        }
         let mut text = String::new();
         let prefill_only = state.prefill_only;
-        // The eos token itself contributes no text.
-        if finish != Some(FinishReason::Eos) {
+        // The eos token itself contributes no text; a grammar's last token does.
+        if !stop_token {
             let delta = state.text.push(token.token_id)?;
             text = delta.text;
             if delta.stopped {
@@ -606,4 +638,15 @@ fn available_memory_bytes() -> usize {
         })
         .map(|kb| kb * 1024)
         .unwrap_or(4 << 30)
+}
+
+/// Prompt and output ids, only when a repetition penalty needs them.
+fn penalty_context(scheduler: &Scheduler, seq_id: SeqId, sampling: &SamplingParams) -> Vec<u32> {
+    if sampling.repetition_penalty == 1.0 {
+        return Vec::new();
+    }
+    scheduler
+        .sequence(seq_id)
+        .map(|s| s.prompt_ids.iter().chain(&s.output_ids).copied().collect())
+        .unwrap_or_default()
 }

@@ -14,6 +14,7 @@ mod openai;
 pub mod queue;
 mod sse;
 mod state;
+mod structured;
 mod tgi;
 mod validation;
 

@@ -68,6 +68,8 @@ pub struct ValidRequest {
     pub prompt_ids: Vec<u32>,
     pub sampling: SamplingParams,
     pub stopping: StoppingParams,
+    /// What the output must match (structured output, forced tool calls); checked to compile.
+    pub grammar: Option<grammar::GrammarSpec>,
     /// When the HTTP request arrived; latency metrics and the request timeout count from here.
     pub received_at: Instant,
 }

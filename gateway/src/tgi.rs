@@ -14,6 +14,7 @@ use crate::json::Json;
 use crate::request::GeneratedToken;
 use crate::sse::json_event;
 use crate::state::AppState;
+use crate::structured::TgiGrammar;
 use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
 #[derive(Debug, Deserialize)]
@@ -37,11 +38,12 @@ struct TgiParameters {
     details: Option<bool>,
     top_n_tokens: Option<u32>,
     return_full_text: Option<bool>,
+    grammar: Option<TgiGrammar>,
 }
 
 impl TgiParameters {
-    fn generate_parameters(&self) -> GenerateParameters {
-        GenerateParameters {
+    fn generate_parameters(&self) -> Result<GenerateParameters, GatewayError> {
+        Ok(GenerateParameters {
             max_new_tokens: self.max_new_tokens,
             temperature: self.temperature,
             do_sample: self.do_sample.unwrap_or(false),
@@ -52,7 +54,8 @@ impl TgiParameters {
             stop: self.stop.clone().unwrap_or_default(),
             top_n_tokens: self.top_n_tokens,
             ignore_eos: false,
-        }
+            grammar: self.grammar.clone().map(TgiGrammar::grammar).transpose()?,
+        })
     }
 }
 
@@ -109,7 +112,7 @@ pub(crate) async fn generate(
         .generate(
             "generate",
             Prompt::Text(prompt.clone()),
-            parameters.generate_parameters(),
+            parameters.generate_parameters()?,
             FieldNames::TGI,
         )
         .await?;
@@ -162,7 +165,7 @@ pub(crate) async fn generate_stream(
         .generate(
             "generate_stream",
             Prompt::Text(request.inputs),
-            parameters.generate_parameters(),
+            parameters.generate_parameters()?,
             FieldNames::TGI,
         )
         .await?;

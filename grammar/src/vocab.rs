@@ -53,7 +53,9 @@ impl Vocabulary {
         Self::from_token_bytes(words, 257, &[256])
     }
 
-    fn from_token_bytes(
+    /// A vocabulary given as the bytes of each token id (special tokens start with
+    /// `TokTrie::SPECIAL_TOKEN_MARKER`, 0xff), padded or cut to `vocab_size`.
+    pub fn from_token_bytes(
         mut words: Vec<Vec<u8>>,
         vocab_size: usize,
         eos_ids: &[u32],

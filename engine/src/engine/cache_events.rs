@@ -71,6 +71,7 @@ mod tests {
                 stop_strings: Vec::new(),
                 ignore_eos: true,
             },
+            grammar: None,
         }
     }
 

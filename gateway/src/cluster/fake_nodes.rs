@@ -550,6 +550,7 @@ pub(crate) fn request(max_new_tokens: usize) -> ValidRequest {
             stop_strings: Vec::new(),
             ignore_eos: false,
         },
+        grammar: None,
         received_at: std::time::Instant::now(),
     }
 }

@@ -50,7 +50,18 @@ pub(crate) fn spec(r: &ValidRequest, emitted: &[u32]) -> v1::GenerationSpec {
         num_generated: emitted.len() as u32,
         sampling: Some(sampling(r)),
         stopping: Some(stopping(r)),
+        grammar: r.grammar.as_ref().map(grammar),
     }
+}
+
+pub(crate) fn grammar(g: &grammar::GrammarSpec) -> v1::Grammar {
+    use v1::grammar::Kind;
+    let kind = match g {
+        grammar::GrammarSpec::JsonSchema(schema) => Kind::JsonSchema(schema.to_string()),
+        grammar::GrammarSpec::Regex(rx) => Kind::Regex(rx.clone()),
+        grammar::GrammarSpec::Lark(lark) => Kind::Lark(lark.clone()),
+    };
+    v1::Grammar { kind: Some(kind) }
 }
 
 pub(crate) fn generated(t: v1::Token) -> GeneratedToken {

@@ -6,6 +6,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+use super::tool_stream::{tool_calls_json, tool_sse_response, ChunkIds};
+use super::tools::{template_tool_calls, ToolChoice, ToolMode, ToolPlan};
 use super::{sse_response, CommonFields, Usage};
 use crate::chat_template::ChatMessage;
 use crate::error::GatewayError;
@@ -23,6 +25,9 @@ pub(crate) struct ChatRequest {
     max_completion_tokens: Option<u32>,
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
+    tools: Option<Vec<serde_json::Value>>,
+    tool_choice: Option<ToolChoice>,
+    parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     common: CommonFields,
 }
@@ -33,6 +38,8 @@ struct RequestMessage {
     #[serde(default)]
     content: Option<MessageContent>,
     name: Option<String>,
+    tool_calls: Option<serde_json::Value>,
+    tool_call_id: Option<String>,
 }
 
 /// A string, or a list of parts of which only `text` parts are supported.
@@ -75,6 +82,8 @@ impl RequestMessage {
             role: self.role,
             content,
             name: self.name,
+            tool_calls: self.tool_calls.map(template_tool_calls),
+            tool_call_id: self.tool_call_id,
         })
     }
 }
@@ -100,7 +109,10 @@ struct Choice {
 #[derive(Debug, Serialize)]
 struct OutputMessage {
     role: &'static str,
-    content: String,
+    /// `null` when the answer is tool calls alone.
+    content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize)]
@@ -184,22 +196,41 @@ pub(crate) async fn chat_completions(
             given: top.to_string(),
         });
     }
-    let parameters = request.common.parameters(
+    let mut parameters = request.common.parameters(
         request.max_completion_tokens.or(request.max_tokens),
         request.top_logprobs.filter(|_| with_logprobs),
     )?;
+    let plan = ToolPlan::resolve(
+        request.tools,
+        request.tool_choice,
+        request.parallel_tool_calls,
+    )?;
+    let forced = match &plan.mode {
+        ToolMode::Forced(grammar) => {
+            if parameters.grammar.is_some() {
+                return Err(GatewayError::InvalidParameter {
+                    field: "tool_choice",
+                    reason: "a forced tool call cannot be combined with `response_format`".into(),
+                    given: "required or a named function".into(),
+                });
+            }
+            parameters.grammar = Some(grammar.clone());
+            true
+        }
+        ToolMode::Off | ToolMode::Auto => false,
+    };
     let messages = request
         .messages
         .into_iter()
         .map(RequestMessage::into_chat_message)
         .collect::<Result<Vec<_>, _>>()?;
+    let prompt = if plan.tools.is_empty() {
+        Prompt::Chat(messages)
+    } else {
+        Prompt::ChatWithTools(messages, plan.tools.clone())
+    };
     let generation = state
-        .generate(
-            "chat_completions",
-            Prompt::Chat(messages),
-            parameters,
-            FieldNames::CHAT,
-        )
+        .generate("chat_completions", prompt, parameters, FieldNames::CHAT)
         .await?;
 
     let id = format!("chatcmpl-{}", generation.request_id);
@@ -207,6 +238,15 @@ pub(crate) async fn chat_completions(
     let created = unix_now();
     let validator = Arc::clone(state.validator());
 
+    if request.common.stream() && plan.parses_calls() {
+        let ids = ChunkIds {
+            id,
+            model,
+            created,
+            include_usage: request.common.include_usage(),
+        };
+        return Ok(tool_sse_response(generation, plan, forced, ids).into_response());
+    }
     if request.common.stream() {
         let usage_chunk = {
             let (id, model) = (id.clone(), model.clone());
@@ -250,7 +290,24 @@ pub(crate) async fn chat_completions(
     }
 
     let prompt_tokens = generation.prompt_tokens;
+    let request_id = generation.request_id.to_string();
     let completed = generation.collect().await?;
+    let calls = plan
+        .parses_calls()
+        .then(|| plan.parse(&completed.text))
+        .flatten();
+    let (content, tool_calls, finish_reason) = match calls {
+        Some((content, calls)) => (
+            content,
+            Some(tool_calls_json(&request_id, &calls, false)),
+            "tool_calls",
+        ),
+        None => (
+            Some(completed.text),
+            None,
+            completed.finish_reason.as_openai_str(),
+        ),
+    };
     let logprobs = with_logprobs.then(|| {
         let mut logprobs = Logprobs::default();
         for token in &completed.tokens {
@@ -267,10 +324,11 @@ pub(crate) async fn chat_completions(
             index: 0,
             message: OutputMessage {
                 role: "assistant",
-                content: completed.text,
+                content,
+                tool_calls,
             },
             logprobs,
-            finish_reason: completed.finish_reason.as_openai_str(),
+            finish_reason,
         }],
         usage: Usage::new(prompt_tokens, completed.tokens.len()),
     })

@@ -3,6 +3,8 @@
 
 pub(crate) mod chat;
 pub(crate) mod completions;
+mod tool_stream;
+pub(crate) mod tools;
 
 use std::convert::Infallible;
 
@@ -13,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::GatewayError;
 use crate::generation::Generation;
 use crate::request::GeneratedToken;
+use crate::structured::ResponseFormat;
 use crate::validation::GenerateParameters;
 
 /// `stop`: one string or a list.
@@ -44,6 +47,7 @@ pub(crate) struct CommonFields {
     ignore_eos: Option<bool>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    response_format: Option<ResponseFormat>,
 }
 
 impl CommonFields {
@@ -100,6 +104,10 @@ impl CommonFields {
             stop,
             top_n_tokens,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            grammar: self
+                .response_format
+                .as_ref()
+                .and_then(ResponseFormat::grammar),
         })
     }
 }
