@@ -92,6 +92,7 @@ impl ChatTemplate {
 
     /// The prompt for `messages`, ending with the assistant's turn opened
     /// (`add_generation_prompt=true`).
+    #[cfg(test)]
     pub(crate) fn apply(&self, messages: &[ChatMessage]) -> Result<String, GatewayError> {
         self.apply_with_tools(messages, &[])
     }
