@@ -460,7 +460,7 @@ impl Engine {
         let vocab = self.model.config().vocab_size;
         let (states, scheduler, scratch) =
             (&mut self.states, &self.scheduler, &mut self.mask_scratch);
-        let sampled = crate::model::logits_rows(&logits, |rows| -> Result<Vec<_>> {
+        let sampled = crate::model::logits_rows(&logits, |rows| {
             let mut out = Vec::with_capacity(fb.logits_rows.len());
             for (row, item) in plan.items.iter().filter(|i| i.sample).enumerate() {
                 let logits = &rows[row * vocab..(row + 1) * vocab];
@@ -476,11 +476,11 @@ impl Engine {
                     &state.sampling,
                     &context,
                     item.context_len as u64,
-                )?;
+                );
                 out.push((item.seq_id, tok));
             }
-            Ok(out)
-        })??;
+            out
+        })?;
         let ids: Vec<(SeqId, u32)> = sampled.iter().map(|(s, t)| (*s, t.token_id)).collect();
         self.scheduler.commit(&plan, &ids);
         let mut events = Vec::with_capacity(sampled.len());
@@ -518,15 +518,13 @@ impl Engine {
         let stop_token = finish == Some(FinishReason::Eos);
         if !stop_token {
             if let Some(grammar) = &mut state.grammar {
-                grammar
-                    .accept(token.token_id)
-                    .map_err(|e| EngineError::InvalidParameter {
-                        field: "grammar",
-                        reason: "the sampled token broke the grammar".into(),
-                        given: e.to_string(),
-                    })?;
                 // A complete match admits nothing more: the output ends as at an eos token.
-                if grammar.is_complete() {
+                // So does a matcher that failed (see `sample_constrained`), rather than the
+                // step of every other sequence.
+                if let Err(e) = grammar.accept(token.token_id) {
+                    tracing::warn!(%seq_id, error = %e, "token outside the grammar; the sequence ends");
+                    finish = Some(FinishReason::Eos);
+                } else if grammar.is_complete() {
                     finish = Some(FinishReason::Eos);
                 }
             }

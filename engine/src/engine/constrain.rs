@@ -53,6 +53,10 @@ impl Engine {
 /// Samples from `logits` under `constraint` when there is one: the row is copied into
 /// `scratch` and masked there. Without a constraint the row is sampled as it is, so
 /// unconstrained output stays bit-identical.
+///
+/// A matcher that fails (a parser limit on a pathological grammar) must not fail the whole
+/// batch: the row is then sampled unmasked, and [`Engine`]'s emit ends the sequence when the
+/// grammar refuses that token.
 pub(super) fn sample_constrained(
     logits: &[f32],
     constraint: Option<&mut Constraint>,
@@ -61,16 +65,19 @@ pub(super) fn sample_constrained(
     params: &SamplingParams,
     context_ids: &[u32],
     position: u64,
-) -> Result<SampledToken> {
+) -> SampledToken {
     let Some(constraint) = constraint else {
-        return Ok(sample(logits, params, context_ids, position));
+        return sample(logits, params, context_ids, position);
     };
     scratch.clear();
     scratch.extend_from_slice(logits);
-    constraint
-        .mask_logits(scratch, stop_token_ids)
-        .map_err(|e| grammar_error("mask failed", e))?;
-    Ok(sample(scratch, params, context_ids, position))
+    match constraint.mask_logits(scratch, stop_token_ids) {
+        Ok(()) => sample(scratch, params, context_ids, position),
+        Err(e) => {
+            tracing::warn!(error = %e, "grammar mask failed; the sequence ends");
+            sample(logits, params, context_ids, position)
+        }
+    }
 }
 
 fn grammar_error(reason: &str, e: grammar::GrammarError) -> EngineError {
