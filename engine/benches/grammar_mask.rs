@@ -135,7 +135,7 @@ fn synthetic_vocab() -> Vec<Vec<u8>> {
             x = x.rotate_left(13).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             w.push_str(SYLLABLES[(x % 24) as usize]);
         }
-        if x % 7 == 0 {
+        if x.is_multiple_of(7) {
             w.push_str(["\"", ",", ".", "\":", "\n"][(x % 5) as usize]);
         }
         if seen.insert(w.clone()) {
