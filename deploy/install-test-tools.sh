@@ -4,6 +4,7 @@
 #   - OpenAI's Python SDK (openai), in the same venv: the API-key tests call the gateway with it
 #   - TGI's and Hugging Face's clients (text-generation, huggingface_hub) and schemathesis, in the
 #     same venv: the API-compatibility tests (deploy/tests/api_compat_e2e.rs) run them
+#   - jsonschema, in the same venv: the structured-output tests validate outputs with it
 #   - promtool (Debian's `prometheus` package), which validates /metrics expositions
 # Idempotent: each step is skipped when its tool is already there. The Phoenix venv path can be
 # overridden with FISSION_PHOENIX_VENV; the tests read the same variable.
@@ -26,6 +27,11 @@ fi
 if ! "$venv/bin/python" -c 'import openai' >/dev/null 2>&1; then
   echo "installing openai into $venv" >&2
   "$venv/bin/pip" install --quiet openai
+fi
+# jsonschema: the structured-output tests validate every output against its schema with it.
+if ! "$venv/bin/python" -c 'import jsonschema' >/dev/null 2>&1; then
+  echo "installing jsonschema into $venv" >&2
+  "$venv/bin/pip" install --quiet jsonschema
 fi
 
 # The API-compatibility tests' clients and fuzzer, each installed when it is missing.

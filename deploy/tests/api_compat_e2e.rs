@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use testkit::fission::{stories_dir, Up, UpConfig};
+use testkit::python::Script;
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 const ALIAS: &str = "tiny-stories";
@@ -50,53 +51,12 @@ fn start(model: &Path) -> Up {
     Up::start(&config)
 }
 
-/// The venv's Python when it can import every module in `modules`, or `None` after saying
-/// why; a failure when `FISSION_REQUIRE_TEST_TOOLS` is set.
 fn python_with(modules: &[&str]) -> Option<PathBuf> {
-    let python = testkit::phoenix::venv_dir().join("bin").join("python");
-    let import = format!("import {}", modules.join(", "));
-    let ok = Command::new(&python)
-        .args(["-c", &import])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if ok {
-        return Some(python);
-    }
-    let message = format!(
-        "`{import}` fails with {}: install them with ./deploy/install-test-tools.sh",
-        python.display()
-    );
-    assert!(
-        !testkit::phoenix::tools_required(),
-        "{message} (FISSION_REQUIRE_TEST_TOOLS is set)"
-    );
-    eprintln!("\n*** SKIPPED: {message} ***\n");
-    None
+    testkit::python::venv_python_with(modules)
 }
 
-/// Runs `script` with `args`; its stdout is one JSON document.
 fn run_python(python: &Path, script: &str, args: &[&str]) -> Value {
-    let out = Command::new(python)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL")
-        .env_remove("HF_TOKEN")
-        .env("HF_HUB_DISABLE_TELEMETRY", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "the client script failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "the script printed no JSON ({e}):\n{}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    testkit::python::run_json(python, Script::Inline(script), args)
 }
 
 /// Every call shape of TGI's client and of huggingface_hub's, streaming and not.
@@ -113,6 +73,11 @@ prompt = "Once upon a time"
 r = tg.generate(prompt, max_new_tokens=12)
 out["generate"] = {"text": r.generated_text, "finish": r.details.finish_reason.value,
                    "generated_tokens": r.details.generated_tokens, "tokens": len(r.details.tokens)}
+# The prompt followed by its greedy continuation: the prefill node scores the continuation's
+# tokens, which the decode path scored as it generated them.
+p = tg.generate(prompt + r.generated_text, max_new_tokens=1, decoder_input_details=True)
+out["prefill"] = {"ids": [t.id for t in p.details.prefill], "logprobs": [t.logprob for t in p.details.prefill],
+                  "generated": [[t.id, t.logprob] for t in r.details.tokens]}
 words = r.generated_text.split()
 stop = " " + words[2]
 s = tg.generate(prompt, max_new_tokens=12, stop_sequences=[stop])
@@ -146,6 +111,8 @@ d = hub.text_generation(prompt, max_new_tokens=12, details=True)
 out["hub_details"] = {"text": d.generated_text, "finish": d.details.finish_reason,
                       "tokens": len(d.details.tokens)}
 out["hub_stream"] = "".join(hub.text_generation(prompt, max_new_tokens=12, stream=True))
+hp = hub.text_generation(prompt, max_new_tokens=2, details=True, decoder_input_details=True)
+out["hub_prefill"] = [[t.id, t.logprob] for t in hp.details.prefill]
 hc = hub.chat_completion([{"role": "user", "content": "Tell me a story"}], max_tokens=8, temperature=0)
 out["hub_chat"] = {"content": hc.choices[0].message.content, "fingerprint": hc.system_fingerprint}
 hs = list(hub.chat_completion([{"role": "user", "content": "Tell me a story"}], max_tokens=8, temperature=0, stream=True))
@@ -196,6 +163,38 @@ async fn tgi_clients_work_unchanged() {
     );
     assert_eq!(r["hub_chat"]["content"], r["tg_chat"]["content"], "{r}");
     assert_eq!(r["hub_chat_stream"], r["tg_chat"]["content"], "{r}");
+
+    // decoder_input_details: the prompt's tokens, the first without a logprob, and the
+    // continuation's logprobs as the decode path reported them.
+    let prefill = &r["prefill"];
+    let ids: Vec<u64> = serde_json::from_value(prefill["ids"].clone()).unwrap();
+    let logprobs = prefill["logprobs"].as_array().unwrap();
+    assert_eq!(ids.len(), logprobs.len(), "{r}");
+    assert_eq!(ids[0], 1, "BOS first: {r}");
+    assert!(logprobs[0].is_null(), "{r}");
+    let generated: Vec<(u64, f64)> = serde_json::from_value(prefill["generated"].clone()).unwrap();
+    let tail = &ids[ids.len() - generated.len()..];
+    let generated_ids: Vec<u64> = generated.iter().map(|g| g.0).collect();
+    assert_eq!(
+        tail,
+        generated_ids.as_slice(),
+        "the text tokenizes back to its ids: {r}"
+    );
+    for (i, (_, want)) in generated.iter().enumerate() {
+        let got = logprobs[ids.len() - generated.len() + i].as_f64().unwrap();
+        assert!(
+            (got - want).abs() < 1e-3,
+            "token {i}: {got} against {want}: {r}"
+        );
+    }
+    let hub_prefill = r["hub_prefill"].as_array().unwrap();
+    assert_eq!(hub_prefill.len(), 5, "BOS and four prompt tokens: {r}");
+    assert!(
+        hub_prefill[1..]
+            .iter()
+            .all(|t| t[1].as_f64().unwrap() <= 0.0),
+        "{r}"
+    );
 }
 
 /// OpenAI's SDK: every prompt shape, n, aliases, unknown models, ranges and limits.

@@ -7,9 +7,6 @@
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use serde_json::{json, Value};
 use testkit::fission::{Up, UpConfig};
 
@@ -234,29 +231,6 @@ async fn a_keyed_gateway_refuses_every_route_without_its_key() {
     assert_error(response, 401, "authentication", "missing_api_key").await;
 }
 
-/// The Python with OpenAI's SDK (`./deploy/install-test-tools.sh` puts it in the Phoenix
-/// venv), or `None` after saying why; a failure when `FISSION_REQUIRE_TEST_TOOLS` is set.
-fn openai_python() -> Option<PathBuf> {
-    let python = testkit::phoenix::venv_dir().join("bin").join("python");
-    let has_sdk = Command::new(&python)
-        .args(["-c", "import openai"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if has_sdk {
-        return Some(python);
-    }
-    let message = format!(
-        "the openai Python SDK is not importable with {}: install it with ./deploy/install-test-tools.sh",
-        python.display()
-    );
-    assert!(
-        !testkit::phoenix::tools_required(),
-        "{message} (FISSION_REQUIRE_TEST_TOOLS is set)"
-    );
-    eprintln!("\n*** SKIPPED: {message} ***\n");
-    None
-}
-
 /// What the SDK client does with the right key and with a wrong one.
 const SDK_SCRIPT: &str = r#"
 import json, sys
@@ -281,23 +255,16 @@ print(json.dumps(result))
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_sdk_authenticates_with_its_api_key() {
-    let Some(python) = openai_python() else {
+    let Some(python) = testkit::python::venv_python_with(&["openai"]) else {
         return;
     };
     let _serial = SERIAL.lock().await;
     let up = start();
-    let out = Command::new(python)
-        .args(["-c", SDK_SCRIPT, &format!("{}/v1", up.url), KEY])
-        .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "the SDK script failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let result = testkit::python::run_json(
+        &python,
+        testkit::python::Script::Inline(SDK_SCRIPT),
+        &[&format!("{}/v1", up.url), KEY],
     );
-    let result: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(result["models"], json!(["stories260K"]), "{result}");
     assert!(!result["text"].as_str().unwrap().is_empty(), "{result}");
     assert!(

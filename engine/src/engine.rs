@@ -9,17 +9,20 @@ use kv_types::KvLayout;
 
 use crate::detokenize::{IncrementalDetokenizer, StopStringStream};
 use crate::error::{EngineError, Result};
-use crate::ids::{BlockId, SeqId};
+use crate::ids::SeqId;
 use crate::kv::allocator::BlockAllocator;
 use crate::kv::cache::KvCache;
 use crate::model::{ForwardBatch, LoadedModel};
-use crate::sampling::{sample, SampledToken, SamplingParams};
+use crate::sampling::{SampledToken, SamplingParams};
 use crate::scheduler::{Batch, NewSequence, Scheduler, SchedulerConfig};
 use crate::stopping::{FinishReason, StoppingCriteria};
+use prompt_logprobs::RowUse;
 
 mod cache_events;
+mod constrain;
 mod disagg;
 mod observer;
+mod prompt_logprobs;
 pub use crate::kv::allocator::CacheEvent;
 pub use disagg::{LayerDone, LayerHook};
 pub use observer::{ScheduledSeq, StepObserver};
@@ -78,6 +81,12 @@ pub struct Request {
     pub num_generated: usize,
     pub sampling: SamplingParams,
     pub stopping: StoppingCriteria,
+    /// What the output must match (structured output); `None` leaves it free.
+    pub grammar: Option<grammar::GrammarSpec>,
+    /// Report each prompt token's logprob with the first token (TGI's
+    /// `decoder_input_details`). The prompt is then computed whole, without the prefix cache.
+    /// Ignored when the request resumes (`num_generated > 0`): those were reported before.
+    pub prompt_logprobs: bool,
 }
 
 impl Request {
@@ -95,6 +104,8 @@ impl Request {
                 stop_strings: Vec::new(),
                 ignore_eos: true,
             },
+            grammar: None,
+            prompt_logprobs: false,
         }
     }
 }
@@ -119,6 +130,9 @@ pub struct TokenEvent {
     pub finish: Option<FinishReason>,
     /// Index of this token among the sequence's generated tokens.
     pub index: usize,
+    /// On the first token of a request that asked for them: the logprob of prompt token
+    /// `i + 1` given the tokens before it, for every `i` (one fewer than the prompt's tokens).
+    pub prompt_logprobs: Vec<f32>,
 }
 
 /// Occupancy figures for metrics and routing.
@@ -144,6 +158,10 @@ struct SeqState {
     /// Prefill node: the sequence leaves the engine after its first token, whatever its
     /// stopping criteria say; the decode node generates the rest.
     prefill_only: bool,
+    /// The grammar the output follows, advanced past every token generated so far.
+    grammar: Option<grammar::Constraint>,
+    /// Prompt logprobs by position, NaN until computed, when the request asked for them.
+    prompt_logprobs: Option<Vec<f32>>,
 }
 
 pub struct Engine {
@@ -161,6 +179,10 @@ pub struct Engine {
     max_reserved_blocks: usize,
     /// The step's plan as observers see it; kept so a step does not allocate it anew.
     scheduled: Vec<ScheduledSeq>,
+    /// The vocabulary grammars compile against, built on the first constrained request.
+    grammar_vocab: Option<Arc<grammar::Vocabulary>>,
+    /// A constrained sequence's masked logits row; kept so a step does not allocate it anew.
+    mask_scratch: Vec<f32>,
 }
 
 impl Engine {
@@ -239,6 +261,8 @@ impl Engine {
                 .min(mc.max_context),
             reserved: HashMap::new(),
             max_reserved_blocks: (num_blocks as f64 * cfg.reservation_fraction) as usize,
+            grammar_vocab: None,
+            mask_scratch: Vec::new(),
         })
     }
 
@@ -276,6 +300,9 @@ impl Engine {
         if let Err(e) = self.scheduler.add(new_seq) {
             self.states.remove(&seq_id);
             return Err(e);
+        }
+        if self.states[&seq_id].prompt_logprobs.is_some() {
+            self.scheduler.compute_whole_prompt(seq_id);
         }
         Ok(())
     }
@@ -343,6 +370,12 @@ impl Engine {
         for &token_id in &req.prompt_ids[prompt_len..] {
             text.push(token_id)?;
         }
+        let prompt_logprobs = (req.prompt_logprobs && req.num_generated == 0)
+            .then(|| vec![f32::NAN; req.prompt_ids.len() - 1]);
+        let grammar = match &req.grammar {
+            Some(spec) => Some(self.compile_grammar(spec, &req.prompt_ids[prompt_len..])?),
+            None => None,
+        };
         self.states.insert(
             req.seq_id,
             SeqState {
@@ -351,6 +384,8 @@ impl Engine {
                 text,
                 num_generated: req.num_generated,
                 prefill_only,
+                grammar,
+                prompt_logprobs,
             },
         );
         Ok(())
@@ -423,7 +458,7 @@ impl Engine {
         if plan.items.is_empty() {
             return Ok(Vec::new());
         }
-        let fb = self.forward_batch(&plan);
+        let (fb, row_uses) = self.forward_batch(&plan);
         let completing = self.completing_prompts(&plan);
         let logits = if completing.is_empty() {
             self.model.model.forward(&fb, &mut self.cache)?
@@ -441,15 +476,41 @@ impl Engine {
             )?
         };
         let vocab = self.model.config().vocab_size;
+        let (states, scheduler, scratch) =
+            (&mut self.states, &self.scheduler, &mut self.mask_scratch);
         let sampled = crate::model::logits_rows(&logits, |rows| {
             let mut out = Vec::with_capacity(fb.logits_rows.len());
-            for (row, item) in plan.items.iter().filter(|i| i.sample).enumerate() {
+            for (row, row_use) in row_uses.iter().enumerate() {
                 let logits = &rows[row * vocab..(row + 1) * vocab];
-                let Some(state) = self.states.get(&item.seq_id) else {
+                let item = match *row_use {
+                    RowUse::Sample(index) => &plan.items[index],
+                    RowUse::Prompt {
+                        seq_id,
+                        position,
+                        target,
+                    } => {
+                        if let Some(values) = states
+                            .get_mut(&seq_id)
+                            .and_then(|s| s.prompt_logprobs.as_mut())
+                        {
+                            values[position] = prompt_logprobs::logprob_at(logits, target);
+                        }
+                        continue;
+                    }
+                };
+                let Some(state) = states.get_mut(&item.seq_id) else {
                     continue; // cancelled between schedule and now
                 };
-                let context = self.penalty_context(item.seq_id, &state.sampling);
-                let tok = sample(logits, &state.sampling, &context, item.context_len as u64);
+                let context = penalty_context(scheduler, item.seq_id, &state.sampling);
+                let tok = constrain::sample_constrained(
+                    logits,
+                    state.grammar.as_mut(),
+                    &state.stopping.stop_token_ids,
+                    scratch,
+                    &state.sampling,
+                    &context,
+                    item.context_len as u64,
+                );
                 out.push((item.seq_id, tok));
             }
             out
@@ -463,30 +524,22 @@ impl Engine {
         Ok(events)
     }
 
-    fn forward_batch(&self, plan: &Batch) -> ForwardBatch {
+    /// The step's model input, and what each of its logits rows is for.
+    fn forward_batch(&self, plan: &Batch) -> (ForwardBatch, Vec<RowUse>) {
         let mut fb = ForwardBatch::default();
-        for item in &plan.items {
-            let table: Vec<u32> = item.block_table.iter().map(|b: &BlockId| b.0).collect();
-            fb.push_seq(
-                &item.token_ids,
-                item.start_pos,
-                table,
-                self.block_size,
-                item.sample,
-            );
+        let mut uses = Vec::with_capacity(plan.items.len());
+        for (index, item) in plan.items.iter().enumerate() {
+            let wants_prompt = self
+                .states
+                .get(&item.seq_id)
+                .is_some_and(|s| s.prompt_logprobs.is_some());
+            let prompt = wants_prompt
+                .then(|| self.scheduler.sequence(item.seq_id))
+                .flatten()
+                .map(|s| s.prompt_ids.as_slice());
+            prompt_logprobs::push_item(&mut fb, &mut uses, index, item, self.block_size, prompt);
         }
-        fb
-    }
-
-    /// Prompt and output ids, only when a repetition penalty needs them.
-    fn penalty_context(&self, seq_id: SeqId, sampling: &SamplingParams) -> Vec<u32> {
-        if sampling.repetition_penalty == 1.0 {
-            return Vec::new();
-        }
-        self.scheduler
-            .sequence(seq_id)
-            .map(|s| s.prompt_ids.iter().chain(&s.output_ids).copied().collect())
-            .unwrap_or_default()
+        (fb, uses)
     }
 
     fn emit(&mut self, seq_id: SeqId, token: SampledToken) -> Result<TokenEvent> {
@@ -496,13 +549,28 @@ impl Engine {
             .expect("sampled sequences have state");
         state.num_generated += 1;
         let index = state.num_generated - 1;
+        let prompt_logprobs = state.prompt_logprobs.take().unwrap_or_default();
         let mut finish = state
             .stopping
             .check_token(token.token_id, state.num_generated);
+        let stop_token = finish == Some(FinishReason::Eos);
+        if !stop_token {
+            if let Some(grammar) = &mut state.grammar {
+                // A complete match admits nothing more: the output ends as at an eos token.
+                // So does a matcher that failed (see `sample_constrained`), rather than the
+                // step of every other sequence.
+                if let Err(e) = grammar.accept(token.token_id) {
+                    tracing::warn!(%seq_id, error = %e, "token outside the grammar; the sequence ends");
+                    finish = Some(FinishReason::Eos);
+                } else if grammar.is_complete() {
+                    finish = Some(FinishReason::Eos);
+                }
+            }
+        }
         let mut text = String::new();
         let prefill_only = state.prefill_only;
-        // The eos token itself contributes no text.
-        if finish != Some(FinishReason::Eos) {
+        // The eos token itself contributes no text; a grammar's last token does.
+        if !stop_token {
             let delta = state.text.push(token.token_id)?;
             text = delta.text;
             if delta.stopped {
@@ -519,6 +587,7 @@ impl Engine {
                 text,
                 finish,
                 index,
+                prompt_logprobs,
             });
         }
         if let Some(reason) = finish {
@@ -538,6 +607,7 @@ impl Engine {
             text,
             finish,
             index,
+            prompt_logprobs,
         })
     }
 
@@ -560,6 +630,9 @@ impl Engine {
                 let c = done
                     .get_mut(&ev.seq_id)
                     .expect("events belong to added requests");
+                if ev.index == 0 {
+                    c.prompt_logprobs = ev.prompt_logprobs;
+                }
                 c.output_ids.push(ev.token.token_id);
                 c.text.push_str(&ev.text);
                 c.tokens.push(ev.token);
@@ -581,6 +654,8 @@ pub struct Completion {
     pub tokens: Vec<SampledToken>,
     pub text: String,
     pub finish_reason: Option<FinishReason>,
+    /// As [`TokenEvent::prompt_logprobs`].
+    pub prompt_logprobs: Vec<f32>,
 }
 
 fn kv_dtype(d: candle_core::DType) -> Result<KvDtype> {
@@ -606,4 +681,15 @@ fn available_memory_bytes() -> usize {
         })
         .map(|kb| kb * 1024)
         .unwrap_or(4 << 30)
+}
+
+/// Prompt and output ids, only when a repetition penalty needs them.
+fn penalty_context(scheduler: &Scheduler, seq_id: SeqId, sampling: &SamplingParams) -> Vec<u32> {
+    if sampling.repetition_penalty == 1.0 {
+        return Vec::new();
+    }
+    scheduler
+        .sequence(seq_id)
+        .map(|s| s.prompt_ids.iter().chain(&s.output_ids).copied().collect())
+        .unwrap_or_default()
 }

@@ -31,6 +31,8 @@ fn seeded(id: u64, prompt: Vec<u32>, seed: u64) -> Request {
             stop_strings: Vec::new(),
             ignore_eos: true,
         },
+        grammar: None,
+        prompt_logprobs: false,
     }
 }
 

@@ -122,6 +122,49 @@ fn seeded_disaggregated_equals_colocated() {
 }
 
 #[test]
+fn constrained_disaggregated_equals_colocated() {
+    // The prefill node samples the first token under the grammar; the decode node follows the
+    // grammar past it and carries on.
+    let model = stories();
+    let r = &references()[0];
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["word", "n"],
+        "additionalProperties": false
+    });
+    for seed in [1, 2, 3] {
+        let mut req = greedy(seed, r.input_ids.clone(), 60);
+        req.sampling = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            seed,
+            top_n_logprobs: 0,
+        };
+        req.stopping.ignore_eos = false;
+        req.stopping.stop_token_ids = vec![1, 2];
+        req.grammar = Some(grammar::GrammarSpec::JsonSchema(schema.clone()));
+        let colocated = engine(&model, cfg(4))
+            .generate(vec![req.clone()])
+            .expect("colocated")
+            .remove(0);
+        assert_eq!(
+            colocated.finish_reason,
+            Some(FinishReason::Eos),
+            "{colocated:?}"
+        );
+        let mut prefill = engine(&model, cfg(4));
+        assert_eq!(
+            disaggregated(&model, req, &mut prefill),
+            colocated.output_ids,
+            "seed {seed}"
+        );
+    }
+}
+
+#[test]
 fn reservations_are_bounded_and_released() {
     let model = stories();
     let mut decode = engine(

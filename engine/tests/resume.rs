@@ -35,6 +35,8 @@ fn request(prompt: Vec<u32>, num_generated: usize, stop: Vec<String>, seed: u64)
             stop_strings: stop,
             ignore_eos: true,
         },
+        grammar: None,
+        prompt_logprobs: false,
     }
 }
 

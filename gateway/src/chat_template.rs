@@ -16,12 +16,18 @@ use crate::error::GatewayError;
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// One message as the template sees it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant turn's calls, with arguments as objects (what templates `tojson`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's answer to this call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 /// A compiled chat template with the special tokens it renders.
@@ -40,6 +46,9 @@ struct TemplateContext<'a> {
     add_generation_prompt: bool,
     bos_token: &'a str,
     eos_token: &'a str,
+    /// Absent (undefined in the template) without tools, as transformers leaves it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a [serde_json::Value]>,
 }
 
 impl ChatTemplate {
@@ -96,7 +105,18 @@ impl ChatTemplate {
 
     /// The prompt for `messages`, ending with the assistant's turn opened
     /// (`add_generation_prompt=true`).
+    #[cfg(test)]
     pub(crate) fn apply(&self, messages: &[ChatMessage]) -> Result<String, GatewayError> {
+        self.apply_with_tools(messages, &[])
+    }
+
+    /// Like [`ChatTemplate::apply`], with `tools` (OpenAI's `tools` list) in the context as
+    /// transformers passes them; an empty list leaves `tools` undefined.
+    pub(crate) fn apply_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<String, GatewayError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -107,6 +127,7 @@ impl ChatTemplate {
                 add_generation_prompt: true,
                 bos_token: &self.bos_token,
                 eos_token: &self.eos_token,
+                tools: (!tools.is_empty()).then_some(tools),
             })
             .map_err(template_error)
     }
@@ -233,6 +254,7 @@ mod tests {
             role: "user".into(),
             content: content.into(),
             name: None,
+            ..Default::default()
         }
     }
 

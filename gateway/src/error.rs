@@ -189,12 +189,33 @@ impl GatewayError {
     }
 
     /// The data of the SSE event that ends a failed stream: `data: {"error": ..., "error_type":
-    /// ...}`, as TGI sends it. OpenAI-shaped streams end with the same event (and no `[DONE]`).
+    /// ...}`, as TGI sends it.
     pub fn to_sse_event(&self) -> Event {
         let body = self.reported();
         Event::default()
             .json_data(&body)
             .unwrap_or_else(|_| Event::default().data(body.error))
+    }
+
+    /// The SSE event that ends a failed OpenAI stream: `data: {"error": {"message", "type",
+    /// "param", "code"}}`, the chunk OpenAI's SDKs raise an `APIError` from (vLLM sends the
+    /// same). No `[DONE]` follows: the stream did not complete.
+    pub(crate) fn to_openai_sse_event(&self) -> Event {
+        let body = self.openai_body(self.reported());
+        Event::default()
+            .json_data(&body)
+            .unwrap_or_else(|_| Event::default().data(body.error.message))
+    }
+
+    fn openai_body(&self, body: ErrorBody) -> OpenAiErrorBody {
+        OpenAiErrorBody {
+            error: OpenAiErrorFields {
+                message: body.error,
+                error_type: body.error_type,
+                param: self.param(),
+                code: self.openai_code(),
+            },
+        }
     }
 
     /// Logs and counts the error as sent to a client, and returns its body.
@@ -269,17 +290,7 @@ impl GatewayError {
         let body = self.reported();
         let mut response = match shape {
             ApiShape::Tgi => (status, axum::Json(body)).into_response(),
-            ApiShape::OpenAi => {
-                let body = OpenAiErrorBody {
-                    error: OpenAiErrorFields {
-                        message: body.error,
-                        error_type: body.error_type,
-                        param: self.param(),
-                        code: self.openai_code(),
-                    },
-                };
-                (status, axum::Json(body)).into_response()
-            }
+            ApiShape::OpenAi => (status, axum::Json(self.openai_body(body))).into_response(),
         };
         if matches!(self, Self::MissingApiKey | Self::InvalidApiKey) {
             response

@@ -242,6 +242,12 @@ impl FakeRun {
             top_logprobs: (0..top_n).map(|k| (id + k, -0.5 - k as f32)).collect(),
             index,
             finish_reason,
+            // A fixed figure per prompt token after the first, on the first token only.
+            prompt_logprobs: if index == 0 && self.request.prompt_logprobs {
+                vec![-1.0; self.request.prompt_ids.len() - 1]
+            } else {
+                Vec::new()
+            },
         }))
     }
 

@@ -15,6 +15,7 @@ pub mod queue;
 mod sequences;
 mod sse;
 mod state;
+mod structured;
 mod tgi;
 mod validation;
 

@@ -68,6 +68,11 @@ pub struct ValidRequest {
     pub prompt_ids: Vec<u32>,
     pub sampling: SamplingParams,
     pub stopping: StoppingParams,
+    /// What the output must match (structured output, forced tool calls); checked to compile.
+    pub grammar: Option<grammar::GrammarSpec>,
+    /// Report the prompt tokens' logprobs with the first token (TGI's
+    /// `decoder_input_details`); the node that prefills computes them.
+    pub prompt_logprobs: bool,
     /// When the HTTP request arrived; latency metrics and the request timeout count from here.
     pub received_at: Instant,
 }
@@ -117,6 +122,9 @@ pub struct GeneratedToken {
     pub index: usize,
     /// Set on the last token, and only there. A stream that ends without one failed.
     pub finish_reason: Option<FinishReason>,
+    /// On the first token when the request asked for them: the logprob of prompt token
+    /// `i + 1` given the ones before it, for each `i`.
+    pub prompt_logprobs: Vec<f32>,
 }
 
 /// The tokens of one request, as the backend produces them. It ends after the token that carries

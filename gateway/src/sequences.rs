@@ -46,6 +46,9 @@ impl Sequences {
                 if i > 0 {
                     r.request_id = RequestId::new_random();
                     r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
+                    // Same prompt, same logprobs: the first sequence reports them, and the
+                    // others keep taking its blocks from the prefix cache.
+                    r.prompt_logprobs = false;
                 }
                 r
             })

@@ -1,4 +1,5 @@
-//! Building SSE events. Error events are [`crate::GatewayError::to_sse_event`]'s alone.
+//! Building SSE events. Error events are [`crate::GatewayError::to_sse_event`]'s (TGI) and
+//! `to_openai_sse_event`'s (OpenAI) alone.
 
 use axum::response::sse::Event;
 use serde::Serialize;

@@ -18,6 +18,7 @@ use crate::request::{FinishReason, GeneratedToken};
 use crate::sequences::{best_first, Sequences};
 use crate::sse::json_event;
 use crate::state::AppState;
+use crate::structured::TgiGrammar;
 use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -59,6 +60,7 @@ struct TgiParameters {
     /// others come in `details.best_of_sequences`.
     best_of: Option<usize>,
     decoder_input_details: Option<bool>,
+    grammar: Option<TgiGrammar>,
 }
 
 impl TgiParameters {
@@ -97,21 +99,8 @@ impl TgiParameters {
         Ok(best_of)
     }
 
-    /// `decoder_input_details` asks for the prompt's logprobs, which the nodes do not
-    /// compute yet: refused rather than answered with an empty `prefill`.
-    fn check_decoder_input_details(&self) -> Result<(), GatewayError> {
-        if self.decoder_input_details.unwrap_or(false) {
-            return Err(GatewayError::Unsupported {
-                field: "decoder_input_details",
-                reason: "the nodes do not compute prompt logprobs yet; only false is accepted"
-                    .into(),
-            });
-        }
-        Ok(())
-    }
-
-    fn generate_parameters(&self) -> GenerateParameters {
-        GenerateParameters {
+    fn generate_parameters(&self) -> Result<GenerateParameters, GatewayError> {
+        Ok(GenerateParameters {
             max_new_tokens: self.max_new_tokens,
             temperature: self.temperature,
             do_sample: self.do_sample.unwrap_or(false),
@@ -122,7 +111,9 @@ impl TgiParameters {
             stop: self.stop.clone().unwrap_or_default(),
             top_n_tokens: self.top_n_tokens,
             ignore_eos: false,
-        }
+            grammar: self.grammar.clone().map(TgiGrammar::grammar).transpose()?,
+            prompt_logprobs: self.decoder_input_details.unwrap_or(false),
+        })
     }
 }
 
@@ -138,7 +129,7 @@ struct Details {
     finish_reason: &'static str,
     generated_tokens: usize,
     seed: Option<u64>,
-    prefill: Vec<Token>,
+    prefill: Vec<PrefillToken>,
     tokens: Vec<Token>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     top_tokens: Vec<Vec<Token>>,
@@ -153,10 +144,19 @@ struct BestOfSequence {
     finish_reason: &'static str,
     generated_tokens: usize,
     seed: Option<u64>,
-    prefill: Vec<Token>,
+    prefill: Vec<PrefillToken>,
     tokens: Vec<Token>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     top_tokens: Vec<Vec<Token>>,
+}
+
+/// A prompt token in `details.prefill` (`decoder_input_details`). The first has no logprob:
+/// nothing comes before it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+struct PrefillToken {
+    id: u32,
+    text: String,
+    logprob: Option<f32>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -258,17 +258,17 @@ async fn generate_once(
     parameters: TgiParameters,
 ) -> Result<GenerateResponse, GatewayError> {
     let best_of = parameters.best_of(false)?;
-    parameters.check_decoder_input_details()?;
     let request = state
         .validate_request(
             endpoint,
             Prompt::Text(prompt.clone()),
-            parameters.generate_parameters(),
+            parameters.generate_parameters()?,
             FieldNames::TGI,
         )
         .await?;
     let sequences = Sequences::start(state, request, best_of).await?;
     let seeds = sequences.seeds.clone();
+    let prompt_ids = sequences.prompt_ids.clone();
     let completed = sequences.collect().await?;
     let validator = state.validator();
     let with_top_tokens = parameters.top_n_tokens.unwrap_or(0) > 0;
@@ -276,6 +276,16 @@ async fn generate_once(
         prompt
     } else {
         String::new()
+    };
+    // The first sequence computed the prompt's logprobs; the prompt is the same for all.
+    let prefill = if parameters.decoder_input_details.unwrap_or(false) {
+        let logprobs = completed
+            .first()
+            .and_then(|c| c.tokens.first())
+            .map_or(&[][..], |t| t.prompt_logprobs.as_slice());
+        prefill_tokens(validator, &prompt_ids, logprobs)
+    } else {
+        Vec::new()
     };
     let order = best_first(&completed);
     let best = order[0];
@@ -287,7 +297,7 @@ async fn generate_once(
                 finish_reason: completed[i].finish_reason.as_tgi_str(),
                 generated_tokens: completed[i].tokens.len(),
                 seed: seeds[i],
-                prefill: Vec::new(),
+                prefill: prefill.clone(),
                 tokens: tokens(validator, &completed[i]),
                 top_tokens: all_top_tokens(validator, &completed[i], with_top_tokens),
             })
@@ -296,7 +306,7 @@ async fn generate_once(
             finish_reason: completed[best].finish_reason.as_tgi_str(),
             generated_tokens: completed[best].tokens.len(),
             seed: seeds[best],
-            prefill: Vec::new(),
+            prefill: prefill.clone(),
             tokens: tokens(validator, &completed[best]),
             top_tokens: all_top_tokens(validator, &completed[best], with_top_tokens),
             best_of_sequences: (best_of > 1).then_some(others),
@@ -366,7 +376,7 @@ async fn stream(
         .generate(
             endpoint,
             Prompt::Text(prompt),
-            parameters.generate_parameters(),
+            parameters.generate_parameters()?,
             FieldNames::TGI,
         )
         .await?;
@@ -409,6 +419,28 @@ async fn stream(
     Ok(Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// The prompt's tokens with `logprobs[i]` as token `i + 1`'s. Fewer logprobs than that
+/// (a node that did not compute them) leave the rest `null` rather than inventing figures.
+fn prefill_tokens(
+    validator: &Validator,
+    prompt_ids: &[u32],
+    logprobs: &[f32],
+) -> Vec<PrefillToken> {
+    prompt_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| PrefillToken {
+            id,
+            text: validator.token_text(id),
+            logprob: i
+                .checked_sub(1)
+                .and_then(|j| logprobs.get(j))
+                .copied()
+                .filter(|l| l.is_finite()),
+        })
+        .collect()
 }
 
 fn token(validator: &Validator, generated: &GeneratedToken) -> Token {

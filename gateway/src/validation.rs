@@ -11,6 +11,7 @@ use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::request::{RequestId, SamplingParams, StoppingParams, ValidRequest};
+use crate::structured::RequestGrammar;
 
 /// The prompt of a request, before tokenization.
 #[derive(Debug, Clone)]
@@ -23,6 +24,8 @@ pub(crate) enum Prompt {
     /// Token ids as the client gave them (OpenAI's `prompt` as a list of ids): taken as they
     /// are, no special tokens added, each checked against the vocabulary.
     Ids(Vec<u32>),
+    /// A chat whose template also renders these tools (OpenAI's `tools` list).
+    ChatWithTools(Vec<ChatMessage>, Vec<serde_json::Value>),
 }
 
 /// The length limits a request is checked against: the configured ones, lowered to what the
@@ -92,6 +95,10 @@ pub(crate) struct GenerateParameters {
     pub stop: Vec<String>,
     pub top_n_tokens: Option<u32>,
     pub ignore_eos: bool,
+    /// Structured output: what the output must match, and the field that asked for it.
+    pub grammar: Option<RequestGrammar>,
+    /// TGI's `decoder_input_details`: the prompt tokens' logprobs.
+    pub prompt_logprobs: bool,
 }
 
 /// The tokenizer, the chat template and the limits.
@@ -156,6 +163,9 @@ impl Validator {
     ) -> Result<ValidRequest, GatewayError> {
         let sampling = self.sampling(&parameters, fields)?;
         let stop_strings = self.stop_strings(parameters.stop)?;
+        if let Some(grammar) = &parameters.grammar {
+            crate::structured::check(grammar)?;
+        }
         let prompt_ids = self.prompt_ids(prompt, fields)?;
 
         let input_tokens = prompt_ids.len();
@@ -194,6 +204,8 @@ impl Validator {
                 stop_strings,
                 ignore_eos: parameters.ignore_eos,
             },
+            grammar: parameters.grammar.map(|g| g.spec),
+            prompt_logprobs: parameters.prompt_logprobs,
             received_at,
         })
     }
@@ -279,20 +291,8 @@ impl Validator {
     fn prompt_ids(&self, prompt: Prompt, fields: FieldNames) -> Result<Vec<u32>, GatewayError> {
         let (text, add_special_tokens) = match prompt {
             Prompt::Text(text) => (text, true),
-            Prompt::Chat(messages) => {
-                if messages.is_empty() {
-                    return Err(GatewayError::EmptyInput {
-                        field: fields.inputs,
-                    });
-                }
-                let template =
-                    self.chat_template
-                        .as_ref()
-                        .ok_or_else(|| GatewayError::NoChatTemplate {
-                            model_id: self.config.model_id.clone(),
-                        })?;
-                (template.apply(&messages)?, false)
-            }
+            Prompt::Chat(messages) => self.render_chat(messages, &[], fields)?,
+            Prompt::ChatWithTools(messages, tools) => self.render_chat(messages, &tools, fields)?,
             Prompt::Ids(ids) => {
                 if ids.is_empty() {
                     return Err(GatewayError::EmptyInput {
@@ -310,6 +310,37 @@ impl Validator {
                 return Ok(ids);
             }
         };
+        self.tokenize_prompt(text, add_special_tokens, fields)
+    }
+
+    /// The chat template's prompt for `messages` and `tools`; it writes its own special
+    /// tokens, so none are added when it is tokenized.
+    fn render_chat(
+        &self,
+        messages: Vec<ChatMessage>,
+        tools: &[serde_json::Value],
+        fields: FieldNames,
+    ) -> Result<(String, bool), GatewayError> {
+        if messages.is_empty() {
+            return Err(GatewayError::EmptyInput {
+                field: fields.inputs,
+            });
+        }
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| GatewayError::NoChatTemplate {
+                model_id: self.config.model_id.clone(),
+            })?;
+        Ok((template.apply_with_tools(&messages, tools)?, false))
+    }
+
+    fn tokenize_prompt(
+        &self,
+        text: String,
+        add_special_tokens: bool,
+        fields: FieldNames,
+    ) -> Result<Vec<u32>, GatewayError> {
         if text.is_empty() {
             return Err(GatewayError::EmptyInput {
                 field: fields.inputs,
@@ -346,7 +377,12 @@ impl Validator {
     }
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>, given: impl ToString) -> GatewayError {
+/// A parameter out of range: the error every API reports with the field's name.
+pub(crate) fn invalid(
+    field: &'static str,
+    reason: impl Into<String>,
+    given: impl ToString,
+) -> GatewayError {
     GatewayError::InvalidParameter {
         field,
         reason: reason.into(),
@@ -538,6 +574,7 @@ mod tests {
             role: "user".into(),
             content: "hi".into(),
             name: None,
+            ..Default::default()
         }];
         let result = v.validate(
             Prompt::Chat(messages),

@@ -73,7 +73,7 @@ async fn tgi_best_of_samples_several_and_reports_the_others() {
     assert_eq!(others.len(), 2, "{body}");
     assert_eq!(others[0]["generated_tokens"], 3);
     assert_eq!(server.fake.counts().started, 3);
-    // TGI's rules: sampling, no seed, no streaming; and no prompt logprobs yet.
+    // TGI's rules: sampling, no seed, no streaming.
     for (parameters, field) in [
         (json!({"best_of": 2}), "best_of"),
         (
@@ -82,10 +82,6 @@ async fn tgi_best_of_samples_several_and_reports_the_others() {
         ),
         (json!({"best_of": 0}), "best_of"),
         (json!({"best_of": 99, "do_sample": true}), "best_of"),
-        (
-            json!({"decoder_input_details": true}),
-            "decoder_input_details",
-        ),
     ] {
         let response = server
             .post(
@@ -103,6 +99,60 @@ async fn tgi_best_of_samples_several_and_reports_the_others() {
         )
         .await;
     assert_error(response, 422, "validation").await;
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tgi_decoder_input_details_lists_the_prompt_with_its_logprobs() {
+    let server = TestServer::start(config(), FakeScript::default()).await;
+    let parameters = json!({"max_new_tokens": 2, "details": true, "decoder_input_details": true,
+        "best_of": 2, "do_sample": true});
+    let body: Value = server
+        .post(
+            "/",
+            json!({"inputs": "Once upon", "parameters": parameters}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let details = &body[0]["details"];
+    let prefill = details["prefill"].as_array().unwrap();
+    let prompt = server.fake.last_request().unwrap().prompt_ids;
+    let ids: Vec<u64> = prefill.iter().map(|t| t["id"].as_u64().unwrap()).collect();
+    assert_eq!(
+        ids,
+        prompt.iter().map(|&i| i as u64).collect::<Vec<_>>(),
+        "{body}"
+    );
+    // Nothing precedes the first token; every other has the node's figure (the fake's -1).
+    assert!(prefill[0]["logprob"].is_null(), "{body}");
+    assert!(prefill[1..].iter().all(|t| t["logprob"] == -1.0), "{body}");
+    assert!(prefill.iter().all(|t| t["text"].is_string()));
+    // best_of's other sequence shares the prompt, and only the first computed it.
+    let other = &details["best_of_sequences"][0]["prefill"];
+    assert_eq!(other, &details["prefill"]);
+    assert_eq!(server.fake.counts().started, 2);
+    // Not asked for: an empty list, as TGI answers.
+    let body: Value = server
+        .post(
+            "/generate",
+            json!({"inputs": "Hi", "parameters": {"details": true}}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(body["details"]["prefill"], json!([]), "{body}");
+    // TGI refuses them when streaming.
+    let response = server
+        .post(
+            "/generate_stream",
+            json!({"inputs": "Hi", "parameters": {"decoder_input_details": true}}),
+        )
+        .await;
+    let message = assert_error(response, 422, "validation").await;
+    assert!(message.contains("decoder_input_details"), "{message}");
     server.stop().await;
 }
 

@@ -301,7 +301,10 @@ async fn a_failing_openai_stream_ends_with_an_error_and_no_done() {
         fail_at: Some(1),
         ..FakeScript::default()
     };
-    let server = TestServer::start(config(), script).await;
+    let (_dir, tokenizer_config) = chat_tokenizer_config();
+    let mut config = config();
+    config.tokenizer_config_path = Some(tokenizer_config);
+    let server = TestServer::start(config, script).await;
     let events = server
         .stream(
             "/v1/completions",
@@ -311,7 +314,24 @@ async fn a_failing_openai_stream_ends_with_an_error_and_no_done() {
         .collect()
         .await;
     assert_eq!(events.len(), 2, "{events:?}");
+    // OpenAI's shape, which its SDKs raise an APIError from.
     let error: Value = serde_json::from_str(&events[1]).unwrap();
-    assert_eq!(error["error_type"], "internal");
+    assert_eq!(error["error"]["type"], "internal", "{error}");
+    assert_eq!(error["error"]["code"], "internal", "{error}");
+    assert!(error["error"]["message"].is_string(), "{error}");
+    assert!(error.get("error_type").is_none(), "{error}");
+
+    // The chat route too, after its first chunk.
+    let events = server
+        .stream(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": true}),
+        )
+        .await
+        .collect()
+        .await;
+    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["type"], "internal", "{events:?}");
+    assert_ne!(events.last().unwrap(), "[DONE]");
     server.stop().await;
 }

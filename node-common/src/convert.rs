@@ -4,6 +4,7 @@ use engine::engine::{Request, TokenEvent};
 use engine::ids::SeqId;
 use engine::sampling::{SampledToken, SamplingParams};
 use engine::stopping::{FinishReason, StoppingCriteria};
+use grammar::GrammarSpec;
 use proto::v1;
 
 pub fn sampling(p: Option<&v1::SamplingParams>) -> SamplingParams {
@@ -44,7 +45,24 @@ pub fn request(seq_id: SeqId, spec: v1::GenerationSpec) -> Request {
         prompt_ids: spec.prompt_ids,
         sampling: sampling(spec.sampling.as_ref()),
         stopping: stopping(spec.stopping.as_ref()),
+        grammar: spec.grammar.as_ref().and_then(grammar),
+        prompt_logprobs: spec.prompt_logprobs,
     }
+}
+
+/// The engine's grammar for a wire grammar; `None` when the message names no kind. A schema
+/// that is not JSON stays a (non-object) schema so that compiling it fails with a clear
+/// error instead of the constraint being dropped.
+pub fn grammar(g: &v1::Grammar) -> Option<GrammarSpec> {
+    use v1::grammar::Kind;
+    Some(match g.kind.as_ref()? {
+        Kind::JsonSchema(s) => GrammarSpec::JsonSchema(
+            serde_json::from_str(s)
+                .unwrap_or_else(|e| serde_json::Value::String(format!("not JSON: {e}"))),
+        ),
+        Kind::Regex(r) => GrammarSpec::Regex(r.clone()),
+        Kind::Lark(l) => GrammarSpec::Lark(l.clone()),
+    })
 }
 
 pub fn finish_reason(f: Option<FinishReason>) -> v1::FinishReason {
@@ -69,6 +87,7 @@ pub fn token(ev: &TokenEvent) -> v1::Token {
         text: ev.text.clone(),
         index: ev.index as u32,
         finish_reason: finish_reason(ev.finish) as i32,
+        prompt_logprobs: ev.prompt_logprobs.clone(),
     }
 }
 

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod netns;
 pub mod phoenix;
 pub mod promtool;
+pub mod python;
 pub mod serving;
 pub mod span_capture;
 pub mod wait;

@@ -82,6 +82,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             stop_strings: args.stop,
             ignore_eos: args.ignore_eos,
         },
+        grammar: None,
+        prompt_logprobs: false,
     };
     let out = engine.generate(vec![req])?.remove(0);
     let finish = out.finish_reason.map(|f| f.as_str()).unwrap_or("length");

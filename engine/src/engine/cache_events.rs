@@ -71,6 +71,8 @@ mod tests {
                 stop_strings: Vec::new(),
                 ignore_eos: true,
             },
+            grammar: None,
+            prompt_logprobs: false,
         }
     }
 

@@ -36,6 +36,13 @@ impl Engine {
     /// means busy: the reservation pool or the free blocks are exhausted.
     pub fn reserve(&mut self, req: Request) -> Result<Vec<BlockId>> {
         self.validate(&req)?;
+        if let Some(spec) = &req.grammar {
+            // Fail now rather than when the KV has arrived; the constraint is built again then.
+            self.compile_grammar(
+                spec,
+                &req.prompt_ids[req.prompt_ids.len() - req.num_generated..],
+            )?;
+        }
         let n = req.prompt_ids.len().div_ceil(self.block_size);
         let held: usize = self.reserved.values().map(|r| r.blocks.len()).sum();
         let free = self.scheduler.allocator().num_free();
@@ -118,11 +125,27 @@ impl Engine {
             }
         }
         let state = self.states.get_mut(&seq_id).expect("tracked just above");
+        // The prefill node computed the prompt and reported its logprobs.
+        state.prompt_logprobs = None;
         state.num_generated += 1;
         let mut finish = state
             .stopping
             .check_token(first.token_id, state.num_generated);
-        if finish != Some(FinishReason::Eos) && state.text.push(first.token_id)?.stopped {
+        let stop_token = finish == Some(FinishReason::Eos);
+        if !stop_token {
+            // The prefill node sampled under the same grammar; follow it past that token.
+            if let Some(grammar) = &mut state.grammar {
+                match grammar.accept(first.token_id) {
+                    Err(e) => {
+                        tracing::warn!(%seq_id, error = %e, "first token outside the grammar");
+                        finish = Some(FinishReason::Eos);
+                    }
+                    Ok(()) if grammar.is_complete() => finish = Some(FinishReason::Eos),
+                    Ok(()) => {}
+                }
+            }
+        }
+        if !stop_token && state.text.push(first.token_id)?.stopped {
             finish = Some(FinishReason::Stop);
         }
         if ends_now && finish.is_none() {

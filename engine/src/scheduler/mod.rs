@@ -220,6 +220,18 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Makes waiting `seq_id` compute its whole prompt instead of taking cached blocks: a
+    /// sequence that needs every prompt position's logits. False when it is not waiting.
+    pub fn compute_whole_prompt(&mut self, seq_id: SeqId) -> bool {
+        match self.seqs.get_mut(&seq_id) {
+            Some(seq) if seq.status == SequenceStatus::Waiting => {
+                seq.reuse_prefix = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub fn sequence(&self, seq_id: SeqId) -> Option<&Sequence> {
         self.seqs.get(&seq_id)
     }
@@ -288,7 +300,7 @@ impl Scheduler {
         let seq = self.seqs.get_mut(&seq_id).expect("waiting ids are tracked");
         let num_tokens = seq.num_tokens();
         // Reuse at most (len - 1) / block_size blocks, so at least one token is computed.
-        let num_reusable = if self.cfg.enable_prefix_caching {
+        let num_reusable = if self.cfg.enable_prefix_caching && seq.reuse_prefix {
             seq.update_block_hashes(block_size);
             (num_tokens - 1) / block_size
         } else {
@@ -655,6 +667,32 @@ mod tests {
             .unwrap();
         assert_eq!(item.start_pos, 4);
         assert_eq!(s.allocator().ref_count(first_table[0]), 2);
+    }
+
+    #[test]
+    fn a_sequence_computing_its_whole_prompt_skips_the_prefix_cache() {
+        let mut s = scheduler(config(true), 16, 4);
+        let prompt: Vec<u32> = (0..9).collect();
+        s.add(new_seq(1, prompt.clone(), 1)).unwrap();
+        while !s.sequence(SeqId(1)).unwrap().is_done() {
+            step(&mut s, 42);
+        }
+        s.finish(SeqId(1)).unwrap();
+        assert_eq!(s.allocator().num_cached(), 2);
+
+        s.add(new_seq(2, prompt.clone(), 1)).unwrap();
+        assert!(s.compute_whole_prompt(SeqId(2)));
+        let batch = s.schedule();
+        // From the first token (the cached run above started at 8), in this config's chunks.
+        assert_eq!(batch.items[0].start_pos, 0);
+        assert_eq!(batch.items[0].token_ids, prompt[..4]);
+        assert_eq!(
+            s.allocator().prefix_stats().0,
+            0,
+            "no block taken from the cache"
+        );
+        // Once admitted, the choice is made.
+        assert!(!s.compute_whole_prompt(SeqId(2)));
     }
 
     #[test]

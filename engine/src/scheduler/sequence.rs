@@ -41,6 +41,9 @@ pub struct Sequence {
     pub(super) block_hashes: Vec<u64>,
     /// Leading blocks of `block_table` already registered in (or taken from) the prefix cache.
     pub(super) num_registered_blocks: usize,
+    /// Admission may take cached blocks for the prompt. Off for a sequence that needs every
+    /// prompt position computed (prompt logprobs); its blocks are still registered.
+    pub(super) reuse_prefix: bool,
 }
 
 impl Sequence {
@@ -57,6 +60,7 @@ impl Sequence {
             status: SequenceStatus::Waiting,
             block_hashes: Vec::new(),
             num_registered_blocks: 0,
+            reuse_prefix: true,
         }
     }
 

@@ -560,6 +560,8 @@ pub(crate) fn request(max_new_tokens: usize) -> ValidRequest {
             stop_strings: Vec::new(),
             ignore_eos: false,
         },
+        grammar: None,
+        prompt_logprobs: false,
         received_at: std::time::Instant::now(),
     }
 }

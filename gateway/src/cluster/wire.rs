@@ -50,7 +50,20 @@ pub(crate) fn spec(r: &ValidRequest, emitted: &[u32]) -> v1::GenerationSpec {
         num_generated: emitted.len() as u32,
         sampling: Some(sampling(r)),
         stopping: Some(stopping(r)),
+        grammar: r.grammar.as_ref().map(grammar),
+        // A resumed request has its prompt's logprobs from its first attempt.
+        prompt_logprobs: r.prompt_logprobs && emitted.is_empty(),
     }
+}
+
+pub(crate) fn grammar(g: &grammar::GrammarSpec) -> v1::Grammar {
+    use v1::grammar::Kind;
+    let kind = match g {
+        grammar::GrammarSpec::JsonSchema(schema) => Kind::JsonSchema(schema.to_string()),
+        grammar::GrammarSpec::Regex(rx) => Kind::Regex(rx.clone()),
+        grammar::GrammarSpec::Lark(lark) => Kind::Lark(lark.clone()),
+    };
+    v1::Grammar { kind: Some(kind) }
 }
 
 pub(crate) fn generated(t: v1::Token) -> GeneratedToken {
@@ -63,6 +76,7 @@ pub(crate) fn generated(t: v1::Token) -> GeneratedToken {
         // without a final token, which the gateway reports as an error.
         finish_reason: finish_reason(t.finish_reason()),
         text: t.text,
+        prompt_logprobs: t.prompt_logprobs,
     }
 }
 

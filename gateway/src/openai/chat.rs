@@ -6,6 +6,8 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+use super::tool_stream::{tool_calls_json, tool_sse_response, ChunkIds};
+use super::tools::{template_tool_calls, ToolChoice, ToolMode, ToolPlan};
 use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage};
 use crate::chat_template::ChatMessage;
 use crate::error::{GatewayError, OpenAiError};
@@ -26,6 +28,9 @@ pub(crate) struct ChatRequest {
     max_completion_tokens: Option<u32>,
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
+    tools: Option<Vec<serde_json::Value>>,
+    tool_choice: Option<ToolChoice>,
+    parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     common: CommonFields,
 }
@@ -36,6 +41,8 @@ struct RequestMessage {
     #[serde(default)]
     content: Option<MessageContent>,
     name: Option<String>,
+    tool_calls: Option<serde_json::Value>,
+    tool_call_id: Option<String>,
 }
 
 /// A string, or a list of parts of which only `text` parts are supported.
@@ -78,6 +85,8 @@ impl RequestMessage {
             role: self.role,
             content,
             name: self.name,
+            tool_calls: self.tool_calls.map(template_tool_calls),
+            tool_call_id: self.tool_call_id,
         })
     }
 }
@@ -104,7 +113,10 @@ struct Choice {
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 struct OutputMessage {
     role: &'static str,
-    content: String,
+    /// `null` when the answer is tool calls alone.
+    content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -208,19 +220,48 @@ pub(crate) async fn chat_completions(
         return Err(invalid("top_logprobs", "needs `logprobs: true`", top).into());
     }
     let n = request.common.n();
-    let parameters = request.common.parameters(
+    let mut parameters = request.common.parameters(
         request.max_completion_tokens.or(request.max_tokens),
         request.top_logprobs.filter(|_| with_logprobs),
     )?;
+    let plan = ToolPlan::resolve(
+        request.tools,
+        request.tool_choice,
+        request.parallel_tool_calls,
+    )?;
+    let forced = match &plan.mode {
+        ToolMode::Forced(grammar) => {
+            if parameters.grammar.is_some() {
+                return Err(invalid(
+                    "tool_choice",
+                    "a forced tool call cannot be combined with `response_format`",
+                    "required or a named function",
+                )
+                .into());
+            }
+            parameters.grammar = Some(grammar.clone());
+            true
+        }
+        ToolMode::Off | ToolMode::Auto => false,
+    };
     let messages = request
         .messages
         .into_iter()
         .map(RequestMessage::into_chat_message)
         .collect::<Result<Vec<_>, _>>()?;
+    let prompt = if plan.tools.is_empty() {
+        Prompt::Chat(messages)
+    } else {
+        Prompt::ChatWithTools(messages, plan.tools.clone())
+    };
+    if n > 1 && request.common.stream() && plan.parses_calls() {
+        // Tool calls are held back and parsed per stream; one stream is what that supports.
+        return Err(invalid("n", "must be 1 when streaming with `tools`", n).into());
+    }
     let groups = start_all(
         &state,
         "chat_completions",
-        vec![Prompt::Chat(messages)],
+        vec![prompt],
         parameters,
         FieldNames::CHAT,
         n,
@@ -233,6 +274,21 @@ pub(crate) async fn chat_completions(
     let created = unix_now();
     let validator = Arc::clone(state.validator());
 
+    if request.common.stream() && plan.parses_calls() {
+        let group = groups.into_iter().next().expect("one prompt was started");
+        let prompt_tokens = group.prompt_ids.len();
+        let request_id = group.request_id.to_string();
+        let tokens = group.streams.into_iter().next().expect("n is 1");
+        let ids = ChunkIds {
+            id,
+            model,
+            created,
+            system_fingerprint: fingerprint,
+            include_usage: request.common.include_usage(),
+        };
+        let sse = tool_sse_response(request_id, tokens, prompt_tokens, plan, forced, ids);
+        return Ok(sse.into_response());
+    }
     if request.common.stream() {
         let (tokens, choices, prompt_tokens) = merge_choices(groups);
         let chat_chunk = move |choices: Vec<ChunkChoice>, usage: Option<Usage>| ChatChunk {
@@ -283,6 +339,7 @@ pub(crate) async fn chat_completions(
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     for group in groups {
         prompt_tokens += group.prompt_ids.len();
+        let request_id = group.request_id.to_string();
         for completed in group.collect().await? {
             completion_tokens += completed.tokens.len();
             let logprobs = with_logprobs.then(|| {
@@ -292,14 +349,36 @@ pub(crate) async fn chat_completions(
                 }
                 logprobs
             });
+            let index = choices.len() as u32;
+            let calls = plan
+                .parses_calls()
+                .then(|| plan.parse(&completed.text))
+                .flatten();
+            let (content, tool_calls, finish_reason) = match calls {
+                Some((content, calls)) => (
+                    content,
+                    Some(tool_calls_json(
+                        &format!("{request_id}{index}"),
+                        &calls,
+                        false,
+                    )),
+                    "tool_calls",
+                ),
+                None => (
+                    Some(completed.text),
+                    None,
+                    completed.finish_reason.as_openai_str(),
+                ),
+            };
             choices.push(Choice {
-                index: choices.len() as u32,
+                index,
                 message: OutputMessage {
                     role: "assistant",
-                    content: completed.text,
+                    content,
+                    tool_calls,
                 },
                 logprobs,
-                finish_reason: completed.finish_reason.as_openai_str(),
+                finish_reason,
             });
         }
     }

@@ -3,6 +3,8 @@
 
 pub(crate) mod chat;
 pub(crate) mod completions;
+mod tool_stream;
+pub(crate) mod tools;
 
 use std::convert::Infallible;
 
@@ -16,6 +18,8 @@ use crate::error::GatewayError;
 use crate::request::GeneratedToken;
 use crate::sequences::Sequences;
 use crate::state::AppState;
+use crate::structured::ResponseFormat;
+pub(crate) use crate::validation::invalid;
 use crate::validation::{FieldNames, GenerateParameters, Prompt};
 
 /// `stop`: one string or a list.
@@ -52,6 +56,7 @@ pub(crate) struct CommonFields {
     ignore_eos: Option<bool>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    response_format: Option<ResponseFormat>,
 }
 
 impl CommonFields {
@@ -136,19 +141,12 @@ impl CommonFields {
             stop,
             top_n_tokens,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            grammar: self
+                .response_format
+                .as_ref()
+                .and_then(ResponseFormat::grammar),
+            prompt_logprobs: false,
         })
-    }
-}
-
-pub(crate) fn invalid(
-    field: &'static str,
-    reason: impl Into<String>,
-    given: impl ToString,
-) -> GatewayError {
-    GatewayError::InvalidParameter {
-        field,
-        reason: reason.into(),
-        given: given.to_string(),
     }
 }
 
@@ -220,7 +218,7 @@ where
                 }
                 Err(error) => {
                     failed = true;
-                    vec![error.to_sse_event()]
+                    vec![error.to_openai_sse_event()]
                 }
             })
         })
