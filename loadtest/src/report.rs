@@ -68,10 +68,10 @@ impl RunReport {
         };
         let _ = writeln!(
             out,
-            "- API `{:?}`, model `{}`, workload `{:?}`, load: {plan}",
-            c.target.api,
+            "- API `{}`, model `{}`, workload `{}`, load: {plan}",
+            value_name(c.target.api),
             self.model.as_deref().unwrap_or("(none sent)"),
-            c.workload.kind,
+            value_name(c.workload.kind),
         );
         let _ = writeln!(
             out,
@@ -167,6 +167,12 @@ impl RunReport {
         }
         out
     }
+}
+
+/// The name the command line knows a value by (`openai-chat`, `shared-prefix`).
+fn value_name(v: impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_string())
 }
 
 fn triple(d: &Distribution) -> String {
