@@ -302,7 +302,21 @@ async fn slos_tighter_than_the_server_leave_no_goodput() {
     let mut c = config(addr, Api::OpenaiChat, plan);
     // The mock's first token takes 60 ms: a 30 ms TTFT SLO cannot be met.
     c.slo.ttft_ms = 30.0;
+    let dir = tempfile::tempdir().expect("temp dir");
+    c.json_path = Some(dir.path().join("single.json"));
     let report = loadtest::run(&c).await.expect("run completes");
+    let v: Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("single.json")).expect("JSON written"),
+    )
+    .expect("valid JSON");
+    assert_eq!(v["config"]["plan"]["single"]["mode"], "open");
+    assert_eq!(v["config"]["target"]["api"], "openai-chat");
+    assert!(
+        v["config"]["target"].get("api_key").is_none(),
+        "keys stay out of reports"
+    );
+    assert_eq!(v["sweep"], Value::Null);
+    assert_eq!(v["levels"][0]["summary"]["meets_slo"], false);
     let s = &report.levels[0].summary;
     assert!(s.ok > 0);
     assert_eq!(s.slo_attainment, 0.0);
