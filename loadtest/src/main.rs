@@ -1,33 +1,142 @@
-//! `fission-loadtest`: `ttft` runs prompts of exact lengths one at a time (latency without
-//! queueing); `open-loop` sends Poisson arrivals at a fixed rate, whatever the server's pace,
-//! and reports TTFT/TPOT percentiles and goodput; `closed-loop` keeps a fixed number of requests
-//! in flight and reports throughput (what the server sustains, for A/B comparisons).
+//! `fission-loadtest`: load an LLM server over its streaming API and report TTFT, TPOT,
+//! throughput and goodput under SLOs (see the library's doc). The old subcommands, `ttft`,
+//! `closed-loop` and `open-loop`, still print what the scenario scripts parse.
 
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
-use loadtest::measure::{stream_once, Sample};
-use loadtest::prompt::exact_prompt;
-use loadtest::stats::{median, percentile};
-use rand::Rng;
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use loadtest::config::parse_duration;
+use loadtest::legacy::Legacy;
+use loadtest::prompt::PromptStyle;
+use loadtest::sweep::SweepSpec;
+use loadtest::{
+    Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target, WorkloadConfig, WorkloadKind,
+};
 
 #[derive(Parser)]
-#[command(name = "fission-loadtest", about = "Load over Fission's HTTP API")]
+#[command(
+    name = "fission-loadtest",
+    about = "Load an LLM server (OpenAI or TGI streaming API) and measure TTFT, TPOT and goodput",
+    after_help = "Examples:\n  fission-loadtest --url http://127.0.0.1:8080 --rate 2 --duration 20s --input-len 128 --output-len 32 --slo-ttft-ms 500 --slo-tpot-ms 50 --json out.json\n  fission-loadtest --sweep 0.5:2:8 --bisect 2 --workload sharegpt --plot plots/"
+)]
 struct Cli {
-    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    /// The server's base URL; requests go to it and nowhere else.
+    #[arg(long, env = "LOADTEST_URL", default_value = "http://127.0.0.1:8080")]
     url: String,
-    /// First `<extra_N>` id of the padded benchmark tokenizer, and the vocab size.
-    #[arg(long, default_value_t = 512)]
+    /// Sent as `Authorization: Bearer KEY`.
+    #[arg(long, env = "LOADTEST_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// `--prompt-style extra`: the first `<extra_N>` id of the padded benchmark tokenizer.
+    #[arg(long, env = "LOADTEST_FIRST_EXTRA_ID", default_value_t = 512)]
     first_extra_id: usize,
-    #[arg(long, default_value_t = 49152)]
+    /// `--prompt-style extra`: the vocabulary size.
+    #[arg(long, env = "LOADTEST_VOCAB", default_value_t = 49152)]
     vocab: usize,
     #[command(subcommand)]
-    mode: Mode,
+    legacy: Option<LegacyMode>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[arg(
+        long,
+        env = "LOADTEST_API",
+        value_enum,
+        default_value = "openai-completions"
+    )]
+    api: Api,
+    /// The `model` of OpenAI requests; by default the first id of `GET /v1/models`.
+    #[arg(long, env = "LOADTEST_MODEL")]
+    model: Option<String>,
+    /// Open loop: requests per second (gamma arrivals, Poisson by default).
+    #[arg(long, env = "LOADTEST_RATE", conflicts_with_all = ["concurrency", "sweep"])]
+    rate: Option<f64>,
+    /// Closed loop: clients each sending their next request when the last ends.
+    #[arg(long, env = "LOADTEST_CONCURRENCY", conflicts_with = "sweep")]
+    concurrency: Option<usize>,
+    /// Open-loop rates to sweep for the goodput: `0.5,1,2,4` or `start:factor:max`.
+    #[arg(long, env = "LOADTEST_SWEEP")]
+    sweep: Option<SweepSpec>,
+    /// Levels bisecting between the last rate that met the SLO and the first that did not.
+    #[arg(long, env = "LOADTEST_BISECT", default_value_t = 0)]
+    bisect: usize,
+    /// Gamma shape of inter-arrival times: 1 is Poisson, below 1 burstier.
+    #[arg(long, env = "LOADTEST_BURSTINESS", default_value_t = 1.0)]
+    burstiness: f64,
+    /// How long each level sends requests (20s, 2m, 500ms).
+    #[arg(long, env = "LOADTEST_DURATION", value_parser = parse_duration, default_value = "30s")]
+    duration: Duration,
+    /// At most this many requests per level.
+    #[arg(long, env = "LOADTEST_MAX_REQUESTS", default_value_t = 10_000)]
+    max_requests: usize,
+    /// A request still streaming after this is cut and counted as a timeout.
+    #[arg(long, env = "LOADTEST_REQUEST_TIMEOUT", value_parser = parse_duration, default_value = "60s")]
+    request_timeout: Duration,
+    #[arg(long, env = "LOADTEST_WORKLOAD", value_enum, default_value = "fixed")]
+    workload: WorkloadKind,
+    /// Prompt tokens (fixed, shared-prefix: default 128; sharegpt, summarise: the mean).
+    #[arg(long, env = "LOADTEST_INPUT_LEN")]
+    input_len: Option<usize>,
+    /// Output tokens asked for (fixed, shared-prefix: default 32; sharegpt, summarise: the mean).
+    #[arg(long, env = "LOADTEST_OUTPUT_LEN")]
+    output_len: Option<usize>,
+    /// Clamp for sampled prompt lengths (fit it to the model's context).
+    #[arg(long, env = "LOADTEST_MAX_INPUT_LEN", default_value_t = 4096)]
+    max_input_len: usize,
+    /// Clamp for sampled output lengths.
+    #[arg(long, env = "LOADTEST_MAX_OUTPUT_LEN", default_value_t = 2048)]
+    max_output_len: usize,
+    /// shared-prefix: system prompts (N).
+    #[arg(long, env = "LOADTEST_PREFIXES", default_value_t = 4)]
+    prefixes: usize,
+    /// shared-prefix: users per system prompt (M).
+    #[arg(long, env = "LOADTEST_USERS", default_value_t = 8)]
+    users: usize,
+    /// shared-prefix: tokens in each system prompt.
+    #[arg(long, env = "LOADTEST_PREFIX_LEN", default_value_t = 256)]
+    prefix_len: usize,
+    /// `words`: one-token English words (any model); `extra`: `<extra_N>` tokens (exact, for
+    /// the padded benchmark tokenizers).
+    #[arg(
+        long,
+        env = "LOADTEST_PROMPT_STYLE",
+        value_enum,
+        default_value = "words"
+    )]
+    prompt_style: StyleArg,
+    #[arg(long, env = "LOADTEST_SLO_TTFT_MS", default_value_t = 2000.0)]
+    slo_ttft_ms: f64,
+    #[arg(long, env = "LOADTEST_SLO_TPOT_MS", default_value_t = 200.0)]
+    slo_tpot_ms: f64,
+    #[arg(long, env = "LOADTEST_SEED", default_value_t = 0)]
+    seed: u64,
+    /// Unmeasured requests sent one at a time first.
+    #[arg(long, env = "LOADTEST_WARMUP_REQUESTS", default_value_t = 1)]
+    warmup_requests: usize,
+    /// Write the full report (every level and request) as JSON.
+    #[arg(long, env = "LOADTEST_JSON")]
+    json: Option<PathBuf>,
+    /// Write SVG plots into this directory.
+    #[arg(long, env = "LOADTEST_PLOT")]
+    plot: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short, env = "LOADTEST_QUIET")]
+    quiet: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum StyleArg {
+    Words,
+    Extra,
 }
 
 #[derive(Subcommand)]
-enum Mode {
-    /// Sequential requests of exact prompt lengths: TTFT and end-to-end medians.
+enum LegacyMode {
+    /// Sequential requests of exact prompt lengths: TTFT and end-to-end medians (CSV).
     Ttft {
         #[arg(long, value_delimiter = ',', default_value = "128,1024,2048")]
         prompt_tokens: Vec<usize>,
@@ -36,8 +145,7 @@ enum Mode {
         #[arg(long, default_value_t = 16)]
         max_new_tokens: usize,
     },
-    /// `concurrency` clients, each sending its next request when the last one ends, for
-    /// `duration_s` after a warm-up: requests/s and generated tokens/s.
+    /// `concurrency` clients for `duration_s` after a warm-up: requests/s and tokens/s.
     ClosedLoop {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
@@ -60,7 +168,6 @@ enum Mode {
         prompt_tokens: usize,
         #[arg(long, default_value_t = 32)]
         max_new_tokens: usize,
-        /// Goodput counts requests meeting both SLOs.
         #[arg(long, default_value_t = 2000)]
         slo_ttft_ms: u64,
         #[arg(long, default_value_t = 200)]
@@ -68,164 +175,132 @@ enum Mode {
     },
 }
 
-fn ms(d: f64) -> String {
-    format!("{:.1}", d * 1e3)
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let client = reqwest::Client::new();
-    match cli.mode {
-        Mode::Ttft {
-            prompt_tokens,
-            repeats,
-            max_new_tokens,
-        } => {
-            println!("prompt_tokens,ttft_ms_median,e2e_ms_median,tokens");
-            for (li, &n) in prompt_tokens.iter().enumerate() {
-                // One unmeasured request warms every code path for this length.
-                let warm = exact_prompt(n, 1_000 + li, cli.first_extra_id, cli.vocab);
-                stream_once(&client, &cli.url, &warm, max_new_tokens).await?;
-                let mut samples = Vec::new();
-                for r in 0..repeats {
-                    let p = exact_prompt(n, li * 100 + r, cli.first_extra_id, cli.vocab);
-                    let s = stream_once(&client, &cli.url, &p, max_new_tokens).await?;
-                    anyhow::ensure!(s.ok, "request of {n} tokens failed");
-                    samples.push(s);
-                }
-                let ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64()).collect();
-                let e2e: Vec<f64> = samples.iter().map(|s| s.e2e.as_secs_f64()).collect();
-                println!(
-                    "{n},{},{},{}",
-                    ms(median(&ttft)),
-                    ms(median(&e2e)),
-                    samples[0].tokens
-                );
+    if let Some(mode) = cli.legacy {
+        let legacy = Legacy {
+            url: cli.url,
+            first_extra_id: cli.first_extra_id,
+            vocab: cli.vocab,
+            api_key: cli.api_key,
+        };
+        let out = match mode {
+            LegacyMode::Ttft {
+                prompt_tokens,
+                repeats,
+                max_new_tokens,
+            } => legacy.ttft(&prompt_tokens, repeats, max_new_tokens).await?,
+            LegacyMode::ClosedLoop {
+                concurrency,
+                duration_s,
+                warmup_s,
+                prompt_tokens,
+                max_new_tokens,
+            } => {
+                legacy
+                    .closed_loop(
+                        concurrency,
+                        Duration::from_secs(duration_s),
+                        Duration::from_secs(warmup_s),
+                        prompt_tokens,
+                        max_new_tokens,
+                    )
+                    .await?
             }
-        }
-        Mode::ClosedLoop {
-            concurrency,
-            duration_s,
-            warmup_s,
-            prompt_tokens,
-            max_new_tokens,
-        } => {
-            let start = Instant::now();
-            let measure_from = start + Duration::from_secs(warmup_s);
-            let end = measure_from + Duration::from_secs(duration_s);
-            let workers: Vec<_> = (0..concurrency)
-                .map(|w| {
-                    let (client, url) = (client.clone(), cli.url.clone());
-                    let (first_extra_id, vocab) = (cli.first_extra_id, cli.vocab);
-                    tokio::spawn(async move {
-                        let (mut ok, mut failed, mut tokens) = (0usize, 0usize, 0usize);
-                        let mut i = 0;
-                        while Instant::now() < end {
-                            let p = exact_prompt(
-                                prompt_tokens,
-                                100_000 * (w + 1) + i,
-                                first_extra_id,
-                                vocab,
-                            );
-                            i += 1;
-                            let s = stream_once(&client, &url, &p, max_new_tokens).await?;
-                            // Only requests that both start and end in the window count.
-                            let done = Instant::now();
-                            if done - s.e2e >= measure_from && done <= end {
-                                if s.ok {
-                                    ok += 1;
-                                    tokens += s.tokens;
-                                } else {
-                                    failed += 1;
-                                }
-                            }
-                        }
-                        anyhow::Ok((ok, failed, tokens))
-                    })
-                })
-                .collect();
-            let (mut ok, mut failed, mut tokens) = (0, 0, 0);
-            for w in workers {
-                let (o, f, t) = w.await??;
-                ok += o;
-                failed += f;
-                tokens += t;
+            LegacyMode::OpenLoop {
+                rate,
+                duration_s,
+                prompt_tokens,
+                max_new_tokens,
+                slo_ttft_ms,
+                slo_tpot_ms,
+            } => {
+                let slo = Slo {
+                    ttft_ms: slo_ttft_ms as f64,
+                    tpot_ms: slo_tpot_ms as f64,
+                };
+                legacy
+                    .open_loop(
+                        rate,
+                        Duration::from_secs(duration_s),
+                        prompt_tokens,
+                        max_new_tokens,
+                        slo,
+                    )
+                    .await?
             }
-            let secs = duration_s as f64;
-            println!(
-                "requests ok {ok} failed {failed} in {duration_s} s, concurrency {concurrency}"
-            );
-            println!(
-                "throughput req_per_s {:.2} tokens_per_s {:.1}",
-                ok as f64 / secs,
-                tokens as f64 / secs
-            );
-        }
-        Mode::OpenLoop {
-            rate,
-            duration_s,
-            prompt_tokens,
-            max_new_tokens,
-            slo_ttft_ms,
-            slo_tpot_ms,
-        } => {
-            let start = Instant::now();
-            let mut tasks = Vec::new();
-            let mut next = Duration::ZERO;
-            let mut i = 0;
-            while next < Duration::from_secs(duration_s) {
-                tokio::time::sleep_until((start + next).into()).await;
-                let (client, url) = (client.clone(), cli.url.clone());
-                let p = exact_prompt(prompt_tokens, 10_000 + i, cli.first_extra_id, cli.vocab);
-                tasks.push(tokio::spawn(async move {
-                    stream_once(&client, &url, &p, max_new_tokens).await
-                }));
-                // Exponential inter-arrival times: arrivals do not wait for the server.
-                let u: f64 = rand::rng().random_range(f64::EPSILON..1.0);
-                next += Duration::from_secs_f64(-u.ln() / rate);
-                i += 1;
-            }
-            let mut samples: Vec<Sample> = Vec::new();
-            for t in tasks {
-                samples.push(t.await??);
-            }
-            let wall = start.elapsed().as_secs_f64();
-            let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
-            let ttft: Vec<f64> = ok.iter().map(|s| s.ttft.as_secs_f64()).collect();
-            let tpot: Vec<f64> = ok
-                .iter()
-                .filter_map(|s| s.tpot())
-                .map(|d| d.as_secs_f64())
-                .collect();
-            let good = ok
-                .iter()
-                .filter(|s| {
-                    s.ttft.as_millis() as u64 <= slo_ttft_ms
-                        && s.tpot().is_none_or(|t| t.as_millis() as u64 <= slo_tpot_ms)
-                })
-                .count();
-            let tokens: usize = ok.iter().map(|s| s.tokens).sum();
-            println!(
-                "requests {} ok {} failed {}",
-                samples.len(),
-                ok.len(),
-                samples.len() - ok.len()
-            );
-            println!(
-                "ttft_ms p50 {} p90 {} p99 {}",
-                ms(percentile(&ttft, 50.0)),
-                ms(percentile(&ttft, 90.0)),
-                ms(percentile(&ttft, 99.0))
-            );
-            println!(
-                "tpot_ms p50 {} p90 {} p99 {}",
-                ms(percentile(&tpot, 50.0)),
-                ms(percentile(&tpot, 90.0)),
-                ms(percentile(&tpot, 99.0))
-            );
-            println!("throughput {:.1} tok/s, goodput {:.2} req/s (SLO ttft<={slo_ttft_ms}ms tpot<={slo_tpot_ms}ms)", tokens as f64 / wall, good as f64 / wall);
-        }
+        };
+        print!("{out}");
+        return Ok(());
+    }
+
+    let a = cli.run;
+    let plan = match (a.rate, a.concurrency, a.sweep) {
+        (Some(rate_rps), None, None) => LoadPlan::Single(LoadShape::Open {
+            rate_rps,
+            burstiness: a.burstiness,
+        }),
+        (None, Some(concurrency), None) => LoadPlan::Single(LoadShape::Closed { concurrency }),
+        (None, None, Some(rates)) => LoadPlan::Sweep {
+            rates,
+            burstiness: a.burstiness,
+            bisect_steps: a.bisect,
+        },
+        _ => anyhow::bail!(
+            "give one of --rate R, --concurrency C or --sweep RATES (or a subcommand; see --help)"
+        ),
+    };
+    let prompt_style = match a.prompt_style {
+        StyleArg::Words => PromptStyle::Words,
+        StyleArg::Extra => PromptStyle::Extra {
+            first_extra_id: cli.first_extra_id,
+            vocab: cli.vocab,
+        },
+    };
+    let config = LoadConfig {
+        target: Target {
+            base_url: cli.url,
+            api: a.api,
+            model: a.model,
+            api_key: cli.api_key,
+        },
+        plan,
+        workload: WorkloadConfig {
+            kind: a.workload,
+            input_len: a.input_len,
+            output_len: a.output_len,
+            max_input_len: a.max_input_len,
+            max_output_len: a.max_output_len,
+            prefixes: a.prefixes,
+            users: a.users,
+            prefix_len: a.prefix_len,
+            prompt_style,
+        },
+        bounds: Bounds {
+            duration: a.duration,
+            max_requests: a.max_requests,
+            request_timeout: a.request_timeout,
+        },
+        slo: Slo {
+            ttft_ms: a.slo_ttft_ms,
+            tpot_ms: a.slo_tpot_ms,
+        },
+        seed: a.seed,
+        warmup_requests: a.warmup_requests,
+        json_path: a.json,
+        plot_dir: a.plot,
+        quiet: a.quiet,
+    };
+    let report = loadtest::run(&config)
+        .await
+        .with_context(|| format!("load test against {}", config.target.endpoint()))?;
+    print!("{}", report.markdown());
+    if let Some(path) = &config.json_path {
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(dir) = &config.plot_dir {
+        eprintln!("wrote plots to {}", dir.display());
     }
     Ok(())
 }
