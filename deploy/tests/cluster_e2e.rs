@@ -321,3 +321,41 @@ async fn client_disconnect_frees_blocks_on_both_nodes() {
         "the decode node saw the cancellation"
     );
 }
+
+/// The overlap benchmark's baseline (`--push-after-prefill`: every layer held until the prompt
+/// is done) moves the same KV: the reference tokens, concurrently, and every block given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushing_after_the_prefill_serves_the_same_tokens() {
+    let _serial = SERIAL.lock().await;
+    let cluster = start(1, 1, &[], &["--prefill-arg=--push-after-prefill"]);
+    let client = ::reqwest::Client::new();
+    let refs = references();
+    let jobs: Vec<_> = (0..6)
+        .map(|i| {
+            let r = refs[i % refs.len()].clone();
+            let (client, url) = (client.clone(), cluster.url.clone());
+            tokio::spawn(async move {
+                let ids =
+                    generate_ids(&client, &url, r["prompt"].as_str().expect("prompt"), 24).await;
+                (ids, expected(&r, 24))
+            })
+        })
+        .collect();
+    for j in jobs {
+        let (got, want) = j.await.expect("join");
+        assert_eq!(got, want);
+    }
+    assert!(cluster.metric("decode-0", "fission_decode_kv_received_bytes_total") > 0.0);
+    wait_until_async("every block given back", Duration::from_secs(5), || {
+        let held = [
+            ("decode-0", "fission_decode_kv_blocks_used"),
+            ("decode-0", "fission_decode_kv_blocks_reserved"),
+            ("prefill-0", "fission_prefill_kv_blocks_used"),
+        ]
+        .iter()
+        .map(|(node, name)| cluster.metric(node, name))
+        .sum::<f64>();
+        async move { held == 0.0 }
+    })
+    .await;
+}

@@ -65,9 +65,12 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    pub fn spawn(engine: Engine, state: EngineState) -> Self {
+    /// `push_after_prefill` holds each prompt's layers until its first token (a benchmark's
+    /// baseline; see `PrefillConfig::push_after_prefill`).
+    pub fn spawn(engine: Engine, state: EngineState, push_after_prefill: bool) -> Self {
+        let task = PrefillTask::new(engine, state, push_after_prefill);
         EngineHandle {
-            commands: engine_thread::spawn("prefill-engine", PrefillTask::new(engine, state)),
+            commands: engine_thread::spawn("prefill-engine", task),
         }
     }
 
@@ -108,6 +111,8 @@ struct Pending {
     queue_wait: Option<Span>,
     /// Steps that computed part of this prompt (its chunks).
     chunks: i64,
+    /// Layers computed and not yet sent, with `push_after_prefill`: sent at the first token.
+    held: Option<Vec<LayerPayload>>,
 }
 
 /// The prefill node's engine thread: prompts in, first tokens and layers out.
@@ -115,6 +120,7 @@ struct PrefillTask {
     engine: Engine,
     pending: HashMap<SeqId, Pending>,
     state: EngineState,
+    push_after_prefill: bool,
 }
 
 impl EngineTask for PrefillTask {
@@ -148,6 +154,7 @@ impl EngineTask for PrefillTask {
                                 queue_wait: Some(arrival.queue_wait),
                                 span: arrival.span,
                                 chunks: 0,
+                                held: self.push_after_prefill.then(Vec::new),
                             },
                         );
                     }
@@ -182,12 +189,13 @@ impl EngineTask for PrefillTask {
 }
 
 impl PrefillTask {
-    fn new(mut engine: Engine, state: EngineState) -> Self {
+    fn new(mut engine: Engine, state: EngineState, push_after_prefill: bool) -> Self {
         engine.enable_cache_events();
         PrefillTask {
             engine,
             pending: HashMap::new(),
             state,
+            push_after_prefill,
         }
     }
 }
@@ -247,7 +255,7 @@ impl StepObserver for StepTracker<'_> {
     fn layer_done(&mut self, done: LayerDone<'_>) -> engine::error::Result<()> {
         let now = Instant::now();
         for (seq_id, blocks) in done.completing {
-            let Some(p) = self.pending.get(seq_id) else {
+            let Some(p) = self.pending.get_mut(seq_id) else {
                 continue;
             };
             let Some(tx) = &p.layers else {
@@ -255,12 +263,18 @@ impl StepObserver for StepTracker<'_> {
             };
             let mut buf = BytesMut::zeroed(done.cache.export_len(blocks.len()));
             done.cache.export_blocks(done.layer, blocks, &mut buf)?;
-            // A closed channel means the push was abandoned; the prompt still completes.
-            let _ = tx.send(LayerPayload {
+            let payload = LayerPayload {
                 layer: done.layer,
                 bytes: buf.freeze(),
                 computed_at: now,
-            });
+            };
+            match &mut p.held {
+                Some(held) => held.push(payload),
+                // A closed channel means the push was abandoned; the prompt still completes.
+                None => {
+                    let _ = tx.send(payload);
+                }
+            }
         }
         Ok(())
     }
@@ -287,6 +301,11 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
             for ev in events {
                 if let Some(p) = pending.remove(&ev.seq_id) {
                     metrics::counter!("fission_prefill_prompts_total").increment(1);
+                    if let (Some(held), Some(tx)) = (p.held, &p.layers) {
+                        for payload in held {
+                            let _ = tx.send(payload);
+                        }
+                    }
                     p.span.record("chunks", p.chunks);
                     let _ = p.reply.send(Ok(PrefillOutcome {
                         first: ev,
@@ -324,7 +343,7 @@ mod tests {
 
     fn task() -> PrefillTask {
         let engine = stories_engine(&testkit::shared_model("stories260K"));
-        PrefillTask::new(engine, EngineState::new(4).0)
+        PrefillTask::new(engine, EngineState::new(4).0, false)
     }
 
     type Reply = oneshot::Receiver<Result<PrefillOutcome, EngineError>>;

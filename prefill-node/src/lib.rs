@@ -31,6 +31,11 @@ pub struct PrefillConfig {
     /// gateway tells a long queue from a hung node.
     #[arg(long, env = "FISSION_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
+    /// Hold every layer's KV until the whole prompt is computed, then push it: the baseline
+    /// that layer-wise push (the default, each layer sent while the next computes) is
+    /// measured against. For benchmarks.
+    #[arg(long, env = "FISSION_PUSH_AFTER_PREFILL")]
+    pub push_after_prefill: bool,
 }
 
 /// The prefill role, for [`node_common::launch::launch`].
@@ -58,17 +63,22 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
     let heartbeat = std::time::Duration::from_millis(config.heartbeat_ms.max(1));
+    let push_after_prefill = config.push_after_prefill;
     node_common::node::serve(
         Role::Prefill,
         &config.node,
         listeners,
         shutdown,
-        |s| async move { build(s, heartbeat) },
+        |s| async move { build(s, heartbeat, push_after_prefill) },
     )
     .await
 }
 
-fn build(s: Started, heartbeat: std::time::Duration) -> Result<RoleService, NodeError> {
+fn build(
+    s: Started,
+    heartbeat: std::time::Duration,
+    push_after_prefill: bool,
+) -> Result<RoleService, NodeError> {
     crate::metrics::describe();
     // Pushes leave from the node's own address, not every interface.
     let transport = match &s.kv_identity {
@@ -91,7 +101,7 @@ fn build(s: Started, heartbeat: std::time::Duration) -> Result<RoleService, Node
         })),
     };
     let service = service::PrefillService {
-        handle: actor::EngineHandle::spawn(s.engine, s.state),
+        handle: actor::EngineHandle::spawn(s.engine, s.state, push_after_prefill),
         transport: Arc::new(transport),
         clients: push::DecodeClients::new(s.grpc.clone()),
         layout: s.layout,

@@ -49,6 +49,12 @@ pub struct UpArgs {
     /// Extra flags for every node (e.g. `--num-kv-blocks=512`), repeatable.
     #[arg(long = "node-arg", allow_hyphen_values = true)]
     pub node_args: Vec<String>,
+    /// Extra flags for the prefill nodes only (e.g. `--push-after-prefill`), repeatable.
+    #[arg(long = "prefill-arg", allow_hyphen_values = true)]
+    pub prefill_args: Vec<String>,
+    /// Extra flags for the decode nodes only (e.g. `--lease-ms=8000`), repeatable.
+    #[arg(long = "decode-arg", allow_hyphen_values = true)]
+    pub decode_args: Vec<String>,
     /// Extra flags for the gateway, repeatable.
     #[arg(long = "gateway-arg", allow_hyphen_values = true)]
     pub gateway_args: Vec<String>,
@@ -329,7 +335,10 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .envs(args.etcd_security.password_env())
             .args(&args.node_args);
             if role == "decode" {
-                cmd.args(["--kv-addr", "127.0.0.1:0"]);
+                cmd.args(["--kv-addr", "127.0.0.1:0"])
+                    .args(&args.decode_args);
+            } else {
+                cmd.args(&args.prefill_args);
             }
             otel_child(
                 &mut cmd,
