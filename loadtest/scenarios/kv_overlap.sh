@@ -5,6 +5,7 @@
 # Both clusters run side by side for the whole script, so the machine's drift hits both; the
 # measurements alternate A B B A per round, sequential requests only (one prompt in flight).
 # Model: the SmolLM2-135M-shaped random model (30 layers: the overlap has 30 layers to hide).
+# Prefix caching is off on both: the repeated prompts would otherwise be served from the cache.
 # Usage: kv_overlap.sh [FISSION]   (a `fission` binary; this tree's release build by default).
 # RUNS=N rounds (4), REPEATS=N requests per prompt length per measurement (3).
 # Output: .bench/kv-overlap-<time>/ with results.csv, lscpu.txt and summary.md.
@@ -32,7 +33,7 @@ start() { # name extra-args...: starts a cluster, prints its port
   port=$(free_port)
   log="$OUT/up-$name.log"
   "$FISSION" up --model "$M" --port "$port" --prefill 1 --decode 1 \
-    --node-arg=--num-kv-blocks=1024 "$@" > "$log" 2>&1 &
+    --node-arg=--num-kv-blocks=1024 --node-arg=--disable-prefix-caching "$@" > "$log" 2>&1 &
   pids+=($!)
   until grep -q "Fission is up" "$log"; do
     kill -0 "${pids[-1]}" 2>/dev/null || { echo "fission up failed" >&2; cat "$log" >&2; exit 1; }
