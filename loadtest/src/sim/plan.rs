@@ -5,10 +5,10 @@
 //! one seed (so attainment falls as the rate rises, the arrival times scaling with `1 / rate`):
 //! double the rate until a level misses 90% attainment, then bisect until the bracket is within
 //! `precision` of its top. Levels stop as soon as they cannot meet the SLO. Splits are tried
-//! nearest first to the split the cost model suggests (prefill GPU-seconds against decode
-//! GPU-seconds per request), and a later split is first tried just above the best goodput so
-//! far: one level tells whether it can beat it, so the search stays exhaustive at a few levels
-//! per split.
+//! nearest first to the best split so far, starting from the one the cost model suggests
+//! (prefill GPU-seconds against decode GPU-seconds per request), and a later split is first
+//! tried just above the best goodput so far: one level tells whether it can beat it, so the
+//! search stays exhaustive at about one level per split once the top is found.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -123,11 +123,13 @@ impl Planner<'_> {
                 }
             }
         }
-        // Bracket: double up to a miss, or halve down to a hit (bounded either way).
+        // Bracket: grow up to a miss, or halve down to a hit (bounded either way). Above a
+        // goodput to beat, neighbouring splits differ by tens of percent, not by 2×.
+        let grow = if beat.is_some() { 1.25 } else { 2.0 };
         for _ in 0..24 {
             match (lo, hi) {
                 (Some(l), None) => {
-                    let r = l * 2.0;
+                    let r = l * grow;
                     if self.meets(&cluster, r)? {
                         lo = Some(r);
                     } else {
@@ -160,11 +162,13 @@ impl Planner<'_> {
     }
 }
 
-/// The share of GPUs the cost model suggests for prefill: prefill GPU-seconds per request
-/// against decode GPU-seconds per request (at a decode batch of 64), for the workload's mean
-/// lengths.
-pub fn suggested_prefill_share(cost: &CostModel, workload: &WorkloadConfig, seed: u64) -> f64 {
-    let Ok(mut sampler) = workload.sampler(seed) else {
+/// The share of GPUs the cost model suggests for prefill, from each role's capacity for the
+/// workload's mean lengths: a prefill node computing full batches of
+/// `max_batch_prefill_tokens` at 80% load (headroom for the TTFT SLO's queueing), against a
+/// decode node at the largest batch whose step fits the TPOT SLO. Only the search's starting
+/// point: the simulation decides.
+pub fn suggested_prefill_share(config: &PlanConfig) -> f64 {
+    let Ok(mut sampler) = config.workload.sampler(config.seed) else {
         return 0.5;
     };
     let n = 2000;
@@ -175,13 +179,22 @@ pub fn suggested_prefill_share(cost: &CostModel, workload: &WorkloadConfig, seed
         output += p.output_len as f64;
     }
     let (input, output) = (input / n as f64, output / n as f64);
-    // Prefill nodes batch up to 4096 tokens a step; charge each token its share.
-    let prefill_s = cost.prefill_s(4096) / 4096.0 * input;
-    let batch = 64;
+    let cost = &config.cost;
+    let batch_tokens = config.node.max_batch_prefill_tokens;
+    let prefill_rps = 0.8 * batch_tokens as f64 / cost.prefill_s(batch_tokens) / input;
     let ctx = (input + output / 2.0) as usize;
-    let per_seq_s = cost.step_s(&StepWork::decode(batch, batch * ctx)) / batch as f64;
-    let decode_s = per_seq_s * output;
-    prefill_s / (prefill_s + decode_s)
+    let tpot_s = config.slo.tpot_ms / 1e3;
+    let batch = (1..=config.node.max_num_seqs)
+        .rev()
+        .find(|&b| cost.step_s(&StepWork::decode(b, b * ctx)) <= tpot_s)
+        .unwrap_or(1);
+    let decode_rps = batch as f64 / cost.step_s(&StepWork::decode(batch, batch * ctx)) / output;
+    let (p, d) = (1.0 / prefill_rps, 1.0 / decode_rps);
+    if (p / (p + d)).is_finite() {
+        p / (p + d)
+    } else {
+        0.5
+    }
 }
 
 pub fn plan(config: &PlanConfig) -> Result<PlanReport, LoadError> {
@@ -194,19 +207,24 @@ pub fn plan(config: &PlanConfig) -> Result<PlanReport, LoadError> {
     }
     config.workload.lengths()?;
     let started = Instant::now();
-    let share = suggested_prefill_share(&config.cost, &config.workload, config.seed);
+    let share = suggested_prefill_share(config);
     let mut rows = Vec::new();
     // Per-GPU goodput of the last count, to start the next count's searches near it.
     let mut per_gpu_guess = 1.0;
     for &n in &config.gpus {
         let mut planner = Planner { config, levels: 0 };
         let p0 = ((n as f64 * share).round() as usize).clamp(1, n - 1);
-        // Nearest first: p0, p0 - 1, p0 + 1, p0 - 2, ...
-        let mut order: Vec<usize> = (1..n).collect();
-        order.sort_by_key(|&p| (p.abs_diff(p0), p));
+        let mut untried: Vec<usize> = (1..n).collect();
         let mut best: Option<(usize, f64)> = None;
         let mut splits = Vec::new();
-        for p in order {
+        // Nearest first to the best split so far (to p0 before there is one): a hill climb
+        // that finds the top early, so every split after it takes one level to rule out.
+        while !untried.is_empty() {
+            let centre = best.map_or(p0, |b| b.0);
+            let k = (0..untried.len())
+                .min_by_key(|&k| (untried[k].abs_diff(centre), untried[k]))
+                .expect("not empty");
+            let p = untried.swap_remove(k);
             let topology = Topology::Disaggregated {
                 prefill: p,
                 decode: n - p,
