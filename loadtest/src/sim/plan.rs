@@ -269,8 +269,9 @@ impl PlanReport {
         };
         let _ = writeln!(
             out,
-            "- workload `{:?}`{means}, burstiness {}, {:.0} s per level, seed {}",
-            c.workload.kind,
+            "- workload `{}`{means}, burstiness {}, {:.0} s per level, seed {}",
+            clap::ValueEnum::to_possible_value(&c.workload.kind)
+                .map_or_else(String::new, |v| v.get_name().to_string()),
             c.burstiness,
             c.bounds.duration.as_secs_f64(),
             c.seed
