@@ -386,3 +386,18 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_counts_parse_as_doublings_steps_and_lists() {
+        assert_eq!(parse_gpus("8..64").expect("valid"), vec![8, 16, 32, 64]);
+        assert_eq!(parse_gpus("8..32:8").expect("valid"), vec![8, 16, 24, 32]);
+        assert_eq!(parse_gpus("8,24").expect("valid"), vec![8, 24]);
+        assert!(parse_gpus("1..8").is_err());
+        assert!(parse_gpus("8..4").is_err());
+        assert!(parse_gpus("eight").is_err());
+    }
+}
