@@ -2,8 +2,9 @@
 //! throughput and goodput under SLOs (see the library's doc). The old subcommands, `ttft`,
 //! `closed-loop` and `open-loop`, still print what the scenario scripts parse. `simulate`
 //! runs the same levels against a simulated cluster, plans P:D splits and calibrates cost
-//! profiles ([`simulate_cli`]).
+//! profiles (`simulate_cli`, with the default `sim` feature).
 
+#[cfg(feature = "sim")]
 mod simulate_cli;
 
 use std::path::PathBuf;
@@ -173,6 +174,7 @@ enum LegacyMode {
     /// Simulate a cluster (P prefill + D decode nodes, or colocated) on a cost profile:
     /// `simulate --cluster 2P+6D --rate 20`, `simulate plan --gpus 8..64`,
     /// `simulate calibrate --model DIR`.
+    #[cfg(feature = "sim")]
     Simulate(Box<simulate_cli::SimulateArgs>),
     /// Sequential requests of exact prompt lengths: TTFT and end-to-end medians (CSV).
     Ttft {
@@ -224,6 +226,7 @@ async fn main() -> anyhow::Result<()> {
             api_key: cli.api_key,
         };
         let out = match mode {
+            #[cfg(feature = "sim")]
             LegacyMode::Simulate(args) => {
                 return simulate_cli::run(*args, cli.first_extra_id, cli.vocab);
             }
