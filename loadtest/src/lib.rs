@@ -5,16 +5,20 @@
 //!
 //! It speaks the streaming APIs that servers share, OpenAI's `/v1/completions` and
 //! `/v1/chat/completions` and TGI's `/generate_stream`, so the same workload runs against
-//! Fission's gateway, llama.cpp's `llama-server` or vLLM. It knows nothing of Fission's
-//! internals and must not: it depends on no other crate of the workspace, and a result it
-//! prints is what any client of the server would see.
+//! Fission's gateway, llama.cpp's `llama-server` or vLLM. The load generator knows nothing of
+//! Fission's internals and must not: a result it prints is what any client of the server
+//! would see. Only the simulator (`sim`, behind the default `sim` feature) depends on other
+//! crates of the workspace, `engine` (its scheduler) and `gateway` (its routing policies), so
+//! that a simulated cluster schedules and routes exactly as the real one does; nothing outside
+//! `sim` may use them.
 //!
 //! A run ([`run::run`]) is one load level or a rate sweep ([`sweep`]); a level sends
 //! requests drawn from a [`workload`] on an open-loop [`arrival`] schedule or from a closed
 //! loop of clients ([`driver`]); each request is timed by the [`client`] into a
 //! [`record::RequestRecord`]; [`summary`] and [`goodput`] reduce a level's records; [`report`]
 //! writes Markdown and JSON and [`plot`] SVG plots. Every level is bounded in time and in
-//! requests, and traffic goes only to the given URL.
+//! requests, and traffic goes only to the given URL. `sim` runs the same levels, sweeps and
+//! reports against a simulated cluster, and plans P:D splits.
 
 pub mod arrival;
 pub mod client;
@@ -29,6 +33,8 @@ pub mod prompt;
 pub mod record;
 pub mod report;
 pub mod run;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod stats;
 pub mod summary;
 pub mod sweep;

@@ -1,6 +1,11 @@
 //! `fission-loadtest`: load an LLM server over its streaming API and report TTFT, TPOT,
 //! throughput and goodput under SLOs (see the library's doc). The old subcommands, `ttft`,
-//! `closed-loop` and `open-loop`, still print what the scenario scripts parse.
+//! `closed-loop` and `open-loop`, still print what the scenario scripts parse. `simulate`
+//! runs the same levels against a simulated cluster, plans P:D splits and calibrates cost
+//! profiles (`simulate_cli`, with the default `sim` feature).
+
+#[cfg(feature = "sim")]
+mod simulate_cli;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -76,8 +81,33 @@ struct RunArgs {
     /// A request still streaming after this is cut and counted as a timeout.
     #[arg(long, env = "LOADTEST_REQUEST_TIMEOUT", value_parser = parse_duration, default_value = "60s")]
     request_timeout: Duration,
+    #[command(flatten)]
+    workload: WorkloadArgs,
+    #[arg(long, env = "LOADTEST_SLO_TTFT_MS", default_value_t = 2000.0)]
+    slo_ttft_ms: f64,
+    #[arg(long, env = "LOADTEST_SLO_TPOT_MS", default_value_t = 200.0)]
+    slo_tpot_ms: f64,
+    #[arg(long, env = "LOADTEST_SEED", default_value_t = 0)]
+    seed: u64,
+    /// Unmeasured requests sent one at a time first.
+    #[arg(long, env = "LOADTEST_WARMUP_REQUESTS", default_value_t = 1)]
+    warmup_requests: usize,
+    /// Write the full report (every level and request) as JSON.
+    #[arg(long, env = "LOADTEST_JSON")]
+    json: Option<PathBuf>,
+    /// Write SVG plots into this directory.
+    #[arg(long, env = "LOADTEST_PLOT")]
+    plot: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short, env = "LOADTEST_QUIET")]
+    quiet: bool,
+}
+
+/// The workload flags, shared by load runs and simulations.
+#[derive(Args)]
+pub(crate) struct WorkloadArgs {
     #[arg(long, env = "LOADTEST_WORKLOAD", value_enum, default_value = "fixed")]
-    workload: WorkloadKind,
+    pub(crate) workload: WorkloadKind,
     /// Prompt tokens (fixed, shared-prefix: default 128; sharegpt, summarise: the mean).
     #[arg(long, env = "LOADTEST_INPUT_LEN")]
     input_len: Option<usize>,
@@ -108,24 +138,29 @@ struct RunArgs {
         default_value = "words"
     )]
     prompt_style: StyleArg,
-    #[arg(long, env = "LOADTEST_SLO_TTFT_MS", default_value_t = 2000.0)]
-    slo_ttft_ms: f64,
-    #[arg(long, env = "LOADTEST_SLO_TPOT_MS", default_value_t = 200.0)]
-    slo_tpot_ms: f64,
-    #[arg(long, env = "LOADTEST_SEED", default_value_t = 0)]
-    seed: u64,
-    /// Unmeasured requests sent one at a time first.
-    #[arg(long, env = "LOADTEST_WARMUP_REQUESTS", default_value_t = 1)]
-    warmup_requests: usize,
-    /// Write the full report (every level and request) as JSON.
-    #[arg(long, env = "LOADTEST_JSON")]
-    json: Option<PathBuf>,
-    /// Write SVG plots into this directory.
-    #[arg(long, env = "LOADTEST_PLOT")]
-    plot: Option<PathBuf>,
-    /// No progress bar.
-    #[arg(long, short, env = "LOADTEST_QUIET")]
-    quiet: bool,
+}
+
+impl WorkloadArgs {
+    pub(crate) fn config(&self, cli_first_extra_id: usize, cli_vocab: usize) -> WorkloadConfig {
+        let prompt_style = match self.prompt_style {
+            StyleArg::Words => PromptStyle::Words,
+            StyleArg::Extra => PromptStyle::Extra {
+                first_extra_id: cli_first_extra_id,
+                vocab: cli_vocab,
+            },
+        };
+        WorkloadConfig {
+            kind: self.workload,
+            input_len: self.input_len,
+            output_len: self.output_len,
+            max_input_len: self.max_input_len,
+            max_output_len: self.max_output_len,
+            prefixes: self.prefixes,
+            users: self.users,
+            prefix_len: self.prefix_len,
+            prompt_style,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -136,6 +171,11 @@ enum StyleArg {
 
 #[derive(Subcommand)]
 enum LegacyMode {
+    /// Simulate a cluster (P prefill + D decode nodes, or colocated) on a cost profile:
+    /// `simulate --cluster 2P+6D --rate 20`, `simulate plan --gpus 8..64`,
+    /// `simulate calibrate --model DIR`.
+    #[cfg(feature = "sim")]
+    Simulate(Box<simulate_cli::SimulateArgs>),
     /// Sequential requests of exact prompt lengths: TTFT and end-to-end medians (CSV).
     Ttft {
         #[arg(long, value_delimiter = ',', default_value = "128,1024,2048")]
@@ -186,6 +226,10 @@ async fn main() -> anyhow::Result<()> {
             api_key: cli.api_key,
         };
         let out = match mode {
+            #[cfg(feature = "sim")]
+            LegacyMode::Simulate(args) => {
+                return simulate_cli::run(*args, cli.first_extra_id, cli.vocab);
+            }
             LegacyMode::Ttft {
                 prompt_tokens,
                 repeats,
@@ -251,13 +295,6 @@ async fn main() -> anyhow::Result<()> {
             "give one of --rate R, --concurrency C or --sweep RATES (or a subcommand; see --help)"
         ),
     };
-    let prompt_style = match a.prompt_style {
-        StyleArg::Words => PromptStyle::Words,
-        StyleArg::Extra => PromptStyle::Extra {
-            first_extra_id: cli.first_extra_id,
-            vocab: cli.vocab,
-        },
-    };
     let config = LoadConfig {
         target: Target {
             base_url: cli.url,
@@ -266,17 +303,7 @@ async fn main() -> anyhow::Result<()> {
             api_key: cli.api_key,
         },
         plan,
-        workload: WorkloadConfig {
-            kind: a.workload,
-            input_len: a.input_len,
-            output_len: a.output_len,
-            max_input_len: a.max_input_len,
-            max_output_len: a.max_output_len,
-            prefixes: a.prefixes,
-            users: a.users,
-            prefix_len: a.prefix_len,
-            prompt_style,
-        },
+        workload: a.workload.config(cli.first_extra_id, cli.vocab),
         bounds: Bounds {
             duration: a.duration,
             max_requests: a.max_requests,

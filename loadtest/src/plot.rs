@@ -5,7 +5,8 @@
 //!   SLO as a vertical line where there is one;
 //! - `attainment_vs_rate.svg`: SLO attainment against rate, with the 90% target;
 //! - `goodput_vs_rate.svg`: throughput and good requests/s against rate;
-//! - `ttft_vs_rate.svg`, `tpot_vs_rate.svg`: p50 and p90 against rate, with the SLO.
+//! - `ttft_vs_rate.svg`, `tpot_vs_rate.svg`: p50 and p90 against rate, with the SLO;
+//! - for `simulate plan`, [`gpu_plot`]: goodput against the GPU count.
 
 use std::path::{Path, PathBuf};
 
@@ -81,6 +82,7 @@ pub fn write_plots(report: &RunReport, dir: &Path) -> Result<Vec<PathBuf>, LoadE
         .collect();
     RatePlot {
         title: "SLO attainment against rate",
+        x_desc: RATE,
         y_desc: "requests meeting both SLOs (%)",
         series: vec![("attainment", attainment)],
         reference: Some(ATTAINMENT_TARGET * 100.0),
@@ -93,6 +95,7 @@ pub fn write_plots(report: &RunReport, dir: &Path) -> Result<Vec<PathBuf>, LoadE
     };
     RatePlot {
         title: "Throughput and goodput against rate",
+        x_desc: RATE,
         y_desc: "requests/s",
         series: vec![
             ("offered", series(&|l: &LevelReport| l.summary.offered_rps)),
@@ -121,6 +124,7 @@ pub fn write_plots(report: &RunReport, dir: &Path) -> Result<Vec<PathBuf>, LoadE
     };
     RatePlot {
         title: "TTFT against rate",
+        x_desc: RATE,
         y_desc: "TTFT (ms)",
         series: vec![("p50", pct(ttft_of, false)), ("p90", pct(ttft_of, true))],
         reference: Some(slo.ttft_ms),
@@ -129,6 +133,7 @@ pub fn write_plots(report: &RunReport, dir: &Path) -> Result<Vec<PathBuf>, LoadE
     .draw(&out("ttft_vs_rate.svg"))?;
     RatePlot {
         title: "TPOT against rate",
+        x_desc: RATE,
         y_desc: "TPOT (ms)",
         series: vec![("p50", pct(tpot_of, false)), ("p90", pct(tpot_of, true))],
         reference: Some(slo.tpot_ms),
@@ -136,6 +141,26 @@ pub fn write_plots(report: &RunReport, dir: &Path) -> Result<Vec<PathBuf>, LoadE
     }
     .draw(&out("tpot_vs_rate.svg"))?;
     Ok(written)
+}
+
+const RATE: &str = "request rate (req/s)";
+
+/// Lines against the number of GPUs (the simulator's plans).
+pub fn gpu_plot(
+    path: &Path,
+    title: &'static str,
+    y_desc: &'static str,
+    series: Vec<(&'static str, Vec<(f64, f64)>)>,
+) -> Result<(), LoadError> {
+    RatePlot {
+        title,
+        x_desc: "GPUs",
+        y_desc,
+        series,
+        reference: None,
+        legend_at: SeriesLabelPosition::LowerRight,
+    }
+    .draw(path)
 }
 
 fn ttft_of(l: &LevelReport) -> &Distribution {
@@ -252,6 +277,7 @@ fn latency_cdf(
 /// Lines against the request rate, with an optional horizontal reference (an SLO, a target).
 struct RatePlot {
     title: &'static str,
+    x_desc: &'static str,
     y_desc: &'static str,
     series: Vec<(&'static str, Vec<(f64, f64)>)>,
     reference: Option<f64>,
@@ -262,6 +288,7 @@ impl RatePlot {
     fn draw(self, path: &Path) -> Result<(), LoadError> {
         let RatePlot {
             title,
+            x_desc,
             y_desc,
             series,
             reference,
@@ -282,7 +309,7 @@ impl RatePlot {
             .map_err(|e| err(e.to_string()))?;
         chart
             .configure_mesh()
-            .x_desc("request rate (req/s)")
+            .x_desc(x_desc)
             .y_desc(y_desc)
             .draw()
             .map_err(|e| err(e.to_string()))?;

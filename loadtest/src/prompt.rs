@@ -85,7 +85,7 @@ impl PromptBuilder {
 }
 
 /// A well-mixed 64-bit step (SplitMix64), so consecutive seeds give unrelated words.
-fn splitmix(x: u64) -> u64 {
+pub(crate) fn splitmix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

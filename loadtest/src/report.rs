@@ -21,6 +21,10 @@ pub struct RunReport {
     pub model: Option<String>,
     pub levels: Vec<LevelReport>,
     pub sweep: Option<SweepResult>,
+    /// Set when the levels were simulated (`fission-loadtest simulate`): the cluster and
+    /// cost profile simulated. The target and API in `config` then mean nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub simulated: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -54,7 +58,14 @@ impl RunReport {
     pub fn markdown(&self) -> String {
         let c = &self.config;
         let mut out = String::new();
-        let _ = writeln!(out, "## fission-loadtest: {}\n", c.target.endpoint());
+        match &self.simulated {
+            Some(cluster) => {
+                let _ = writeln!(out, "## fission-loadtest simulate: {cluster}\n");
+            }
+            None => {
+                let _ = writeln!(out, "## fission-loadtest: {}\n", c.target.endpoint());
+            }
+        }
         let plan = match &c.plan {
             LoadPlan::Single(shape) => shape.label(),
             LoadPlan::Sweep {
@@ -66,13 +77,21 @@ impl RunReport {
                 rates.rates()
             ),
         };
-        let _ = writeln!(
-            out,
-            "- API `{}`, model `{}`, workload `{}`, load: {plan}",
-            value_name(c.target.api),
-            self.model.as_deref().unwrap_or("(none sent)"),
-            value_name(c.workload.kind),
-        );
+        if self.simulated.is_some() {
+            let _ = writeln!(
+                out,
+                "- simulated: workload `{}`, load: {plan}",
+                value_name(c.workload.kind),
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "- API `{}`, model `{}`, workload `{}`, load: {plan}",
+                value_name(c.target.api),
+                self.model.as_deref().unwrap_or("(none sent)"),
+                value_name(c.workload.kind),
+            );
+        }
         let _ = writeln!(
             out,
             "- per level: at most {:.0} s and {} requests, {:.0} s timeout per request; seed {}",

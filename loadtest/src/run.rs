@@ -65,6 +65,7 @@ pub async fn run(config: &LoadConfig) -> Result<RunReport, LoadError> {
         model: target.model,
         levels,
         sweep,
+        simulated: None,
     };
     if let Some(path) = &config.json_path {
         report.write_json(path)?;

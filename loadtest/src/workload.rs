@@ -209,8 +209,41 @@ pub struct WorkloadSampler {
     next_index: u64,
 }
 
+/// What one request is made of, before any text: its lengths and its prompt as segments of
+/// seeded tokens. [`WorkloadSampler::next_request`] renders it as text for a server; the
+/// simulator (`crate::sim`) turns the same segments into token ids, so a simulated run
+/// serves the very lengths and shared prefixes a real run with the same seed sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestPlan {
+    pub index: u64,
+    /// Prompt tokens (the system prompt included).
+    pub input_len: usize,
+    pub output_len: usize,
+    /// `(num_tokens, seed)` pieces of the prompt in order; equal seeds are equal tokens.
+    pub segments: Vec<(usize, u64)>,
+    /// How many leading segments are the system prompt (shared-prefix only).
+    pub system_segments: usize,
+}
+
+impl RequestPlan {
+    /// Token ids standing for the prompt: each segment's tokens follow from its seed alone, so
+    /// requests sharing a system prompt share a prefix of ids (and of KV blocks).
+    pub fn token_ids(&self, vocab: u32) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.input_len);
+        for &(num_tokens, seed) in &self.segments {
+            let mut state = seed;
+            for _ in 0..num_tokens {
+                state = crate::prompt::splitmix(state);
+                out.push((state % u64::from(vocab.max(1))) as u32);
+            }
+        }
+        out
+    }
+}
+
 impl WorkloadSampler {
-    pub fn next_request(&mut self) -> RequestSpec {
+    /// The next request's lengths and prompt segments.
+    pub fn next_plan(&mut self) -> RequestPlan {
         let index = self.next_index;
         self.next_index += 1;
         let c = &self.config;
@@ -221,38 +254,56 @@ impl WorkloadSampler {
         // unless the workload means them to.
         let unique = mix(self.seed, 1, index);
         if c.kind != WorkloadKind::SharedPrefix {
-            let mut b = PromptBuilder::new(c.prompt_style);
-            b.push(input_len, unique);
-            let prompt = b.build();
-            return RequestSpec {
+            return RequestPlan {
                 index,
-                user: prompt.clone(),
-                prompt,
-                system: None,
                 input_len,
                 output_len,
+                segments: vec![(input_len, unique)],
+                system_segments: 0,
             };
         }
         let group = self.rng.random_range(0..c.prefixes as u64);
         let user = self.rng.random_range(0..c.users as u64);
         let context_len = input_len / 2;
-        let mut system = PromptBuilder::new(c.prompt_style);
-        system.push(c.prefix_len, mix(self.seed, 2, group));
-        let system = system.build();
-        let mut whole = PromptBuilder::new(c.prompt_style);
-        whole.push(c.prefix_len, mix(self.seed, 2, group));
-        whole.push(context_len, mix(self.seed, 3, (group << 32) | user));
-        whole.push(input_len - context_len, unique);
-        let mut user_part = PromptBuilder::new(c.prompt_style);
-        user_part.push(context_len, mix(self.seed, 3, (group << 32) | user));
-        user_part.push(input_len - context_len, unique);
-        RequestSpec {
+        RequestPlan {
             index,
-            prompt: whole.build(),
-            system: Some(system),
-            user: user_part.build(),
             input_len: c.prefix_len + input_len,
             output_len,
+            segments: vec![
+                (c.prefix_len, mix(self.seed, 2, group)),
+                (context_len, mix(self.seed, 3, (group << 32) | user)),
+                (input_len - context_len, unique),
+            ],
+            system_segments: 1,
+        }
+    }
+
+    pub fn next_request(&mut self) -> RequestSpec {
+        let plan = self.next_plan();
+        let style = self.config.prompt_style;
+        let text = |segments: &[(usize, u64)]| {
+            let mut b = PromptBuilder::new(style);
+            for &(num_tokens, seed) in segments {
+                b.push(num_tokens, seed);
+            }
+            b.build()
+        };
+        let prompt = text(&plan.segments);
+        let (system, user) = if plan.system_segments == 0 {
+            (None, prompt.clone())
+        } else {
+            (
+                Some(text(&plan.segments[..plan.system_segments])),
+                text(&plan.segments[plan.system_segments..]),
+            )
+        };
+        RequestSpec {
+            index: plan.index,
+            prompt,
+            system,
+            user,
+            input_len: plan.input_len,
+            output_len: plan.output_len,
         }
     }
 }
@@ -370,6 +421,32 @@ mod tests {
             6,
             "2 prefixes x 3 users have 6 distinct contexts"
         );
+    }
+
+    #[test]
+    fn plans_match_requests_and_shared_prefixes_share_token_ids() {
+        let c = WorkloadConfig {
+            kind: WorkloadKind::SharedPrefix,
+            input_len: Some(10),
+            output_len: Some(4),
+            prefixes: 1,
+            users: 2,
+            prefix_len: 20,
+            ..WorkloadConfig::fixed(1, 1, PromptStyle::Words)
+        };
+        let (mut a, mut b) = (c.sampler(4).expect("valid"), c.sampler(4).expect("valid"));
+        let (plan, spec) = (a.next_plan(), b.next_request());
+        assert_eq!(
+            (plan.input_len, plan.output_len),
+            (spec.input_len, spec.output_len)
+        );
+        let (x, y) = (a.next_plan().token_ids(1000), a.next_plan().token_ids(1000));
+        assert_eq!(x.len(), 30);
+        assert_eq!(x[..20], y[..20], "one system prompt");
+        let fixed = WorkloadConfig::fixed(16, 2, PromptStyle::Words);
+        let mut s = fixed.sampler(0).expect("valid");
+        let (p, q) = (s.next_plan().token_ids(1000), s.next_plan().token_ids(1000));
+        assert_ne!(p[..4], q[..4]);
     }
 
     #[test]

@@ -1,0 +1,229 @@
+//! What cluster is simulated: its shape (P prefill + D decode nodes, or N colocated nodes),
+//! each node's scheduler settings (Fission's defaults), the gateway's routing policy and
+//! limits, and the cost model.
+
+use std::fmt;
+use std::str::FromStr;
+
+use engine::scheduler::SchedulerConfig;
+use gateway::cluster::PolicyKind;
+use serde::Serialize;
+
+use super::cost::CostModel;
+
+/// The nodes of the cluster, one GPU each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum Topology {
+    /// Prefill nodes compute prompts and push their KV to decode nodes.
+    Disaggregated { prefill: usize, decode: usize },
+    /// Every node prefills (chunked, mixed into its decode steps) and decodes: Fission with
+    /// `--prefill 0`, each decode node prefilling locally.
+    Colocated { nodes: usize },
+}
+
+impl Topology {
+    pub fn gpus(&self) -> usize {
+        match *self {
+            Topology::Disaggregated { prefill, decode } => prefill + decode,
+            Topology::Colocated { nodes } => nodes,
+        }
+    }
+
+    pub fn decode_nodes(&self) -> usize {
+        match *self {
+            Topology::Disaggregated { decode, .. } => decode,
+            Topology::Colocated { nodes } => nodes,
+        }
+    }
+
+    pub fn prefill_nodes(&self) -> usize {
+        match *self {
+            Topology::Disaggregated { prefill, .. } => prefill,
+            Topology::Colocated { .. } => 0,
+        }
+    }
+}
+
+impl fmt::Display for Topology {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Topology::Disaggregated { prefill, decode } => write!(f, "{prefill}P+{decode}D"),
+            Topology::Colocated { nodes } => write!(f, "{nodes} colocated"),
+        }
+    }
+}
+
+/// `2P+6D` (or `2p6d`), or `8C` / `colocated:8`.
+impl FromStr for Topology {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim().to_ascii_lowercase();
+        let num = |x: &str| {
+            x.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| format!("`{s}`: `{x}` is not a positive node count"))
+        };
+        if let Some(n) = t.strip_prefix("colocated:") {
+            return Ok(Topology::Colocated { nodes: num(n)? });
+        }
+        if let Some(n) = t.strip_suffix('c') {
+            return Ok(Topology::Colocated { nodes: num(n)? });
+        }
+        if let Some((p, d)) = t.split_once('p') {
+            let d = d.trim_start_matches('+');
+            if let Some(d) = d.strip_suffix('d') {
+                return Ok(Topology::Disaggregated {
+                    prefill: num(p)?,
+                    decode: num(d)?,
+                });
+            }
+        }
+        Err(format!(
+            "`{s}` is not a cluster: give P+D as `2P+6D`, or colocated nodes as `8C`"
+        ))
+    }
+}
+
+/// Each node's engine settings, with the defaults of the node binaries' flags
+/// (`node-common`'s `EngineArgs`).
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeSettings {
+    pub max_batch_prefill_tokens: usize,
+    /// Defaults to every token the KV cache holds, as the engine does.
+    pub max_batch_total_tokens: Option<usize>,
+    pub max_num_seqs: usize,
+    pub max_prefill_chunk_tokens: usize,
+    pub enable_prefix_caching: bool,
+    /// Decode nodes: the share of KV blocks that reservations for incoming pushes may hold.
+    pub reservation_fraction: f64,
+    /// KV blocks per node; the profile's when `None`.
+    pub kv_blocks: Option<usize>,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        NodeSettings {
+            max_batch_prefill_tokens: 4096,
+            max_batch_total_tokens: None,
+            max_num_seqs: 256,
+            max_prefill_chunk_tokens: 2048,
+            enable_prefix_caching: true,
+            reservation_fraction: 0.5,
+            kv_blocks: None,
+        }
+    }
+}
+
+impl NodeSettings {
+    pub fn scheduler_config(&self, kv_blocks: usize, block_size: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            max_batch_prefill_tokens: self.max_batch_prefill_tokens,
+            max_batch_total_tokens: self
+                .max_batch_total_tokens
+                .unwrap_or(kv_blocks * block_size),
+            max_num_seqs: self.max_num_seqs,
+            max_prefill_chunk_tokens: self.max_prefill_chunk_tokens,
+            enable_prefix_caching: self.enable_prefix_caching,
+        }
+    }
+}
+
+/// The gateway's part: routing and admission, with its flags' defaults.
+#[derive(Debug, Clone, Serialize)]
+pub struct GatewaySettings {
+    #[serde(serialize_with = "policy_name")]
+    pub routing: PolicyKind,
+    /// Disaggregated clusters: prompts shorter than this are prefilled on the decode node.
+    pub max_local_prefill_tokens: usize,
+    /// Requests on the nodes at once; the rest wait in the FIFO queue. `None`: no limit (the
+    /// gateway's default is 128, which a large cluster raises).
+    pub max_concurrent_requests: Option<usize>,
+    /// Longest prompt + output accepted; longer requests fail validation (422).
+    pub max_total_tokens: usize,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        GatewaySettings {
+            routing: PolicyKind::CacheAware,
+            max_local_prefill_tokens: 0,
+            max_concurrent_requests: None,
+            max_total_tokens: 4096,
+        }
+    }
+}
+
+fn policy_name<S: serde::Serializer>(p: &PolicyKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(p.as_str())
+}
+
+/// Everything one simulation needs besides the load.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimCluster {
+    pub topology: Topology,
+    #[serde(skip)]
+    pub cost: CostModel,
+    pub profile: String,
+    pub node: NodeSettings,
+    pub gateway: GatewaySettings,
+}
+
+impl SimCluster {
+    pub fn new(topology: Topology, cost: CostModel) -> Self {
+        SimCluster {
+            topology,
+            profile: cost.name.clone(),
+            cost,
+            node: NodeSettings::default(),
+            gateway: GatewaySettings::default(),
+        }
+    }
+
+    pub fn kv_blocks(&self) -> usize {
+        self.node.kv_blocks.unwrap_or(self.cost.node.kv_blocks)
+    }
+
+    pub fn label(&self) -> String {
+        format!("{} ({})", self.topology, self.profile)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topologies_parse_and_print() {
+        let t: Topology = "2P+6D".parse().expect("valid");
+        assert_eq!(
+            t,
+            Topology::Disaggregated {
+                prefill: 2,
+                decode: 6
+            }
+        );
+        assert_eq!(t.to_string(), "2P+6D");
+        assert_eq!(
+            "1p1d".parse::<Topology>(),
+            Ok(Topology::Disaggregated {
+                prefill: 1,
+                decode: 1
+            })
+        );
+        assert_eq!(
+            "8C".parse::<Topology>(),
+            Ok(Topology::Colocated { nodes: 8 })
+        );
+        assert_eq!(
+            "colocated:2".parse::<Topology>(),
+            Ok(Topology::Colocated { nodes: 2 })
+        );
+        assert!("0P+2D".parse::<Topology>().is_err());
+        assert!("banana".parse::<Topology>().is_err());
+        assert_eq!(t.gpus(), 8);
+    }
+}

@@ -1,0 +1,188 @@
+//! Simulated load levels and sweeps, reported exactly as the load generator reports real
+//! ones: the same arrival schedules ([`crate::arrival`]), the same requests
+//! ([`crate::workload`]), the same per-level seeds, summaries, sweep search, Markdown, JSON
+//! and plots. A simulation with the seed of a real run serves the requests that run sent, at
+//! the times it sent them.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::cluster::SimCluster;
+use super::simulate::{simulate, LevelLimits, SimOutcome, SimRequest};
+use crate::arrival::Arrivals;
+use crate::config::{Bounds, LoadConfig, LoadPlan, LoadShape};
+use crate::error::LoadError;
+use crate::goodput::Slo;
+use crate::report::{LevelReport, RunReport};
+use crate::summary::LevelSummary;
+use crate::sweep::SweepSearch;
+use crate::workload::WorkloadConfig;
+
+/// The requests of one open-loop level, as the load generator would send them.
+pub fn level_requests(
+    workload: &WorkloadConfig,
+    rate_rps: f64,
+    burstiness: f64,
+    bounds: &Bounds,
+    seed: u64,
+) -> Result<Vec<SimRequest>, LoadError> {
+    let mut sampler = workload.sampler(seed)?;
+    let schedule =
+        Arrivals::new(rate_rps, burstiness, seed)?.schedule(bounds.duration, bounds.max_requests);
+    Ok(schedule
+        .into_iter()
+        .map(|at| SimRequest {
+            plan: sampler.next_plan(),
+            arrival_s: at.as_secs_f64(),
+        })
+        .collect())
+}
+
+/// One simulated level and what it cost to simulate.
+#[derive(Debug, Clone)]
+pub struct SimLevel {
+    pub report: LevelReport,
+    pub stopped_early: bool,
+    pub steps: u64,
+    /// Real seconds the simulation took.
+    pub elapsed_s: f64,
+}
+
+/// Simulates one open-loop level. With `stop_when_missed`, a level that cannot meet the SLO
+/// stops early and its summary is only good for its attainment.
+pub fn simulate_level(
+    cluster: &SimCluster,
+    workload: &WorkloadConfig,
+    shape: LoadShape,
+    bounds: &Bounds,
+    slo: &Slo,
+    seed: u64,
+    stop_when_missed: bool,
+) -> Result<SimLevel, LoadError> {
+    bounds.validate()?;
+    let LoadShape::Open {
+        rate_rps,
+        burstiness,
+    } = shape
+    else {
+        return Err(LoadError::invalid(
+            "load",
+            "the simulator runs open-loop levels (--rate or --sweep)",
+            shape.label(),
+        ));
+    };
+    let started = Instant::now();
+    let requests = level_requests(workload, rate_rps, burstiness, bounds, seed)?;
+    let limits = LevelLimits {
+        request_timeout_s: bounds.request_timeout.as_secs_f64(),
+        stop_when_missed: stop_when_missed.then_some(*slo),
+    };
+    let SimOutcome {
+        records,
+        stopped_early,
+        steps,
+        ..
+    } = simulate(cluster, &requests, limits);
+    // As the load generator counts it: the send window is the level's duration unless
+    // `max_requests` cut the schedule short; the wall time runs to the last answer.
+    let send_window_s = if requests.len() >= bounds.max_requests {
+        requests.last().map_or(0.0, |r| r.arrival_s)
+    } else {
+        bounds.duration.as_secs_f64()
+    };
+    let last_answer_s = records
+        .iter()
+        .map(|r| r.sent_at_s + r.e2e_s)
+        .fold(0.0, f64::max);
+    let wall_s = last_answer_s.max(send_window_s);
+    let summary = LevelSummary::new(shape, &records, send_window_s, wall_s, slo);
+    Ok(SimLevel {
+        report: LevelReport {
+            summary,
+            requests: records,
+        },
+        stopped_early,
+        steps,
+        elapsed_s: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// Simulation cost of a whole run, for the budget the README reports.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct SimCost {
+    pub levels: usize,
+    pub requests: usize,
+    pub steps: u64,
+    pub elapsed_s: f64,
+}
+
+/// A whole `simulate` run: one level or a sweep, as `config.plan` says, reported like a real
+/// run of the same configuration (its target is ignored).
+pub fn simulate_run(
+    cluster: &SimCluster,
+    config: &LoadConfig,
+) -> Result<(RunReport, SimCost), LoadError> {
+    config.bounds.validate()?;
+    config.workload.lengths()?;
+    let mut cost = SimCost::default();
+    let mut levels = Vec::new();
+    let one = |shape: LoadShape, index: u64, cost: &mut SimCost| {
+        // The seed of the real run's level `index` (see `run::level`).
+        let seed = config
+            .seed
+            .wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001));
+        let l = simulate_level(
+            cluster,
+            &config.workload,
+            shape,
+            &config.bounds,
+            &config.slo,
+            seed,
+            false,
+        )?;
+        cost.levels += 1;
+        cost.requests += l.report.requests.len();
+        cost.steps += l.steps;
+        cost.elapsed_s += l.elapsed_s;
+        Ok::<_, LoadError>(l.report)
+    };
+    let sweep = match &config.plan {
+        LoadPlan::Single(shape) => {
+            levels.push(one(*shape, 0, &mut cost)?);
+            None
+        }
+        LoadPlan::Sweep {
+            rates,
+            burstiness,
+            bisect_steps,
+        } => {
+            let mut search = SweepSearch::new(rates, *bisect_steps);
+            while let Some(rate_rps) = search.next_rate() {
+                let shape = LoadShape::Open {
+                    rate_rps,
+                    burstiness: *burstiness,
+                };
+                let l = one(shape, levels.len() as u64, &mut cost)?;
+                search.record(rate_rps, l.summary.slo_attainment);
+                levels.push(l);
+            }
+            levels.sort_by(|a, b| a.summary.rate_rps().total_cmp(&b.summary.rate_rps()));
+            Some(search.result())
+        }
+    };
+    let report = RunReport {
+        config: config.clone(),
+        model: Some(cluster.cost.model.name.clone()),
+        levels,
+        sweep,
+        simulated: Some(cluster.label()),
+    };
+    if let Some(path) = &config.json_path {
+        report.write_json(path)?;
+    }
+    if let Some(dir) = &config.plot_dir {
+        crate::plot::write_plots(&report, dir)?;
+    }
+    Ok((report, cost))
+}

@@ -1,0 +1,112 @@
+//! `fission-loadtest simulate` as a user runs it: the binary, its flags and its outputs.
+
+use std::process::Command;
+
+fn simulate(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_fission-loadtest"))
+        .arg("simulate")
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+#[test]
+fn a_simulated_level_reports_like_a_real_one_and_repeats_exactly() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let json = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+    let args = |path: &str| {
+        vec![
+            "--cluster".to_string(),
+            "1P+2D".into(),
+            "--rate".into(),
+            "20".into(),
+            "--duration".into(),
+            "5s".into(),
+            "--workload".into(),
+            "sharegpt".into(),
+            "--seed".into(),
+            "3".into(),
+            "--json".into(),
+            path.to_string(),
+        ]
+    };
+    let a = args(&json("a.json"));
+    let b = args(&json("b.json"));
+    let md = simulate(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        md.contains("## fission-loadtest simulate: 1P+2D (h100-llama8b)"),
+        "{md}"
+    );
+    assert!(md.contains("| TTFT | TPOT |"), "{md}");
+    simulate(&b.iter().map(String::as_str).collect::<Vec<_>>());
+    let (ja, jb) = (
+        std::fs::read_to_string(json("a.json")).expect("written"),
+        std::fs::read_to_string(json("b.json")).expect("written"),
+    );
+    let v: serde_json::Value = serde_json::from_str(&ja).expect("json");
+    let w: serde_json::Value = serde_json::from_str(&jb).expect("json");
+    // Everything but where the JSON was written.
+    assert_eq!(
+        v["levels"], w["levels"],
+        "a seeded simulation repeats exactly"
+    );
+    assert_eq!(v["simulated"], "1P+2D (h100-llama8b)");
+    assert!(
+        v["levels"][0]["summary"]["requests"]
+            .as_u64()
+            .expect("a count")
+            > 50
+    );
+}
+
+#[test]
+fn a_plan_names_a_split_for_each_gpu_count() {
+    let md = simulate(&[
+        "plan",
+        "--gpus",
+        "4",
+        "--workload",
+        "fixed",
+        "--input-len",
+        "1024",
+        "--output-len",
+        "16",
+        "--duration",
+        "5s",
+        "--slo-ttft-ms",
+        "300",
+        "--slo-tpot-ms",
+        "50",
+    ]);
+    assert!(md.contains("| GPUs | best P:D |"), "{md}");
+    assert!(md.lines().any(|l| l.starts_with("| 4 | ")), "{md}");
+}
+
+#[test]
+fn bad_clusters_and_profiles_are_refused() {
+    for args in [
+        &["--cluster", "0P+1D", "--rate", "1"][..],
+        &[
+            "--cluster",
+            "1P+1D",
+            "--rate",
+            "1",
+            "--profile",
+            "/nonexistent.json",
+        ][..],
+        &["--rate", "1"][..],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fission-loadtest"))
+            .arg("simulate")
+            .args(args)
+            .output()
+            .expect("the binary runs");
+        assert!(!out.status.success(), "{args:?} was accepted");
+    }
+}
