@@ -330,8 +330,13 @@ pub fn fingerprint(dir: &Path) -> anyhow::Result<String> {
     Ok(format!("{hash:016x}"))
 }
 
+/// Writes `value` with every object's keys sorted, whatever serde_json's `preserve_order`
+/// feature says (a dependency elsewhere in the workspace can turn it on): the same spec must
+/// write the same bytes, or fingerprints and the committed references drift.
 fn write_json(path: &Path, value: &Value) -> anyhow::Result<()> {
-    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")
+    let mut value = value.clone();
+    value.sort_all_objects();
+    std::fs::write(path, serde_json::to_string_pretty(&value)? + "\n")
         .with_context(|| format!("writing {}", path.display()))
 }
 
@@ -533,6 +538,25 @@ fn pad_tokenizer(from: &Path, out: &Path, vocab: usize) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn config_json_keys_are_sorted_whatever_serde_jsons_features() {
+        // The workspace turns on serde_json's `preserve_order` (through llguidance), which
+        // would write keys in insertion order and change every fingerprint.
+        let tok = tokenizer_dir();
+        let out = tempfile::tempdir().expect("tempdir");
+        write_model(out.path(), &ModelSpec::tiny(), tok.path()).expect("writes");
+        let text = std::fs::read_to_string(out.path().join("config.json")).expect("reads");
+        let keys: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("  \""))
+            .filter_map(|l| l.split('"').next())
+            .collect();
+        let mut sorted = keys.clone();
+        sorted.sort_unstable();
+        assert!(keys.len() > 10, "{text}");
+        assert_eq!(keys, sorted);
+    }
 
     /// A minimal tokenizer.json: all `pad_tokenizer` reads.
     fn tokenizer_dir() -> tempfile::TempDir {
