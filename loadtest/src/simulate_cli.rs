@@ -9,6 +9,7 @@ use clap::{Args, Subcommand};
 use gateway::cluster::PolicyKind;
 use loadtest::config::parse_duration;
 use loadtest::sim::calibrate::{self, MeasureGrid};
+use loadtest::sim::cluster::SharedHost;
 use loadtest::sim::cost::{Link, NodeSpec};
 use loadtest::sim::{plan, CostModel, PlanConfig, SimCluster, Topology};
 use loadtest::sweep::SweepSpec;
@@ -68,6 +69,14 @@ struct SimCommon {
     /// Push the KV after the whole prefill instead of layer by layer as it is computed.
     #[arg(long)]
     push_after_prefill: bool,
+    /// All nodes share one machine with this many cores (a test cluster on one host): a step
+    /// is stretched while other nodes compute. The profile must be fitted with
+    /// `--threads-per-node` threads.
+    #[arg(long)]
+    shared_host_cores: Option<f64>,
+    /// With `--shared-host-cores`: the threads each node's steps use (the cores by default).
+    #[arg(long, requires = "shared_host_cores")]
+    threads_per_node: Option<f64>,
     #[command(flatten)]
     workload: WorkloadArgs,
     #[arg(long, default_value_t = 2000.0)]
@@ -184,6 +193,10 @@ impl SimCommon {
         c.node.max_num_seqs = self.max_num_seqs;
         c.node.max_prefill_chunk_tokens = self.max_prefill_chunk_tokens;
         c.node.enable_prefix_caching = !self.disable_prefix_caching;
+        c.node.shared_host = self.shared_host_cores.map(|cores| SharedHost {
+            cores,
+            threads_per_node: self.threads_per_node.unwrap_or(cores),
+        });
         c.gateway.routing = self.routing;
         c.gateway.max_local_prefill_tokens = self.max_local_prefill_tokens;
         c.gateway.max_concurrent_requests = self.max_concurrent_requests;

@@ -102,6 +102,25 @@ pub struct NodeSettings {
     pub reservation_fraction: f64,
     /// KV blocks per node; the profile's when `None`.
     pub kv_blocks: Option<usize>,
+    /// Every node runs on one machine and shares its cores (a test cluster on one host, as
+    /// the validation runs are); `None` gives each node its own hardware, as a deployment does.
+    pub shared_host: Option<SharedHost>,
+}
+
+/// One machine's cores shared by all the simulated nodes. A step that starts while other
+/// nodes are mid-step is stretched by the threads wanted over the cores there are: the
+/// profile's times are those of one node alone with `threads_per_node` threads.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SharedHost {
+    pub cores: f64,
+    pub threads_per_node: f64,
+}
+
+impl SharedHost {
+    /// The factor a step's time is stretched by when `busy` nodes (this one included) compute.
+    pub fn stretch(&self, busy: usize) -> f64 {
+        (busy as f64 * self.threads_per_node / self.cores).max(1.0)
+    }
 }
 
 impl Default for NodeSettings {
@@ -114,6 +133,7 @@ impl Default for NodeSettings {
             enable_prefix_caching: true,
             reservation_fraction: 0.5,
             kv_blocks: None,
+            shared_host: None,
         }
     }
 }

@@ -343,7 +343,12 @@ impl<'a> Sim<'a> {
         let Some(batch) = self.nodes[n].start_step(self.now_s) else {
             return;
         };
-        let step_s = self.cluster.cost.step_s(&StepWork::of(batch));
+        let mut step_s = self.cluster.cost.step_s(&StepWork::of(batch));
+        if let Some(host) = self.cluster.node.shared_host {
+            // This node's step has started, so it counts itself.
+            let busy = self.nodes.iter().filter(|node| node.step.is_some()).count();
+            step_s *= host.stretch(busy);
+        }
         self.steps += 1;
         self.events.push(self.now_s + step_s, Event::StepDone(n));
     }

@@ -393,3 +393,36 @@ fn the_planner_gives_a_prefill_heavy_workload_more_prefill_nodes() {
     let md = light.markdown();
     assert!(md.contains(&format!("| 6 | {p}:{d} |")), "{md}");
 }
+
+#[test]
+fn nodes_sharing_a_hosts_cores_slow_each_other_only_while_both_compute() {
+    let m = standard();
+    let mut c = cluster(Topology::Colocated { nodes: 2 }, m.clone());
+    c.node.shared_host = Some(super::cluster::SharedHost {
+        cores: 2.0,
+        threads_per_node: 2.0,
+    });
+    let input = 256;
+    // Alone on the host: the profile's time.
+    let alone = &run(&c, &[req(0, input, 1, 0.0)])[0];
+    assert!(close(
+        alone.ttft_s.expect("a first token"),
+        m.prefill_s(input)
+    ));
+    // Two prompts at once, one per node: the second starts while the first computes, so its
+    // step takes twice as long (4 threads on 2 cores); the first started alone.
+    let both = run(&c, &[req(0, input, 1, 0.0), req(1, input, 1, 0.0)]);
+    let mut ttfts: Vec<f64> = both
+        .iter()
+        .map(|r| r.ttft_s.expect("first token"))
+        .collect();
+    ttfts.sort_by(f64::total_cmp);
+    assert!(close(ttfts[0], m.prefill_s(input)), "{ttfts:?}");
+    assert!(close(ttfts[1], 2.0 * m.prefill_s(input)), "{ttfts:?}");
+    // Without the shared host, each node has its own hardware.
+    c.node.shared_host = None;
+    let apart = run(&c, &[req(0, input, 1, 0.0), req(1, input, 1, 0.0)]);
+    assert!(apart
+        .iter()
+        .all(|r| close(r.ttft_s.unwrap(), m.prefill_s(input))));
+}
