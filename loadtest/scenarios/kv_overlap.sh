@@ -27,9 +27,10 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-start() { # name extra-args...: starts a cluster, prints its port
-  local name=$1 port log
-  shift
+start() { # var name extra-args...: starts a cluster, sets $var to its port. Not called
+  # in $(...): its pid must reach the parent's cleanup.
+  local var=$1 name=$2 port log
+  shift 2
   port=$(free_port)
   log="$OUT/up-$name.log"
   "$FISSION" up --model "$M" --port "$port" --prefill 1 --decode 1 \
@@ -39,10 +40,10 @@ start() { # name extra-args...: starts a cluster, prints its port
     kill -0 "${pids[-1]}" 2>/dev/null || { echo "fission up failed" >&2; cat "$log" >&2; exit 1; }
     sleep 0.5
   done
-  echo "$port"
+  printf -v "$var" '%s' "$port"
 }
-LAYERWISE=$(start layerwise)
-AFTER=$(start after --prefill-arg=--push-after-prefill)
+start LAYERWISE layerwise
+start AFTER after --prefill-arg=--push-after-prefill
 
 echo "round,mode,prompt_tokens,ttft_ms_median,e2e_ms_median" > "$OUT/results.csv"
 measure() { # round mode port

@@ -107,9 +107,10 @@ pub struct NodeSettings {
     pub shared_host: Option<SharedHost>,
 }
 
-/// One machine's cores shared by all the simulated nodes. A step that starts while other
-/// nodes are mid-step is stretched by the threads wanted over the cores there are: the
-/// profile's times are those of one node alone with `threads_per_node` threads.
+/// One machine's cores shared by all the simulated nodes: while k nodes compute, each step
+/// advances at 1 / [`Self::stretch`]`(k)` of its speed alone (processor sharing, re-timed
+/// whenever a step starts or ends). The profile's times are those of one node alone with
+/// `threads_per_node` threads.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SharedHost {
     pub cores: f64,

@@ -8,8 +8,9 @@ use std::collections::BinaryHeap;
 pub(crate) enum Event {
     /// Request `index` reaches the gateway.
     Arrival(usize),
-    /// Node `index` finished its forward step.
-    StepDone(usize),
+    /// Node `index` finished its forward step, if the step's timing generation is still this
+    /// one (a shared host re-times steps in progress; the older events are then stale).
+    StepDone(usize, u64),
     /// Request `index`'s prompt KV is in its decode node's blocks.
     KvArrived(usize),
     /// Time to see whether the level can still meet the SLO (plans only).
@@ -75,7 +76,7 @@ mod tests {
     #[test]
     fn events_pop_in_time_then_push_order() {
         let mut q = EventQueue::default();
-        q.push(2.0, Event::StepDone(0));
+        q.push(2.0, Event::StepDone(0, 0));
         q.push(1.0, Event::Arrival(1));
         q.push(1.0, Event::Arrival(2));
         q.push(0.5, Event::Check);
@@ -86,7 +87,7 @@ mod tests {
                 (0.5, Event::Check),
                 (1.0, Event::Arrival(1)),
                 (1.0, Event::Arrival(2)),
-                (2.0, Event::StepDone(0)),
+                (2.0, Event::StepDone(0, 0)),
             ]
         );
     }

@@ -97,6 +97,19 @@ struct Sim<'a> {
     steps: u64,
     now_s: f64,
     keep_itl: bool,
+    /// Per node: the timing generation of its step (see [`Event::StepDone`]).
+    step_gens: Vec<u64>,
+    /// Per node, on a shared host: the step in progress as work left at full speed.
+    shares: Vec<Option<Share>>,
+}
+
+/// A step in progress on a shared host: it advances at `rate` (1 alone, less while other
+/// nodes compute: processor sharing) from `since_s`.
+#[derive(Debug, Clone, Copy)]
+struct Share {
+    work_left_s: f64,
+    rate: f64,
+    since_s: f64,
 }
 
 /// Simulates `requests` (sorted by arrival) on `cluster`.
@@ -121,7 +134,11 @@ pub fn simulate(cluster: &SimCluster, requests: &[SimRequest], limits: LevelLimi
                 sim.queue.push_back(i);
                 sim.dispatch();
             }
-            Event::StepDone(n) => sim.step_done(n),
+            Event::StepDone(n, generation) => {
+                if sim.step_gens[n] == generation {
+                    sim.step_done(n);
+                }
+            }
             Event::KvArrived(i) => sim.kv_arrived(i),
             Event::Check => {
                 if let Some(slo) = limits.stop_when_missed {
@@ -231,6 +248,8 @@ impl<'a> Sim<'a> {
             steps: 0,
             now_s: 0.0,
             keep_itl,
+            step_gens: vec![0; p + d],
+            shares: vec![None; p + d],
         }
     }
 
@@ -343,18 +362,48 @@ impl<'a> Sim<'a> {
         let Some(batch) = self.nodes[n].start_step(self.now_s) else {
             return;
         };
-        let mut step_s = self.cluster.cost.step_s(&StepWork::of(batch));
-        if let Some(host) = self.cluster.node.shared_host {
-            // This node's step has started, so it counts itself.
-            let busy = self.nodes.iter().filter(|node| node.step.is_some()).count();
-            step_s *= host.stretch(busy);
-        }
+        let step_s = self.cluster.cost.step_s(&StepWork::of(batch));
         self.steps += 1;
-        self.events.push(self.now_s + step_s, Event::StepDone(n));
+        if self.cluster.node.shared_host.is_some() {
+            self.shares[n] = Some(Share {
+                work_left_s: step_s,
+                rate: 1.0,
+                since_s: self.now_s,
+            });
+            self.reshare();
+        } else {
+            self.events
+                .push(self.now_s + step_s, Event::StepDone(n, self.step_gens[n]));
+        }
+    }
+
+    /// Shared host: the steps in progress advance at the rate the host now gives them; each
+    /// is re-timed from here (its earlier end event goes stale).
+    fn reshare(&mut self) {
+        let Some(host) = self.cluster.node.shared_host else {
+            return;
+        };
+        let busy = self.shares.iter().filter(|s| s.is_some()).count();
+        let rate = 1.0 / host.stretch(busy);
+        let now = self.now_s;
+        for (n, share) in self.shares.iter_mut().enumerate() {
+            let Some(s) = share else {
+                continue;
+            };
+            s.work_left_s = (s.work_left_s - (now - s.since_s) * s.rate).max(0.0);
+            s.since_s = now;
+            s.rate = rate;
+            self.step_gens[n] += 1;
+            self.events.push(
+                now + s.work_left_s / rate,
+                Event::StepDone(n, self.step_gens[n]),
+            );
+        }
     }
 
     fn step_done(&mut self, n: usize) {
         let now = self.now_s;
+        let shared = self.shares[n].take().is_some();
         let (step, sampled) = self.nodes[n].finish_step(SAMPLED_TOKEN);
         for seq_id in sampled {
             let i = seq_id.0 as usize;
@@ -395,6 +444,10 @@ impl<'a> Sim<'a> {
             }
         }
         self.kick(n);
+        if shared && self.shares[n].is_none() {
+            // One fewer node computes: the others speed up from now.
+            self.reshare();
+        }
         if !self.queue.is_empty() {
             self.dispatch();
         }
