@@ -41,7 +41,7 @@ start() { # target port
     disagg) "$FISSION" up --model "$M" --port "$2" --prefill 1 --decode 1 --node-arg=--num-kv-blocks=2048 > "$log" 2>&1 & ;;
     coloc2) "$FISSION" up --model "$M" --port "$2" --prefill 0 --decode 2 --node-arg=--num-kv-blocks=2048 > "$log" 2>&1 & ;;
     coloc1) "$FISSION" up --model "$M" --port "$2" --prefill 0 --decode 1 --node-arg=--num-kv-blocks=2048 > "$log" 2>&1 & ;;
-    llama) loadtest/peers/llama_server.sh serve "$M" "$2" "$PARALLEL" > "$log" 2>&1 & ;;
+    llama) loadtest/peers/llama_server.sh serve "$M" "$2" "$PARALLEL" $((PARALLEL * 2048)) > "$log" 2>&1 & ;;
   esac
   server=$!
   local url="http://127.0.0.1:$2"
