@@ -300,22 +300,7 @@ async fn client_disconnect_frees_blocks_on_both_nodes() {
         "mid-stream blocks are held"
     );
     drop(body);
-    wait_until_async(
-        "every block freed within 2 s of the disconnect",
-        Duration::from_secs(2),
-        || {
-            let held = [
-                ("decode-0", "fission_decode_kv_blocks_used"),
-                ("decode-0", "fission_decode_kv_blocks_reserved"),
-                ("prefill-0", "fission_prefill_kv_blocks_used"),
-            ]
-            .iter()
-            .map(|(node, name)| cluster.metric(node, name))
-            .sum::<f64>();
-            async move { held == 0.0 }
-        },
-    )
-    .await;
+    wait_blocks_freed(&cluster, "every block freed within 2 s of the disconnect").await;
     assert!(
         cluster.metric("decode-0", "fission_decode_cancelled_total") >= 1.0,
         "the decode node saw the cancellation"
@@ -346,7 +331,13 @@ async fn pushing_after_the_prefill_serves_the_same_tokens() {
         assert_eq!(got, want);
     }
     assert!(cluster.metric("decode-0", "fission_decode_kv_received_bytes_total") > 0.0);
-    wait_until_async("every block given back", Duration::from_secs(5), || {
+    wait_blocks_freed(&cluster, "every block given back within 2 s").await;
+}
+
+/// Waits up to 2 s for the decode node's used and reserved blocks and the prefill node's
+/// used blocks to be 0.
+async fn wait_blocks_freed(cluster: &Up, what: &str) {
+    wait_until_async(what, Duration::from_secs(2), || {
         let held = [
             ("decode-0", "fission_decode_kv_blocks_used"),
             ("decode-0", "fission_decode_kv_blocks_reserved"),
