@@ -76,9 +76,8 @@ for t in targets:
     sweep = d.get("sweep") or {}
     g = sweep.get("goodput_rps")
     levels = [l["summary"] for l in d.get("levels", [])]
-    # Levels run in the sweep's order; the one at the goodput is the point with that rate.
-    points = sweep.get("points", [])
-    at = next((lv for lv, p in zip(levels, points) if g is not None and p["rate_rps"] == g), None)
+    # The level run at the goodput's rate (levels are reported sorted by rate).
+    at = next((lv for lv in levels if g is not None and lv["shape"].get("rate_rps") == g), None)
     lat = lambda k: "-" if at is None else f'{at[k]["p50"]:.0f} / {at[k]["p99"]:.0f}'
     peak = max((s["output_tokens_per_s"] for s in levels), default=0.0)
     fmt = lambda v: "none" if v is None else f"{v:.2f}"

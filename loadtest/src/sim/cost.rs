@@ -372,9 +372,10 @@ pub fn kv_arrival_s(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    /// A tiny model's linear cost model: the fixture the simulator's tests build on.
     pub(crate) fn linear(prefill: Linear3, decode: Linear3) -> CostModel {
         CostModel {
             name: "test".into(),

@@ -1,15 +1,12 @@
 //! Tests of the event loop, the levels and the planner against cost models whose answers are
 //! known.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gateway::cluster::PolicyKind;
 
 use super::cluster::{SimCluster, Topology};
-use super::cost::{
-    kv_arrival_s, CostModel, Linear3, LinearCost, Link, ModelShape, NodeSpec, StepCost,
-};
+use super::cost::{kv_arrival_s, CostModel, Linear3, Link, NodeSpec};
 use super::level::simulate_level;
 use super::plan::{plan, PlanConfig};
 use super::simulate::{simulate, LevelLimits, SimRequest};
@@ -22,20 +19,6 @@ use crate::workload::{RequestPlan, WorkloadConfig, WorkloadKind};
 fn cost(prefill: Linear3, decode: Linear3) -> CostModel {
     CostModel {
         name: "synthetic".into(),
-        description: String::new(),
-        model: ModelShape {
-            name: "tiny".into(),
-            num_layers: 4,
-            hidden_size: 64,
-            num_heads: 4,
-            num_kv_heads: 2,
-            head_dim: 16,
-            intermediate_size: 128,
-            vocab_size: 1000,
-            tie_word_embeddings: true,
-            dtype_bytes: 4,
-        },
-        step: StepCost::Linear(LinearCost { prefill, decode }),
         link: Link {
             // 1024 B per token: a 256-token prompt is 0.262 MB, 26.2 ms at 10 MB/s.
             bandwidth_bytes_per_s: 10e6,
@@ -46,7 +29,7 @@ fn cost(prefill: Linear3, decode: Linear3) -> CostModel {
             kv_blocks: 4096,
             block_size: 16,
         },
-        sources: BTreeMap::new(),
+        ..super::cost::tests::linear(prefill, decode)
     }
 }
 
