@@ -3,7 +3,7 @@
 //! [`EtcdServerTls`] its clients must speak TLS and present a certificate from the given CA.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,10 +29,6 @@ pub struct EtcdServerTls {
     pub key: PathBuf,
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 fn io(what: &str) -> impl Fn(std::io::Error) -> ClusterError + '_ {
     move |e| ClusterError::LocalEtcd(format!("{what}: {e}"))
 }
@@ -51,7 +47,7 @@ impl LocalEtcd {
     }
 
     fn start_with(dir: &Path, tls: Option<EtcdServerTls>) -> Result<LocalEtcd, ClusterError> {
-        let port = || free_port().map_err(io("picking a port"));
+        let port = || ports::free_port().map_err(io("picking a port"));
         let mut etcd = LocalEtcd {
             child: None,
             data_dir: dir.join("etcd-data"),

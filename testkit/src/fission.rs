@@ -19,11 +19,9 @@ pub fn stories_dir() -> PathBuf {
     crate::shared_model("stories260K")
 }
 
+/// A port for a child process to bind ([`ports::free_port`]).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    ports::free_port().expect("a free port")
 }
 
 /// GET `url` on a runtime of its own thread (tests poll from sync code); `None` on any error.

@@ -11,7 +11,7 @@
 //! `FISSION_REQUIRE_TEST_TOOLS=1` makes that a failure (CI sets it).
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -66,12 +66,6 @@ pub fn tools_required() -> bool {
     std::env::var("FISSION_REQUIRE_TEST_TOOLS").is_ok_and(|v| v == "1" || v == "true")
 }
 
-fn free_port() -> anyhow::Result<(TcpListener, u16)> {
-    let l = TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
-    let port = l.local_addr()?.port();
-    Ok((l, port))
-}
-
 impl Phoenix {
     /// Starts Phoenix and waits until its REST API answers and its gRPC port accepts. Returns
     /// `Ok(None)` after printing why when Phoenix is not installed (an error instead when
@@ -119,13 +113,11 @@ impl Phoenix {
         std::fs::create_dir_all(&work_dir)
             .with_context(|| format!("creating {}", work_dir.display()))?;
         let log = std::fs::File::create(work_dir.join("phoenix.log"))?;
-        // Hold both ports until just before the spawn, so they are not handed out twice.
-        let (http_l, http_port) = free_port()?;
-        let (grpc_l, grpc_port) = match grpc_port {
-            Some(port) => (None, port),
-            None => free_port().map(|(l, port)| (Some(l), port))?,
+        let http_port = ports::free_port().context("picking a port")?;
+        let grpc_port = match grpc_port {
+            Some(port) => port,
+            None => ports::free_port().context("picking a port")?,
         };
-        drop((http_l, grpc_l));
         let child = Command::new(&bin)
             .arg("serve")
             .env("PHOENIX_WORKING_DIR", &work_dir)

@@ -134,12 +134,6 @@ impl Drop for Procs {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// A minimal HTTP/1.1 GET, enough to poll /info without an HTTP client dependency; with
 /// `api_key` as a bearer token when one is given.
 pub fn http_get(
@@ -309,8 +303,8 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     for (role, n) in [("decode", args.decode), ("prefill", args.prefill)] {
         for i in 0..n {
             let name = format!("{role}-{i}");
-            let grpc = format!("127.0.0.1:{}", free_port()?);
-            let metrics = format!("127.0.0.1:{}", free_port()?);
+            let grpc = format!("127.0.0.1:{}", ports::free_port()?);
+            let metrics = format!("127.0.0.1:{}", ports::free_port()?);
             let peer_role = if role == "decode" {
                 PeerRole::Decode
             } else {
