@@ -1,4 +1,4 @@
-//! Paged attention and KV block copies, in portable Rust for CPU and in CUDA behind the `cuda`
+//! Paged attention, KV block copies and the packed-weight GEMM of the linear layers, in portable Rust for CPU and in CUDA behind the `cuda`
 //! feature (module `cuda`; the CUDA C++ sources are in `kernels/cuda/`).
 //!
 //! This crate knows byte layouts and block ids only: it must not depend on models, tokenizers or networking.
@@ -14,11 +14,13 @@ mod copy;
 pub mod cuda;
 mod elem;
 mod error;
+mod gemm;
 mod gemv;
 #[cfg(any(feature = "cuda", test))]
 mod gpu_plan;
 mod layout;
 mod narrow;
+mod packed;
 pub mod reference;
 mod simd;
 #[cfg(target_arch = "x86_64")]
@@ -31,6 +33,8 @@ pub use attention::{paged_attention, SeqAttn, MAX_CONTEXT_LEN};
 pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;
+pub use gemm::packed_matmul;
 pub use gemv::{small_batch_matmul, MAX_SMALL_M};
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
+pub use packed::{PackedWeight, PANEL};

@@ -79,6 +79,17 @@ pub(crate) trait Simd: Copy {
     fn load(self, src: &[f32]) -> Self::V;
     /// Into the first `LANES` elements of `dst` (which must hold that many).
     fn store(self, dst: &mut [f32], v: Self::V);
+    /// [`Simd::load`] without the bounds check, for the GEMM's inner loop, where a check per
+    /// load would cost as much front-end bandwidth as the FMAs themselves.
+    ///
+    /// # Safety
+    /// `src` must be valid for reading `LANES` f32.
+    unsafe fn load_ptr(self, src: *const f32) -> Self::V;
+    /// [`Simd::store`] without the bounds check.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writing `LANES` f32.
+    unsafe fn store_ptr(self, dst: *mut f32, v: Self::V);
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
     fn sub(self, a: Self::V, b: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
@@ -124,6 +135,16 @@ impl Simd for Portable {
     #[inline(always)]
     fn store(self, dst: &mut [f32], v: Self::V) {
         dst[..LANES].copy_from_slice(&v);
+    }
+    #[inline(always)]
+    unsafe fn load_ptr(self, src: *const f32) -> Self::V {
+        // SAFETY: the caller promises LANES readable f32 at `src`.
+        unsafe { std::ptr::read_unaligned(src.cast::<Self::V>()) }
+    }
+    #[inline(always)]
+    unsafe fn store_ptr(self, dst: *mut f32, v: Self::V) {
+        // SAFETY: the caller promises LANES writable f32 at `dst`.
+        unsafe { std::ptr::write_unaligned(dst.cast::<Self::V>(), v) }
     }
     #[inline(always)]
     fn add(self, a: Self::V, b: Self::V) -> Self::V {

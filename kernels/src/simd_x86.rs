@@ -52,6 +52,16 @@ impl Simd for Avx512 {
         unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) }
     }
     #[inline(always)]
+    unsafe fn load_ptr(self, src: *const f32) -> __m512 {
+        // SAFETY: the caller promises LANES readable f32 at `src`.
+        unsafe { _mm512_loadu_ps(src) }
+    }
+    #[inline(always)]
+    unsafe fn store_ptr(self, dst: *mut f32, v: __m512) {
+        // SAFETY: the caller promises LANES writable f32 at `dst`.
+        unsafe { _mm512_storeu_ps(dst, v) }
+    }
+    #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
         unsafe { _mm512_add_ps(a, b) }
     }
@@ -176,6 +186,19 @@ impl Simd for Avx2Fma {
         unsafe {
             _mm256_storeu_ps(dst.as_mut_ptr(), v[0]);
             _mm256_storeu_ps(dst[8..].as_mut_ptr(), v[1]);
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_ptr(self, src: *const f32) -> Self::V {
+        // SAFETY: the caller promises LANES readable f32 at `src`.
+        unsafe { [_mm256_loadu_ps(src), _mm256_loadu_ps(src.add(8))] }
+    }
+    #[inline(always)]
+    unsafe fn store_ptr(self, dst: *mut f32, v: Self::V) {
+        // SAFETY: the caller promises LANES writable f32 at `dst`.
+        unsafe {
+            _mm256_storeu_ps(dst, v[0]);
+            _mm256_storeu_ps(dst.add(8), v[1]);
         }
     }
     #[inline(always)]

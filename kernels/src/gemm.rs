@@ -1,0 +1,380 @@
+//! `out = x @ W` with `W` packed at load ([`PackedWeight`]): every linear layer of the model,
+//! at every batch size.
+//!
+//! A register-tiled micro-kernel computes `MR` rows × `NP` panels (`NP * 16` columns) over a
+//! block of `KC` inputs: per input it loads `NP` panel vectors, broadcasts one `x` value per
+//! row and issues `MR * NP` FMAs into accumulators that never leave registers. AVX-512 runs
+//! 8 × 2 panels (16 of the 32 zmm), AVX2 6 × 1 panel (12 of the 16 ymm, two per vector), the
+//! portable build 4 × 1. The `KC`-row slice of the panels (32 KiB at most) stays in L1 while
+//! every row block of the batch passes over it, so at batch 32 each weight is read from memory
+//! once per step; at batch 1 the same loop is one sequential read of the whole matrix.
+//!
+//! Threads split the panels into contiguous ranges: disjoint output columns, nothing to sum.
+//! Products too small to repay a fork-join run on the calling thread.
+
+use rayon::prelude::*;
+
+use crate::error::KernelError;
+use crate::packed::{check_len, PackedWeight, PANEL};
+use crate::simd::{Isa, Portable, Simd, LANES};
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Avx2Fma, Avx512};
+
+/// Inputs per block: `KC * PANEL * NP` f32 of panels (32 KiB with two panels) stay in L1.
+const KC: usize = 256;
+/// Rows per block: `MC * KC` f32 of `x` (128 KiB) stay in L2 while the panels pass.
+const MC: usize = 128;
+/// Below this many multiply-adds a fork-join costs more than it saves.
+const PARALLEL_MIN_FMAS: usize = 1 << 18;
+
+/// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every core rayon has.
+pub fn packed_matmul(
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    packed_matmul_on(Isa::detect(), x, m, w, out)
+}
+
+/// [`packed_matmul`] on a given instruction set (the tests run every one this CPU has).
+pub(crate) fn packed_matmul_on(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let (k, n) = (w.k(), w.n());
+    check_len("x", m * k, x.len())?;
+    check_len("out", m * n, out.len())?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let job = Job {
+        x: x.as_ptr(),
+        m,
+        w,
+        out: OutPtr(out.as_mut_ptr()),
+    };
+    let panels = w.panels();
+    let threads = rayon::current_num_threads().max(1);
+    let tasks = if m * k * n < PARALLEL_MIN_FMAS {
+        1
+    } else {
+        threads.min(panels)
+    };
+    // Whole pairs of panels per task, so AVX-512's two-panel tiles stay whole.
+    let per_task = panels.div_ceil(tasks).next_multiple_of(2);
+    let run = |t: usize| {
+        let p0 = (t * per_task).min(panels);
+        let p1 = ((t + 1) * per_task).min(panels);
+        // SAFETY: tasks own disjoint panel ranges, so disjoint columns of `out`; `x` and `out`
+        // were checked to hold m * k and m * n elements; `isa` is this CPU's or one it runs.
+        unsafe { run_task(isa, &job, p0, p1) };
+    };
+    if tasks == 1 {
+        run(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+    Ok(())
+}
+
+/// What every task of one product shares.
+struct Job<'a> {
+    x: *const f32,
+    m: usize,
+    w: &'a PackedWeight,
+    out: OutPtr,
+}
+
+/// The output, written by several tasks at disjoint columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: the tasks of one product write disjoint columns of `out` (their own panels), and
+// `x` and `W` are only read; the caller holds `&mut out` and `&x` for the whole product.
+unsafe impl Sync for Job<'_> {}
+
+/// # Safety
+/// Panels `p0..p1` are this task's alone; the job's lengths are checked; the CPU runs `isa`.
+unsafe fn run_task(isa: Isa, job: &Job<'_>, p0: usize, p1: usize) {
+    match isa {
+        // SAFETY: the caller's contract.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { task_avx512(job, p0, p1) },
+        // SAFETY: the caller's contract.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { task_avx2(job, p0, p1) },
+        // SAFETY: the caller's contract.
+        _ => unsafe { task::<Portable, 1, 4>(Portable, job, p0, p1) },
+    }
+}
+
+/// # Safety
+/// As [`run_task`], on a CPU with AVX-512F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn task_avx512(job: &Job<'_>, p0: usize, p1: usize) {
+    // SAFETY: this function's contract.
+    unsafe { task::<Avx512, 2, 8>(Avx512::new_unchecked(), job, p0, p1) }
+}
+
+/// # Safety
+/// As [`run_task`], on a CPU with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn task_avx2(job: &Job<'_>, p0: usize, p1: usize) {
+    // SAFETY: this function's contract.
+    unsafe { task::<Avx2Fma, 1, 6>(Avx2Fma::new_unchecked(), job, p0, p1) }
+}
+
+/// One task: panels `p0..p1` for every row, blocked by `KC` inputs and `MC` rows.
+///
+/// # Safety
+/// As [`run_task`].
+#[inline(always)]
+unsafe fn task<S: Simd, const NP: usize, const MR: usize>(
+    s: S,
+    job: &Job<'_>,
+    p0: usize,
+    p1: usize,
+) {
+    let (m, k, n) = (job.m, job.w.k(), job.w.n());
+    let mut kb = 0;
+    while kb < k {
+        let kc = KC.min(k - kb);
+        let mut mb = 0;
+        while mb < m {
+            let mc = MC.min(m - mb);
+            let mut p = p0;
+            while p < p1 {
+                let np = NP.min(p1 - p);
+                let cols = (n - p * PANEL).min(np * PANEL);
+                let mut r = mb;
+                while r < mb + mc {
+                    let rows = MR.min(mb + mc - r);
+                    let t = Tile {
+                        // SAFETY (all three): r < m, kb < k, p * PANEL < n: in bounds.
+                        a: unsafe { job.x.add(r * k + kb) },
+                        lda: k,
+                        b: job.w.panel_ptr(p, kb),
+                        panel_stride: k * PANEL,
+                        kc,
+                        c: unsafe { job.out.0.add(r * n + p * PANEL) },
+                        ldc: n,
+                        cols,
+                        accumulate: kb > 0,
+                    };
+                    // SAFETY: the tile lies inside x, W and this task's columns of out.
+                    unsafe {
+                        if np == NP {
+                            tile_rows::<S, NP, MR>(s, &t, rows)
+                        } else {
+                            tile_rows::<S, 1, MR>(s, &t, rows)
+                        }
+                    };
+                    r += rows;
+                }
+                p += np;
+            }
+            mb += mc;
+        }
+        kb += kc;
+    }
+}
+
+/// One micro-tile's operands: `a` at `x[row, kb]`, `b` at row `kb` of its first panel, `c` at
+/// `out[row, panel * PANEL]`, `cols` of whose columns are real.
+struct Tile {
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    panel_stride: usize,
+    kc: usize,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    accumulate: bool,
+}
+
+/// Runs the micro-kernel for `rows` (1..=MAX) rows: the row count is a const generic so the
+/// accumulators are a fixed set of registers.
+///
+/// # Safety
+/// As [`micro`].
+#[inline(always)]
+unsafe fn tile_rows<S: Simd, const NP: usize, const MAX: usize>(s: S, t: &Tile, rows: usize) {
+    // SAFETY (every arm): the caller's contract, for `rows` rows.
+    unsafe {
+        match rows {
+            1 => micro::<S, NP, 1>(s, t),
+            2 if MAX >= 2 => micro::<S, NP, 2>(s, t),
+            3 if MAX >= 3 => micro::<S, NP, 3>(s, t),
+            4 if MAX >= 4 => micro::<S, NP, 4>(s, t),
+            5 if MAX >= 5 => micro::<S, NP, 5>(s, t),
+            6 if MAX >= 6 => micro::<S, NP, 6>(s, t),
+            7 if MAX >= 7 => micro::<S, NP, 7>(s, t),
+            8 if MAX >= 8 => micro::<S, NP, 8>(s, t),
+            _ => unreachable!("{rows} rows in a tile of at most {MAX}"),
+        }
+    }
+}
+
+/// `c[MR, NP * 16] (+)= a[MR, kc] @ b[kc, NP * 16]` with the accumulators in registers.
+///
+/// # Safety
+/// `a` must be readable for `MR` rows of `kc` at stride `lda`; `b` for `kc` vectors in each
+/// of `NP` panels `panel_stride` apart; `c` writable for `MR` rows of `cols` at stride `ldc`.
+#[inline(always)]
+unsafe fn micro<S: Simd, const NP: usize, const MR: usize>(s: S, t: &Tile) {
+    let zero = s.splat(0.0);
+    let mut acc = [[zero; NP]; MR];
+    if t.accumulate {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (q, v) in row.iter_mut().enumerate() {
+                // SAFETY: the caller's contract for c.
+                *v = unsafe { load_c(s, t.c.add(r * t.ldc + q * LANES), t.cols, q) };
+            }
+        }
+    }
+    let (mut a, mut b) = (t.a, t.b);
+    for _ in 0..t.kc {
+        let mut bv = [zero; NP];
+        for (q, v) in bv.iter_mut().enumerate() {
+            // SAFETY: the caller's contract for b: kc vectors per panel.
+            *v = unsafe { s.load_ptr(b.add(q * t.panel_stride)) };
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller's contract for a: MR rows of kc.
+            let av = s.splat(unsafe { *a.add(r * t.lda) });
+            for (v, bq) in row.iter_mut().zip(&bv) {
+                *v = s.mul_add(av, *bq, *v);
+            }
+        }
+        // SAFETY: stays within (or one past) the rows and panels read above.
+        (a, b) = unsafe { (a.add(1), b.add(PANEL)) };
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (q, v) in row.iter().enumerate() {
+            // SAFETY: the caller's contract for c.
+            unsafe { store_c(s, t.c.add(r * t.ldc + q * LANES), t.cols, q, *v) };
+        }
+    }
+}
+
+/// Vector `q` of a tile row at `c`, of which `cols` columns exist; the rest read as zero.
+///
+/// # Safety
+/// `c` must be readable for `min(cols - q * 16, 16)` f32.
+#[inline(always)]
+unsafe fn load_c<S: Simd>(s: S, c: *const f32, cols: usize, q: usize) -> S::V {
+    let live = cols.saturating_sub(q * LANES);
+    if live >= LANES {
+        // SAFETY: 16 columns exist.
+        unsafe { s.load_ptr(c) }
+    } else {
+        let mut buf = [0.0f32; LANES];
+        // SAFETY: `live` columns exist.
+        unsafe { std::ptr::copy_nonoverlapping(c, buf.as_mut_ptr(), live) };
+        s.load(&buf)
+    }
+}
+
+/// Writes vector `q` of a tile row at `c`, only the `cols` columns that exist.
+///
+/// # Safety
+/// `c` must be writable for `min(cols - q * 16, 16)` f32.
+#[inline(always)]
+unsafe fn store_c<S: Simd>(s: S, c: *mut f32, cols: usize, q: usize, v: S::V) {
+    let live = cols.saturating_sub(q * LANES);
+    if live >= LANES {
+        // SAFETY: 16 columns exist.
+        unsafe { s.store_ptr(c, v) }
+    } else if live > 0 {
+        let mut buf = [0.0f32; LANES];
+        s.store(&mut buf, v);
+        // SAFETY: `live` columns exist.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), c, live) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn reference(x: &[f32], m: usize, w_t: &[f32], k: usize, n: usize) -> Vec<f32> {
+        let mut out = vec![0.0f64; m * n];
+        for i in 0..m {
+            for kk in 0..k {
+                for j in 0..n {
+                    out[i * n + j] += x[i * k + kk] as f64 * w_t[kk * n + j] as f64;
+                }
+            }
+        }
+        out.into_iter().map(|v| v as f32).collect()
+    }
+
+    fn check(m: usize, k: usize, n: usize, seed: u64) {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let w_t: Vec<f32> = (0..k * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let want = reference(&x, m, &w_t, k, n);
+        let packed = PackedWeight::from_in_out(&w_t, k, n).expect("pack");
+        for isa in Isa::available() {
+            let mut out = vec![f32::NAN; m * n];
+            packed_matmul_on(isa, &x, m, &packed, &mut out).expect("shapes");
+            for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
+                assert!(
+                    (g - w).abs() <= tol,
+                    "{isa:?} {m}x{k}x{n} at {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn model_shapes_and_edges() {
+        for (m, k, n) in [
+            (1, 576, 960),
+            (3, 64, 192),
+            (8, 300, 33),
+            (9, 17, 16),
+            (17, 513, 100),
+            (32, 64, 512),
+            (130, 40, 48),
+            (1, 1, 1),
+            (2, 0, 5),
+        ] {
+            check(m, k, n, (m * 1000 + k + n) as u64);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn random_shapes_match_the_reference(
+            m in 1usize..70, k in 1usize..600, n in 1usize..150, seed in any::<u64>()
+        ) {
+            check(m, k, n, seed);
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_are_refused() {
+        let w = PackedWeight::from_in_out(&[1.0; 6], 2, 3).expect("pack");
+        let mut out = vec![0.0; 3];
+        assert!(packed_matmul(&[1.0; 3], 1, &w, &mut out).is_err());
+        assert!(packed_matmul(&[1.0; 2], 1, &w, &mut out[..2]).is_err());
+        packed_matmul(&[1.0, 2.0], 1, &w, &mut out).expect("ok");
+        assert_eq!(out, [3.0, 3.0, 3.0]);
+    }
+}

@@ -1,0 +1,149 @@
+//! A weight matrix packed once, at load, into the layout [`crate::packed_matmul`] reads.
+//!
+//! The layout is a sequence of panels of [`PANEL`] output columns. Panel `p` holds columns
+//! `p * PANEL..(p + 1) * PANEL` of `W` (`[in, out]`), one input row after another, so one
+//! panel is a single contiguous run of `in * PANEL` f32 and each of its rows is one
+//! cache-line-aligned vector. A step reads every panel front to back once, whatever the batch
+//! size: the hardware prefetcher's best case at batch 1, and the micro-kernel's operand at
+//! batch 32 without the re-packing a general GEMM does on every call. Columns past `out` are
+//! zero.
+
+use crate::error::KernelError;
+use crate::simd::LANES;
+
+/// Output columns per panel: one vector of f32.
+pub const PANEL: usize = LANES;
+
+/// One row of a panel, aligned to a cache line so that no vector load straddles two.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+pub(crate) struct PanelRow(pub(crate) [f32; PANEL]);
+
+/// `W` (`[k, n]`: `k` inputs, `n` outputs) in panels.
+#[derive(Clone, Debug)]
+pub struct PackedWeight {
+    k: usize,
+    n: usize,
+    rows: Vec<PanelRow>,
+}
+
+impl PackedWeight {
+    /// From a checkpoint's layout, `[n, k]` row-major (each output's weights contiguous), as
+    /// safetensors store `nn.Linear` weights.
+    pub fn from_out_in(w: &[f32], n: usize, k: usize) -> Result<Self, KernelError> {
+        check_len("w", n * k, w.len())?;
+        let mut packed = Self::zeroed(k, n);
+        for (col, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
+            let (panel, lane) = (col / PANEL, col % PANEL);
+            let dst = &mut packed.rows[panel * k..(panel + 1) * k];
+            for (d, &v) in dst.iter_mut().zip(row) {
+                d.0[lane] = v;
+            }
+        }
+        Ok(packed)
+    }
+
+    /// From `[k, n]` row-major (the transpose of the checkpoint's layout).
+    pub fn from_in_out(w_t: &[f32], k: usize, n: usize) -> Result<Self, KernelError> {
+        check_len("w_t", k * n, w_t.len())?;
+        let mut packed = Self::zeroed(k, n);
+        for (i, row) in w_t.chunks_exact(n.max(1)).enumerate().take(k) {
+            for (panel, cols) in row.chunks(PANEL).enumerate() {
+                packed.rows[panel * k + i].0[..cols.len()].copy_from_slice(cols);
+            }
+        }
+        Ok(packed)
+    }
+
+    fn zeroed(k: usize, n: usize) -> Self {
+        PackedWeight {
+            k,
+            n,
+            rows: vec![PanelRow([0.0; PANEL]); n.div_ceil(PANEL) * k],
+        }
+    }
+
+    /// Inputs (rows of `W`).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Outputs (columns of `W`).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Panels of [`PANEL`] columns, the last one zero-padded.
+    pub fn panels(&self) -> usize {
+        self.n.div_ceil(PANEL)
+    }
+
+    /// Bytes held, padding included: what one step reads.
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.rows.as_slice())
+    }
+
+    /// Row `i` of panel `panel` and every row after it.
+    pub(crate) fn panel_ptr(&self, panel: usize, i: usize) -> *const f32 {
+        debug_assert!(panel < self.panels() && i <= self.k);
+        self.rows[panel * self.k..].as_ptr().wrapping_add(i).cast()
+    }
+
+    /// `W[i, j]`, for tests and for unpacking.
+    pub fn get(&self, i: usize, j: usize) -> f32 {
+        self.rows[(j / PANEL) * self.k + i].0[j % PANEL]
+    }
+}
+
+pub(crate) fn check_len(what: &'static str, expected: usize, given: usize) -> Result<(), KernelError> {
+    if expected == given {
+        Ok(())
+    } else {
+        Err(KernelError::BadLength {
+            what,
+            expected,
+            given,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_layouts_pack_the_same_matrix() {
+        let (k, n) = (5, 37);
+        let w_t: Vec<f32> = (0..k * n).map(|i| i as f32).collect();
+        let mut w = vec![0.0; k * n];
+        for i in 0..k {
+            for j in 0..n {
+                w[j * k + i] = w_t[i * n + j];
+            }
+        }
+        let a = PackedWeight::from_in_out(&w_t, k, n).expect("pack");
+        let b = PackedWeight::from_out_in(&w, n, k).expect("pack");
+        assert_eq!(a.panels(), 3);
+        for i in 0..k {
+            for j in 0..n {
+                assert_eq!(a.get(i, j), w_t[i * n + j]);
+                assert_eq!(b.get(i, j), w_t[i * n + j]);
+            }
+            // The padding past n is zero.
+            for j in n..a.panels() * PANEL {
+                assert_eq!(a.get(i, j), 0.0);
+                assert_eq!(b.get(i, j), 0.0);
+            }
+        }
+        assert_eq!(a.bytes(), 3 * k * PANEL * 4);
+        assert_eq!(a.panel_ptr(1, 0) as usize % 64, 0);
+    }
+
+    #[test]
+    fn wrong_lengths_are_refused() {
+        assert!(PackedWeight::from_in_out(&[0.0; 5], 2, 3).is_err());
+        assert!(PackedWeight::from_out_in(&[0.0; 7], 2, 3).is_err());
+        let empty = PackedWeight::from_in_out(&[], 0, 4).expect("empty");
+        assert_eq!(empty.bytes(), 0);
+    }
+}
