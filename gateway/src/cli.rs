@@ -48,6 +48,8 @@ pub fn launch(cli: GatewayCli) -> Result<(), telemetry::ProcessError<GatewayErro
 #[derive(Args, Debug, Clone)]
 pub struct GatewayArgs {
     /// Model directory holding tokenizer.json (and tokenizer_config.json, generation_config.json).
+    /// `fission gateway` also takes what the nodes' --model takes: a hub id (org/name[@revision],
+    /// resolved through the hub cache; the API's model id is then the repo id) or stories260K.
     #[arg(long, env = "FISSION_MODEL_DIR")]
     pub model_dir: PathBuf,
     /// The model id reported by the APIs; defaults to the directory name.

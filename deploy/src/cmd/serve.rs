@@ -3,8 +3,12 @@
 //! as the service's own binary (`fission-prefill`, `fission-decode`, `fission-gateway`) and
 //! runs it through the same launcher.
 
+use std::path::PathBuf;
+
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use decode_node::{DecodeConfig, DecodeNode};
+use engine::loader::{ModelFiles, ModelSource};
 use node_common::launch::{launch, NodeCli};
 use prefill_node::{PrefillConfig, PrefillNode};
 
@@ -110,8 +114,37 @@ pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `fission gateway`: `--model-dir` takes what the nodes' `--model` takes, so one setting
+/// (compose's `FISSION_MODEL`, the Kubernetes ConfigMap) serves both. A directory is used as it
+/// is, `stories260K` is the embedded default, and a hub id (`org/name[@revision]`) is resolved
+/// through the hub cache as the nodes resolve it; the gateway crate links no engine, so the bare
+/// `fission-gateway` takes a directory only.
 pub fn run_gateway(mut cli: gateway::cli::GatewayCli) -> anyhow::Result<()> {
-    let dir = cli.args.model_dir.to_string_lossy().into_owned();
-    cli.args.model_dir = crate::default_model::resolve(&dir)?.into();
+    let spec = cli.args.model_dir.to_string_lossy().into_owned();
+    let (dir, hub_id) = gateway_model(&crate::default_model::resolve(&spec)?)?;
+    cli.args.model_dir = dir;
+    if cli.args.model_id.is_none() {
+        // The nodes name a hub model by its repo id; the snapshot folder is a commit hash.
+        cli.args.model_id = hub_id;
+    }
     Ok(gateway::cli::launch(cli)?)
+}
+
+/// The directory the gateway reads the tokenizer and weights from, and the repo id when
+/// `spec` is a hub id. The whole model is fetched: the gateway's fingerprint of the weights
+/// pins the cluster's model.
+fn gateway_model(spec: &str) -> anyhow::Result<(PathBuf, Option<String>)> {
+    let source = ModelSource::parse(spec);
+    if matches!(source, ModelSource::Local(_)) {
+        return Ok((PathBuf::from(spec), None));
+    }
+    let files = ModelFiles::resolve(&source).with_context(|| {
+        format!("--model-dir {spec}: not a directory here, so read as a hub id")
+    })?;
+    let dir = files
+        .config
+        .parent()
+        .context("config.json has a parent directory")?
+        .to_path_buf();
+    Ok((dir, Some(source.model_id())))
 }
