@@ -27,6 +27,8 @@ command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl ca-certificates)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-venv)
+# `ip netns` and veth pairs: deploy/tests/multi_host.rs gives each process its own address.
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 # python3 can be present without its venv module (Debian splits it out).
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 

@@ -3,7 +3,8 @@
 //! over mutual TLS with certificates issued by `fission certs` for those addresses. The
 //! cluster serves the reference ids across the hosts; then one decode host's link is cut
 //! mid-stream, and its streams continue elsewhere as from a hung node, with the same text; the
-//! link comes back and the node serves again, with every KV gauge back to 0.
+//! link comes back and that node itself serves again (its own counter moves), with every KV
+//! gauge back to 0.
 //!
 //! Needs root (`ip netns`). Skipped with a message where namespaces cannot be made, and
 //! required with `FISSION_REQUIRE_TEST_TOOLS=1` (as `./deploy/test.sh` sets).
@@ -414,6 +415,11 @@ fn a_cluster_across_hosts_serves_the_reference_and_survives_a_cut_link() {
         c.ready_nodes().iter().any(|n| n == "decode-0")
     });
     c.assert_kv_released();
+    // Read once decode-0 holds nothing: the streams it had when the link went are over, so
+    // only new work moves this counter.
+    let decode0 = c.metrics("decode-0");
+    let generated = "fission_decode_generated_tokens_total";
+    let before = testkit::fission::metric_sum(&decode0, generated);
     let after = streams::run(
         &c.url,
         4,
@@ -422,4 +428,11 @@ fn a_cluster_across_hosts_serves_the_reference_and_survives_a_cut_link() {
         |client, _| json!({"inputs": format!("After {client}"), "parameters": {"max_new_tokens": 8}}),
     );
     all_ok(&after, "after the link came back");
+    // Not only the cluster: decode-0 itself serves again (round-robin gives it some of the 4).
+    let served = testkit::fission::metric_sum(&decode0, generated) - before;
+    assert!(
+        served >= 1.0,
+        "decode-0 generated no token after its link came back (before: {before})"
+    );
+    println!("decode-0 generated {served} tokens after its link came back");
 }
