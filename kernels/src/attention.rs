@@ -6,13 +6,19 @@
 //! small decode batch with long contexts is cut along its keys ([`crate::split`]).
 //! The arithmetic lives in [`crate::tile`].
 
-use rayon::prelude::*;
+use std::cell::RefCell;
 
 use crate::layout::check_len;
+use crate::pool;
 use crate::simd::Isa;
 use crate::split;
 use crate::tile::{attend_tile, AttnInputs, Outputs, Scratch, SharedOut, Tile};
 use crate::{CacheShape, KernelError, KvElem};
+
+thread_local! {
+    /// Each kernel thread's attention buffers, reused from op to op.
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
 
 /// Query vectors (query rows times the kv head's group of query heads) in one prefill tile.
 /// Large enough that each K/V row read is reused many times, small enough that a 512-token
@@ -103,7 +109,7 @@ impl<T: KvElem> AttentionArgs<'_, T> {
 
     /// Runs validated attention on `isa`, which must be one this CPU supports.
     pub(crate) fn run(&self, isa: Isa, out: &mut [T]) {
-        self.run_planned_for(isa, rayon::current_num_threads(), out);
+        self.run_planned_for(isa, pool::threads(), out);
     }
 
     /// [`Self::run`], with split-K planned as if for `threads` cores (tests pin it so that
@@ -128,23 +134,24 @@ impl<T: KvElem> AttentionArgs<'_, T> {
                 out: SharedOut::new(out),
                 partials: SharedOut::new(&mut partials),
             };
-            plan.items
-                .par_iter()
-                .for_each_init(Scratch::default, |scratch, tile| {
+            pool::run(plan.items.len(), &|i| {
+                SCRATCH.with(|scratch| {
+                    let scratch = &mut scratch.borrow_mut();
                     // SAFETY: validation made the sequences' rows disjoint, the tiles partition
                     // each sequence's (rows, kv head) pairs and split-K parts get slots of
                     // their own, so no two items write the same place; `isa` is supported by
                     // the caller's contract.
-                    unsafe { attend_tile(isa, &inputs, tile, scratch, &outputs) };
-                });
+                    unsafe { attend_tile(isa, &inputs, &plan.items[i], scratch, &outputs) };
+                })
+            });
         }
         if plan.merges.is_empty() {
             return;
         }
         let out = SharedOut::new(out);
-        plan.merges.par_iter().for_each(|merge| {
+        pool::run(plan.merges.len(), &|i| {
             // SAFETY: each split tile owns its rows' columns of its kv head group, as above.
-            unsafe { merge.write(&partials, self.num_heads, group, d, &out) };
+            unsafe { plan.merges[i].write(&partials, self.num_heads, group, d, &out) };
         });
     }
 }

@@ -12,38 +12,49 @@
 //! Threads split the panels into contiguous ranges: disjoint output columns, nothing to sum.
 //! Products too small to repay a fork-join run on the calling thread.
 
-use rayon::prelude::*;
-
 use crate::error::KernelError;
 use crate::packed::{check_len, PackedWeight, PANEL};
-use crate::simd::{Isa, Portable, Simd, LANES};
+use crate::pool;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2Fma, Avx512};
+use crate::simd::{Isa, Portable, Simd, LANES};
 
 /// Inputs per block: `KC * PANEL * NP` f32 of panels (32 KiB with two panels) stay in L1.
 const KC: usize = 256;
 /// Rows per block: `MC * KC` f32 of `x` (128 KiB) stay in L2 while the panels pass.
 const MC: usize = 128;
-/// Below this many multiply-adds a fork-join costs more than it saves.
-const PARALLEL_MIN_FMAS: usize = 1 << 18;
+/// Below this many multiply-adds a hand-off to the pool's threads costs more than it saves.
+const PARALLEL_MIN_FMAS: usize = 1 << 16;
 
-/// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every core rayon has.
+/// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every thread of the kernel pool.
 pub fn packed_matmul(
     x: &[f32],
     m: usize,
     w: &PackedWeight,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    packed_matmul_on(Isa::detect(), x, m, w, out)
+    packed_matmul_on(Isa::detect(), x, m, w, out, false)
 }
 
-/// [`packed_matmul`] on a given instruction set (the tests run every one this CPU has).
+/// `out[m, n] += x[m, k] @ W[k, n]`: a residual connection added in the same pass over `out`.
+pub fn packed_matmul_add(
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    packed_matmul_on(Isa::detect(), x, m, w, out, true)
+}
+
+/// [`packed_matmul`] (or, with `add`, [`packed_matmul_add`]) on a given instruction set (the
+/// tests run every one this CPU has).
 pub(crate) fn packed_matmul_on(
     isa: Isa,
     x: &[f32],
     m: usize,
     w: &PackedWeight,
     out: &mut [f32],
+    add: bool,
 ) -> Result<(), KernelError> {
     let (k, n) = (w.k(), w.n());
     check_len("x", m * k, x.len())?;
@@ -52,7 +63,9 @@ pub(crate) fn packed_matmul_on(
         return Ok(());
     }
     if k == 0 {
-        out.fill(0.0);
+        if !add {
+            out.fill(0.0);
+        }
         return Ok(());
     }
     let job = Job {
@@ -60,9 +73,10 @@ pub(crate) fn packed_matmul_on(
         m,
         w,
         out: OutPtr(out.as_mut_ptr()),
+        add,
     };
     let panels = w.panels();
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::threads();
     let tasks = if m * k * n < PARALLEL_MIN_FMAS {
         1
     } else {
@@ -80,7 +94,7 @@ pub(crate) fn packed_matmul_on(
     if tasks == 1 {
         run(0);
     } else {
-        (0..tasks).into_par_iter().for_each(run);
+        pool::run(tasks, &run);
     }
     Ok(())
 }
@@ -91,6 +105,8 @@ struct Job<'a> {
     m: usize,
     w: &'a PackedWeight,
     out: OutPtr,
+    /// Add to `out` rather than overwrite it.
+    add: bool,
 }
 
 /// The output, written by several tasks at disjoint columns.
@@ -169,7 +185,7 @@ unsafe fn task<S: Simd, const NP: usize, const MR: usize>(
                         c: unsafe { job.out.0.add(r * n + p * PANEL) },
                         ldc: n,
                         cols,
-                        accumulate: kb > 0,
+                        accumulate: kb > 0 || job.add,
                     };
                     // SAFETY: the tile lies inside x, W and this task's columns of out.
                     unsafe {
@@ -328,15 +344,23 @@ mod tests {
         let w_t: Vec<f32> = (0..k * n).map(|_| rng.random_range(-1.0..1.0)).collect();
         let want = reference(&x, m, &w_t, k, n);
         let packed = PackedWeight::from_in_out(&w_t, k, n).expect("pack");
+        let base: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0..1.0)).collect();
         for isa in Isa::available() {
-            let mut out = vec![f32::NAN; m * n];
-            packed_matmul_on(isa, &x, m, &packed, &mut out).expect("shapes");
-            for (i, (g, w)) in out.iter().zip(&want).enumerate() {
-                let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
-                assert!(
-                    (g - w).abs() <= tol,
-                    "{isa:?} {m}x{k}x{n} at {i}: {g} vs {w}"
-                );
+            for add in [false, true] {
+                let mut out = if add {
+                    base.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
+                packed_matmul_on(isa, &x, m, &packed, &mut out, add).expect("shapes");
+                for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                    let w = if add { w + base[i] } else { *w };
+                    let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{isa:?} add={add} {m}x{k}x{n} at {i}: {g} vs {w}"
+                    );
+                }
             }
         }
     }

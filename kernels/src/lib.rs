@@ -21,6 +21,7 @@ mod gpu_plan;
 mod layout;
 mod narrow;
 mod packed;
+mod pool;
 pub mod reference;
 mod simd;
 #[cfg(target_arch = "x86_64")]
@@ -33,8 +34,9 @@ pub use attention::{paged_attention, SeqAttn, MAX_CONTEXT_LEN};
 pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;
-pub use gemm::packed_matmul;
+pub use gemm::{packed_matmul, packed_matmul_add};
 pub use gemv::{small_batch_matmul, MAX_SMALL_M};
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
 pub use packed::{PackedWeight, PANEL};
+pub use pool::{parallel_for, pool_threads};

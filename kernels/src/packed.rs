@@ -20,7 +20,7 @@ pub const PANEL: usize = LANES;
 pub(crate) struct PanelRow(pub(crate) [f32; PANEL]);
 
 /// `W` (`[k, n]`: `k` inputs, `n` outputs) in panels.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct PackedWeight {
     k: usize,
     n: usize,
@@ -95,7 +95,21 @@ impl PackedWeight {
     }
 }
 
-pub(crate) fn check_len(what: &'static str, expected: usize, given: usize) -> Result<(), KernelError> {
+impl std::fmt::Debug for PackedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The shape, not the millions of weights.
+        f.debug_struct("PackedWeight")
+            .field("k", &self.k)
+            .field("n", &self.n)
+            .finish()
+    }
+}
+
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    given: usize,
+) -> Result<(), KernelError> {
     if expected == given {
         Ok(())
     } else {

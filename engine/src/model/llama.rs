@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use super::batch::ForwardBatch;
+use super::linear::Linear;
 use super::ops::{self, AttnDims};
 use super::rope::Rope;
 use crate::config::ModelConfig;
@@ -14,35 +15,9 @@ use crate::error::Result;
 use crate::kv::cache::KvCache;
 
 #[derive(Debug, Clone)]
-struct Linear {
-    /// `[in, out]`, contiguous: the transpose of what checkpoints store. gemm packs a row-major
-    /// `[in, out]` operand cheaply, while a transposed view costs more than the multiply itself.
-    weight_t: Tensor,
-    bias: Option<Tensor>,
-}
-
-impl Linear {
-    /// From a checkpoint's `[out, in]` weight.
-    fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        Ok(Linear {
-            weight_t: weight.t()?.contiguous()?,
-            bias,
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = super::matmul::matmul(x, &self.weight_t)?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
-    }
-}
-
-#[derive(Debug, Clone)]
-struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
+pub(super) struct RmsNorm {
+    pub(super) weight: Tensor,
+    pub(super) eps: f32,
 }
 
 impl RmsNorm {
@@ -59,13 +34,13 @@ impl RmsNorm {
 }
 
 #[derive(Debug, Clone)]
-struct Layer {
-    input_norm: RmsNorm,
-    qkv: Linear,
-    o_proj: Linear,
-    post_norm: RmsNorm,
-    gate_up: Linear,
-    down: Linear,
+pub(super) struct Layer {
+    pub(super) input_norm: RmsNorm,
+    pub(super) qkv: Linear,
+    pub(super) o_proj: Linear,
+    pub(super) post_norm: RmsNorm,
+    pub(super) gate_up: Linear,
+    pub(super) down: Linear,
 }
 
 impl Layer {
@@ -123,14 +98,16 @@ impl Layer {
 /// A loaded Llama-family model.
 #[derive(Debug, Clone)]
 pub struct Llama {
-    cfg: ModelConfig,
-    embed: candle_nn::Embedding,
-    layers: Vec<Layer>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    rope: Rope,
-    dtype: DType,
-    device: Device,
+    pub(super) cfg: ModelConfig,
+    pub(super) embed: candle_nn::Embedding,
+    pub(super) layers: Vec<Layer>,
+    pub(super) norm: RmsNorm,
+    pub(super) lm_head: Linear,
+    pub(super) rope: Rope,
+    pub(super) dtype: DType,
+    pub(super) device: Device,
+    /// f32 weights on the CPU, every projection packed: [`Llama::forward_host`] runs it.
+    host: bool,
 }
 
 impl Llama {
@@ -147,7 +124,7 @@ impl Llama {
         let layers = (0..cfg.num_layers)
             .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Llama {
+        let mut model = Llama {
             cfg: cfg.clone(),
             embed: candle_nn::Embedding::new(embed_w, cfg.hidden_size),
             layers,
@@ -156,7 +133,10 @@ impl Llama {
             rope: Rope::new(cfg),
             dtype: vb.dtype(),
             device: vb.device().clone(),
-        })
+            host: false,
+        };
+        model.host = model.runs_on_host() && std::env::var_os("FISSION_TENSOR_FORWARD").is_none();
+        Ok(model)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -184,6 +164,9 @@ impl Llama {
         cache: &mut KvCache,
         on_layer: &mut dyn FnMut(usize, &mut KvCache) -> Result<()>,
     ) -> Result<Tensor> {
+        if self.host {
+            return self.forward_host(batch, cache, on_layer);
+        }
         let t = batch.num_tokens();
         let ids = Tensor::from_slice(&batch.token_ids, t, &self.device)?;
         let mut x = self.embed.forward(&ids)?;

@@ -1,8 +1,9 @@
 //! Model loading and the forward pass.
 
 pub mod batch;
+mod host;
+mod linear;
 pub mod llama;
-mod matmul;
 mod ops;
 pub mod rope;
 

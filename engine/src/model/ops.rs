@@ -3,7 +3,6 @@
 
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
 use kernels::{CacheShape, KvElem, SeqAttn};
-use rayon::prelude::*;
 
 use super::batch::ForwardBatch;
 use super::rope::RopeTables;
@@ -64,6 +63,27 @@ fn attention_typed<T: KvElem + WithDType>(
     v_cache: &mut [T],
     dims: AttnDims,
 ) -> Result<Tensor> {
+    let t = batch.num_tokens();
+    let out = with_slice::<T, _>(qkv, |src| {
+        attention_rows(src, batch, rope, layout, k_cache, v_cache, dims)
+    })??;
+    Ok(Tensor::from_vec(
+        out,
+        (t, dims.num_heads * dims.head_dim),
+        &Device::Cpu,
+    )?)
+}
+
+/// [`attention`] on raw rows: `qkv` is `[T, (H + 2 * Hkv) * D]`, the result `[T, H * D]`.
+pub(crate) fn attention_rows<T: KvElem>(
+    src: &[T],
+    batch: &ForwardBatch,
+    rope: &RopeTables,
+    layout: &CacheShape,
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    dims: AttnDims,
+) -> Result<Vec<T>> {
     let AttnDims {
         num_heads: h,
         num_kv_heads: hkv,
@@ -74,43 +94,41 @@ fn attention_typed<T: KvElem + WithDType>(
     let mut q = vec![T::default(); t * h * d];
     let mut k = vec![T::default(); t * hkv * d];
     let mut v = vec![T::default(); t * hkv * d];
-    with_slice::<T, _>(qkv, |src| {
-        let split = |tok: usize, (qr, (kr, vr)): (&mut [T], (&mut [T], &mut [T]))| {
+    {
+        let split = |tok: usize, qr: &mut [T], kr: &mut [T], vr: &mut [T], buf: &mut [f32]| {
             let s = &src[tok * row..(tok + 1) * row];
-            let mut buf = vec![0f32; d];
             for head in 0..h {
-                rope_head(
-                    rope,
-                    tok,
-                    &s[head * d..(head + 1) * d],
-                    &mut qr[head * d..(head + 1) * d],
-                    &mut buf,
-                );
+                let r = head * d..(head + 1) * d;
+                rope_head(rope, tok, &s[r.clone()], &mut qr[r], buf);
             }
             let ks = &s[h * d..(h + hkv) * d];
             for head in 0..hkv {
-                rope_head(
-                    rope,
-                    tok,
-                    &ks[head * d..(head + 1) * d],
-                    &mut kr[head * d..(head + 1) * d],
-                    &mut buf,
-                );
+                let r = head * d..(head + 1) * d;
+                rope_head(rope, tok, &ks[r.clone()], &mut kr[r], buf);
             }
             vr.copy_from_slice(&s[(h + hkv) * d..]);
         };
-        let rows = q
-            .chunks_mut(h * d)
-            .zip(k.chunks_mut(hkv * d).zip(v.chunks_mut(hkv * d)));
+        let (qs, ks, vs) = (
+            SharedRows::new(&mut q, h * d),
+            SharedRows::new(&mut k, hkv * d),
+            SharedRows::new(&mut v, hkv * d),
+        );
         // Rope is cheap per token; only spread it over threads for long prefill chunks.
-        if t >= 64 {
-            rows.enumerate()
-                .par_bridge()
-                .for_each(|(tok, r)| split(tok, r));
+        let tasks = if t >= 64 {
+            kernels::pool_threads() * 4
         } else {
-            rows.enumerate().for_each(|(tok, r)| split(tok, r));
-        }
-    })?;
+            1
+        };
+        let per = t.div_ceil(tasks);
+        kernels::parallel_for(tasks, &|task| {
+            let mut buf = vec![0f32; d];
+            for tok in task * per..((task + 1) * per).min(t) {
+                // SAFETY: each task owns its own token rows of q, k and v.
+                let (qr, kr, vr) = unsafe { (qs.row(tok), ks.row(tok), vs.row(tok)) };
+                split(tok, qr, kr, vr, &mut buf);
+            }
+        });
+    }
     kernels::reshape_and_cache(layout, k_cache, v_cache, &k, &v, &batch.slots)?;
     let seqs: Vec<SeqAttn<'_>> = batch
         .seqs
@@ -125,7 +143,36 @@ fn attention_typed<T: KvElem + WithDType>(
     let mut out = vec![T::default(); t * h * d];
     let scale = 1.0 / (d as f32).sqrt();
     kernels::paged_attention(layout, k_cache, v_cache, &q, &mut out, h, &seqs, scale)?;
-    Ok(Tensor::from_vec(out, (t, h * d), &Device::Cpu)?)
+    Ok(out)
+}
+
+/// Rows of a buffer that several tasks fill, each its own rows.
+struct SharedRows<T> {
+    ptr: *mut T,
+    len: usize,
+    width: usize,
+}
+
+// SAFETY: tasks only reach disjoint rows through `row`, whose contract says so.
+unsafe impl<T: Send> Sync for SharedRows<T> {}
+
+impl<T> SharedRows<T> {
+    fn new(buf: &mut [T], width: usize) -> Self {
+        SharedRows {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            width,
+        }
+    }
+
+    /// # Safety
+    /// No other task may use row `i` while this borrow lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, i: usize) -> &mut [T] {
+        assert!((i + 1) * self.width <= self.len, "row {i} out of bounds");
+        // SAFETY: in bounds (checked), and exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * self.width), self.width) }
+    }
 }
 
 #[inline]
@@ -155,20 +202,45 @@ pub(crate) fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
 
 fn silu_mul_typed<T: KvElem + WithDType>(gate_up: &Tensor, t: usize, f: usize) -> Result<Tensor> {
     let mut out = vec![T::default(); t * f];
-    with_slice::<T, _>(gate_up, |src| {
-        let body = |(row, o): (usize, &mut [T])| {
-            let s = &src[row * 2 * f..(row + 1) * 2 * f];
-            let (g, u) = s.split_at(f);
-            for i in 0..f {
-                let gv = g[i].to_f32();
-                o[i] = T::from_f32(gv / (1.0 + (-gv).exp()) * u[i].to_f32());
-            }
-        };
-        if t >= 8 {
-            out.par_chunks_mut(f).enumerate().for_each(body);
-        } else {
-            out.chunks_mut(f).enumerate().for_each(body);
-        }
-    })?;
+    with_slice::<T, _>(gate_up, |src| silu_mul_rows(src, t, f, &mut out))?;
     Ok(Tensor::from_vec(out, (t, f), &Device::Cpu)?)
+}
+
+/// [`silu_mul`] on raw rows: `src` is `[T, 2F]`, `out` `[T, F]`.
+pub(crate) fn silu_mul_rows<T: KvElem>(src: &[T], t: usize, f: usize, out: &mut [T]) {
+    let body = |row: usize, o: &mut [T]| {
+        let s = &src[row * 2 * f..(row + 1) * 2 * f];
+        let (g, u) = s.split_at(f);
+        for i in 0..f {
+            let gv = g[i].to_f32();
+            o[i] = T::from_f32(gv / (1.0 + (-gv).exp()) * u[i].to_f32());
+        }
+    };
+    for_rows(out, t, f, 8, &body);
+}
+
+/// Runs `body(row, out_row)` over the `t` rows of `out` (`width` wide), across the kernel
+/// threads once there are `parallel_from` rows or more.
+pub(crate) fn for_rows<T: Send>(
+    out: &mut [T],
+    t: usize,
+    width: usize,
+    parallel_from: usize,
+    body: &(dyn Fn(usize, &mut [T]) + Sync),
+) {
+    if t < parallel_from {
+        for (row, o) in out.chunks_mut(width).enumerate().take(t) {
+            body(row, o);
+        }
+        return;
+    }
+    let rows = SharedRows::new(out, width);
+    let tasks = kernels::pool_threads().min(t);
+    let per = t.div_ceil(tasks);
+    kernels::parallel_for(tasks, &|task| {
+        for row in task * per..((task + 1) * per).min(t) {
+            // SAFETY: each task owns its own rows.
+            body(row, unsafe { rows.row(row) });
+        }
+    });
 }
