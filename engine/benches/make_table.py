@@ -1,37 +1,68 @@
-"""Turns the engine bench JSONs of one run into BENCHMARKS.md's table (tokens/s, ratios)."""
+"""Turns one run of run_engine_bench.sh into BENCHMARKS.md's tables.
+
+Per figure: the median over rounds with its min-max spread, for each engine, and the ratio
+of medians with the spread of the per-round ratios (rounds ran the engines back to back, so a
+per-round ratio cancels the drift between rounds). The limits rows give each target's ceiling.
+"""
 import json
 import pathlib
+import re
+import statistics
 import sys
 
 run = pathlib.Path(sys.argv[1])
-rows = [("prefill 128", ("prefill_tok_s", "128")), ("prefill 512", ("prefill_tok_s", "512")),
+ROWS = [("prefill 128", ("prefill_tok_s", "128")), ("prefill 512", ("prefill_tok_s", "512")),
         ("prefill 2048", ("prefill_tok_s", "2048")), ("decode single stream", ("decode_single_tok_s", None)),
         ("decode batch 1", ("decode_batch_tok_s", "1")), ("decode batch 8", ("decode_batch_tok_s", "8")),
         ("decode batch 32", ("decode_batch_tok_s", "32")), ("decode batch 64", ("decode_batch_tok_s", "64"))]
+ENGINES = ["fission", "llamacpp", "transformers"]
 
 
 def get(d, key):
-    if d is None:
-        return None
     v = d.get(key[0])
     return v.get(key[1]) if key[1] is not None and isinstance(v, dict) else v
 
 
-def fmt(x):
-    return "n/a" if x is None else f"{x:,.1f}"
+def load_rounds(engine, model):
+    """round number -> figures."""
+    out = {}
+    for f in run.glob(f"{engine}-{model}-r*.json"):
+        out[int(re.search(r"-r(\d+)\.json$", f.name).group(1))] = json.loads(f.read_text())
+    return out
 
 
-def ratio(a, b):
-    return "n/a" if a is None or b in (None, 0) else f"{a / b:.2f}x"
+def spread(vals):
+    if not vals:
+        return "n/a"
+    return f"{statistics.median(vals):,.1f} ({min(vals):,.1f}-{max(vals):,.1f})"
 
 
-for f in sorted(run.glob("fission-*.json")):
-    model = f.stem[len("fission-"):]
-    load = lambda e: json.loads((run / f"{e}-{model}.json").read_text()) if (run / f"{e}-{model}.json").exists() else None
-    fi, tf, lc = load("fission"), load("transformers"), load("llamacpp")
-    print(f"\n### {model} (tokens/s, f32, 2 threads)\n")
-    print("| measurement | Fission | transformers | llama.cpp | Fission / transformers | Fission / llama.cpp |")
+def ratio(a_rounds, b_rounds, key):
+    a = [get(v, key) for v in a_rounds.values()]
+    b = [get(v, key) for v in b_rounds.values()]
+    a, b = [x for x in a if x], [x for x in b if x]
+    if not a or not b:
+        return "n/a"
+    per = [get(a_rounds[r], key) / get(b_rounds[r], key) for r in a_rounds
+           if r in b_rounds and get(a_rounds[r], key) and get(b_rounds[r], key)]
+    rng = f" ({min(per):.2f}-{max(per):.2f})" if per else ""
+    return f"**{statistics.median(a) / statistics.median(b):.2f}x**{rng}"
+
+
+limits = [json.loads(f.read_text()) for f in sorted(run.glob("limits-*.json"))]
+models = sorted({re.match(r"fission-(.+)-r\d+\.json$", f.name).group(1) for f in run.glob("fission-*-r*.json")})
+for model in models:
+    data = {e: load_rounds(e, model) for e in ENGINES}
+    n = len(data["fission"])
+    print(f"\n### {model} (tokens/s, f32, 2 threads, median of {n} alternating rounds, min-max)\n")
+    print("| measurement | Fission | llama.cpp | transformers | Fission / llama.cpp | Fission / transformers |")
     print("|---|---:|---:|---:|---:|---:|")
-    for label, key in rows:
-        a, b, c = get(fi, key), get(tf, key), get(lc, key)
-        print(f"| {label} | {fmt(a)} | {fmt(b)} | {fmt(c)} | {ratio(a, b)} | {ratio(a, c)} |")
+    for label, key in ROWS:
+        cells = [spread([x for x in (get(v, key) for v in data[e].values()) if x]) for e in ENGINES]
+        print(f"| {label} | {cells[0]} | {cells[1]} | {cells[2]} | "
+              f"{ratio(data['fission'], data['llamacpp'], key)} | {ratio(data['fission'], data['transformers'], key)} |")
+if limits:
+    reads = [l["read_gb_s"] for l in limits]
+    peaks = [l["gemm_peak_gflops"] for l in limits]
+    print(f"\nCeilings (before and after the rounds): read bandwidth {', '.join(f'{r:.1f}' for r in reads)} GB/s; "
+          f"packed GEMM best {', '.join(f'{p:.0f}' for p in peaks)} GFLOP/s.")

@@ -1,20 +1,50 @@
 #!/usr/bin/env bash
-# Reproduces BENCHMARKS.md's engine table: Fission, HF transformers and llama.cpp on the same
-# weights (stories260K and a random SmolLM2-135M-shaped model), same prompts and batch sizes,
-# one engine at a time on an otherwise idle machine. Output: .bench/engine-<time>/table.md
+# Engine speed against transformers and llama.cpp on the same weights and prompts (issue 14).
+#
+#   engine/benches/run_engine_bench.sh            # ROUNDS=5, both models
+#   ROUNDS=7 MODELS=smollm2 engine/benches/run_engine_bench.sh
+#
+# Builds the peers into .peers/ (engine/benches/peers/setup.sh), then runs ROUNDS rounds; each
+# round runs Fission, llama.cpp and transformers once per model (one repeat per figure), in an
+# order that alternates from round to round (F L T, T L F, ...), so drift on a shared machine
+# lands on every engine alike. The machine's ceilings (`fission bench limits`: read bandwidth
+# and the packed GEMM's best GFLOP/s on the model's shapes) are measured in the same run.
+# make_table.py prints, per figure, the median over rounds, the min-max spread, and the
+# ratio of medians with the spread of per-round ratios; the table goes to $OUT/table.md and
+# `lscpu` to $OUT/lscpu.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash engine/benches/peers/setup.sh
-cargo build --release -p deploy
+cargo build --release --workspace --all-targets
 M=.models/smollm2-135m-bench
 [ -f "$M/model.safetensors" ] || target/release/fission make-random-model --shape smollm2-135m --out "$M"
 OUT=.bench/engine-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$OUT"
+lscpu > "$OUT/lscpu.txt"
 PY=.peers/venv/bin/python
-for model in ../shared/models/stories260K "$M"; do
-  name=$(basename "$model")
-  target/release/fission bench engine --model "$model" --repeats "${REPEATS:-3}" --out "$OUT/fission-$name.json" >/dev/null
-  $PY engine/benches/peers/bench_transformers.py --model "$model" --out "$OUT/transformers-$name.json"
-  $PY engine/benches/peers/bench_llamacpp.py --model "$model" --out "$OUT/llamacpp-$name.json"
+ROUNDS="${ROUNDS:-5}"
+declare -A MODEL_DIRS=([stories260K]=../shared/models/stories260K [smollm2]="$M")
+MODELS="${MODELS:-stories260K smollm2}"
+
+run_one() { # engine model_dir out.json
+  case "$1" in
+    fission) target/release/fission bench engine --model "$2" --repeats 1 --out "$3" >/dev/null ;;
+    llamacpp) $PY engine/benches/peers/bench_llamacpp.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
+    transformers) $PY engine/benches/peers/bench_transformers.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
+  esac
+}
+
+target/release/fission bench limits --out "$OUT/limits-0.json" >/dev/null
+for r in $(seq 1 "$ROUNDS"); do
+  if (( r % 2 )); then order="fission llamacpp transformers"; else order="transformers llamacpp fission"; fi
+  for key in $MODELS; do
+    model="${MODEL_DIRS[$key]}"
+    name=$(basename "$model")
+    for engine in $order; do
+      echo "round $r/$ROUNDS: $engine on $name" >&2
+      run_one "$engine" "$model" "$OUT/$engine-$name-r$r.json"
+    done
+  done
 done
+target/release/fission bench limits --out "$OUT/limits-1.json" >/dev/null
 python3 engine/benches/make_table.py "$OUT" | tee "$OUT/table.md"

@@ -13,7 +13,7 @@
 //! Products too small to repay a fork-join run on the calling thread.
 
 use crate::error::KernelError;
-use crate::packed::{check_len, PackedWeight, PANEL};
+use crate::packed::{check_len, PackedWeight, Panels, PANEL};
 use crate::pool;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2Fma, Avx512};
@@ -68,10 +68,54 @@ pub(crate) fn packed_matmul_on(
         }
         return Ok(());
     }
+    match w.data() {
+        Panels::F32(rows) => run_job(isa, x, m, w, rows.as_ptr().cast::<f32>(), out, add),
+        Panels::Bf16(rows) => run_job(isa, x, m, w, rows.as_ptr().cast::<u16>(), out, add),
+    }
+    Ok(())
+}
+
+/// An element a packed panel may store, widened to f32 as the micro-kernel loads it.
+pub(crate) trait WeightElem: Copy + 'static {
+    /// # Safety
+    /// `p` must be valid for reading `LANES` elements.
+    unsafe fn load<S: Simd>(s: S, p: *const Self) -> S::V;
+}
+
+impl WeightElem for f32 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const f32) -> S::V {
+        // SAFETY: the caller's contract.
+        unsafe { s.load_ptr(p) }
+    }
+}
+
+/// bf16, as its bit pattern.
+impl WeightElem for u16 {
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const u16) -> S::V {
+        // SAFETY: the caller's contract.
+        unsafe { s.load_bf16_ptr(p) }
+    }
+}
+
+/// Splits one checked product over the pool. `b` points at `w`'s panels.
+fn run_job<W: WeightElem>(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    w: &PackedWeight,
+    b: *const W,
+    out: &mut [f32],
+    add: bool,
+) {
+    let (k, n) = (w.k(), w.n());
     let job = Job {
         x: x.as_ptr(),
         m,
-        w,
+        k,
+        n,
+        b,
         out: OutPtr(out.as_mut_ptr()),
         add,
     };
@@ -88,7 +132,8 @@ pub(crate) fn packed_matmul_on(
         let p0 = (t * per_task).min(panels);
         let p1 = ((t + 1) * per_task).min(panels);
         // SAFETY: tasks own disjoint panel ranges, so disjoint columns of `out`; `x` and `out`
-        // were checked to hold m * k and m * n elements; `isa` is this CPU's or one it runs.
+        // were checked to hold m * k and m * n elements, `b` points at `w`'s panels; `isa` is
+        // this CPU's or one it runs.
         unsafe { run_task(isa, &job, p0, p1) };
     };
     if tasks == 1 {
@@ -96,14 +141,16 @@ pub(crate) fn packed_matmul_on(
     } else {
         pool::run(tasks, &run);
     }
-    Ok(())
 }
 
 /// What every task of one product shares.
-struct Job<'a> {
+struct Job<W> {
     x: *const f32,
     m: usize,
-    w: &'a PackedWeight,
+    k: usize,
+    n: usize,
+    /// The panels: panel `p`, row `i` starts at `b + (p * k + i) * PANEL`.
+    b: *const W,
     out: OutPtr,
     /// Add to `out` rather than overwrite it.
     add: bool,
@@ -114,12 +161,12 @@ struct Job<'a> {
 struct OutPtr(*mut f32);
 
 // SAFETY: the tasks of one product write disjoint columns of `out` (their own panels), and
-// `x` and `W` are only read; the caller holds `&mut out` and `&x` for the whole product.
-unsafe impl Sync for Job<'_> {}
+// `x` and `W` are only read; the caller holds `&mut out`, `&x` and `&W` for the whole product.
+unsafe impl<W> Sync for Job<W> {}
 
 /// # Safety
 /// Panels `p0..p1` are this task's alone; the job's lengths are checked; the CPU runs `isa`.
-unsafe fn run_task(isa: Isa, job: &Job<'_>, p0: usize, p1: usize) {
+unsafe fn run_task<W: WeightElem>(isa: Isa, job: &Job<W>, p0: usize, p1: usize) {
     match isa {
         // SAFETY: the caller's contract.
         #[cfg(target_arch = "x86_64")]
@@ -128,7 +175,7 @@ unsafe fn run_task(isa: Isa, job: &Job<'_>, p0: usize, p1: usize) {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => unsafe { task_avx2(job, p0, p1) },
         // SAFETY: the caller's contract.
-        _ => unsafe { task::<Portable, 1, 4>(Portable, job, p0, p1) },
+        _ => unsafe { task::<Portable, W, 1, 4>(Portable, job, p0, p1) },
     }
 }
 
@@ -136,18 +183,18 @@ unsafe fn run_task(isa: Isa, job: &Job<'_>, p0: usize, p1: usize) {
 /// As [`run_task`], on a CPU with AVX-512F, AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn task_avx512(job: &Job<'_>, p0: usize, p1: usize) {
+unsafe fn task_avx512<W: WeightElem>(job: &Job<W>, p0: usize, p1: usize) {
     // SAFETY: this function's contract.
-    unsafe { task::<Avx512, 2, 8>(Avx512::new_unchecked(), job, p0, p1) }
+    unsafe { task::<Avx512, W, 2, 8>(Avx512::new_unchecked(), job, p0, p1) }
 }
 
 /// # Safety
 /// As [`run_task`], on a CPU with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn task_avx2(job: &Job<'_>, p0: usize, p1: usize) {
+unsafe fn task_avx2<W: WeightElem>(job: &Job<W>, p0: usize, p1: usize) {
     // SAFETY: this function's contract.
-    unsafe { task::<Avx2Fma, 1, 6>(Avx2Fma::new_unchecked(), job, p0, p1) }
+    unsafe { task::<Avx2Fma, W, 1, 6>(Avx2Fma::new_unchecked(), job, p0, p1) }
 }
 
 /// One task: panels `p0..p1` for every row, blocked by `KC` inputs and `MC` rows.
@@ -155,13 +202,13 @@ unsafe fn task_avx2(job: &Job<'_>, p0: usize, p1: usize) {
 /// # Safety
 /// As [`run_task`].
 #[inline(always)]
-unsafe fn task<S: Simd, const NP: usize, const MR: usize>(
+unsafe fn task<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
     s: S,
-    job: &Job<'_>,
+    job: &Job<W>,
     p0: usize,
     p1: usize,
 ) {
-    let (m, k, n) = (job.m, job.w.k(), job.w.n());
+    let (m, k, n) = (job.m, job.k, job.n);
     let mut kb = 0;
     while kb < k {
         let kc = KC.min(k - kb);
@@ -179,7 +226,8 @@ unsafe fn task<S: Simd, const NP: usize, const MR: usize>(
                         // SAFETY (all three): r < m, kb < k, p * PANEL < n: in bounds.
                         a: unsafe { job.x.add(r * k + kb) },
                         lda: k,
-                        b: job.w.panel_ptr(p, kb),
+                        // SAFETY: p < panels and kb < k: inside the panels.
+                        b: unsafe { job.b.add((p * k + kb) * PANEL) },
                         panel_stride: k * PANEL,
                         kc,
                         c: unsafe { job.out.0.add(r * n + p * PANEL) },
@@ -190,9 +238,9 @@ unsafe fn task<S: Simd, const NP: usize, const MR: usize>(
                     // SAFETY: the tile lies inside x, W and this task's columns of out.
                     unsafe {
                         if np == NP {
-                            tile_rows::<S, NP, MR>(s, &t, rows)
+                            tile_rows::<S, W, NP, MR>(s, &t, rows)
                         } else {
-                            tile_rows::<S, 1, MR>(s, &t, rows)
+                            tile_rows::<S, W, 1, MR>(s, &t, rows)
                         }
                     };
                     r += rows;
@@ -207,10 +255,10 @@ unsafe fn task<S: Simd, const NP: usize, const MR: usize>(
 
 /// One micro-tile's operands: `a` at `x[row, kb]`, `b` at row `kb` of its first panel, `c` at
 /// `out[row, panel * PANEL]`, `cols` of whose columns are real.
-struct Tile {
+struct Tile<W> {
     a: *const f32,
     lda: usize,
-    b: *const f32,
+    b: *const W,
     panel_stride: usize,
     kc: usize,
     c: *mut f32,
@@ -225,18 +273,22 @@ struct Tile {
 /// # Safety
 /// As [`micro`].
 #[inline(always)]
-unsafe fn tile_rows<S: Simd, const NP: usize, const MAX: usize>(s: S, t: &Tile, rows: usize) {
+unsafe fn tile_rows<S: Simd, W: WeightElem, const NP: usize, const MAX: usize>(
+    s: S,
+    t: &Tile<W>,
+    rows: usize,
+) {
     // SAFETY (every arm): the caller's contract, for `rows` rows.
     unsafe {
         match rows {
-            1 => micro::<S, NP, 1>(s, t),
-            2 if MAX >= 2 => micro::<S, NP, 2>(s, t),
-            3 if MAX >= 3 => micro::<S, NP, 3>(s, t),
-            4 if MAX >= 4 => micro::<S, NP, 4>(s, t),
-            5 if MAX >= 5 => micro::<S, NP, 5>(s, t),
-            6 if MAX >= 6 => micro::<S, NP, 6>(s, t),
-            7 if MAX >= 7 => micro::<S, NP, 7>(s, t),
-            8 if MAX >= 8 => micro::<S, NP, 8>(s, t),
+            1 => micro::<S, W, NP, 1>(s, t),
+            2 if MAX >= 2 => micro::<S, W, NP, 2>(s, t),
+            3 if MAX >= 3 => micro::<S, W, NP, 3>(s, t),
+            4 if MAX >= 4 => micro::<S, W, NP, 4>(s, t),
+            5 if MAX >= 5 => micro::<S, W, NP, 5>(s, t),
+            6 if MAX >= 6 => micro::<S, W, NP, 6>(s, t),
+            7 if MAX >= 7 => micro::<S, W, NP, 7>(s, t),
+            8 if MAX >= 8 => micro::<S, W, NP, 8>(s, t),
             _ => unreachable!("{rows} rows in a tile of at most {MAX}"),
         }
     }
@@ -248,7 +300,7 @@ unsafe fn tile_rows<S: Simd, const NP: usize, const MAX: usize>(s: S, t: &Tile, 
 /// `a` must be readable for `MR` rows of `kc` at stride `lda`; `b` for `kc` vectors in each
 /// of `NP` panels `panel_stride` apart; `c` writable for `MR` rows of `cols` at stride `ldc`.
 #[inline(always)]
-unsafe fn micro<S: Simd, const NP: usize, const MR: usize>(s: S, t: &Tile) {
+unsafe fn micro<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(s: S, t: &Tile<W>) {
     let zero = s.splat(0.0);
     let mut acc = [[zero; NP]; MR];
     if t.accumulate {
@@ -264,7 +316,7 @@ unsafe fn micro<S: Simd, const NP: usize, const MR: usize>(s: S, t: &Tile) {
         let mut bv = [zero; NP];
         for (q, v) in bv.iter_mut().enumerate() {
             // SAFETY: the caller's contract for b: kc vectors per panel.
-            *v = unsafe { s.load_ptr(b.add(q * t.panel_stride)) };
+            *v = unsafe { W::load(s, b.add(q * t.panel_stride)) };
         }
         for (r, row) in acc.iter_mut().enumerate() {
             // SAFETY: the caller's contract for a: MR rows of kc.
@@ -345,20 +397,36 @@ mod tests {
         let want = reference(&x, m, &w_t, k, n);
         let packed = PackedWeight::from_in_out(&w_t, k, n).expect("pack");
         let base: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        check_packed(&x, m, &packed, &want, &base);
+        // bf16 weights: the same product over the bf16-rounded matrix, packed from `[n, k]`.
+        let w16: Vec<half::bf16> = (0..n * k)
+            .map(|i| half::bf16::from_f32(w_t[(i % k) * n + i / k]))
+            .collect();
+        let rounded: Vec<f32> = (0..k * n)
+            .map(|i| w16[(i % n) * k + i / n].to_f32())
+            .collect();
+        let want16 = reference(&x, m, &rounded, k, n);
+        let packed16 = PackedWeight::from_out_in_bf16(&w16, n, k).expect("pack bf16");
+        check_packed(&x, m, &packed16, &want16, &base);
+    }
+
+    fn check_packed(x: &[f32], m: usize, packed: &PackedWeight, want: &[f32], base: &[f32]) {
+        let (k, n) = (packed.k(), packed.n());
         for isa in Isa::available() {
             for add in [false, true] {
                 let mut out = if add {
-                    base.clone()
+                    base.to_vec()
                 } else {
                     vec![f32::NAN; m * n]
                 };
-                packed_matmul_on(isa, &x, m, &packed, &mut out, add).expect("shapes");
-                for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                packed_matmul_on(isa, x, m, packed, &mut out, add).expect("shapes");
+                for (i, (g, w)) in out.iter().zip(want).enumerate() {
                     let w = if add { w + base[i] } else { *w };
                     let tol = 1e-5 * (k as f32).sqrt() * (1.0 + w.abs());
                     assert!(
                         (g - w).abs() <= tol,
-                        "{isa:?} add={add} {m}x{k}x{n} at {i}: {g} vs {w}"
+                        "{isa:?} {:?} add={add} {m}x{k}x{n} at {i}: {g} vs {w}",
+                        packed.dtype()
                     );
                 }
             }

@@ -38,5 +38,5 @@ pub use gemm::{packed_matmul, packed_matmul_add};
 pub use gemv::{small_batch_matmul, MAX_SMALL_M};
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
-pub use packed::{PackedWeight, PANEL};
+pub use packed::{PackedWeight, WeightDtype, PANEL};
 pub use pool::{parallel_for, pool_threads};

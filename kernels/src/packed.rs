@@ -19,12 +19,31 @@ pub const PANEL: usize = LANES;
 #[repr(C, align(64))]
 pub(crate) struct PanelRow(pub(crate) [f32; PANEL]);
 
+/// One row of a bf16 panel (bit patterns), half a cache line.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(32))]
+pub(crate) struct PanelRowBf16(pub(crate) [u16; PANEL]);
+
+/// What a packed weight stores: f32, or bf16 widened to f32 as the micro-kernel loads it
+/// (half the bytes a step reads, which is what batch-1 decode is bound by).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone)]
+pub(crate) enum Panels {
+    F32(Vec<PanelRow>),
+    Bf16(Vec<PanelRowBf16>),
+}
+
 /// `W` (`[k, n]`: `k` inputs, `n` outputs) in panels.
 #[derive(Clone)]
 pub struct PackedWeight {
     k: usize,
     n: usize,
-    rows: Vec<PanelRow>,
+    panels: Panels,
 }
 
 impl PackedWeight {
@@ -32,35 +51,41 @@ impl PackedWeight {
     /// safetensors store `nn.Linear` weights.
     pub fn from_out_in(w: &[f32], n: usize, k: usize) -> Result<Self, KernelError> {
         check_len("w", n * k, w.len())?;
-        let mut packed = Self::zeroed(k, n);
-        for (col, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
-            let (panel, lane) = (col / PANEL, col % PANEL);
-            let dst = &mut packed.rows[panel * k..(panel + 1) * k];
-            for (d, &v) in dst.iter_mut().zip(row) {
-                d.0[lane] = v;
-            }
-        }
-        Ok(packed)
+        let mut rows = vec![PanelRow([0.0; PANEL]); n.div_ceil(PANEL) * k];
+        scatter_out_in(w, n, k, |i, lane, v| rows[i].0[lane] = v);
+        Ok(PackedWeight {
+            k,
+            n,
+            panels: Panels::F32(rows),
+        })
+    }
+
+    /// [`from_out_in`](Self::from_out_in) for bf16 weights, kept in bf16.
+    pub fn from_out_in_bf16(w: &[half::bf16], n: usize, k: usize) -> Result<Self, KernelError> {
+        check_len("w", n * k, w.len())?;
+        let mut rows = vec![PanelRowBf16([0; PANEL]); n.div_ceil(PANEL) * k];
+        scatter_out_in(w, n, k, |i, lane, v| rows[i].0[lane] = v.to_bits());
+        Ok(PackedWeight {
+            k,
+            n,
+            panels: Panels::Bf16(rows),
+        })
     }
 
     /// From `[k, n]` row-major (the transpose of the checkpoint's layout).
     pub fn from_in_out(w_t: &[f32], k: usize, n: usize) -> Result<Self, KernelError> {
         check_len("w_t", k * n, w_t.len())?;
-        let mut packed = Self::zeroed(k, n);
+        let mut rows = vec![PanelRow([0.0; PANEL]); n.div_ceil(PANEL) * k];
         for (i, row) in w_t.chunks_exact(n.max(1)).enumerate().take(k) {
             for (panel, cols) in row.chunks(PANEL).enumerate() {
-                packed.rows[panel * k + i].0[..cols.len()].copy_from_slice(cols);
+                rows[panel * k + i].0[..cols.len()].copy_from_slice(cols);
             }
         }
-        Ok(packed)
-    }
-
-    fn zeroed(k: usize, n: usize) -> Self {
-        PackedWeight {
+        Ok(PackedWeight {
             k,
             n,
-            rows: vec![PanelRow([0.0; PANEL]); n.div_ceil(PANEL) * k],
-        }
+            panels: Panels::F32(rows),
+        })
     }
 
     /// Inputs (rows of `W`).
@@ -78,20 +103,43 @@ impl PackedWeight {
         self.n.div_ceil(PANEL)
     }
 
-    /// Bytes held, padding included: what one step reads.
-    pub fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.rows.as_slice())
+    pub fn dtype(&self) -> WeightDtype {
+        match self.panels {
+            Panels::F32(_) => WeightDtype::F32,
+            Panels::Bf16(_) => WeightDtype::Bf16,
+        }
     }
 
-    /// Row `i` of panel `panel` and every row after it.
-    pub(crate) fn panel_ptr(&self, panel: usize, i: usize) -> *const f32 {
-        debug_assert!(panel < self.panels() && i <= self.k);
-        self.rows[panel * self.k..].as_ptr().wrapping_add(i).cast()
+    /// Bytes held, padding included: what one step reads.
+    pub fn bytes(&self) -> usize {
+        match &self.panels {
+            Panels::F32(rows) => std::mem::size_of_val(rows.as_slice()),
+            Panels::Bf16(rows) => std::mem::size_of_val(rows.as_slice()),
+        }
+    }
+
+    pub(crate) fn data(&self) -> &Panels {
+        &self.panels
     }
 
     /// `W[i, j]`, for tests and for unpacking.
     pub fn get(&self, i: usize, j: usize) -> f32 {
-        self.rows[(j / PANEL) * self.k + i].0[j % PANEL]
+        let at = (j / PANEL) * self.k + i;
+        match &self.panels {
+            Panels::F32(rows) => rows[at].0[j % PANEL],
+            Panels::Bf16(rows) => f32::from_bits(u32::from(rows[at].0[j % PANEL]) << 16),
+        }
+    }
+}
+
+/// Calls `put(row index, lane, value)` for every weight of a `[n, k]` matrix: panel row
+/// `(col / PANEL) * k + i`, lane `col % PANEL`.
+fn scatter_out_in<T: Copy>(w: &[T], n: usize, k: usize, mut put: impl FnMut(usize, usize, T)) {
+    for (col, row) in w.chunks_exact(k.max(1)).enumerate().take(n) {
+        let (panel, lane) = (col / PANEL, col % PANEL);
+        for (i, &v) in row.iter().enumerate() {
+            put(panel * k + i, lane, v);
+        }
     }
 }
 
@@ -137,20 +185,30 @@ mod tests {
         }
         let a = PackedWeight::from_in_out(&w_t, k, n).expect("pack");
         let b = PackedWeight::from_out_in(&w, n, k).expect("pack");
+        // Integers below 256 are exact in bf16.
+        let w16: Vec<half::bf16> = w.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let c = PackedWeight::from_out_in_bf16(&w16, n, k).expect("pack");
         assert_eq!(a.panels(), 3);
+        assert_eq!(c.dtype(), WeightDtype::Bf16);
         for i in 0..k {
             for j in 0..n {
                 assert_eq!(a.get(i, j), w_t[i * n + j]);
                 assert_eq!(b.get(i, j), w_t[i * n + j]);
+                assert_eq!(c.get(i, j), w_t[i * n + j]);
             }
             // The padding past n is zero.
             for j in n..a.panels() * PANEL {
                 assert_eq!(a.get(i, j), 0.0);
                 assert_eq!(b.get(i, j), 0.0);
+                assert_eq!(c.get(i, j), 0.0);
             }
         }
         assert_eq!(a.bytes(), 3 * k * PANEL * 4);
-        assert_eq!(a.panel_ptr(1, 0) as usize % 64, 0);
+        assert_eq!(c.bytes(), 3 * k * PANEL * 2);
+        match a.data() {
+            Panels::F32(rows) => assert_eq!(rows.as_ptr() as usize % 64, 0),
+            Panels::Bf16(_) => panic!("f32 weights packed as bf16"),
+        }
     }
 
     #[test]

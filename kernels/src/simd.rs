@@ -90,6 +90,12 @@ pub(crate) trait Simd: Copy {
     /// # Safety
     /// `dst` must be valid for writing `LANES` f32.
     unsafe fn store_ptr(self, dst: *mut f32, v: Self::V);
+    /// `LANES` bf16 (as their bit patterns) widened to f32: exact, a shift of each into the
+    /// high half of an f32, so bf16 weights cost no accuracy beyond their own rounding.
+    ///
+    /// # Safety
+    /// `src` must be valid for reading `LANES` u16.
+    unsafe fn load_bf16_ptr(self, src: *const u16) -> Self::V;
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
     fn sub(self, a: Self::V, b: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
@@ -145,6 +151,12 @@ impl Simd for Portable {
     unsafe fn store_ptr(self, dst: *mut f32, v: Self::V) {
         // SAFETY: the caller promises LANES writable f32 at `dst`.
         unsafe { std::ptr::write_unaligned(dst.cast::<Self::V>(), v) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_ptr(self, src: *const u16) -> Self::V {
+        // SAFETY: the caller promises LANES readable u16 at `src`.
+        let bits: [u16; LANES] = unsafe { std::ptr::read_unaligned(src.cast()) };
+        std::array::from_fn(|l| f32::from_bits(u32::from(bits[l]) << 16))
     }
     #[inline(always)]
     fn add(self, a: Self::V, b: Self::V) -> Self::V {

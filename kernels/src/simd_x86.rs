@@ -62,6 +62,15 @@ impl Simd for Avx512 {
         unsafe { _mm512_storeu_ps(dst, v) }
     }
     #[inline(always)]
+    unsafe fn load_bf16_ptr(self, src: *const u16) -> __m512 {
+        // SAFETY: the caller promises LANES readable u16 at `src`; AVX-512F is this type's
+        // invariant.
+        unsafe {
+            let h = _mm256_loadu_si256(src.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
         unsafe { _mm512_add_ps(a, b) }
     }
@@ -199,6 +208,19 @@ impl Simd for Avx2Fma {
         unsafe {
             _mm256_storeu_ps(dst, v[0]);
             _mm256_storeu_ps(dst.add(8), v[1]);
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_ptr(self, src: *const u16) -> Self::V {
+        // SAFETY: the caller promises LANES readable u16 at `src`; AVX2 is this type's
+        // invariant.
+        unsafe {
+            let lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.cast()));
+            let hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.add(8).cast()));
+            [
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lo)),
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(hi)),
+            ]
         }
     }
     #[inline(always)]

@@ -17,6 +17,8 @@ pub enum BenchCommand {
     Engine(EngineBenchArgs),
     /// KV transfer GB/s and latency over QUIC and TCP against a raw TCP socket baseline.
     Kvtransfer(KvBenchArgs),
+    /// The machine's ceilings for the engine: read bandwidth and the packed GEMM's GFLOP/s.
+    Limits(super::bench_limits::LimitsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -50,6 +52,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(args) => engine_bench(args),
         BenchCommand::Kvtransfer(args) => kv_bench(args),
+        BenchCommand::Limits(args) => super::bench_limits::run(args),
     }
 }
 
@@ -173,7 +176,7 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
         "prefill_tok_s": prefill,
         "decode_single_tok_s": single,
         "decode_batch_tok_s": batched,
-        "notes": format!("median of {repeats}; {} threads", rayon_threads()),
+        "notes": format!("median of {repeats}; {} threads", kernels::pool_threads()),
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(out) = args.out {
@@ -181,12 +184,6 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
-}
-
-fn rayon_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
 }
 
 fn kv_bench(args: KvBenchArgs) -> anyhow::Result<()> {

@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod bench_limits;
 pub mod certs;
 pub mod dev_certs;
 pub mod generate;

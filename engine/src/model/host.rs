@@ -1,13 +1,16 @@
-//! The forward pass of an f32 model on the CPU, on plain slices.
+//! The forward pass on the CPU, on plain f32 slices, over f32 or bf16 weights.
 //!
 //! candle's tensor ops allocate, dispatch and (for norms over more than 32 rows) fork rayon
 //! tasks per op, which on a small model costs more than the arithmetic: stories260K spent
 //! 0.9 ms a token on it. Here a step is the packed matmuls, the fused attention and a few row
 //! loops over buffers allocated once per step, and the two residual adds ride along with the
 //! matmuls that produce them (`packed_matmul_add`). Every parallel loop runs on the kernels'
-//! spinning pool. Other dtypes and devices take the tensor path in `llama.rs`.
+//! spinning pool. Activations stay f32 whatever the weights' dtype (bf16 weights are widened in
+//! the matmul's registers; a bf16 KV cache is rounded on the way in). f16 and other devices
+//! take the tensor path in `llama.rs`.
 
 use candle_core::{DType, Device, Tensor};
+use kernels::KvElem;
 
 use super::batch::ForwardBatch;
 use super::llama::{Llama, RmsNorm};
@@ -30,18 +33,20 @@ impl Llama {
         let cfg = &self.cfg;
         let (t, hid) = (batch.num_tokens(), cfg.hidden_size);
         let mut x = vec![0f32; t * hid];
-        with_slice::<f32, _>(self.embed.embeddings(), |table| {
-            for (row, &id) in x.chunks_mut(hid).zip(&batch.token_ids) {
-                let id = id as usize;
-                let src = table.get(id * hid..(id + 1) * hid).ok_or_else(|| {
-                    EngineError::InvalidConfig {
-                        reason: format!("token id {id} is outside the vocabulary"),
-                    }
-                })?;
-                row.copy_from_slice(src);
+        let table = self.embed.embeddings();
+        match table.dtype() {
+            DType::F32 => {
+                with_slice::<f32, _>(table, |t| gather_rows(t, &batch.token_ids, &mut x))??
             }
-            Ok::<(), EngineError>(())
-        })??;
+            DType::BF16 => {
+                with_slice::<half::bf16, _>(table, |t| gather_rows(t, &batch.token_ids, &mut x))??
+            }
+            other => {
+                return Err(EngineError::UnsupportedDtype {
+                    dtype: format!("{other:?}"),
+                })
+            }
+        }
         let rope = self.rope.tables(&batch.positions);
         let dims = AttnDims {
             num_heads: cfg.num_heads,
@@ -61,11 +66,12 @@ impl Llama {
                 LayerKvMut::F32(k, v) => {
                     ops::attention_rows(&qkv, batch, &rope, &layout, k, v, dims)?
                 }
-                _ => {
-                    return Err(EngineError::InvalidConfig {
-                        reason: "an f32 model needs an f32 KV cache".into(),
-                    })
-                }
+                LayerKvMut::Bf16(k, v) => to_f32(ops::attention_rows(
+                    &qkv, batch, &rope, &layout, k, v, dims,
+                )?),
+                LayerKvMut::F16(k, v) => to_f32(ops::attention_rows(
+                    &qkv, batch, &rope, &layout, k, v, dims,
+                )?),
             };
             layer.o_proj.forward_host(&attn, t, &mut x, true)?;
             rms_norm_rows(&layer.post_norm, &x, t, &mut h)?;
@@ -94,7 +100,7 @@ impl Llama {
 
     /// Whether [`forward_host`](Self::forward_host) can run this model.
     pub(super) fn runs_on_host(&self) -> bool {
-        self.dtype == DType::F32
+        matches!(self.dtype, DType::F32 | DType::BF16)
             && matches!(self.device, Device::Cpu)
             && self.lm_head.is_packed()
             && self
@@ -108,16 +114,39 @@ impl Llama {
 /// `out = x / rms(x) * weight`, row by row, with candle's rounding (sum of squares in f32,
 /// divide, then scale), which the greedy parity with transformers was established on.
 fn rms_norm_rows(norm: &RmsNorm, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
-    with_slice::<f32, _>(&norm.weight, |w| {
-        let n = w.len();
-        let body = |row: usize, o: &mut [f32]| {
-            let src = &x[row * n..(row + 1) * n];
-            let sum2: f32 = src.iter().map(|v| v * v).sum();
-            let m = (sum2 / n as f32 + norm.eps).sqrt();
-            for ((d, s), a) in o.iter_mut().zip(src).zip(w) {
-                *d = *s / m * *a;
-            }
-        };
-        ops::for_rows(out, t, n, PARALLEL_ROWS, &body);
-    })
+    let w = &norm.host;
+    let n = w.len();
+    let body = |row: usize, o: &mut [f32]| {
+        let src = &x[row * n..(row + 1) * n];
+        let sum2: f32 = src.iter().map(|v| v * v).sum();
+        let m = (sum2 / n as f32 + norm.eps).sqrt();
+        for ((d, s), a) in o.iter_mut().zip(src).zip(w) {
+            *d = *s / m * *a;
+        }
+    };
+    ops::for_rows(out, t, n, PARALLEL_ROWS, &body);
+    Ok(())
+}
+
+/// Copies the embedding rows of `ids` into `x`, widened to f32.
+fn gather_rows<T: KvElem>(table: &[T], ids: &[u32], x: &mut [f32]) -> Result<()> {
+    let hid = x.len() / ids.len().max(1);
+    for (row, &id) in x.chunks_mut(hid.max(1)).zip(ids) {
+        let id = id as usize;
+        let src =
+            table
+                .get(id * hid..(id + 1) * hid)
+                .ok_or_else(|| EngineError::InvalidConfig {
+                    reason: format!("token id {id} is outside the vocabulary"),
+                })?;
+        for (d, s) in row.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+    Ok(())
+}
+
+/// Attention output in a 16-bit KV cache's dtype, widened for the next projection.
+fn to_f32<T: KvElem>(v: Vec<T>) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
 }

@@ -1,8 +1,8 @@
 //! The model's linear layers: `y = x @ W + b`.
 //!
-//! f32 weights on CPU are packed once, at load, into the kernels crate's panel layout
-//! ([`kernels::PackedWeight`]), and every step multiplies against them with
-//! [`kernels::packed_matmul`] at any batch size. A general GEMM re-packs its operand on every
+//! f32 and bf16 weights on CPU are packed once, at load, into the kernels crate's panel layout
+//! ([`kernels::PackedWeight`], bf16 kept as bf16 and widened in registers), and every step
+//! multiplies f32 activations against them with [`kernels::packed_matmul`] at any batch size. A general GEMM re-packs its operand on every
 //! call (a quarter of a batch-32 step, measured) and runs its small-batch path on one core.
 //! Other dtypes and devices keep candle's matmul.
 
@@ -13,7 +13,7 @@ use crate::error::Result;
 
 #[derive(Debug, Clone)]
 enum Weight {
-    /// f32 on CPU, in panels.
+    /// f32 or bf16 on CPU, in panels.
     Packed(kernels::PackedWeight),
     /// `[in, out]`, contiguous: the transpose of what checkpoints store. gemm packs a
     /// row-major `[in, out]` operand cheaply, while a transposed view costs more than the
@@ -25,20 +25,38 @@ enum Weight {
 pub(crate) struct Linear {
     weight: Weight,
     bias: Option<Tensor>,
+    /// The bias in f32, for the host path whatever the checkpoint's dtype.
+    bias_host: Option<Vec<f32>>,
 }
 
 impl Linear {
     /// From a checkpoint's `[out, in]` weight.
     pub(crate) fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        let weight = if weight.dtype() == DType::F32 && matches!(weight.device(), Device::Cpu) {
-            let (n, k) = weight.dims2()?;
-            Weight::Packed(with_slice::<f32, _>(&weight, |w| {
-                kernels::PackedWeight::from_out_in(w, n, k)
-            })??)
-        } else {
-            Weight::Dense(weight.t()?.contiguous()?)
+        let on_cpu = matches!(weight.device(), Device::Cpu);
+        let weight = match weight.dtype() {
+            DType::F32 if on_cpu => {
+                let (n, k) = weight.dims2()?;
+                Weight::Packed(with_slice::<f32, _>(&weight, |w| {
+                    kernels::PackedWeight::from_out_in(w, n, k)
+                })??)
+            }
+            DType::BF16 if on_cpu => {
+                let (n, k) = weight.dims2()?;
+                Weight::Packed(with_slice::<half::bf16, _>(&weight, |w| {
+                    kernels::PackedWeight::from_out_in_bf16(w, n, k)
+                })??)
+            }
+            _ => Weight::Dense(weight.t()?.contiguous()?),
         };
-        Ok(Linear { weight, bias })
+        let bias_host = match (&weight, &bias) {
+            (Weight::Packed(_), Some(b)) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            _ => None,
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            bias_host,
+        })
     }
 
     /// Whether the weight is packed, so [`forward_host`](Self::forward_host) can run it.
@@ -65,14 +83,12 @@ impl Linear {
         } else {
             kernels::packed_matmul(x, m, w, out)?;
         }
-        if let Some(b) = &self.bias {
-            with_slice::<f32, _>(b, |b| {
-                for row in out.chunks_mut(w.n()) {
-                    for (o, b) in row.iter_mut().zip(b) {
-                        *o += b;
-                    }
+        if let Some(b) = &self.bias_host {
+            for row in out.chunks_mut(w.n()) {
+                for (o, b) in row.iter_mut().zip(b) {
+                    *o += b;
                 }
-            })?;
+            }
         }
         Ok(())
     }
@@ -80,10 +96,12 @@ impl Linear {
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             Weight::Packed(w) => {
+                // The kernel takes f32 activations whatever the weights' dtype.
                 let m = x.dim(0)?;
                 let mut out = vec![0f32; m * w.n()];
-                with_slice::<f32, _>(x, |xs| kernels::packed_matmul(xs, m, w, &mut out))??;
-                Tensor::from_vec(out, (m, w.n()), &Device::Cpu)?
+                let xf = x.to_dtype(DType::F32)?;
+                with_slice::<f32, _>(&xf, |xs| kernels::packed_matmul(xs, m, w, &mut out))??;
+                Tensor::from_vec(out, (m, w.n()), &Device::Cpu)?.to_dtype(x.dtype())?
             }
             Weight::Dense(w_t) => x.matmul(w_t)?,
         };
@@ -118,6 +136,7 @@ mod tests {
             let dense = Linear {
                 weight: Weight::Dense(w.t().expect("t").contiguous().expect("c")),
                 bias: Some(b),
+                bias_host: None,
             };
             for linear in [packed, dense] {
                 let got: Vec<f32> = linear

@@ -17,13 +17,17 @@ use crate::kv::cache::KvCache;
 #[derive(Debug, Clone)]
 pub(super) struct RmsNorm {
     pub(super) weight: Tensor,
+    /// The weight in f32, for the host path whatever the checkpoint's dtype.
+    pub(super) host: Vec<f32>,
     pub(super) eps: f32,
 }
 
 impl RmsNorm {
     fn load(vb: VarBuilder, size: usize, eps: f64) -> Result<Self> {
+        let weight = vb.get(size, "weight")?;
         Ok(RmsNorm {
-            weight: vb.get(size, "weight")?,
+            host: weight.to_dtype(DType::F32)?.to_vec1::<f32>()?,
+            weight,
             eps: eps as f32,
         })
     }
@@ -106,7 +110,7 @@ pub struct Llama {
     pub(super) rope: Rope,
     pub(super) dtype: DType,
     pub(super) device: Device,
-    /// f32 weights on the CPU, every projection packed: [`Llama::forward_host`] runs it.
+    /// f32 or bf16 weights on the CPU, every projection packed: [`Llama::forward_host`] runs it.
     host: bool,
 }
 

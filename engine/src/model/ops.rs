@@ -75,8 +75,8 @@ fn attention_typed<T: KvElem + WithDType>(
 }
 
 /// [`attention`] on raw rows: `qkv` is `[T, (H + 2 * Hkv) * D]`, the result `[T, H * D]`.
-pub(crate) fn attention_rows<T: KvElem>(
-    src: &[T],
+pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
+    src: &[S],
     batch: &ForwardBatch,
     rope: &RopeTables,
     layout: &CacheShape,
@@ -106,7 +106,9 @@ pub(crate) fn attention_rows<T: KvElem>(
                 let r = head * d..(head + 1) * d;
                 rope_head(rope, tok, &ks[r.clone()], &mut kr[r], buf);
             }
-            vr.copy_from_slice(&s[(h + hkv) * d..]);
+            for (o, x) in vr.iter_mut().zip(&s[(h + hkv) * d..]) {
+                *o = T::from_f32(x.to_f32());
+            }
         };
         let (qs, ks, vs) = (
             SharedRows::new(&mut q, h * d),
@@ -176,7 +178,13 @@ impl<T> SharedRows<T> {
 }
 
 #[inline]
-fn rope_head<T: KvElem>(rope: &RopeTables, tok: usize, src: &[T], dst: &mut [T], buf: &mut [f32]) {
+fn rope_head<S: KvElem, T: KvElem>(
+    rope: &RopeTables,
+    tok: usize,
+    src: &[S],
+    dst: &mut [T],
+    buf: &mut [f32],
+) {
     for (b, s) in buf.iter_mut().zip(src) {
         *b = s.to_f32();
     }

@@ -1,0 +1,119 @@
+//! `fission bench limits`: the machine's own ceilings, measured in the same run as the engine
+//! figures they bound. Batch-1 decode reads every weight once per token, so its ceiling is
+//! weight bytes ÷ read bandwidth; batched decode and prefill are multiply-adds, so theirs is
+//! FLOPs ÷ the best GEMM this build has, on the model's own shapes.
+
+use std::time::Instant;
+
+use clap::Args;
+use serde_json::json;
+
+#[derive(Args, Debug)]
+pub struct LimitsArgs {
+    /// Bytes of the buffer the read benchmark streams (far above the last-level cache).
+    #[arg(long, default_value_t = 1 << 30)]
+    pub read_bytes: usize,
+    /// Passes per figure; the best is reported (a ceiling, not a typical run).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Write the figures as JSON here.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+/// SmolLM2-135M's projections as `(k inputs, n outputs)`: fused QKV, o_proj, fused gate/up,
+/// down and the lm_head.
+const SHAPES: [(usize, usize); 5] = [
+    (576, 960),
+    (576, 576),
+    (576, 3072),
+    (1536, 576),
+    (576, 49152),
+];
+
+pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
+    let repeats = args.repeats.max(1);
+    let read = read_gb_s(args.read_bytes, repeats);
+    eprintln!(
+        "read bandwidth ({} MiB, {} threads): {read:.1} GB/s",
+        args.read_bytes >> 20,
+        kernels::pool_threads()
+    );
+    let mut gemm = serde_json::Map::new();
+    let mut peak = 0f64;
+    for m in [32usize, 64, 512] {
+        let mut row = serde_json::Map::new();
+        for (k, n) in SHAPES {
+            let g = gemm_gflops(m, k, n, repeats)?;
+            peak = peak.max(g);
+            row.insert(format!("{k}x{n}"), json!(g));
+            eprintln!("packed GEMM m={m:>3} {k:>5}x{n:<6}: {g:>7.1} GFLOP/s");
+        }
+        gemm.insert(m.to_string(), serde_json::Value::Object(row));
+    }
+    let report = json!({
+        "read_gb_s": read,
+        "gemm_gflops": gemm,
+        "gemm_peak_gflops": peak,
+        "threads": kernels::pool_threads(),
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(out) = args.out {
+        std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}
+
+/// STREAM-like read: every kernel thread sums its own contiguous share of the buffer. Integer
+/// adds, so the compiler may vectorise them freely and the loop is bound by memory alone.
+fn read_gb_s(bytes: usize, repeats: usize) -> f64 {
+    let words = (bytes / 8).max(1);
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let threads = kernels::pool_threads();
+    let per = words.div_ceil(threads);
+    let sums: Vec<std::sync::atomic::AtomicU64> = (0..threads)
+        .map(|_| std::sync::atomic::AtomicU64::new(0))
+        .collect();
+    let mut best = 0f64;
+    for _ in 0..repeats {
+        let t = Instant::now();
+        kernels::parallel_for(threads, &|i| {
+            let part = &buf[(i * per).min(words)..((i + 1) * per).min(words)];
+            let s = part.iter().fold(0u64, |a, &b| a.wrapping_add(b));
+            sums[i].fetch_add(s, std::sync::atomic::Ordering::Relaxed);
+        });
+        best = best.max((words * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    // The sums are used, so the reads cannot be optimised away.
+    let total = sums.iter().fold(0u64, |a, s| {
+        a.wrapping_add(s.load(std::sync::atomic::Ordering::Relaxed))
+    });
+    std::hint::black_box(total);
+    best
+}
+
+/// The packed GEMM's best GFLOP/s for `[m, k] @ [k, n]`.
+fn gemm_gflops(m: usize, k: usize, n: usize, repeats: usize) -> anyhow::Result<f64> {
+    let w: Vec<f32> = (0..k * n)
+        .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+        .collect();
+    let w = kernels::PackedWeight::from_in_out(&w, k, n)?;
+    let x: Vec<f32> = (0..m * k)
+        .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
+        .collect();
+    let mut out = vec![0f32; m * n];
+    // Enough calls for about ten milliseconds a pass, after one warm-up.
+    kernels::packed_matmul(&x, m, &w, &mut out)?;
+    let flops = 2.0 * (m * k * n) as f64;
+    let calls = ((2e9 / flops) as usize).clamp(1, 10_000);
+    let mut best = 0f64;
+    for _ in 0..repeats {
+        let t = Instant::now();
+        for _ in 0..calls {
+            kernels::packed_matmul(&x, m, &w, &mut out)?;
+        }
+        best = best.max(flops * calls as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&out);
+    Ok(best)
+}
