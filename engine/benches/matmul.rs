@@ -1,6 +1,6 @@
 //! The model's matmuls on SmolLM2-135M's shapes: the packed-weight GEMM against candle's
-//! matmul (gemm, re-packing its operand per call) and, up to 16 rows, the older small-batch
-//! kernel, on the same operands in the same run, alternating which goes first.
+//! matmul (gemm, re-packing its operand per call), on the same operands in the same run,
+//! alternating which goes first.
 //! `cargo bench -p engine --bench matmul` (`-- quick` for fewer rounds).
 
 use std::time::Instant;
@@ -29,8 +29,8 @@ fn main() {
     let quick = std::env::args().any(|a| a == "quick");
     let rounds = if quick { 3 } else { 7 };
     println!(
-        "{:<20} {:>10} {:>8} {:>8} {:>10} {:>8} {:>10} {:>7} {:>7}",
-        "m x k x n", "packed", "GFLOP/s", "GB/s", "gemm", "GFLOP/s", "small-m", "p/gemm", "spread"
+        "{:<20} {:>10} {:>8} {:>8} {:>10} {:>8} {:>7} {:>7}",
+        "m x k x n", "packed", "GFLOP/s", "GB/s", "gemm", "GFLOP/s", "p/gemm", "spread"
     );
     // SmolLM2-135M's fused QKV, o_proj, fused gate/up, down and lm_head, at decode batches
     // and prefill chunks.
@@ -52,20 +52,16 @@ fn main() {
             let ws: Vec<f32> = w.flatten_all().expect("f").to_vec1().expect("v");
             let packed = kernels::PackedWeight::from_in_out(&ws, k, n).expect("pack");
             let mut out = vec![0f32; m * n];
-            let mut out2 = vec![0f32; m * n];
             let flops = 2.0 * (m * k * n) as f64;
             // Each burst long enough (~20 ms) that the weights stream from memory.
             let reps = ((2e7 / (k * n) as f64) as usize).clamp(2, 400);
             let reps = (reps * 64 / m.max(64)).max(2);
-            let (mut a, mut b, mut c, mut ratios) = (vec![], vec![], vec![], vec![]);
+            let (mut a, mut b, mut ratios) = (vec![], vec![], vec![]);
             let mut run_a = || {
                 kernels::packed_matmul(&xs, m, &packed, &mut out).expect("shapes");
             };
             let mut run_b = || {
                 let _ = x.matmul(&w).expect("matmul");
-            };
-            let mut run_c = || {
-                kernels::small_batch_matmul(&xs, m, k, &ws, n, &mut out2).expect("shapes");
             };
             burst(1, &mut run_a);
             burst(1, &mut run_b);
@@ -77,9 +73,6 @@ fn main() {
                     let tb = burst(reps, &mut run_b);
                     (burst(reps, &mut run_a), tb)
                 };
-                if m <= kernels::MAX_SMALL_M {
-                    c.push(burst(reps, &mut run_c));
-                }
                 a.push(ta);
                 b.push(tb);
                 ratios.push(tb / ta);
@@ -91,20 +84,14 @@ fn main() {
                 ratios.iter().copied().fold(f64::INFINITY, f64::min),
                 ratios.iter().copied().fold(0.0, f64::max)
             );
-            let small = if c.is_empty() {
-                "-".to_string()
-            } else {
-                format!("{:.1}us", median(&mut c) * 1e6)
-            };
             println!(
-                "{:<20} {:>8.1}us {:>8.1} {:>8.1} {:>8.1}us {:>8.1} {:>10} {:>6.2}x {:>9}",
+                "{:<20} {:>8.1}us {:>8.1} {:>8.1} {:>8.1}us {:>8.1} {:>6.2}x {:>9}",
                 format!("{m} x {k} x {n}"),
                 ta * 1e6,
                 flops / ta / 1e9,
                 packed.bytes() as f64 / ta / 1e9,
                 tb * 1e6,
                 flops / tb / 1e9,
-                small,
                 r,
                 spread
             );

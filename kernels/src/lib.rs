@@ -15,7 +15,6 @@ pub mod cuda;
 mod elem;
 mod error;
 mod gemm;
-mod gemv;
 #[cfg(any(feature = "cuda", test))]
 mod gpu_plan;
 mod layout;
@@ -35,7 +34,6 @@ pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;
 pub use gemm::{packed_matmul, packed_matmul_add};
-pub use gemv::{small_batch_matmul, MAX_SMALL_M};
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
 pub use packed::{PackedWeight, WeightDtype, PANEL};
