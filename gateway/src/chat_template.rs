@@ -3,11 +3,15 @@
 //!
 //! The environment matches the one transformers uses: `trim_blocks` and `lstrip_blocks` on,
 //! Python string and dict methods (`.strip()`, `.items()`, ...) through minijinja-contrib's
-//! pycompat, `raise_exception(message)`, `strftime_now(format)` and the `tojson` filter.
+//! pycompat, `raise_exception(message)`, `strftime_now(format)`, and transformers' own `tojson`
+//! filter (Python's `json.dumps`: `", "` and `": "` separators, keys in the order given, no
+//! HTML escaping), so that tools and call arguments reach the model as it saw them in training.
 
+use std::io::{self, Write};
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
@@ -93,6 +97,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(template_error)?;
         Ok(Self {
@@ -167,6 +172,158 @@ fn token_text(value: Option<&serde_json::Value>) -> Option<String> {
 
 fn raise_exception(message: String) -> Result<String, minijinja::Error> {
     Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`:
+/// Python's `json.dumps` with those keyword arguments.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let invalid = |message: String| minijinja::Error::new(ErrorKind::InvalidOperation, message);
+    let (item_sep, key_sep) = match separators.as_deref() {
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(other) => {
+            return Err(invalid(format!(
+                "tojson: separators must be two strings, given {other:?}"
+            )))
+        }
+    };
+    let mut json = serde_json::to_value(value)
+        .map_err(|e| invalid(format!("tojson: cannot serialize to JSON: {e}")))?;
+    if sort_keys == Some(true) {
+        sort_keys_deep(&mut json);
+    }
+    let mut out = Vec::new();
+    let formatter = PyFormatter {
+        indent: indent.map(|n| " ".repeat(n)),
+        item_sep,
+        key_sep,
+        level: 0,
+        has_value: false,
+    };
+    let mut serializer = serde_json::Serializer::with_formatter(&mut out, formatter);
+    json.serialize(&mut serializer)
+        .map_err(|e| invalid(format!("tojson: cannot serialize to JSON: {e}")))?;
+    let mut text = String::from_utf8(out).expect("serde_json writes UTF-8");
+    if ensure_ascii == Some(true) {
+        text = text
+            .encode_utf16()
+            .fold(String::with_capacity(text.len()), |mut ascii, unit| {
+                match char::from_u32(u32::from(unit)).filter(char::is_ascii) {
+                    Some(c) => ascii.push(c),
+                    None => ascii.push_str(&format!("\\u{unit:04x}")),
+                }
+                ascii
+            });
+    }
+    Ok(Value::from_safe_string(text))
+}
+
+fn sort_keys_deep(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            map.sort_keys();
+            map.values_mut().for_each(sort_keys_deep);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(sort_keys_deep),
+        _ => {}
+    }
+}
+
+/// Writes JSON as Python's `json.dumps` does: `item_sep` between items, `key_sep` after keys,
+/// and with an indent, each item on its own line (empty containers stay `[]` and `{}`).
+struct PyFormatter {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    level: usize,
+    has_value: bool,
+}
+
+impl PyFormatter {
+    fn open<W: ?Sized + Write>(&mut self, writer: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        writer.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + Write>(&mut self, writer: &mut W, bracket: &[u8]) -> io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            self.newline(writer)?;
+        }
+        writer.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + Write>(&mut self, writer: &mut W, first: bool) -> io::Result<()> {
+        if !first {
+            writer.write_all(self.item_sep.as_bytes())?;
+        }
+        self.newline(writer)
+    }
+
+    fn newline<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        if let Some(indent) = &self.indent {
+            writer.write_all(b"\n")?;
+            for _ in 0..self.level {
+                writer.write_all(indent.as_bytes())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl serde_json::ser::Formatter for PyFormatter {
+    fn begin_array<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.open(writer, b"[")
+    }
+
+    fn end_array<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.close(writer, b"]")
+    }
+
+    fn begin_array_value<W: ?Sized + Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.item(writer, first)
+    }
+
+    fn end_array_value<W: ?Sized + Write>(&mut self, _: &mut W) -> io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+
+    fn begin_object<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.open(writer, b"{")
+    }
+
+    fn end_object<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        self.close(writer, b"}")
+    }
+
+    fn begin_object_key<W: ?Sized + Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        self.item(writer, first)
+    }
+
+    fn begin_object_value<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
+        writer.write_all(self.key_sep.as_bytes())
+    }
+
+    fn end_object_value<W: ?Sized + Write>(&mut self, _: &mut W) -> io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
 }
 
 /// Python's `datetime.now().strftime(format)` in UTC, for `%Y %m %d %e %b %B %H %M %S %y %%`;
@@ -294,6 +451,116 @@ mod tests {
             "29 Feb 2024 13:05:09 February %"
         );
         assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
+    }
+
+    /// Qwen2.5-Instruct's real template (`fuzz/harness/fixtures/qwen2.5.json`).
+    fn qwen25() -> ChatTemplate {
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../../fuzz/harness/fixtures/qwen2.5.json")).unwrap();
+        let source = fixture["chat_template"].as_str().unwrap().to_string();
+        ChatTemplate::new(source, "<s>".into(), "</s>".into()).unwrap()
+    }
+
+    #[test]
+    fn qwen25_renders_tools_and_calls_as_transformers_does() {
+        let tools = [
+            serde_json::json!({"type": "function", "function": {"name": "get_weather",
+                "description": "Weather in a city, in °C & <km/h>",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                    "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}),
+            serde_json::json!({"type": "function", "function": {"name": "get_time",
+                "description": "Local time", "parameters": {"type": "object", "properties": {}}}}),
+        ];
+        let call = serde_json::json!([{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]);
+        let messages = [
+            user("Weather in Paris?"),
+            ChatMessage {
+                role: "assistant".into(),
+                tool_calls: Some(crate::openai::tools::template_tool_calls(call)),
+                ..Default::default()
+            },
+            ChatMessage {
+                role: "tool".into(),
+                content: "18".into(),
+                tool_call_id: Some("call_1".into()),
+                ..Default::default()
+            },
+        ];
+        // transformers' rendering (its Jinja environment and `tojson`, through jinja2 3.1.6) of
+        // the same messages and tools.
+        let expected = r#"<|im_start|>system
+You are Qwen, created by Alibaba Cloud. You are a helpful assistant.
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, in °C & <km/h>", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+{"type": "function", "function": {"name": "get_time", "description": "Local time", "parameters": {"type": "object", "properties": {}}}}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+<|im_start|>user
+Weather in Paris?<|im_end|>
+<|im_start|>assistant
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}
+</tool_call><|im_end|>
+<|im_start|>user
+<tool_response>
+18
+</tool_response><|im_end|>
+<|im_start|>assistant
+"#;
+        let prompt = qwen25().apply_with_tools(&messages, &tools).unwrap();
+        assert_eq!(prompt, expected);
+        // Without tools the template renders none.
+        let plain = qwen25().apply(&messages[..1]).unwrap();
+        assert!(
+            !plain.contains("<tools>") && !plain.contains("get_weather"),
+            "{plain}"
+        );
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let env = ChatTemplate::new(String::new(), String::new(), String::new())
+            .unwrap()
+            .env;
+        let value = serde_json::json!({"b": [1, {}, []], "a": "é<&>\u{2028}",
+            "c": {"x": null, "y": 1.5}});
+        let render = |source: &str, value: &serde_json::Value| {
+            env.render_str(source, minijinja::context! { v => value })
+                .unwrap()
+        };
+        assert_eq!(
+            render("{{ v | tojson }}", &value),
+            "{\"b\": [1, {}, []], \"a\": \"é<&>\u{2028}\", \"c\": {\"x\": null, \"y\": 1.5}}"
+        );
+        assert_eq!(
+            render("{{ v | tojson(indent=4) }}", &value),
+            "{\n    \"b\": [\n        1,\n        {},\n        []\n    ],\n    \"a\": \"é<&>\u{2028}\",\n    \"c\": {\n        \"x\": null,\n        \"y\": 1.5\n    }\n}"
+        );
+        assert_eq!(
+            render(
+                "{{ v | tojson(ensure_ascii=true, sort_keys=true, separators=[',', ':']) }}",
+                &value
+            ),
+            r#"{"a":"\u00e9<&>\u2028","b":[1,{},[]],"c":{"x":null,"y":1.5}}"#
+        );
+        assert_eq!(
+            render(
+                "{{ v | tojson(ensure_ascii=true) }}",
+                &serde_json::json!("😀")
+            ),
+            r#""\ud83d\ude00""#
+        );
     }
 
     #[test]
