@@ -285,6 +285,7 @@ pub(crate) async fn chat_completions(
             created,
             system_fingerprint: fingerprint,
             include_usage: request.common.include_usage(),
+            sends_done: request.common.sends_done(),
         };
         let sse = tool_sse_response(request_id, tokens, prompt_tokens, plan, forced, ids);
         return Ok(sse.into_response());
@@ -357,11 +358,7 @@ pub(crate) async fn chat_completions(
             let (content, tool_calls, finish_reason) = match calls {
                 Some((content, calls)) => (
                     content,
-                    Some(tool_calls_json(
-                        &format!("{request_id}{index}"),
-                        &calls,
-                        false,
-                    )),
+                    Some(tool_calls_json(&request_id, index as usize, &calls, false)),
                     "tool_calls",
                 ),
                 None => (

@@ -1,7 +1,11 @@
-//! Streaming a chat completion whose output may be tool calls. Text that cannot start a call
-//! streams as content at once; output that may be a call is held back until the end, then
-//! sent as one `delta.tool_calls` chunk (every call complete, arguments included) and a
-//! final chunk with `finish_reason: "tool_calls"`. A forced choice holds everything back.
+//! Streaming a chat completion whose output may be tool calls, so that the stream says what
+//! the non-streamed answer would. Text streams as content at once, except a tail that may be
+//! the start of a `<tool_call>` (and the whitespace before it), which waits for the next token.
+//! From the opening of a call on, or from the start when the output may be a whole-output call
+//! (`{`, `[`, `<|python_tag|>`) or the choice is forced, the output is held back until the
+//! end, then parsed: its calls go out as one `delta.tool_calls` chunk (every call complete,
+//! arguments included) and a final chunk with `finish_reason: "tool_calls"`; what holds no call
+//! goes out as content. A backend error ends the stream with an error event and no `[DONE]`.
 
 use std::convert::Infallible;
 
@@ -9,20 +13,21 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
-use super::tools::{ParsedCall, ToolPlan};
+use super::tools::{ParsedCall, ToolPlan, CALL_OPEN};
 use super::Usage;
-use crate::request::GeneratedToken;
+use crate::error::GatewayError;
+use crate::request::{FinishReason, GeneratedToken};
 use crate::sequences::TokenItems;
 use crate::sse::json_event;
 
 /// Where the output stands.
 enum Phase {
-    /// Only whitespace so far, or a prefix of a call's opening.
+    /// Only whitespace so far, or the possible start of a whole-output call.
     Undecided(String),
+    /// Plain content, streamed as it comes; the held-back tail (see [`held_tail_start`]).
+    Content(String),
     /// May be a call: held back until the end.
     Held(String),
-    /// Plain content: streamed as it comes.
-    Content,
 }
 
 /// The chunks' fixed fields.
@@ -32,6 +37,8 @@ pub(crate) struct ChunkIds {
     pub created: u64,
     pub system_fingerprint: String,
     pub include_usage: bool,
+    /// Whether the stream ends with `data: [DONE]` (see `CommonFields::sends_done`).
+    pub sends_done: bool,
 }
 
 impl ChunkIds {
@@ -57,29 +64,26 @@ impl ChunkIds {
         self.envelope(json!([choice]), None)
     }
 
-    /// A content delta, with the role on the stream's first chunk.
-    fn content(&self, role_sent: &mut bool, text: String, finish: Option<&str>) -> Event {
-        let mut delta = json!({"content": text});
-        if !std::mem::replace(role_sent, true) {
-            delta["role"] = json!("assistant");
-        }
-        self.chunk(delta, finish)
-    }
-
     fn usage(&self, usage: Usage) -> Event {
         self.envelope(json!([]), Some(usage))
     }
 }
 
-/// OpenAI's `tool_calls` entries, with ids unique to the request.
-pub(crate) fn tool_calls_json(request_id: &str, calls: &[ParsedCall], with_index: bool) -> Value {
+/// OpenAI's `tool_calls` entries for choice `choice`, with ids unique to the request.
+pub(crate) fn tool_calls_json(
+    request_id: &str,
+    choice: usize,
+    calls: &[ParsedCall],
+    with_index: bool,
+) -> Value {
+    let prefix = &request_id[..request_id.len().min(20)];
     Value::Array(
         calls
             .iter()
             .enumerate()
             .map(|(i, call)| {
                 let mut entry = json!({
-                    "id": format!("call_{}{i}", &request_id[..request_id.len().min(20)]),
+                    "id": format!("call_{prefix}_{choice}_{i}"),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 });
@@ -94,12 +98,142 @@ pub(crate) fn tool_calls_json(request_id: &str, calls: &[ParsedCall], with_index
 
 /// Whether `text` (leading whitespace trimmed) may be the start of a call.
 fn may_be_call(text: &str) -> bool {
-    const OPENINGS: [&str; 2] = ["<tool_call>", "<|python_tag|>"];
+    const OPENINGS: [&str; 2] = [CALL_OPEN, "<|python_tag|>"];
     text.starts_with('{')
         || text.starts_with('[')
         || OPENINGS
             .iter()
             .any(|o| o.starts_with(text) || text.starts_with(o))
+}
+
+/// Where the part of plain `text` that must wait for the next token starts: an end that may
+/// be the start of `<tool_call>`, and the whitespace before it (which the non-streamed answer
+/// drops from the content before a call).
+fn held_tail_start(text: &str) -> usize {
+    let opening = (1..CALL_OPEN.len())
+        .rev()
+        .find(|&k| text.ends_with(&CALL_OPEN[..k]))
+        .map_or(text.len(), |k| text.len() - k);
+    text[..opening].trim_end().len()
+}
+
+/// One tool-call stream's state.
+struct ToolStream {
+    request_id: String,
+    plan: ToolPlan,
+    ids: ChunkIds,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    phase: Phase,
+    role_sent: bool,
+    /// A backend error was sent: the stream is over.
+    failed: bool,
+}
+
+impl ToolStream {
+    /// The events for one item from the backend; `None` once the stream has failed.
+    fn on_item(&mut self, item: Result<GeneratedToken, GatewayError>) -> Option<Vec<Event>> {
+        if self.failed {
+            return None;
+        }
+        let token = match item {
+            Ok(token) => token,
+            Err(error) => {
+                self.failed = true;
+                return Some(vec![error.to_openai_sse_event()]);
+            }
+        };
+        self.completion_tokens += 1;
+        let last = token.finish_reason;
+        let mut events = Vec::new();
+        match std::mem::replace(&mut self.phase, Phase::Content(String::new())) {
+            Phase::Undecided(mut held) => {
+                held.push_str(&token.text);
+                let trimmed = held.trim_start();
+                if !trimmed.is_empty() && !may_be_call(trimmed) {
+                    self.on_content(held, last, &mut events);
+                } else if let Some(reason) = last {
+                    self.finish_held(held, reason, &mut events);
+                } else {
+                    self.phase = Phase::Undecided(held);
+                }
+            }
+            Phase::Content(mut tail) => {
+                tail.push_str(&token.text);
+                self.on_content(tail, last, &mut events);
+            }
+            Phase::Held(mut held) => {
+                held.push_str(&token.text);
+                match last {
+                    Some(reason) => self.finish_held(held, reason, &mut events),
+                    None => self.phase = Phase::Held(held),
+                }
+            }
+        }
+        if last.is_some() {
+            if self.ids.include_usage {
+                let usage = Usage::new(self.prompt_tokens, self.completion_tokens);
+                events.push(self.ids.usage(usage));
+            }
+            if self.ids.sends_done {
+                events.push(Event::default().data("[DONE]"));
+            }
+        }
+        Some(events)
+    }
+
+    /// Plain `text` (the held-back tail and what followed): sent, but for a call's opening
+    /// (from which on everything is held) or a tail that may become one.
+    fn on_content(&mut self, text: String, last: Option<FinishReason>, events: &mut Vec<Event>) {
+        if let Some(open) = text.find(CALL_OPEN) {
+            let content_end = text[..open].trim_end().len();
+            if content_end > 0 {
+                events.push(self.content(text[..content_end].to_string(), None));
+            }
+            let held = text[content_end..].to_string();
+            match last {
+                Some(reason) => self.finish_held(held, reason, events),
+                None => self.phase = Phase::Held(held),
+            }
+            return;
+        }
+        if let Some(reason) = last {
+            events.push(self.content(text, Some(reason.as_openai_str())));
+            return;
+        }
+        let split = held_tail_start(&text);
+        if split > 0 {
+            events.push(self.content(text[..split].to_string(), None));
+        }
+        self.phase = Phase::Content(text[split..].to_string());
+    }
+
+    /// The end of held output: its calls, or the text as content when it holds none.
+    fn finish_held(&mut self, held: String, reason: FinishReason, events: &mut Vec<Event>) {
+        match self.plan.parse(&held) {
+            Some((text, calls)) => {
+                let mut delta = json!({
+                    "content": text,
+                    "tool_calls": tool_calls_json(&self.request_id, 0, &calls, true),
+                });
+                if !std::mem::replace(&mut self.role_sent, true) {
+                    delta["role"] = json!("assistant");
+                }
+                events.push(self.ids.chunk(delta, None));
+                events.push(self.ids.chunk(json!({}), Some("tool_calls")));
+            }
+            None => events.push(self.content(held, Some(reason.as_openai_str()))),
+        }
+    }
+
+    /// A content delta, with the role on the stream's first chunk.
+    fn content(&mut self, text: String, finish: Option<&str>) -> Event {
+        let mut delta = json!({"content": text});
+        if !std::mem::replace(&mut self.role_sent, true) {
+            delta["role"] = json!("assistant");
+        }
+        self.ids.chunk(delta, finish)
+    }
 }
 
 /// `tokens` are the one sequence's, `request_id` its id (the calls' ids are made from it).
@@ -111,93 +245,25 @@ pub(crate) fn tool_sse_response(
     forced: bool,
     ids: ChunkIds,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let mut completion_tokens = 0;
-    let mut phase = if forced {
-        Phase::Held(String::new())
-    } else {
-        Phase::Undecided(String::new())
+    let mut stream = ToolStream {
+        request_id,
+        plan,
+        ids,
+        prompt_tokens,
+        completion_tokens: 0,
+        phase: if forced {
+            Phase::Held(String::new())
+        } else {
+            Phase::Undecided(String::new())
+        },
+        role_sent: false,
+        failed: false,
     };
-    let mut role_sent = false;
     let events = tokens
-        .map(move |item| {
-            let token: GeneratedToken = match item {
-                Ok(token) => token,
-                Err(error) => return vec![error.to_openai_sse_event()],
-            };
-            completion_tokens += 1;
-            let mut events = Vec::new();
-            let last = token.finish_reason;
-            let finish = last.map(|r| r.as_openai_str());
-            let (mut held, undecided) = match std::mem::replace(&mut phase, Phase::Content) {
-                Phase::Content => {
-                    events.push(ids.content(&mut role_sent, token.text, finish));
-                    return with_end(
-                        events,
-                        &ids,
-                        last.is_some(),
-                        prompt_tokens,
-                        completion_tokens,
-                    );
-                }
-                Phase::Undecided(held) => (held, true),
-                Phase::Held(held) => (held, false),
-            };
-            held.push_str(&token.text);
-            let trimmed = held.trim_start();
-            if undecided && !trimmed.is_empty() && !may_be_call(trimmed) {
-                // Plain text: what was held goes out now, and the rest as it comes.
-                events.push(ids.content(&mut role_sent, held, finish));
-            } else if let Some(reason) = last {
-                match plan.parse(&held) {
-                    Some((text, calls)) => {
-                        let mut delta = json!({
-                            "content": text,
-                            "tool_calls": tool_calls_json(&request_id, &calls, true),
-                        });
-                        if !std::mem::replace(&mut role_sent, true) {
-                            delta["role"] = json!("assistant");
-                        }
-                        events.push(ids.chunk(delta, None));
-                        events.push(ids.chunk(json!({}), Some("tool_calls")));
-                    }
-                    None => {
-                        events.push(ids.content(&mut role_sent, held, Some(reason.as_openai_str())))
-                    }
-                }
-            } else {
-                phase = if undecided {
-                    Phase::Undecided(held)
-                } else {
-                    Phase::Held(held)
-                };
-            }
-            with_end(
-                events,
-                &ids,
-                last.is_some(),
-                prompt_tokens,
-                completion_tokens,
-            )
-        })
-        .flat_map(|events| futures::stream::iter(events.into_iter().map(Ok)));
+        .map(move |item| stream.on_item(item))
+        .take_while(|events| futures::future::ready(events.is_some()))
+        .flat_map(|events| futures::stream::iter(events.unwrap_or_default().into_iter().map(Ok)));
     Sse::new(events).keep_alive(KeepAlive::default())
-}
-
-/// After the last token: the usage chunk when asked for, then `[DONE]`.
-fn with_end(
-    mut events: Vec<Event>,
-    ids: &ChunkIds,
-    last: bool,
-    prompt_tokens: usize,
-    completion_tokens: usize,
-) -> Vec<Event> {
-    if last {
-        if ids.include_usage {
-            events.push(ids.usage(Usage::new(prompt_tokens, completion_tokens)));
-        }
-        events.push(Event::default().data("[DONE]"));
-    }
-    events
 }
 
 #[cfg(test)]
@@ -219,6 +285,21 @@ mod tests {
         }
         for text in ["Hello", "<b>", "Sure, {"] {
             assert!(!may_be_call(text), "{text}");
+        }
+    }
+
+    #[test]
+    fn tails_that_may_open_a_call_wait() {
+        for (text, tail) in [
+            ("Hello", ""),
+            ("Hello ", " "),
+            ("Hello\n<", "\n<"),
+            ("Hello <tool_cal", " <tool_cal"),
+            ("a < b", ""),
+            ("<tool_call", "<tool_call"),
+            ("x<t", "<t"),
+        ] {
+            assert_eq!(&text[held_tail_start(text)..], tail, "{text:?}");
         }
     }
 }

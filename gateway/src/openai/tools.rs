@@ -45,6 +45,8 @@ pub(crate) struct ToolPlan {
     pub tools: Vec<Value>,
     /// Function names, to recognise calls in the output.
     names: Vec<String>,
+    /// `parallel_tool_calls`: whether an answer may hold more than one call.
+    parallel: bool,
     pub mode: ToolMode,
 }
 
@@ -66,6 +68,7 @@ impl ToolPlan {
         parallel: Option<bool>,
     ) -> Result<Self, GatewayError> {
         let tools = tools.unwrap_or_default();
+        let parallel = parallel.unwrap_or(true);
         let mut names = Vec::with_capacity(tools.len());
         let mut functions = Vec::with_capacity(tools.len());
         for (i, tool) in tools.iter().enumerate() {
@@ -99,7 +102,7 @@ impl ToolPlan {
                 "required" => {
                     let one_of: Vec<Value> = functions.iter().map(|f| call_schema(f)).collect();
                     let call = json!({"anyOf": one_of});
-                    let schema = if parallel.unwrap_or(true) {
+                    let schema = if parallel {
                         json!({"type": "array", "items": call, "minItems": 1})
                     } else {
                         call
@@ -125,7 +128,12 @@ impl ToolPlan {
                 ToolMode::Forced(forced(call_schema(functions[i])))
             }
         };
-        Ok(ToolPlan { tools, names, mode })
+        Ok(ToolPlan {
+            tools,
+            names,
+            parallel,
+            mode,
+        })
     }
 
     /// Whether the output is parsed for calls.
@@ -133,14 +141,18 @@ impl ToolPlan {
         self.mode != ToolMode::Off
     }
 
-    /// The calls in `text`, with any text before them; `None` when it holds no call to a
-    /// known function (it is then plain content).
+    /// The calls in `text` (only the first without `parallel_tool_calls`), with any text
+    /// before them; `None` when it holds no call to a known function (it is then plain
+    /// content).
     pub(crate) fn parse(&self, text: &str) -> Option<(Option<String>, Vec<ParsedCall>)> {
-        let (content, calls) = parse_tool_calls(text)?;
-        calls
-            .iter()
-            .all(|c| self.names.contains(&c.name))
-            .then_some((content, calls))
+        let (content, mut calls) = parse_tool_calls(text)?;
+        if !calls.iter().all(|c| self.names.contains(&c.name)) {
+            return None;
+        }
+        if !self.parallel {
+            calls.truncate(1);
+        }
+        Some((content, calls))
     }
 }
 
@@ -168,18 +180,21 @@ fn call_schema(function: &Value) -> Value {
     })
 }
 
-/// Parses tool calls out of a model's output: `<tool_call>` blocks (the text before the first
-/// is content; an unclosed last block runs to the end), else the whole output as a call object
-/// or a list of them. `None` when there is no well-formed call.
+/// The opening of a Hermes/Qwen-style call.
+pub(crate) const CALL_OPEN: &str = "<tool_call>";
+
+/// Parses tool calls out of a model's output: `<tool_call>` blocks (the text before the first,
+/// but for trailing whitespace, is content, as a stream sends it; an unclosed last block runs
+/// to the end), else the whole output as a call object or a list of them. `None` when there is
+/// no well-formed call.
 pub(crate) fn parse_tool_calls(text: &str) -> Option<(Option<String>, Vec<ParsedCall>)> {
-    const OPEN: &str = "<tool_call>";
     const CLOSE: &str = "</tool_call>";
-    if let Some(start) = text.find(OPEN) {
-        let content = text[..start].trim();
+    if let Some(start) = text.find(CALL_OPEN) {
+        let content = text[..start].trim_end();
         let mut calls = Vec::new();
         let mut rest = &text[start..];
-        while let Some(open) = rest.find(OPEN) {
-            let body = &rest[open + OPEN.len()..];
+        while let Some(open) = rest.find(CALL_OPEN) {
+            let body = &rest[open + CALL_OPEN.len()..];
             let (inner, after) = match body.find(CLOSE) {
                 Some(close) => (&body[..close], &body[close + CLOSE.len()..]),
                 None => (body, ""),
@@ -187,7 +202,7 @@ pub(crate) fn parse_tool_calls(text: &str) -> Option<(Option<String>, Vec<Parsed
             calls.push(call_from(&serde_json::from_str(inner.trim()).ok()?)?);
             rest = after;
         }
-        let content = (!content.is_empty()).then(|| content.to_string());
+        let content = (!content.trim_start().is_empty()).then(|| content.to_string());
         return Some((content, calls));
     }
     let body = text.trim();
