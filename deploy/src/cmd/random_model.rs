@@ -2,7 +2,7 @@
 //! tokenizer padded to its vocab so every id decodes. Benchmarks use it; it is never committed.
 //! The writer itself is `random_model`, shared with the engine's tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use ::random_model::{write_model, ModelSpec};
 use anyhow::Context;
@@ -46,11 +46,12 @@ pub struct RandomModelArgs {
     pub spec_json: Option<PathBuf>,
     #[arg(long)]
     pub out: PathBuf,
-    /// Directory whose tokenizer is copied and padded to the model's vocab.
+    /// Directory whose tokenizer is copied and padded to the model's vocab; `stories260K`
+    /// (the default) is the embedded model's, so the command needs no files beside the binary.
     #[arg(
         long,
         env = "FISSION_TOKENIZER_FROM",
-        default_value = "../shared/models/stories260K"
+        default_value = crate::default_model::NAME
     )]
     pub tokenizer_from: PathBuf,
     /// Overrides the preset's or spec's seed (presets use 0).
@@ -72,7 +73,8 @@ pub fn run(args: RandomModelArgs) -> anyhow::Result<()> {
     if let Some(seed) = args.seed {
         spec.seed = seed;
     }
-    write_model(&args.out, &spec, &args.tokenizer_from)?;
+    let tokenizer_from = crate::default_model::resolve(&args.tokenizer_from.to_string_lossy())?;
+    write_model(&args.out, &spec, Path::new(&tokenizer_from))?;
     eprintln!("wrote {}", args.out.display());
     Ok(())
 }
