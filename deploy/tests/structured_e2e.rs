@@ -2,6 +2,10 @@
 //!
 //! - 100 seeded requests with a JSON schema, 8 at a time, through OpenAI's Python SDK: every
 //!   output validates against the schema (Python's `jsonschema`).
+//! - `response_format: {"type": "json_object"}` on completions, and a `json_schema` on chat
+//!   completions (streaming and not, through the embedded model's chat template), through the
+//!   SDK: every chat output parses (`json.loads`) and validates, and every `json_object` output
+//!   is an object, or the start of one where max_tokens cut it.
 //! - A seeded constrained request gives the same output alone, in a batch, disaggregated
 //!   (prefill node + decode node) and colocated (prefill on the decode node).
 //! - TGI's `grammar` (regex and JSON) on `/generate`; a bad schema is a 4xx naming the field.
@@ -34,6 +38,12 @@ fn schema() -> Value {
         "required": ["name", "age", "pets", "happy"],
         "additionalProperties": false
     })
+}
+
+/// The embedded default model: stories260K (the shared copy's weights and tokenizer) with its
+/// stand-in chat template, so that the chat route serves it.
+fn embedded_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("default-model/stories260K")
 }
 
 fn python() -> Option<PathBuf> {
@@ -115,7 +125,9 @@ async fn schema_outputs_validate_and_are_deterministic_everywhere() {
     let _serial = SERIAL.lock().await;
     let client = reqwest::Client::new();
 
-    let disaggregated = Up::start(&UpConfig::new(FISSION, 1, 1));
+    let mut config = UpConfig::new(FISSION, 1, 1);
+    config.model = embedded_model();
+    let disaggregated = Up::start(&config);
     if let Some(python) = &python {
         let url = format!("{}/v1", disaggregated.url);
         let result = run_script(python, "schema_sdk.py", &[&url, &schema().to_string()]);
@@ -123,6 +135,31 @@ async fn schema_outputs_validate_and_are_deterministic_everywhere() {
         assert_eq!(result["outputs"].as_array().unwrap().len(), 100);
         // The grammar's end ends every output: none runs into max_tokens.
         assert_eq!(result["finish"], json!({"stop": 100}), "{result}");
+
+        let count = 16;
+        let result = run_script(
+            python,
+            "formats_sdk.py",
+            &[&url, &schema().to_string(), &count.to_string()],
+        );
+        for format in ["json_object", "chat"] {
+            let found = &result[format];
+            assert_eq!(found["invalid"], json!([]), "{format}: {found}");
+            assert_eq!(
+                found["outputs"].as_array().unwrap().len(),
+                count,
+                "{format}"
+            );
+        }
+        // The schema's bounds end every chat output; a free-form object may run into
+        // max_tokens (the script checks such an output is the start of an object).
+        assert_eq!(result["chat"]["finish"], json!({"stop": count}), "{result}");
+        let finish = result["json_object"]["finish"].as_object().unwrap();
+        let ended: u64 = ["stop", "length"]
+            .iter()
+            .filter_map(|reason| finish.get(*reason).and_then(Value::as_u64))
+            .sum();
+        assert_eq!(ended, count as u64, "{result}");
     }
     let disaggregated_text = alone_and_batched(&disaggregated).await;
     let parsed: Value = serde_json::from_str(&disaggregated_text).unwrap();
@@ -181,6 +218,7 @@ async fn schema_outputs_validate_and_are_deterministic_everywhere() {
 
     // Colocated: the decode node prefills every prompt itself.
     let mut config = UpConfig::new(FISSION, 1, 1);
+    config.model = embedded_model();
     config.args = vec!["--max-local-prefill-tokens=100000".into()];
     let colocated = Up::start(&config);
     assert_eq!(
