@@ -25,6 +25,9 @@ const KC: usize = 256;
 const MC: usize = 128;
 /// Below this many multiply-adds a hand-off to the pool's threads costs more than it saves.
 const PARALLEL_MIN_FMAS: usize = 1 << 16;
+/// From this many multiply-adds (prefill chunks, big batches) a product is cut finer than one
+/// task per thread.
+const BALANCED_MIN_FMAS: usize = 1 << 24;
 
 /// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every thread of the kernel pool.
 pub fn packed_matmul(
@@ -121,10 +124,14 @@ fn run_job<W: WeightElem>(
     };
     let panels = w.panels();
     let threads = pool::threads();
+    // Big products get several tasks per thread: a thread the OS takes away for a while
+    // (another process on the core) then holds up only a small share of the product.
     let tasks = if m * k * n < PARALLEL_MIN_FMAS {
         1
-    } else {
+    } else if m * k * n < BALANCED_MIN_FMAS {
         threads.min(panels)
+    } else {
+        (threads * 4).min(panels.div_ceil(2))
     };
     // Whole pairs of panels per task, so AVX-512's two-panel tiles stay whole.
     let per_task = panels.div_ceil(tasks).next_multiple_of(2);

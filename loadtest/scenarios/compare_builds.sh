@@ -15,7 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BASE=$(realpath "$1")
 NEW=$(realpath "$2")
-cargo build --release -p loadtest
+# A workspace build: `-p loadtest` alone would resolve features differently and rebuild.
+cargo build --release --workspace --all-targets
 LOADTEST=target/release/fission-loadtest
 M=${MODEL:-.models/tiny-49k}
 source loadtest/scenarios/tiny_model.sh
