@@ -21,6 +21,9 @@ use crate::simd::{Isa, Portable, Simd, LANES};
 
 /// Inputs per block: `KC * PANEL * NP` f32 of panels (32 KiB with two panels) stay in L1.
 const KC: usize = 256;
+/// Outputs from which a product counts as wide, and the input block such products take.
+const WIDE_N: usize = 8192;
+const KC_WIDE: usize = 1024;
 /// Rows per block: `MC * KC` f32 of `x` (128 KiB) stay in L2 while the panels pass.
 const MC: usize = 128;
 /// Below this many multiply-adds a hand-off to the pool's threads costs more than it saves.
@@ -216,9 +219,12 @@ unsafe fn task<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
     p1: usize,
 ) {
     let (m, k, n) = (job.m, job.k, job.n);
+    // Wide outputs (the lm_head) take the inputs in one block up to KC_WIDE: their output is
+    // too big for the caches, and each extra block reads and writes it again.
+    let kc_max = if n >= WIDE_N { KC_WIDE } else { KC };
     let mut kb = 0;
     while kb < k {
-        let kc = KC.min(k - kb);
+        let kc = kc_max.min(k - kb);
         let mut mb = 0;
         while mb < m {
             let mc = MC.min(m - mb);
@@ -452,6 +458,9 @@ mod tests {
             (130, 40, 48),
             (1, 1, 1),
             (2, 0, 5),
+            // Wide outputs take the deeper input block, and past it a second one.
+            (1, 576, 8192),
+            (3, 1100, 8193),
         ] {
             check(m, k, n, (m * 1000 + k + n) as u64);
         }
