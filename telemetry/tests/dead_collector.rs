@@ -19,9 +19,10 @@ const SPANS: u64 = 100_000;
 /// Fewer in debug builds, where the timing is only reported (unoptimized span code is 4x slower
 /// and too noisy on a shared machine to assert on).
 const ROUNDS: usize = if cfg!(debug_assertions) { 5 } else { 15 };
-/// Generous for a 2-core machine shared with other builds; a blocking exporter would cost
-/// orders of magnitude more.
-const MAX_RATIO: f64 = 1.10;
+/// Generous for a 2-core machine shared with other builds, where the exporter's background
+/// thread competes with the caller for one of two cores (CI once saw 1.14 on the fastest round
+/// while the medians said 0.94); a blocking exporter would cost orders of magnitude more.
+const MAX_RATIO: f64 = 1.25;
 
 /// A collector that is never slow: accepts every batch at once.
 #[derive(Debug)]
@@ -123,7 +124,9 @@ fn a_dead_collector_costs_nothing_and_shutdown_is_bounded() -> anyhow::Result<()
         "healthy sink / off = {:.2} (the cost of recording spans at all)",
         ratio(&best, 1, 0)
     );
-    let (closed, silent_r) = (ratio(&best, 2, 1), ratio(&best, 3, 1));
+    // Noise inflates one statistic or the other, a real slowdown inflates both: take the smaller.
+    let slowdown = |a: usize| ratio(&best, a, 1).min(ratio(&medians, a, 1));
+    let (closed, silent_r) = (slowdown(2), slowdown(3));
 
     for (name, _, mut guard) in variants {
         let started = Instant::now();
