@@ -60,6 +60,8 @@ pub enum EngineError {
         reason: String,
         given: String,
     },
+    #[error("invalid cost profile {origin}: {reason}")]
+    CostProfile { origin: String, reason: String },
     #[error("KV layout mismatch: expected {expected}, given {given}")]
     LayoutMismatch { expected: String, given: String },
 }

@@ -5,6 +5,7 @@
 //! drive [`Engine::step`] from their own thread. It must not depend on tonic, quinn or axum.
 
 pub mod config;
+pub mod cost;
 pub mod detokenize;
 pub mod engine;
 pub mod error;

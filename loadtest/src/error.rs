@@ -25,6 +25,9 @@ pub enum LoadError {
     },
     #[error("serializing the report: {0}")]
     Json(#[from] serde_json::Error),
+    #[cfg(feature = "sim")]
+    #[error(transparent)]
+    CostProfile(#[from] engine::error::EngineError),
     #[error("plotting {path}: {message}")]
     Plot { path: PathBuf, message: String },
 }

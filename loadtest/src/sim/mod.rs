@@ -10,8 +10,9 @@
 //! arrival schedules, seeds, summaries, goodput, sweep, reports and plots, so a simulated level
 //! reads like a measured one.
 //!
-//! - [`cost`]: the cost model and its JSON format; [`profile`]: the built-in profiles
-//!   (`h100-llama8b`);
+//! - [`cost`]: the KV link's timing, and the cost model with its JSON format and built-in
+//!   profiles (`h100-llama8b`), re-exported from [`engine::cost`] where the mock engine shares
+//!   them;
 //! - [`fit`] and [`calibrate`]: fitting a linear cost model to measured engine step times;
 //! - [`cluster`]: what is simulated; [`node`], [`events`] and [`simulate`]: the event loop;
 //! - [`level`]: levels and sweeps as reports; [`plan`]: the P:D planner.
@@ -27,7 +28,6 @@ pub mod fit;
 pub mod level;
 pub(crate) mod node;
 pub mod plan;
-pub mod profile;
 pub mod simulate;
 #[cfg(test)]
 mod tests;

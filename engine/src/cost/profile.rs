@@ -1,4 +1,4 @@
-//! Built-in cost profiles, shipped as JSON under `loadtest/profiles/` and compiled in so
+//! Built-in cost profiles, shipped as JSON under `engine/profiles/` and compiled in so
 //! `--profile h100-llama8b` works from any directory. Each file's `sources` says where every
 //! figure comes from; the tests below re-derive the figures that follow from others.
 
@@ -15,7 +15,7 @@ pub fn builtin(name: &str) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::cost::{CostModel, StepCost, StepWork};
+    use crate::cost::{CostModel, StepCost, StepWork};
 
     fn h100() -> CostModel {
         CostModel::load("h100-llama8b").expect("the built-in profile parses")
