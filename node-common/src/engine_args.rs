@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use clap::Args;
+use engine::cost::CostModel;
 use engine::engine::EngineConfig;
 use engine::loader::ModelSource;
-use engine::model::{parse_dtype, LoadedModel};
+use engine::model::{parse_dtype, LoadedModel, MockSpec};
 
 use crate::error::NodeError;
 
@@ -39,6 +40,26 @@ pub struct EngineArgs {
     pub max_prefill_chunk_tokens: usize,
     #[arg(long, env = "FISSION_DISABLE_PREFIX_CACHING")]
     pub disable_prefix_caching: bool,
+    /// `real` runs the model; `mock` spends the time `--cost-profile` predicts for each step
+    /// and produces deterministic tokens, keeping the scheduler, the KV accounting and the KV
+    /// transfer real (to emulate a large cluster on one machine).
+    #[arg(long, env = "FISSION_ENGINE", value_enum, default_value_t = EngineKind::Real)]
+    pub engine: EngineKind,
+    /// The mock's cost profile: a built-in name (`h100-llama8b`) or a JSON file, as
+    /// `fission-loadtest simulate --profile` takes.
+    #[arg(long, env = "FISSION_COST_PROFILE", required_if_eq("engine", "mock"))]
+    pub cost_profile: Option<String>,
+    /// The share of the profiled model's KV bytes a mock node really stores and sends
+    /// (its `head_dim` scaled down), so dozens of mock nodes fit in one machine's memory.
+    #[arg(long, env = "FISSION_MOCK_KV_SCALE", default_value_t = 1.0 / 32.0)]
+    pub mock_kv_scale: f64,
+}
+
+/// Which forward pass a node runs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineKind {
+    Real,
+    Mock,
 }
 
 impl EngineArgs {
@@ -59,12 +80,34 @@ impl EngineArgs {
     }
 
     pub fn load_model(&self) -> Result<LoadedModel, NodeError> {
+        if let Some(spec) = self.mock_spec()? {
+            return Ok(LoadedModel::load_mock(
+                &ModelSource::parse(&self.model),
+                &spec,
+            )?);
+        }
         let dtype = self.dtype.as_deref().map(parse_dtype).transpose()?;
         Ok(LoadedModel::load(
             &ModelSource::parse(&self.model),
             dtype,
             &candle_core::Device::Cpu,
         )?)
+    }
+}
+
+impl EngineArgs {
+    /// The mock's spec under `--engine mock`; `None` for the real engine.
+    pub fn mock_spec(&self) -> Result<Option<MockSpec>, NodeError> {
+        if self.engine == EngineKind::Real {
+            return Ok(None);
+        }
+        let profile = self.cost_profile.as_deref().ok_or_else(|| {
+            NodeError::Config("--engine mock needs --cost-profile NAME_OR_FILE".into())
+        })?;
+        Ok(Some(MockSpec {
+            cost: CostModel::load(profile)?,
+            kv_scale: self.mock_kv_scale,
+        }))
     }
 }
 
@@ -79,6 +122,9 @@ pub fn model_fingerprint(model: &LoadedModel) -> Result<String, NodeError> {
         .config
         .parent()
         .unwrap_or(std::path::Path::new("."));
+    // A mock node shares its tokenizer's fingerprint, so the gateway (which reads only the
+    // tokenizer's directory) admits it; its KV layout (the profile's layers, a scaled
+    // head_dim) differs from the real model's, and transfers check layouts before any byte.
     cluster::model_fingerprint(dir).map_err(|e| {
         NodeError::Config(format!(
             "cannot fingerprint the model files in {}: {e}",
@@ -111,7 +157,13 @@ impl EngineArgs {
             let fingerprint = model_fingerprint(&model)?;
             let model_id = model.model_id.clone();
             let max_context = model.config().max_context as u32;
-            let engine = engine::engine::Engine::new(model, args.engine_config())?;
+            let mut config = args.engine_config();
+            if let Some(m) = model.model.as_mock() {
+                // The profiled node's KV capacity, unless given: its cache is only touched
+                // where sequences write, so it costs the blocks in use, not the whole.
+                config.num_kv_blocks = config.num_kv_blocks.or(Some(m.cost().node.kv_blocks));
+            }
+            let engine = engine::engine::Engine::new(model, config)?;
             let info = proto::v1::NodeInfo {
                 node_id,
                 role,

@@ -46,6 +46,14 @@ pub struct UpArgs {
     /// Prompts shorter than this are prefilled on the decode node.
     #[arg(long, default_value_t = 0)]
     pub max_local_prefill_tokens: usize,
+    /// `mock` starts mock nodes: each step takes the time `--cost-profile` predicts, tokens are
+    /// deterministic, and the scheduler, KV accounting and KV transfer stay real. Many mock
+    /// nodes fit on one machine, to try routing and scaling policies at cluster size.
+    #[arg(long, value_enum, default_value_t = node_common::engine_args::EngineKind::Real)]
+    pub engine: node_common::engine_args::EngineKind,
+    /// The mock nodes' cost profile: a built-in name (`h100-llama8b`) or a JSON file.
+    #[arg(long, required_if_eq("engine", "mock"))]
+    pub cost_profile: Option<String>,
     /// Extra flags for every node (e.g. `--num-kv-blocks=512`), repeatable.
     #[arg(long = "node-arg", allow_hyphen_values = true)]
     pub node_args: Vec<String>,
@@ -248,12 +256,27 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     // Nodes added later (`fission node start`) must speak the cluster's KV transport and hold
     // a certificate for their role from its CA: issue one per role they can share, named so
     // that choosing the role in the printed command chooses the certificate too.
+    let engine_flags: Vec<String> = match &args.cost_profile {
+        Some(profile) if args.engine == node_common::engine_args::EngineKind::Mock => {
+            vec![
+                "--engine".into(),
+                "mock".into(),
+                "--cost-profile".into(),
+                profile.clone(),
+            ]
+        }
+        _ => Vec::new(),
+    };
     let mut join = format!(
         "fission node start --role decode|prefill --model {} --etcd {etcd} --cluster {} --kv-transport {}",
         dir.display(),
         args.cluster,
         args.kv_transport
     );
+    for flag in &engine_flags {
+        join.push(' ');
+        join.push_str(flag);
+    }
     // The operator's commands (`fission nodes drain`) present an admin certificate.
     let mut operate = format!(
         "fission nodes list|drain --etcd {etcd} --cluster {}",
@@ -327,6 +350,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
             .args(credentials(peer_role, &name)?)
             .args(["--etcd", &etcd, "--cluster", &args.cluster])
             .envs(args.etcd_security.password_env())
+            .args(&engine_flags)
             .args(&args.node_args);
             if role == "decode" {
                 cmd.args(["--kv-addr", "127.0.0.1:0"])

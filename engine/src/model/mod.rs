@@ -4,20 +4,23 @@ pub mod batch;
 mod host;
 mod linear;
 pub mod llama;
+pub mod mock;
 mod ops;
 pub mod rope;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use batch::{ForwardBatch, SeqSlice};
 pub use llama::Llama;
+pub use mock::{MockModel, MockSpec};
 
 use crate::config::{LlamaConfig, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::generation::GenerationConfig;
+use crate::kv::cache::KvCache;
 use crate::loader::{ModelFiles, ModelSource};
 
 /// Parses a dtype name as used on the command line and in config.json.
@@ -32,11 +35,61 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
+/// The forward pass a node runs: the real model, or the mock that spends a cost profile's time
+/// (`--engine mock`, [`mock`]).
+#[derive(Debug)]
+pub enum Model {
+    Llama(Llama),
+    Mock(MockModel),
+}
+
+impl Model {
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Model::Llama(m) => m.config(),
+            Model::Mock(m) => m.config(),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Model::Llama(m) => m.dtype(),
+            Model::Mock(m) => m.dtype(),
+        }
+    }
+
+    pub fn as_mock(&self) -> Option<&MockModel> {
+        match self {
+            Model::Mock(m) => Some(m),
+            Model::Llama(_) => None,
+        }
+    }
+
+    /// Runs one step and returns f32 logits `[batch.logits_rows.len(), vocab]`.
+    pub fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_with_layer_hook(batch, cache, &mut |_, _| Ok(()))
+    }
+
+    /// Like [`forward`](Self::forward), calling `on_layer` after each layer's KV is in the
+    /// cache, so a prefill node can start pushing that layer while the next one computes.
+    pub fn forward_with_layer_hook(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        on_layer: &mut dyn FnMut(usize, &mut KvCache) -> Result<()>,
+    ) -> Result<Tensor> {
+        match self {
+            Model::Llama(m) => m.forward_with_layer_hook(batch, cache, on_layer),
+            Model::Mock(m) => m.forward_with_layer_hook(batch, cache, on_layer),
+        }
+    }
+}
+
 /// Everything loaded from one model directory: weights, tokenizer and generation defaults.
 #[derive(Clone)]
 pub struct LoadedModel {
     pub model_id: String,
-    pub model: Arc<Llama>,
+    pub model: Arc<Model>,
     pub tokenizer: Arc<tokenizers::Tokenizer>,
     pub generation: GenerationConfig,
     pub files: ModelFiles,
@@ -52,9 +105,34 @@ impl LoadedModel {
             _ => DType::BF16,
         });
         let model = load_weights(&files, &cfg, dtype, device)?;
-        let tokenizer = tokenizers::Tokenizer::from_file(&files.tokenizer)
-            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", files.tokenizer.display())))?;
-        let generation = GenerationConfig::load(&files, &cfg)?;
+        Self::assemble(source, files, &cfg, Model::Llama(model))
+    }
+
+    /// A mock of `spec`'s profiled model that speaks `source`'s tokenizer: no weights are read.
+    pub fn load_mock(source: &ModelSource, spec: &MockSpec) -> Result<Self> {
+        let files = ModelFiles::resolve(source)?;
+        let cfg = LlamaConfig::from_file(&files.config)?.resolve()?;
+        let tokenizer = load_tokenizer(&files)?;
+        let produced = tokenizer
+            .get_vocab(true)
+            .into_iter()
+            // `<0x0A>` byte pieces, `<s>`, `<|im_end|>`: not words.
+            .filter(|(piece, _)| !(piece.starts_with('<') && piece.ends_with('>')))
+            .map(|(_, id)| id)
+            .filter(|id| tokenizer.decode(&[*id], true).is_ok_and(|t| !t.is_empty()))
+            .collect();
+        let mock = MockModel::new(spec, &cfg, produced)?;
+        Self::assemble(source, files, &cfg, Model::Mock(mock))
+    }
+
+    fn assemble(
+        source: &ModelSource,
+        files: ModelFiles,
+        cfg: &ModelConfig,
+        model: Model,
+    ) -> Result<Self> {
+        let tokenizer = load_tokenizer(&files)?;
+        let generation = GenerationConfig::load(&files, cfg)?;
         Ok(LoadedModel {
             model_id: source.model_id(),
             model: Arc::new(model),
@@ -67,6 +145,11 @@ impl LoadedModel {
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
     }
+}
+
+fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
+    tokenizers::Tokenizer::from_file(&files.tokenizer)
+        .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", files.tokenizer.display())))
 }
 
 fn load_weights(
