@@ -15,6 +15,7 @@
 use crate::error::KernelError;
 use crate::packed::{check_len, PackedWeight, Panels, PANEL};
 use crate::pool;
+use crate::q8_simd::QIsa;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2Fma, Avx512};
 use crate::simd::{Isa, Portable, Simd, LANES};
@@ -77,6 +78,7 @@ pub(crate) fn packed_matmul_on(
     match w.data() {
         Panels::F32(rows) => run_job(isa, x, m, w, rows.as_ptr().cast::<f32>(), out, add),
         Panels::Bf16(rows) => run_job(isa, x, m, w, rows.as_ptr().cast::<u16>(), out, add),
+        Panels::Q8(q) => crate::q8_gemm::q8_matmul(QIsa::detect(), x, m, q, out, add),
     }
     Ok(())
 }

@@ -21,6 +21,11 @@ mod layout;
 mod narrow;
 mod packed;
 mod pool;
+mod q8;
+mod q8_gemm;
+mod q8_simd;
+#[cfg(target_arch = "x86_64")]
+mod q8_simd_x86;
 pub mod reference;
 mod simd;
 #[cfg(target_arch = "x86_64")]
@@ -38,3 +43,4 @@ pub use kv_types::KvDtype;
 pub use layout::CacheShape;
 pub use packed::{PackedWeight, WeightDtype, PANEL};
 pub use pool::{parallel_for, pool_threads};
+pub use q8::Q8_BLOCK;

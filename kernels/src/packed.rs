@@ -7,8 +7,12 @@
 //! size: the hardware prefetcher's best case at batch 1, and the micro-kernel's operand at
 //! batch 32 without the re-packing a general GEMM does on every call. Columns past `out` are
 //! zero.
+//!
+//! int8 weights ([`WeightDtype::Int8`]) keep the same panels of columns but quantise each run
+//! of 32 inputs with its own scale; their layout is in [`crate::q8`].
 
 use crate::error::KernelError;
+use crate::q8::Q8Panels;
 use crate::simd::LANES;
 
 /// Output columns per panel: one vector of f32.
@@ -25,17 +29,21 @@ pub(crate) struct PanelRow(pub(crate) [f32; PANEL]);
 pub(crate) struct PanelRowBf16(pub(crate) [u16; PANEL]);
 
 /// What a packed weight stores: f32, or bf16 widened to f32 as the micro-kernel loads it
-/// (half the bytes a step reads, which is what batch-1 decode is bound by).
+/// (half the bytes a step reads, which is what batch-1 decode is bound by), or int8 with a
+/// scale per 32 inputs (llama.cpp's Q8_0, about a quarter of the bytes; the activations are
+/// quantised to match).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightDtype {
     F32,
     Bf16,
+    Int8,
 }
 
 #[derive(Clone)]
 pub(crate) enum Panels {
     F32(Vec<PanelRow>),
     Bf16(Vec<PanelRowBf16>),
+    Q8(Q8Panels),
 }
 
 /// `W` (`[k, n]`: `k` inputs, `n` outputs) in panels.
@@ -69,6 +77,18 @@ impl PackedWeight {
             k,
             n,
             panels: Panels::Bf16(rows),
+        })
+    }
+
+    /// [`from_out_in`](Self::from_out_in) quantised to int8 as llama.cpp's Q8_0 does: per
+    /// output, each run of 32 inputs gets the scale `max|w| / 127` (f16) and the values
+    /// `round(w / scale)`; a last run shorter than 32 is padded with zeros.
+    pub fn from_out_in_int8(w: &[f32], n: usize, k: usize) -> Result<Self, KernelError> {
+        check_len("w", n * k, w.len())?;
+        Ok(PackedWeight {
+            k,
+            n,
+            panels: Panels::Q8(Q8Panels::quantize_out_in(w, n, k)),
         })
     }
 
@@ -107,6 +127,7 @@ impl PackedWeight {
         match self.panels {
             Panels::F32(_) => WeightDtype::F32,
             Panels::Bf16(_) => WeightDtype::Bf16,
+            Panels::Q8(_) => WeightDtype::Int8,
         }
     }
 
@@ -115,6 +136,7 @@ impl PackedWeight {
         match &self.panels {
             Panels::F32(rows) => std::mem::size_of_val(rows.as_slice()),
             Panels::Bf16(rows) => std::mem::size_of_val(rows.as_slice()),
+            Panels::Q8(q) => q.bytes(),
         }
     }
 
@@ -122,12 +144,13 @@ impl PackedWeight {
         &self.panels
     }
 
-    /// `W[i, j]`, for tests and for unpacking.
+    /// `W[i, j]` (dequantised for int8), for tests and for unpacking.
     pub fn get(&self, i: usize, j: usize) -> f32 {
         let at = (j / PANEL) * self.k + i;
         match &self.panels {
             Panels::F32(rows) => rows[at].0[j % PANEL],
             Panels::Bf16(rows) => f32::from_bits(u32::from(rows[at].0[j % PANEL]) << 16),
+            Panels::Q8(q) => q.get(i, j),
         }
     }
 }
@@ -207,7 +230,7 @@ mod tests {
         assert_eq!(c.bytes(), 3 * k * PANEL * 2);
         match a.data() {
             Panels::F32(rows) => assert_eq!(rows.as_ptr() as usize % 64, 0),
-            Panels::Bf16(_) => panic!("f32 weights packed as bf16"),
+            _ => panic!("f32 weights packed as another dtype"),
         }
     }
 

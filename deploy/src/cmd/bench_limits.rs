@@ -51,10 +51,22 @@ pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
         }
         gemm.insert(m.to_string(), serde_json::Value::Object(row));
     }
+    // The int8 GEMM (`--quantize int8`): at m=1 bound by its weight bytes, above by int8 dots.
+    let mut gemm_int8 = serde_json::Map::new();
+    for m in [1usize, 32, 512] {
+        let mut row = serde_json::Map::new();
+        for (k, n) in SHAPES {
+            let g = gemm_gflops_of(m, k, n, repeats, kernels::WeightDtype::Int8)?;
+            row.insert(format!("{k}x{n}"), json!(g));
+            eprintln!("int8 GEMM   m={m:>3} {k:>5}x{n:<6}: {g:>7.1} GOP/s");
+        }
+        gemm_int8.insert(m.to_string(), serde_json::Value::Object(row));
+    }
     let report = json!({
         "read_gb_s": read,
         "gemm_gflops": gemm,
         "gemm_peak_gflops": peak,
+        "gemm_int8_gops": gemm_int8,
         "threads": kernels::pool_threads(),
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
@@ -94,10 +106,24 @@ fn read_gb_s(bytes: usize, repeats: usize) -> f64 {
 
 /// The packed GEMM's best GFLOP/s for `[m, k] @ [k, n]`.
 fn gemm_gflops(m: usize, k: usize, n: usize, repeats: usize) -> anyhow::Result<f64> {
+    gemm_gflops_of(m, k, n, repeats, kernels::WeightDtype::F32)
+}
+
+/// [`gemm_gflops`] for f32 or int8 weights (bf16 is not measured here).
+fn gemm_gflops_of(
+    m: usize,
+    k: usize,
+    n: usize,
+    repeats: usize,
+    dtype: kernels::WeightDtype,
+) -> anyhow::Result<f64> {
     let w: Vec<f32> = (0..k * n)
         .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
         .collect();
-    let w = kernels::PackedWeight::from_in_out(&w, k, n)?;
+    let w = match dtype {
+        kernels::WeightDtype::Int8 => kernels::PackedWeight::from_out_in_int8(&w, n, k)?,
+        _ => kernels::PackedWeight::from_in_out(&w, k, n)?,
+    };
     let x: Vec<f32> = (0..m * k)
         .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
         .collect();
