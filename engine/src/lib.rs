@@ -14,6 +14,7 @@ pub mod ids;
 pub mod kv;
 pub mod loader;
 pub mod model;
+pub mod quantize;
 pub mod sampling;
 pub mod scheduler;
 pub mod stopping;

@@ -1,10 +1,9 @@
 //! bf16 weights against f32 on the same checkpoint: next-token agreement and KL divergence
-//! over at least 500 positions, on stories260K and on the SmolLM2-135M shape.
+//! over at least 500 positions, on stories260K and on the SmolLM2-135M shape
+//! (`common::agreement` says how).
 //!
-//! The f32 model writes greedy continuations; both models then score every position of those
-//! sequences (teacher forcing), so each position compares the two distributions on the same
-//! prefix. The thresholds sit below the measured values (BENCHMARKS.md, issue 14) with a margin
-//! for other CPUs' summation order, and far above what a wrong kernel gives (a transposed or
+//! The thresholds sit below the measured values (BENCHMARKS.md, issue 14) with a margin for
+//! other CPUs' summation order, and far above what a wrong kernel gives (a transposed or
 //! misaligned bf16 panel drops agreement to chance).
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
@@ -12,133 +11,15 @@
 
 mod common;
 
-use candle_core::{DType, Device};
-use common::{engine, greedy};
-use engine::engine::EngineConfig;
-use engine::loader::ModelSource;
-use engine::model::{ForwardBatch, LoadedModel};
-
-struct Agreement {
-    positions: usize,
-    top1: f64,
-    mean_kl: f64,
-}
-
-fn load(dir: &std::path::Path, dtype: DType) -> LoadedModel {
-    LoadedModel::load(
-        &ModelSource::parse(dir.to_str().unwrap()),
-        Some(dtype),
-        &Device::Cpu,
-    )
-    .unwrap()
-}
-
-/// Logits at every position of `ids`, one sequence per forward pass.
-fn all_logits(model: &LoadedModel, ids: &[u32]) -> Vec<Vec<f32>> {
-    let mut e = engine(
-        model,
-        EngineConfig {
-            num_kv_blocks: Some(ids.len().div_ceil(16) + 1),
-            ..Default::default()
-        },
-    );
-    let mut fb = ForwardBatch::default();
-    fb.push_seq(
-        ids,
-        0,
-        (0..ids.len().div_ceil(16) as u32).collect(),
-        16,
-        false,
-    );
-    fb.logits_rows = (0..ids.len() as u32).collect();
-    let logits = model.model.forward(&fb, e.cache_mut()).unwrap();
-    logits.to_vec2::<f32>().unwrap()
-}
-
-fn softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let exp: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
-    let sum: f64 = exp.iter().sum();
-    exp.into_iter().map(|v| v / sum).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
-            if v > bv {
-                (i, v)
-            } else {
-                (bi, bv)
-            }
-        })
-        .0
-}
-
-/// `prompts` continued greedily by the f32 model for `new_tokens` each, then scored by both.
-fn compare(dir: &std::path::Path, prompts: &[Vec<u32>], new_tokens: usize) -> Agreement {
-    let f32_model = load(dir, DType::F32);
-    let bf16_model = load(dir, DType::BF16);
-    let mut e = engine(
-        &f32_model,
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            ..Default::default()
-        },
-    );
-    let reqs = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| greedy(i as u64, p.clone(), new_tokens))
-        .collect();
-    let outs = e.generate(reqs).unwrap();
-    let (mut positions, mut agree, mut kl) = (0usize, 0usize, 0f64);
-    for (p, out) in prompts.iter().zip(&outs) {
-        let ids: Vec<u32> = p.iter().chain(&out.output_ids).copied().collect();
-        let a = all_logits(&f32_model, &ids);
-        let b = all_logits(&bf16_model, &ids);
-        // Positions from the prompt's last token on: each predicts a generated token.
-        for (ra, rb) in a.iter().zip(&b).skip(p.len() - 1) {
-            positions += 1;
-            agree += usize::from(argmax(ra) == argmax(rb));
-            let (pa, pb) = (softmax(ra), softmax(rb));
-            kl += pa
-                .iter()
-                .zip(&pb)
-                .filter(|(x, _)| **x > 0.0)
-                .map(|(x, y)| x * (x / y.max(1e-300)).ln())
-                .sum::<f64>();
-        }
-    }
-    let r = Agreement {
-        positions,
-        top1: agree as f64 / positions as f64,
-        mean_kl: kl / positions as f64,
-    };
-    eprintln!(
-        "{}: {} positions, top-1 agreement {:.4}, mean KL {:.3e}",
-        dir.display(),
-        r.positions,
-        r.top1,
-        r.mean_kl
-    );
-    r
-}
-
-fn prompts(vocab: usize, n: usize, len: usize) -> Vec<Vec<u32>> {
-    (0..n)
-        .map(|b| {
-            std::iter::once(1)
-                .chain((1..len).map(|i| (3 + ((i * 7919 + 13 + b * 104_729) % (vocab - 3))) as u32))
-                .collect()
-        })
-        .collect()
-}
+use candle_core::DType;
+use common::agreement::{compare, load, prompts, smollm2_shape};
+use engine::quantize::Quantize;
 
 #[test]
 fn bf16_weights_agree_with_f32_on_stories260k() {
     let dir = common::shared_model("stories260K");
-    let r = compare(&dir, &prompts(512, 6, 12), 100);
+    let bf16 = load(&dir, DType::BF16, Quantize::None);
+    let r = compare(&dir, &bf16, &prompts(512, 6, 12), 100);
     assert!(r.positions >= 500, "{} positions", r.positions);
     assert!(r.top1 >= 0.97, "top-1 agreement {:.4}", r.top1);
     assert!(r.mean_kl <= 2e-3, "mean KL {:.3e}", r.mean_kl);
@@ -146,14 +27,9 @@ fn bf16_weights_agree_with_f32_on_stories260k() {
 
 #[test]
 fn bf16_weights_agree_with_f32_on_the_smollm2_shape() {
-    let dir = tempfile::tempdir().unwrap();
-    random_model::write_model(
-        dir.path(),
-        &random_model::ModelSpec::smollm2_135m(),
-        &common::shared_model("stories260K"),
-    )
-    .unwrap();
-    let r = compare(dir.path(), &prompts(49_152, 4, 16), 125);
+    let dir = smollm2_shape();
+    let bf16 = load(dir.path(), DType::BF16, Quantize::None);
+    let r = compare(dir.path(), &bf16, &prompts(49_152, 4, 16), 125);
     assert!(r.positions >= 500, "{} positions", r.positions);
     assert!(r.top1 >= 0.97, "top-1 agreement {:.4}", r.top1);
     assert!(r.mean_kl <= 2e-4, "mean KL {:.3e}", r.mean_kl);

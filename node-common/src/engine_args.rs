@@ -7,6 +7,7 @@ use engine::cost::CostModel;
 use engine::engine::EngineConfig;
 use engine::loader::ModelSource;
 use engine::model::{parse_dtype, LoadedModel, MockSpec};
+use engine::quantize::Quantize;
 
 use crate::error::NodeError;
 
@@ -18,6 +19,10 @@ pub struct EngineArgs {
     /// f32 (CPU default), bf16 or f16.
     #[arg(long, env = "FISSION_DTYPE")]
     pub dtype: Option<String>,
+    /// none, or int8: projections and lm_head in int8 with a scale per 32 inputs (llama.cpp's
+    /// Q8_0), quantised at load from the f32 or bf16 checkpoint.
+    #[arg(long, env = "FISSION_QUANTIZE", default_value = "none")]
+    pub quantize: Quantize,
     #[arg(long, env = "FISSION_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,
     /// KV blocks; by default a fraction of available memory (`--kv-memory-fraction`).
@@ -87,9 +92,10 @@ impl EngineArgs {
             )?);
         }
         let dtype = self.dtype.as_deref().map(parse_dtype).transpose()?;
-        Ok(LoadedModel::load(
+        Ok(LoadedModel::load_quantized(
             &ModelSource::parse(&self.model),
             dtype,
+            self.quantize,
             &candle_core::Device::Cpu,
         )?)
     }

@@ -9,6 +9,7 @@ use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
 use engine::model::{parse_dtype, LoadedModel};
+use engine::quantize::Quantize;
 use serde_json::json;
 
 #[derive(Subcommand)]
@@ -36,6 +37,9 @@ pub struct EngineBenchArgs {
     pub model: String,
     #[arg(long)]
     pub dtype: Option<String>,
+    /// none, or int8 (llama.cpp's Q8_0 layout, quantised at load).
+    #[arg(long, default_value = "none")]
+    pub quantize: Quantize,
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
     pub prefill: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
@@ -125,9 +129,10 @@ fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::
 
 fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let model = LoadedModel::load(
+    let model = LoadedModel::load_quantized(
         &ModelSource::parse(&args.model),
         dtype,
+        args.quantize,
         &candle_core::Device::Cpu,
     )
     .with_context(|| format!("loading {}", args.model))?;
@@ -173,6 +178,7 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     let report = json!({
         "engine": "fission",
         "model": name,
+        "quantize": args.quantize.to_string(),
         "prefill_tok_s": prefill,
         "decode_single_tok_s": single,
         "decode_batch_tok_s": batched,

@@ -6,6 +6,7 @@ use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
 use engine::model::{parse_dtype, LoadedModel};
+use engine::quantize::Quantize;
 use engine::sampling::SamplingParams;
 use engine::stopping::StoppingCriteria;
 
@@ -38,6 +39,9 @@ pub struct GenerateArgs {
     /// f32 (CPU default), bf16 or f16.
     #[arg(long)]
     pub dtype: Option<String>,
+    /// none, or int8 (llama.cpp's Q8_0 layout, quantised at load).
+    #[arg(long, default_value = "none")]
+    pub quantize: Quantize,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -45,9 +49,10 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let model = LoadedModel::load(
+    let model = LoadedModel::load_quantized(
         &ModelSource::parse(&crate::default_model::resolve(&args.model)?),
         dtype,
+        args.quantize,
         &candle_core::Device::Cpu,
     )
     .with_context(|| format!("loading model {}", args.model))?;

@@ -4,12 +4,15 @@
 //! ([`kernels::PackedWeight`], bf16 kept as bf16 and widened in registers), and every step
 //! multiplies f32 activations against them with [`kernels::packed_matmul`] at any batch size. A general GEMM re-packs its operand on every
 //! call (a quarter of a batch-32 step, measured) and runs its small-batch path on one core.
+//! With `--quantize int8` the same panels hold int8 with a scale per 32 inputs (quantised here,
+//! from f32 or bf16), and the kernel quantises the activations to match.
 //! Other dtypes and devices keep candle's matmul.
 
 use candle_core::{DType, Device, Tensor};
 
 use super::ops::with_slice;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
+use crate::quantize::Quantize;
 
 #[derive(Debug, Clone)]
 enum Weight {
@@ -30,10 +33,30 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
-    /// From a checkpoint's `[out, in]` weight.
-    pub(crate) fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+    /// From a checkpoint's `[out, in]` weight, quantised as `quantize` says.
+    pub(crate) fn quantized(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        quantize: Quantize,
+    ) -> Result<Self> {
         let on_cpu = matches!(weight.device(), Device::Cpu);
         let weight = match weight.dtype() {
+            _ if quantize == Quantize::Int8 => {
+                if !on_cpu {
+                    return Err(EngineError::InvalidConfig {
+                        reason: format!(
+                            "quantize int8 runs on the CPU only, the weights are on {:?}",
+                            weight.device()
+                        ),
+                    });
+                }
+                let (n, k) = weight.dims2()?;
+                // bf16 checkpoints too: each weight is quantised from its exact f32 value.
+                let w = weight.to_dtype(DType::F32)?;
+                Weight::Packed(with_slice::<f32, _>(&w, |w| {
+                    kernels::PackedWeight::from_out_in_int8(w, n, k)
+                })??)
+            }
             DType::F32 if on_cpu => {
                 let (n, k) = weight.dims2()?;
                 Weight::Packed(with_slice::<f32, _>(&weight, |w| {
@@ -74,8 +97,8 @@ impl Linear {
         add: bool,
     ) -> Result<()> {
         let Weight::Packed(w) = &self.weight else {
-            return Err(crate::error::EngineError::InvalidConfig {
-                reason: "the host forward pass needs packed f32 weights".into(),
+            return Err(EngineError::InvalidConfig {
+                reason: "the host forward pass needs packed weights".into(),
             });
         };
         if add {
@@ -131,7 +154,8 @@ mod tests {
                 .expect("f")
                 .to_vec1()
                 .expect("v");
-            let packed = Linear::new(w.clone(), Some(b.clone())).expect("linear");
+            let packed =
+                Linear::quantized(w.clone(), Some(b.clone()), Quantize::None).expect("linear");
             assert!(matches!(packed.weight, Weight::Packed(_)));
             let dense = Linear {
                 weight: Weight::Dense(w.t().expect("t").contiguous().expect("c")),
@@ -153,6 +177,36 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn int8_is_close_to_f32_from_f32_and_bf16_checkpoints() {
+        let (m, k, n) = (5, 200, 70);
+        let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).expect("x");
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).expect("w");
+        let want: Vec<f32> = x
+            .matmul(&w.t().expect("t"))
+            .expect("mm")
+            .flatten_all()
+            .expect("f")
+            .to_vec1()
+            .expect("v");
+        let norm: f32 = want.iter().map(|v| v * v).sum();
+        for w in [w.clone(), w.to_dtype(DType::BF16).expect("bf16")] {
+            let linear = Linear::quantized(w, None, Quantize::Int8).expect("linear");
+            let Weight::Packed(p) = &linear.weight else {
+                panic!("int8 weights not packed");
+            };
+            assert_eq!(p.dtype(), kernels::WeightDtype::Int8);
+            let mut got = vec![0f32; m * n];
+            let xs: Vec<f32> = x.flatten_all().expect("f").to_vec1().expect("v");
+            linear
+                .forward_host(&xs, m, &mut got, false)
+                .expect("forward");
+            let err: f32 = got.iter().zip(&want).map(|(a, b)| (a - b).powi(2)).sum();
+            // Two 8-bit quantisations: a relative error of about 1% in the norm.
+            assert!(err <= 1e-3 * norm, "error {err} of {norm}");
         }
     }
 }

@@ -13,6 +13,7 @@ use super::rope::Rope;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::kv::cache::KvCache;
+use crate::quantize::Quantize;
 
 #[derive(Debug, Clone)]
 pub(super) struct RmsNorm {
@@ -48,7 +49,7 @@ pub(super) struct Layer {
 }
 
 impl Layer {
-    fn load(vb: VarBuilder, cfg: &ModelConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &ModelConfig, quantize: Quantize) -> Result<Self> {
         let (h, hkv, d, hid) = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -90,11 +91,15 @@ impl Layer {
         )?;
         Ok(Layer {
             input_norm: RmsNorm::load(vb.pp("input_layernorm"), hid, cfg.rms_norm_eps)?,
-            qkv: Linear::new(weight, bias)?,
-            o_proj: Linear::new(att.pp("o_proj").get((hid, h * d), "weight")?, None)?,
+            qkv: Linear::quantized(weight, bias, quantize)?,
+            o_proj: Linear::quantized(
+                att.pp("o_proj").get((hid, h * d), "weight")?,
+                None,
+                quantize,
+            )?,
             post_norm: RmsNorm::load(vb.pp("post_attention_layernorm"), hid, cfg.rms_norm_eps)?,
-            gate_up: Linear::new(gate_up, None)?,
-            down: Linear::new(mlp.pp("down_proj").get((hid, f), "weight")?, None)?,
+            gate_up: Linear::quantized(gate_up, None, quantize)?,
+            down: Linear::quantized(mlp.pp("down_proj").get((hid, f), "weight")?, None, quantize)?,
         })
     }
 }
@@ -116,6 +121,12 @@ pub struct Llama {
 
 impl Llama {
     pub fn load(vb: VarBuilder, cfg: &ModelConfig) -> Result<Self> {
+        Self::load_quantized(vb, cfg, Quantize::None)
+    }
+
+    /// [`load`](Self::load) with every projection and the lm_head quantised as `quantize`
+    /// says; the embeddings and norms keep the load dtype.
+    pub fn load_quantized(vb: VarBuilder, cfg: &ModelConfig, quantize: Quantize) -> Result<Self> {
         let embed_w = vb
             .pp("model.embed_tokens")
             .get((cfg.vocab_size, cfg.hidden_size), "weight")?;
@@ -126,14 +137,14 @@ impl Llama {
                 .get((cfg.vocab_size, cfg.hidden_size), "weight")?
         };
         let layers = (0..cfg.num_layers)
-            .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg))
+            .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg, quantize))
             .collect::<Result<Vec<_>>>()?;
         let mut model = Llama {
             cfg: cfg.clone(),
             embed: candle_nn::Embedding::new(embed_w, cfg.hidden_size),
             layers,
             norm: RmsNorm::load(vb.pp("model.norm"), cfg.hidden_size, cfg.rms_norm_eps)?,
-            lm_head: Linear::new(lm_head, None)?,
+            lm_head: Linear::quantized(lm_head, None, quantize)?,
             rope: Rope::new(cfg),
             dtype: vb.dtype(),
             device: vb.device().clone(),

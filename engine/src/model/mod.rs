@@ -22,6 +22,7 @@ use crate::error::{EngineError, Result};
 use crate::generation::GenerationConfig;
 use crate::kv::cache::KvCache;
 use crate::loader::{ModelFiles, ModelSource};
+use crate::quantize::Quantize;
 
 /// Parses a dtype name as used on the command line and in config.json.
 pub fn parse_dtype(s: &str) -> Result<DType> {
@@ -98,13 +99,23 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Loads a model. `dtype` defaults to f32 on CPU.
     pub fn load(source: &ModelSource, dtype: Option<DType>, device: &Device) -> Result<Self> {
+        Self::load_quantized(source, dtype, Quantize::None, device)
+    }
+
+    /// [`load`](Self::load), its projections quantised as `quantize` says (`--quantize`).
+    pub fn load_quantized(
+        source: &ModelSource,
+        dtype: Option<DType>,
+        quantize: Quantize,
+        device: &Device,
+    ) -> Result<Self> {
         let files = ModelFiles::resolve(source)?;
         let cfg = LlamaConfig::from_file(&files.config)?.resolve()?;
         let dtype = dtype.unwrap_or(match device {
             Device::Cpu => DType::F32,
             _ => DType::BF16,
         });
-        let model = load_weights(&files, &cfg, dtype, device)?;
+        let model = load_weights(&files, &cfg, dtype, quantize, device)?;
         Self::assemble(source, files, &cfg, Model::Llama(model))
     }
 
@@ -156,6 +167,7 @@ fn load_weights(
     files: &ModelFiles,
     cfg: &ModelConfig,
     dtype: DType,
+    quantize: Quantize,
     device: &Device,
 ) -> Result<Llama> {
     for p in &files.weights {
@@ -166,7 +178,7 @@ fn load_weights(
     // SAFETY: the files are mapped read-only and are not modified while mapped; a serving
     // process owns its model directory.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? };
-    Llama::load(vb, cfg)
+    Llama::load_quantized(vb, cfg, quantize)
 }
 
 /// Runs `f` over the f32 logits `[rows, vocab]` as one flat slice.
