@@ -24,6 +24,8 @@ pub const QUEUE_WAITING: &str = "fission_gateway_queue_waiting_requests";
 pub const QUEUE_TOKENS: &str = "fission_gateway_queue_waiting_tokens";
 /// From entering the queue to being placed on the nodes (or refused).
 pub const QUEUE_WAIT: &str = "fission_gateway_queue_wait_seconds";
+/// The gateway's own time before a request leaves for a node.
+pub const OVERHEAD: &str = "fission_gateway_overhead_seconds";
 /// Requests the queue refused, by reason (`full`, `timeout`).
 pub const QUEUE_REJECTED: &str = "fission_gateway_queue_rejected_total";
 pub const GENERATED_TOKENS: &str = "fission_gateway_generated_tokens";
@@ -59,6 +61,11 @@ fn describe() {
         QUEUE_WAIT,
         Unit::Seconds,
         "Time from entering the admission queue to being placed on the nodes (or refused)."
+    );
+    describe_histogram!(
+        OVERHEAD,
+        Unit::Seconds,
+        "The gateway's own time before a request leaves for a node: from its arrival (HTTP, auth, validation, tokenization, templating, admission, routing) to the placement call on the chosen decode node. Includes queue waits when the queue waited (see fission_gateway_queue_wait_seconds)."
     );
     describe_counter!(
         QUEUE_REJECTED,

@@ -18,6 +18,15 @@ pub fn latency_buckets_seconds() -> Vec<f64> {
     ]
 }
 
+/// Seconds a component adds on the request path (`*_overhead_seconds`: the gateway's time
+/// before a request leaves for a node): 50 µs … 100 ms, fine enough to tell 1 ms from 2 ms.
+pub fn overhead_buckets_seconds() -> Vec<f64> {
+    vec![
+        0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
+        0.025, 0.05, 0.1,
+    ]
+}
+
 /// Counts (batch sizes, tokens, blocks): powers of two from 1 to 2^20.
 pub fn size_buckets() -> Vec<f64> {
     (0..=20).map(|p| f64::from(1u32 << p)).collect()
@@ -44,6 +53,11 @@ pub fn prometheus_builder() -> Result<PrometheusBuilder, BuildError> {
             &latency_buckets_seconds(),
         )?
         .set_buckets_for_metric(Matcher::Suffix("_bytes".into()), &byte_buckets())?
+        // A prefix match wins over the `_seconds` suffix match.
+        .set_buckets_for_metric(
+            Matcher::Prefix("fission_gateway_overhead".into()),
+            &overhead_buckets_seconds(),
+        )?
         .set_buckets_for_metric(
             Matcher::Suffix("_bytes_per_second".into()),
             &throughput_buckets(),

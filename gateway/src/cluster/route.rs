@@ -124,6 +124,9 @@ pub(crate) async fn route(
         local_prefill: local,
         epoch: driver.epoch,
     };
+    // Each placement attempt counts (a queued request places again when room frees up).
+    metrics::histogram!(crate::metrics::OVERHEAD)
+        .record(driver.request.received_at.elapsed().as_secs_f64());
     let call = place(&decodes.nodes, start)
         .await
         .map_err(NotPlaced::into_error)?;
