@@ -16,6 +16,8 @@ ROWS = [("prefill 128", ("prefill_tok_s", "128")), ("prefill 512", ("prefill_tok
         ("decode batch 1", ("decode_batch_tok_s", "1")), ("decode batch 8", ("decode_batch_tok_s", "8")),
         ("decode batch 32", ("decode_batch_tok_s", "32")), ("decode batch 64", ("decode_batch_tok_s", "64"))]
 ENGINES = ["fission", "llamacpp", "transformers"]
+# int8 weights: Fission's --quantize int8 against llama.cpp's Q8_0 of the same checkpoint.
+INT8_ENGINES = ["fission_int8", "llamacpp_q8_0"]
 
 
 def get(d, key):
@@ -61,6 +63,16 @@ for model in models:
         cells = [spread([x for x in (get(v, key) for v in data[e].values()) if x]) for e in ENGINES]
         print(f"| {label} | {cells[0]} | {cells[1]} | {cells[2]} | "
               f"{ratio(data['fission'], data['llamacpp'], key)} | {ratio(data['fission'], data['transformers'], key)} |")
+    q = {e: load_rounds(e, model) for e in INT8_ENGINES}
+    if q["fission_int8"] or q["llamacpp_q8_0"]:
+        print(f"\n### {model}, int8 weights (tokens/s, Fission --quantize int8 vs llama.cpp Q8_0, "
+              f"median of {len(q['fission_int8'])} alternating rounds, min-max)\n")
+        print("| measurement | Fission int8 | llama.cpp Q8_0 | Fission int8 / llama.cpp Q8_0 | Fission int8 / Fission f32 |")
+        print("|---|---:|---:|---:|---:|")
+        for label, key in ROWS:
+            cells = [spread([x for x in (get(v, key) for v in q[e].values()) if x]) for e in INT8_ENGINES]
+            print(f"| {label} | {cells[0]} | {cells[1]} | "
+                  f"{ratio(q['fission_int8'], q['llamacpp_q8_0'], key)} | {ratio(q['fission_int8'], data['fission'], key)} |")
 if limits:
     reads = [l["read_gb_s"] for l in limits]
     peaks = [l["gemm_peak_gflops"] for l in limits]

@@ -3,11 +3,14 @@
 #
 #   engine/benches/run_engine_bench.sh            # ROUNDS=5, both models
 #   ROUNDS=7 MODELS=smollm2 engine/benches/run_engine_bench.sh
+#   INT8=0 engine/benches/run_engine_bench.sh    # without the int8 rows
 #
 # Builds the peers into .peers/ (engine/benches/peers/setup.sh), then runs ROUNDS rounds; each
 # round runs Fission, llama.cpp and transformers once per model (one repeat per figure), in an
 # order that alternates from round to round (F L T, T L F, ...), so drift on a shared machine
-# lands on every engine alike. The machine's ceilings (`fission bench limits`: read bandwidth
+# lands on every engine alike. With INT8=1 (the default) each round also runs Fission with
+# --quantize int8 against llama.cpp's Q8_0 GGUF of the same checkpoint (convert_hf_to_gguf.py
+# --outtype q8_0), next to each other in the same alternating order. The machine's ceilings (`fission bench limits`: read bandwidth
 # and the packed GEMM's best GFLOP/s on the model's shapes) are measured in the same run.
 # make_table.py prints, per figure, the median over rounds, the min-max spread, and the
 # ratio of medians with the spread of per-round ratios; the table goes to $OUT/table.md and
@@ -23,13 +26,16 @@ mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
 PY=.peers/venv/bin/python
 ROUNDS="${ROUNDS:-5}"
+INT8="${INT8:-1}"
 declare -A MODEL_DIRS=([stories260K]=../shared/models/stories260K [smollm2]="$M")
 MODELS="${MODELS:-stories260K smollm2}"
 
 run_one() { # engine model_dir out.json
   case "$1" in
     fission) target/release/fission bench engine --model "$2" --repeats 1 --out "$3" >/dev/null ;;
+    fission_int8) target/release/fission bench engine --model "$2" --quantize int8 --repeats 1 --out "$3" >/dev/null ;;
     llamacpp) $PY engine/benches/peers/bench_llamacpp.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
+    llamacpp_q8_0) $PY engine/benches/peers/bench_llamacpp.py --model "$2" --outtype q8_0 --repeats 1 --out "$3" >/dev/null ;;
     transformers) $PY engine/benches/peers/bench_transformers.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
   esac
 }
@@ -37,6 +43,9 @@ run_one() { # engine model_dir out.json
 target/release/fission bench limits --out "$OUT/limits-0.json" >/dev/null
 for r in $(seq 1 "$ROUNDS"); do
   if (( r % 2 )); then order="fission llamacpp transformers"; else order="transformers llamacpp fission"; fi
+  if [[ "$INT8" == 1 ]]; then
+    if (( r % 2 )); then order="$order fission_int8 llamacpp_q8_0"; else order="llamacpp_q8_0 fission_int8 $order"; fi
+  fi
   for key in $MODELS; do
     model="${MODEL_DIRS[$key]}"
     name=$(basename "$model")

@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Peer benchmark: llama.cpp (the tree vendored in the llama-cpp-python sdist), CPU, f32 weights.
+"""Peer benchmark: llama.cpp (the tree vendored in the llama-cpp-python sdist), CPU, f32 weights
+(or Q8_0 with --outtype q8_0, the peer of Fission's --quantize int8).
 
 Usage:
     .peers/venv/bin/python engine/benches/peers/bench_llamacpp.py --model DIR --out JSON \
-        [--threads 2] [--repeats 3] [--quick] [--peers-dir .peers]
+        [--outtype f32|q8_0] [--threads 2] [--repeats 3] [--quick] [--peers-dir .peers]
 
 Needs engine/benches/peers/setup.sh to have run (venv, .peers/llama.cpp, build/bin tools).
 
 Steps:
-  1. Convert DIR to GGUF with the vendored convert_hf_to_gguf.py --outtype f32. The file is cached
-     as .peers/gguf/<basename>-<key>.gguf, where key hashes DIR's absolute path and the size and
-     mtime of its config, tokenizer and safetensors files, so a rewritten model is reconverted.
+  1. Convert DIR to GGUF with the vendored convert_hf_to_gguf.py --outtype f32 (or q8_0: blocks of
+     32 weights with an f16 scale, quantised by the converter from the checkpoint's values). The
+     file is cached as .peers/gguf/<basename>-<key>.gguf (q8_0: <basename>-<key>-q8_0.gguf),
+     where key hashes DIR's absolute path and the size and mtime of its config, tokenizer and
+     safetensors files, so a rewritten model is reconverted.
   2. prefill_tok_s:       llama-bench -m F -t 2 -p 128,512,2048 -n 0 -o json
                           (lengths above max_position_embeddings are left out -> null). Median of
                           llama-bench's per-repetition samples (-r 5 by default).
@@ -73,8 +76,9 @@ def model_key(model_dir: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def convert(model_dir: Path, peers: Path, python: str) -> tuple[Path, float | None]:
-    out = peers / "gguf" / f"{model_dir.name}-{model_key(model_dir)}.gguf"
+def convert(model_dir: Path, peers: Path, python: str, outtype: str) -> tuple[Path, float | None]:
+    suffix = "" if outtype == "f32" else f"-{outtype}"
+    out = peers / "gguf" / f"{model_dir.name}-{model_key(model_dir)}{suffix}.gguf"
     if out.exists():
         log(f"using cached {out}")
         return out, None
@@ -82,7 +86,7 @@ def convert(model_dir: Path, peers: Path, python: str) -> tuple[Path, float | No
     tmp = out.with_suffix(".gguf.tmp")
     t0 = time.perf_counter()
     run_cmd([python, str(peers / "llama.cpp" / "convert_hf_to_gguf.py"), str(model_dir),
-             "--outtype", "f32", "--outfile", str(tmp)])
+             "--outtype", outtype, "--outfile", str(tmp)])
     tmp.rename(out)
     dt = time.perf_counter() - t0
     log(f"converted to {out} in {dt:.1f}s ({out.stat().st_size / 1e6:.0f} MB)")
@@ -116,6 +120,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model directory")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
+    ap.add_argument("--outtype", choices=["f32", "q8_0"], default="f32",
+                    help="weights of the GGUF: f32, or q8_0 (llama.cpp's int8 with a scale per 32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None,
                     help="llama-bench -r and llama-batched-bench runs (default: 5 and 3; --quick: 1)")
@@ -146,7 +152,7 @@ def main() -> int:
     notes: list[str] = []
     details: dict = {}
 
-    gguf, convert_s = convert(model_dir, peers, python)
+    gguf, convert_s = convert(model_dir, peers, python, args.outtype)
     details["gguf"] = str(gguf)
     if convert_s is not None:
         details["convert_s"] = round(convert_s, 1)
@@ -200,7 +206,7 @@ def main() -> int:
     from_sdist = (peers / "llama.cpp" / ".from-sdist")
     src = from_sdist.read_text().strip() if from_sdist.exists() else "?"
     notes[:0] = [
-        f"llama.cpp {'' if build in ('unknown', '?') else f'build {build} '}vendored in {src}, f32 weights, f16 KV cache, {args.threads} threads",
+        f"llama.cpp {'' if build in ('unknown', '?') else f'build {build} '}vendored in {src}, {args.outtype} weights, f16 KV cache, {args.threads} threads",
         f"prefill/single decode: median of llama-bench's {bench_reps} repetition(s); "
         f"batched: median of {batched_runs} llama-batched-bench run(s), S_TG (decode only), -c {ctx}",
         f"bench wall {bench_s:.0f}s (excl. conversion); loadavg at end {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}",
@@ -212,6 +218,7 @@ def main() -> int:
     result = {
         "engine": "llama.cpp",
         "model": model_dir.name,
+        "weights": args.outtype,
         "prefill_tok_s": prefill,
         "decode_single_tok_s": decode_single,
         "decode_batch_tok_s": decode_batch,
