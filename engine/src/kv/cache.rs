@@ -22,10 +22,25 @@ impl KvBuf {
     fn zeros(dtype: KvDtype, n: usize) -> Self {
         match dtype {
             KvDtype::F32 => KvBuf::F32(vec![0.0; n]),
-            KvDtype::Bf16 => KvBuf::Bf16(vec![bf16::ZERO; n]),
-            KvDtype::F16 => KvBuf::F16(vec![f16::ZERO; n]),
+            KvDtype::Bf16 => KvBuf::Bf16(zeroed_u16_vec::<bf16>(n)),
+            KvDtype::F16 => KvBuf::F16(zeroed_u16_vec::<f16>(n)),
         }
     }
+}
+
+/// `n` zeros of a 16-bit float type, from zeroed memory the kernel maps in only when a page is
+/// first written (`vec![0u16; n]` is a `calloc`; `vec![bf16::ZERO; n]` writes every byte). A
+/// cache sized for a node's memory then costs the blocks in use, not its whole size, which
+/// is what lets dozens of mock nodes share one machine.
+/// Called with bf16 and f16 only.
+fn zeroed_u16_vec<T: Copy>(n: usize) -> Vec<T> {
+    assert_eq!(std::mem::size_of::<T>(), 2);
+    assert_eq!(std::mem::align_of::<T>(), 2);
+    let v = std::mem::ManuallyDrop::new(vec![0u16; n]);
+    // SAFETY: T is a 16-bit float (bf16 or f16: `repr(transparent)` over u16, size and
+    // alignment checked above) whose all-zero bit pattern is +0.0; the allocation moves from
+    // the u16 vector (never dropped) to the T vector with the same length and capacity.
+    unsafe { Vec::from_raw_parts(v.as_ptr() as *mut T, v.len(), v.capacity()) }
 }
 
 /// A type-erased pair of mutable K and V slices, so callers dispatch on dtype once.
