@@ -22,7 +22,7 @@
 //! here), so each block's dot product is exact in i32 and is scaled once in f32, as llama.cpp's
 //! `q8_0 x q8_0` dot does. Inputs past `k` are zero in both operands.
 
-use crate::simd::LANES;
+use crate::simd::{EXP2_ROUND, LANES};
 
 /// Inputs per quantisation block.
 pub const Q8_BLOCK: usize = 32;
@@ -136,6 +136,10 @@ impl QActs {
 
 /// Quantises one row `x` (`k` inputs) into its slices of a [`QActs`]: `q` (`blocks * 32`),
 /// `scale` and `comp` (`blocks` each). Ties round to even, as llama.cpp's SIMD quantisers do.
+///
+/// Rounding adds and subtracts 1.5 · 2^23 (exact for |v| < 2^22, here |v| <= 127) rather than
+/// calling `round_ties_even`, which without SSE4.1 (the crate's baseline) is a libm call per
+/// value: 8% of an int8 prefill, measured.
 #[inline(always)]
 pub(crate) fn quantize_row(x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
     for (((src, dst), s), c) in x
@@ -149,7 +153,7 @@ pub(crate) fn quantize_row(x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mu
         let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in dst.iter_mut().zip(src) {
-            let r = (v * inv).round_ties_even() as i32;
+            let r = ((v * inv + EXP2_ROUND) - EXP2_ROUND) as i32;
             sum += r;
             *q = r as i8;
         }

@@ -58,7 +58,7 @@ fn run_job(
     acts: &mut QActs,
 ) {
     let (k, n, blocks) = (w.k, w.n, w.blocks);
-    quantize(x, m, k, blocks, acts);
+    quantize(isa, x, m, k, blocks, acts);
     let job = Job {
         a: acts.q.as_ptr(),
         a_scale: acts.scale.as_ptr(),
@@ -99,12 +99,13 @@ fn run_job(
 }
 
 /// Quantises the `m` rows of `x` into `acts`, on the pool when there are many.
-fn quantize(x: &[f32], m: usize, k: usize, blocks: usize, acts: &mut QActs) {
+fn quantize(isa: QIsa, x: &[f32], m: usize, k: usize, blocks: usize, acts: &mut QActs) {
     acts.resize(m, blocks);
     let row_bytes = blocks * Q8_BLOCK;
     if m * k < PARALLEL_QUANT_MIN || m < 2 {
         for (r, xr) in x.chunks_exact(k).enumerate() {
-            quantize_row(
+            quantize_row_on(
+                isa,
                 xr,
                 &mut acts.q[r * row_bytes..(r + 1) * row_bytes],
                 &mut acts.scale[r * blocks..(r + 1) * blocks],
@@ -126,7 +127,8 @@ fn quantize(x: &[f32], m: usize, k: usize, blocks: usize, acts: &mut QActs) {
             // SAFETY: each task owns rows `t * per..`, disjoint slices of the three buffers,
             // which `resize` sized for m rows; the caller holds `&mut acts` throughout.
             unsafe {
-                quantize_row(
+                quantize_row_on(
+                    isa,
                     &x[r * k..(r + 1) * k],
                     std::slice::from_raw_parts_mut(q.get().add(r * row_bytes), row_bytes),
                     std::slice::from_raw_parts_mut(scale.get().add(r * blocks), blocks),
@@ -135,6 +137,34 @@ fn quantize(x: &[f32], m: usize, k: usize, blocks: usize, acts: &mut QActs) {
             };
         }
     });
+}
+
+/// [`quantize_row`] compiled for `isa`, so that its max and rounding loops vectorise.
+fn quantize_row_on(isa: QIsa, x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
+    match isa {
+        // SAFETY (both arms): `isa` is this CPU's or one it runs.
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Vnni | QIsa::Avx512Bw => unsafe { quantize_row_avx512(x, q, scale, comp) },
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx2 => unsafe { quantize_row_avx2(x, q, scale, comp) },
+        _ => quantize_row(x, q, scale, comp),
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX-512F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn quantize_row_avx512(x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
+    quantize_row(x, q, scale, comp)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_row_avx2(x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
+    quantize_row(x, q, scale, comp)
 }
 
 /// A buffer that several tasks write at disjoint places.
