@@ -64,6 +64,13 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy():
+    """(busy, total) jiffies of all CPUs since boot."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
 def metric_lines(text, name):
     return [l for l in text.splitlines() if l.startswith(name) and not l.startswith("#")]
 
@@ -219,7 +226,7 @@ def main():
         levels = []
         for rate in [float(x) for x in a.rates.split(",")]:
             tag = f"rate{rate:g}"
-            gm0, c0 = get(gw + "/metrics"), cpu_s(gw_pid)
+            gm0, c0, mb0 = get(gw + "/metrics"), cpu_s(gw_pid), machine_busy()
             lt = subprocess.run(
                 [BIN / "fission-loadtest", "--url", gw, "--rate", str(rate), "--duration", f"{a.duration}s",
                  "--max-requests", str(int(rate * a.duration * 2) + 10), "--input-len", str(a.input_len),
@@ -227,7 +234,7 @@ def main():
                  "--slo-tpot-ms", str(a.slo_tpot_ms), "--seed", "1", "--json", out / f"{tag}.json"],
                 capture_output=True, text=True, timeout=a.duration * 10 + 120)
             (out / f"{tag}.md").write_text(lt.stdout + lt.stderr)
-            gm1, c1 = get(gw + "/metrics"), cpu_s(gw_pid)
+            gm1, c1, mb1 = get(gw + "/metrics"), cpu_s(gw_pid), machine_busy()
             s = json.loads((out / f"{tag}.json").read_text())["levels"][0]["summary"]
             b0, b1 = buckets(gm0, "fission_gateway_overhead_seconds"), buckets(gm1, "fission_gateway_overhead_seconds")
             p50, n = quantile(b0, b1, 0.50)
@@ -247,6 +254,7 @@ def main():
                 "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"],
                 "gateway_cpu_ms_per_request": 1e3 * (c1 - c0) / max(s["requests"], 1),
                 "gateway_cpu_pct": 100 * (c1 - c0) / s["wall_s"],
+                "machine_busy_pct": 100 * (mb1[0] - mb0[0]) / max(mb1[1] - mb0[1], 1),
                 "overhead_p50_le_ms": p50 and 1e3 * p50, "overhead_p99_le_ms": p99 and 1e3 * p99,
                 "overhead_samples": n,
                 "sim": {"ttft_ms": ss["ttft_ms"], "tpot_ms": ss["tpot_ms"], "throughput_rps": ss["throughput_rps"],
@@ -256,7 +264,8 @@ def main():
             log(f"{tag}: ok {s['ok']}/{s['requests']} attainment {s['slo_attainment']:.3f} TTFT p50/p90 "
                 f"{s['ttft_ms']['p50']:.1f}/{s['ttft_ms']['p90']:.1f} (sim {ss['ttft_ms']['p50']:.1f}/{ss['ttft_ms']['p90']:.1f}) "
                 f"TPOT {s['tpot_ms']['p50']:.2f}/{s['tpot_ms']['p90']:.2f} (sim {ss['tpot_ms']['p50']:.2f}/{ss['tpot_ms']['p90']:.2f}) "
-                f"gw {level['gateway_cpu_ms_per_request']:.2f} ms CPU/req, overhead p99 <= {level['overhead_p99_le_ms']} ms")
+                f"gw {level['gateway_cpu_ms_per_request']:.2f} ms CPU/req, overhead p50/p99 <= {level['overhead_p50_le_ms']}/{level['overhead_p99_le_ms']} ms, "
+                f"machine busy {level['machine_busy_pct']:.0f}%")
         results["levels"] = levels
 
         # Nothing leaks: every node's KV gauges return to 0 once the load has ended.

@@ -145,17 +145,25 @@ impl MockModel {
         self.produced[(h % self.produced.len() as u64) as usize]
     }
 
-    /// Sleeps the step's predicted time, a layer's share at a time with `on_layer` after
-    /// each, and returns one-hot logits for the rows that sample.
+    /// Sleeps the step's predicted time in one go and returns one-hot logits for the rows that
+    /// sample: a step nobody pushes layers from (a decode step) wakes its thread once, not once
+    /// per layer (32 decode nodes stepping every 7 ms would otherwise wake 150,000 times a
+    /// second, which is the emulating machine's CPU, not the emulated cluster's).
+    pub fn forward(&self, batch: &ForwardBatch) -> Result<Tensor> {
+        std::thread::sleep(self.step_time(batch));
+        self.logits(batch)
+    }
+
+    /// Like [`forward`](Self::forward), a layer's share at a time with `on_layer` after each,
+    /// so a prefill node pushes each layer's KV as the real model lets it.
     pub fn forward_with_layer_hook(
         &self,
         batch: &ForwardBatch,
         cache: &mut KvCache,
         on_layer: &mut dyn FnMut(usize, &mut KvCache) -> Result<()>,
     ) -> Result<Tensor> {
-        let step = Duration::from_secs_f64(self.cost.step_s(&Self::work(batch)));
-        let layers = self.cfg.num_layers as u32;
-        let per_layer = step / layers;
+        let step = self.step_time(batch);
+        let per_layer = step / self.cfg.num_layers as u32;
         let started = std::time::Instant::now();
         for layer in 0..self.cfg.num_layers {
             // Sleep to the layer's deadline rather than for its share, so the oversleep of
@@ -166,6 +174,14 @@ impl MockModel {
             }
             on_layer(layer, cache)?;
         }
+        self.logits(batch)
+    }
+
+    fn step_time(&self, batch: &ForwardBatch) -> Duration {
+        Duration::from_secs_f64(self.cost.step_s(&Self::work(batch)))
+    }
+
+    fn logits(&self, batch: &ForwardBatch) -> Result<Tensor> {
         let vocab = self.cfg.vocab_size;
         let mut logits = vec![0f32; batch.logits_rows.len() * vocab];
         for (i, &row) in batch.logits_rows.iter().enumerate() {
@@ -305,5 +321,11 @@ mod tests {
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i as u32);
         assert_eq!(argmax, Some(m.next_token(7, 2)));
+        // Without a hook: one sleep of the same step time, the same logits.
+        let started = std::time::Instant::now();
+        let again = m.forward(&fb).expect("forward");
+        assert!(started.elapsed() >= Duration::from_millis(2));
+        let again: Vec<f32> = again.get(0).and_then(|r| r.to_vec1()).expect("row");
+        assert_eq!(again, row);
     }
 }
