@@ -202,7 +202,7 @@ impl Driver {
 
     /// Reads the request's streams on one decode node until it ends there.
     async fn serve(&mut self, mut call: DecodeCall) -> Served {
-        let _decode_in_flight = InFlight::new(&call.node);
+        // `call` counts the request against its node (`DecodeCall::_in_flight`) until it ends.
         let mut prefill: Option<PrefillAttempt> = None;
         if let Some(reserved) = call.reserved.take() {
             match self.start_prefill(&call, &reserved).await {

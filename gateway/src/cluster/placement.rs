@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
-use super::pool::Node;
+use super::pool::{InFlight, Node};
 use super::retry::node_failed;
 use super::wire::upstream;
 use crate::error::GatewayError;
@@ -25,6 +25,10 @@ pub(crate) struct DecodeCall {
     pub(crate) reserved: Option<v1::Reserved>,
     /// A token or heartbeat the node sent first (local prefill), to handle before the rest.
     pub(crate) first: Option<v1::GenerateDown>,
+    /// Counts the request against the node from the moment it was chosen: placements run
+    /// concurrently, and a node that counted its requests only once placed drew every request
+    /// of a burst (24 of 24 on one of 4 nodes) while the first ones were still opening.
+    _in_flight: InFlight,
 }
 
 /// Why no decode node took the request.
@@ -82,6 +86,8 @@ pub(crate) async fn place(
 }
 
 async fn open(node: &Arc<Node>, start: v1::GenerateStart) -> Result<DecodeCall, tonic::Status> {
+    // Before the first await: the next request's ranking already sees it.
+    let in_flight = InFlight::new(node);
     let (up, up_rx) = mpsc::channel(4);
     up.send(v1::GenerateUp {
         msg: Some(generate_up::Msg::Start(start)),
@@ -107,5 +113,6 @@ async fn open(node: &Arc<Node>, start: v1::GenerateStart) -> Result<DecodeCall, 
         down,
         reserved,
         first,
+        _in_flight: in_flight,
     })
 }
