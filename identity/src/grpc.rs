@@ -13,6 +13,8 @@ use crate::tls::TlsIdentity;
 /// A TLS handshake that takes longer is cut: a peer that opens a connection and sends nothing
 /// must not hold a server task.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Streams a peer may reset before the node accepts them (h2's default is 20).
+const PENDING_RESETS: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub enum GrpcSecurity {
@@ -64,19 +66,24 @@ impl GrpcSecurity {
     /// cluster CA during the handshake. Which role may call which method is checked per call
     /// ([`GrpcSecurity::peer_role`]).
     pub fn server(&self) -> Result<Server, IdentityError> {
+        // h2 answers more than 20 streams reset before the server accepted them with GOAWAY
+        // ENHANCE_YOUR_CALM (the rapid-reset defence), which fails every request on the
+        // connection with RESOURCE_EXHAUSTED: the gateway's one connection to a node carries
+        // all its requests, and a loaded node accepting late while placements are cancelled
+        // (timeouts, clients gone) can pass 20 honestly. The callers are cluster peers (with
+        // mTLS, authenticated), so the bound is raised, not removed.
+        let server = Server::builder().http2_max_pending_accept_reset_streams(Some(PENDING_RESETS));
         match self {
-            GrpcSecurity::Insecure => Ok(Server::builder()),
+            GrpcSecurity::Insecure => Ok(server),
             GrpcSecurity::Mtls { identity, .. } => {
                 let tls = ServerTlsConfig::new()
                     .identity(Identity::from_pem(identity.cert_pem(), identity.key_pem()))
                     .client_ca_root(Certificate::from_pem(identity.ca_pem()))
                     .timeout(HANDSHAKE_TIMEOUT);
-                Server::builder()
-                    .tls_config(tls)
-                    .map_err(|e| IdentityError::Tls {
-                        what: "grpc server",
-                        reason: e.to_string(),
-                    })
+                server.tls_config(tls).map_err(|e| IdentityError::Tls {
+                    what: "grpc server",
+                    reason: e.to_string(),
+                })
             }
         }
     }
