@@ -72,8 +72,8 @@ impl GrpcSecurity {
         // RESOURCE_EXHAUSTED. The gateway's one connection to a node carries all its requests
         // (15,000 in the fault suite's etcd outage, 2 of which failed so), and a loaded node
         // accepting late while placements are cancelled passes 20 honestly. The callers are
-        // cluster peers (with mTLS, authenticated): the first bound is raised, the lifetime
-        // count dropped.
+        // cluster peers (with mTLS, authenticated): the first bound is raised; the lifetime
+        // count is left unbounded, as tonic's default already leaves it.
         let server = Server::builder()
             .http2_max_pending_accept_reset_streams(Some(PENDING_RESETS))
             .http2_max_local_error_reset_streams(None);
