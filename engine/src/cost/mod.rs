@@ -341,7 +341,7 @@ impl CostModel {
     }
 }
 
-fn causal_pairs(n: usize, start: usize) -> f64 {
+pub(crate) fn causal_pairs(n: usize, start: usize) -> f64 {
     let n = n as f64;
     n * start as f64 + n * (n + 1.0) / 2.0
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{Architecture, ModelConfig, RopeScaling};
-use crate::cost::{CostModel, StepWork};
+use crate::cost::{causal_pairs, CostModel, StepWork};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::model::ForwardBatch;
@@ -131,7 +131,7 @@ impl MockModel {
                 let (n, ctx) = (s.q_len as f64, s.context_len as f64);
                 w.prefill_tokens += s.q_len;
                 w.prefill_attn += n * ctx;
-                w.prefill_pairs += n * start as f64 + n * (n + 1.0) / 2.0;
+                w.prefill_pairs += causal_pairs(s.q_len, start);
                 w.prefill_context_tokens += s.context_len;
             }
         }
