@@ -15,6 +15,8 @@ use crate::tls::TlsIdentity;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Streams a peer may reset before the node accepts them (h2's default is 20).
 const PENDING_RESETS: usize = 1024;
+/// A client's HTTP/2 connection window (hyper's default is 5 MiB); see [`GrpcSecurity::endpoint`].
+const CONNECTION_WINDOW: u32 = 64 << 20;
 
 #[derive(Clone, Debug)]
 pub enum GrpcSecurity {
@@ -39,9 +41,9 @@ impl GrpcSecurity {
         let invalid = |e: tonic::transport::Error| {
             IdentityError::Config(format!("grpc endpoint {host_port}: {e}"))
         };
-        match self {
+        let endpoint = match self {
             GrpcSecurity::Insecure => {
-                Endpoint::from_shared(format!("http://{host_port}")).map_err(invalid)
+                Endpoint::from_shared(format!("http://{host_port}")).map_err(invalid)?
             }
             GrpcSecurity::Mtls {
                 identity,
@@ -57,23 +59,35 @@ impl GrpcSecurity {
                 Endpoint::from_shared(format!("https://{host_port}"))
                     .map_err(invalid)?
                     .tls_config(tls)
-                    .map_err(invalid)
+                    .map_err(invalid)?
             }
-        }
+        };
+        // Two of h2's defences close a client's connection with GOAWAY ENHANCE_YOUR_CALM,
+        // failing every call on it (as RESOURCE_EXHAUSTED), on traffic a loaded cluster makes:
+        // - every frame that reaches a stream it has reset and forgotten counts, 1,024 over
+        //   the connection's life: a node's last tokens to clients that left (938 in one 40 s
+        //   run of the fault suite's etcd outage; past 1,024 in CI, where 2 requests failed);
+        // - small DATA frames left unread count against a budget of half the connection
+        //   window: ~10,000 tokens with hyper's 5 MiB, which a busy node's streams reach when
+        //   the gateway falls behind for a moment.
+        // The peer is a cluster node (with mTLS, authenticated): the first count is left
+        // unbounded, and a 64 MiB window allows ~140,000 unread tokens.
+        Ok(endpoint
+            .http2_max_local_error_reset_streams(None)
+            .initial_connection_window_size(CONNECTION_WINDOW))
     }
 
     /// A server builder that, with mutual TLS, refuses any peer without a certificate from the
     /// cluster CA during the handshake. Which role may call which method is checked per call
     /// ([`GrpcSecurity::peer_role`]).
     pub fn server(&self) -> Result<Server, IdentityError> {
-        // h2 answers more than 20 streams reset before the server accepted them, or 1,024
-        // streams it reset itself over the connection's life, with GOAWAY ENHANCE_YOUR_CALM
-        // (the rapid-reset defence), which fails every request on the connection with
-        // RESOURCE_EXHAUSTED. The gateway's one connection to a node carries all its requests
-        // (15,000 in the fault suite's etcd outage, 2 of which failed so), and a loaded node
-        // accepting late while placements are cancelled passes 20 honestly. The callers are
-        // cluster peers (with mTLS, authenticated): the first bound is raised; the lifetime
-        // count is left unbounded, as tonic's default already leaves it.
+        // The server side of the defences in [`GrpcSecurity::endpoint`]: h2 answers more than
+        // 20 streams reset before the server accepted them, or 1,024 it reset itself over the
+        // connection's life, with GOAWAY ENHANCE_YOUR_CALM, failing every call on it. The
+        // gateway's one connection to a node carries all its requests, and a loaded node that
+        // accepts late while placements are cancelled passes 20 honestly. The callers are
+        // cluster peers (with mTLS, authenticated): the first bound is raised, and the
+        // lifetime count left unbounded, as tonic's default already leaves it.
         let server = Server::builder()
             .http2_max_pending_accept_reset_streams(Some(PENDING_RESETS))
             .http2_max_local_error_reset_streams(None);

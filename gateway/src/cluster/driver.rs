@@ -49,8 +49,10 @@ pub(crate) type Out = mpsc::Sender<Result<GeneratedToken, GatewayError>>;
 
 /// What ended the request's time on one decode node.
 enum Served {
-    /// The last token is out, or the client left.
-    Done,
+    /// The last token is out.
+    Finished,
+    /// The client left: the node's streams are reset, which stops its work.
+    Left,
     /// The decode node failed or stalled: move the request.
     DecodeLost {
         why: String,
@@ -68,6 +70,30 @@ struct PrefillAttempt {
     events: Streaming<v1::PrefillEvent>,
     last_event: Instant,
     _in_flight: InFlight,
+}
+
+impl PrefillAttempt {
+    /// The push is over: the node owes only its stream's end, read off the request's path.
+    fn finish(self) {
+        drain_to_end(self.events);
+    }
+}
+
+/// How long a finished call's stream may take to end before it is reset.
+const STREAM_END_WAIT: Duration = Duration::from_secs(5);
+
+/// Reads a finished call's stream to its end on a task of its own. Dropping the stream
+/// instead resets it, and a loaded node's last frames (its trailers, a heartbeat) then reach
+/// a stream h2 has forgotten (it remembers 50 resets for a second): h2 counts each such frame,
+/// and at 1,024 over the connection's life failed every request on it with GOAWAY
+/// ENHANCE_YOUR_CALM (two requests of 15,000 in the fault suite's etcd outage).
+pub(crate) fn drain_to_end<T: Send + 'static>(mut stream: Streaming<T>) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(STREAM_END_WAIT, async {
+            while let Ok(Some(_)) = stream.message().await {}
+        })
+        .await;
+    });
 }
 
 pub(crate) struct Driver {
@@ -91,7 +117,7 @@ impl Driver {
             let node = Arc::clone(&call.node);
             let served = self.serve(call).await;
             let reason = match served {
-                Served::Done => return,
+                Served::Finished | Served::Left => return,
                 Served::Fail(e) => {
                     let _ = self.out.send(Err(e)).await;
                     return;
@@ -202,11 +228,26 @@ impl Driver {
 
     /// Reads the request's streams on one decode node until it ends there.
     async fn serve(&mut self, mut call: DecodeCall) -> Served {
-        // `call` counts the request against its node (`DecodeCall::_in_flight`) until it ends.
         let mut prefill: Option<PrefillAttempt> = None;
+        let served = self.serve_on(&mut call, &mut prefill).await;
+        if let Served::Finished = served {
+            call.finish();
+            if let Some(p) = prefill {
+                p.finish();
+            }
+        }
+        served
+    }
+
+    async fn serve_on(
+        &mut self,
+        call: &mut DecodeCall,
+        prefill: &mut Option<PrefillAttempt>,
+    ) -> Served {
+        // `call` counts the request against its node (`DecodeCall::_in_flight`) until it ends.
         if let Some(reserved) = call.reserved.take() {
-            match self.start_prefill(&call, &reserved).await {
-                Ok(attempt) => prefill = attempt,
+            match self.start_prefill(call, &reserved).await {
+                Ok(attempt) => *prefill = attempt,
                 Err(served) => return served,
             }
         }
@@ -235,14 +276,14 @@ impl Driver {
             let deadline = prefill_deadline.map_or(decode_deadline, |p| p.min(decode_deadline));
             tokio::select! {
                 biased;
-                () = self.out.closed() => return Served::Done,
+                () = self.out.closed() => return Served::Left,
                 msg = call.down.message() => {
                     decode_seen = Instant::now();
                     match msg {
                         Ok(Some(down)) => {
                             if let Some(generate_down::Msg::Reserved(r)) = &down.msg {
-                                match self.start_prefill(&call, r).await {
-                                    Ok(attempt) => prefill = attempt,
+                                match self.start_prefill(call, r).await {
+                                    Ok(attempt) => *prefill = attempt,
                                     Err(served) => return served,
                                 }
                                 continue;
@@ -266,8 +307,8 @@ impl Driver {
                         Err(s) => return Served::Fail(upstream(s)),
                     }
                 }
-                event = next_event(&mut prefill) => {
-                    match self.on_prefill_event(&call, &mut prefill, event).await {
+                event = next_event(prefill) => {
+                    match self.on_prefill_event(call, prefill, event).await {
                         Ok(()) => {}
                         Err(served) => return served,
                     }
@@ -278,7 +319,7 @@ impl Driver {
                         if let Some(p) = prefill.take() {
                             p.node.suspect("stalled on a prompt");
                             let why = format!("prefill node {} sent nothing for {:?}", p.node.entry.node_id, self.config.max_stall);
-                            if let Err(served) = self.retry_prefill(&call, why).await {
+                            if let Err(served) = self.retry_prefill(call, why).await {
                                 return served;
                             }
                         }
@@ -353,10 +394,10 @@ impl Driver {
         }
         self.emitted.push(token.id);
         let last = token.finish_reason.is_some();
-        if self.out.send(Ok(token)).await.is_err() || last {
-            return Some(Served::Done);
+        if self.out.send(Ok(token)).await.is_err() {
+            return Some(Served::Left);
         }
-        None
+        last.then_some(Served::Finished)
     }
 
     /// Starts a prefill attempt into `reserved` on the best ready prefill node; with none (or
@@ -438,7 +479,9 @@ impl Driver {
                     Ok(())
                 }
                 prefill_event::Event::Pushed(_) => {
-                    *prefill = None;
+                    if let Some(done) = prefill.take() {
+                        done.finish();
+                    }
                     Ok(())
                 }
                 prefill_event::Event::Heartbeat(_) => Ok(()),

@@ -270,3 +270,82 @@ async fn a_client_that_leaves_closes_the_request_on_its_decode_node() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_after_the_gateway_has_what_it_needs_fail_no_request_over_thousands() {
+    // Each prefill node sends four heartbeats after `Pushed`. A gateway that reset the stream
+    // at `Pushed` met them on a stream h2 had forgotten (it remembers 50 resets for a second),
+    // and h2 counts such frames: at 1,024 over a connection's life it sent GOAWAY
+    // ENHANCE_YOUR_CALM, and every request then on the connection failed as 429 "overloaded".
+    let prefill = fake_nodes::prefill(PrefillScript::PushThenTrail).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = std::sync::Arc::new(fake_nodes::backend(&[&prefill], &[&decode]).await);
+    use futures::StreamExt;
+    let requests = 6_000;
+    let failures: Vec<String> = futures::stream::iter(0..requests)
+        .map(|_| {
+            let backend = std::sync::Arc::clone(&backend);
+            async move {
+                let stream = backend
+                    .generate(request(2))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let read = drain(stream).await;
+                match read.error {
+                    Some(e) => Err(e.to_string()),
+                    None if (read.ids, read.indices) == complete(2) => Ok(()),
+                    None => Err("an incomplete stream".to_string()),
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .filter_map(|r| async move { r.err() })
+        .collect()
+        .await;
+    assert!(
+        failures.is_empty(),
+        "{} of {requests} requests failed, the first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+    assert_eq!(prefill.calls.of("prefill").len(), requests);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_clients_that_leave_mid_stream_cost_no_other_request() {
+    // A client that leaves resets its streams while the node is still sending tokens, which
+    // then reach streams h2 may have forgotten. Those frames must not count toward closing
+    // the connection that every other request shares (h2's default closes it at 1,024).
+    let decode = fake_nodes::decode(DecodeScript::Paced).await;
+    let backend = std::sync::Arc::new(fake_nodes::backend(&[], &[&decode]).await);
+    use futures::StreamExt;
+    let leavers = 4_000;
+    let failures: Vec<String> = futures::stream::iter(0..leavers)
+        .map(|_| {
+            let backend = std::sync::Arc::clone(&backend);
+            async move {
+                let mut stream = backend
+                    .generate(request(64))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                // The first token, then the client is gone.
+                match stream.next().await {
+                    Some(Ok(_)) => Ok(()),
+                    Some(Err(e)) => Err(e.to_string()),
+                    None => Err("no token".to_string()),
+                }
+            }
+        })
+        .buffer_unordered(32)
+        .filter_map(|r| async move { r.err() })
+        .collect()
+        .await;
+    assert!(
+        failures.is_empty(),
+        "{} of {leavers} requests failed, the first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+    let read = drain(backend.generate(request(4)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
+}

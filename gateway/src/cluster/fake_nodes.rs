@@ -38,6 +38,8 @@ type DownTx = mpsc::Sender<Result<v1::GenerateDown, Status>>;
 pub(crate) enum DecodeScript {
     /// Reserves (or prefills locally) and streams every token.
     Serve,
+    /// As `Serve`, yielding between tokens: a stream still going when its client leaves.
+    Paced,
     /// Answers RESOURCE_EXHAUSTED: out of KV blocks.
     NoRoom,
     /// Fails the call with this code.
@@ -59,6 +61,9 @@ pub(crate) enum PrefillScript {
     DieMidPush,
     /// Takes the prompt, then sends nothing.
     Hang,
+    /// As `Push`, then four heartbeats a moment after `Pushed`, as a loaded node's stream may
+    /// still carry when the gateway has what it needs.
+    PushThenTrail,
 }
 
 /// Every call a fake node received, in order: the RPC and its main argument.
@@ -145,6 +150,7 @@ impl FakeDecode {
                         down.closed().await;
                         return;
                     }
+                    DecodeScript::Paced => tokio::task::yield_now().await,
                     _ => {}
                 }
             }
@@ -341,7 +347,7 @@ impl Prefill for FakePrefill {
             match script {
                 PrefillScript::Hang => return tx.closed().await,
                 PrefillScript::Fail(_) => unreachable!("answered above"),
-                PrefillScript::Push | PrefillScript::DieMidPush => {}
+                PrefillScript::Push | PrefillScript::DieMidPush | PrefillScript::PushThenTrail => {}
             }
             let first_event = prefill_event::Event::First(v1::FirstToken {
                 token: Some(first.clone()),
@@ -370,6 +376,15 @@ impl Prefill for FakePrefill {
                 Ok(_) => tx.send(event(prefill_event::Event::Pushed(true))).await,
                 Err(s) => tx.send(Err(s)).await,
             };
+            if matches!(script, PrefillScript::PushThenTrail) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                for _ in 0..4 {
+                    let beat = prefill_event::Event::Heartbeat(v1::Heartbeat::default());
+                    if tx.send(event(beat)).await.is_err() {
+                        return;
+                    }
+                }
+            }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

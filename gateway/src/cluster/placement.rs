@@ -31,6 +31,14 @@ pub(crate) struct DecodeCall {
     _in_flight: InFlight,
 }
 
+impl DecodeCall {
+    /// The last token is out: the request ends on the node (its side of the stream closes
+    /// with `up`), and the node's trailers are read off the request's path.
+    pub(crate) fn finish(self) {
+        super::driver::drain_to_end(self.down);
+    }
+}
+
 /// Why no decode node took the request.
 pub(crate) enum NotPlaced {
     /// Every node is out of room: the request waits in the queue.
@@ -66,12 +74,13 @@ pub(crate) async fn place(
     for node in decodes {
         match open(node, start.clone()).await {
             Ok(call) => return Ok(call),
-            Err(s) if s.code() == tonic::Code::ResourceExhausted => no_room = true,
+            // Before the RESOURCE_EXHAUSTED arm: a broken connection reads as one too.
             Err(s) if node_failed(&s) => {
                 tracing::info!(node_id = %node.entry.node_id, code = ?s.code(), message = s.message(), "decode node failed to take the request; trying the next one");
                 node.quarantine();
                 last_failure = Some(upstream(s));
             }
+            Err(s) if s.code() == tonic::Code::ResourceExhausted => no_room = true,
             Err(s) => return Err(NotPlaced::Refused(upstream(s))),
         }
     }

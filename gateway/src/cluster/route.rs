@@ -79,7 +79,11 @@ pub(crate) async fn route(
             reason: "no decode node is ready".into(),
         });
     }
-    let (out, tokens) = mpsc::channel(64);
+    // Room for every token the request may produce and an error, so that the driver never
+    // waits on a slow client: it reads the node's stream at once. Tokens a driver left unread
+    // stay in h2's buffers, where ~10,000 small frames over a connection (its budget for
+    // them) close it with GOAWAY ENHANCE_YOUR_CALM, failing every request on it.
+    let (out, tokens) = mpsc::channel(r.stopping.max_new_tokens + 2);
     let driver = Driver {
         pools: Arc::clone(pools),
         policy: Arc::clone(policy),
