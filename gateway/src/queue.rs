@@ -3,12 +3,15 @@
 //!
 //! A request enters the queue if it has room (by requests and by prompt tokens), else it is
 //! refused at once with 429. In the queue it waits, in arrival order, for two things: a slot
-//! under `max_concurrent_requests`, then its turn to be placed on the nodes. Only the request
-//! at the head tries to place itself; while the backend answers that no node has room, it keeps
-//! the turn (so later arrivals cannot overtake it) and tries again whenever a request ends or a
-//! short pause passes. Placement is a reservation on a decode node, not the whole prefill, so
-//! the turn moves on within milliseconds. A request that waits longer than `max_queue_wait_ms`
-//! is refused with 429 and the time it waited.
+//! under `max_concurrent_requests`, then its placement on the nodes. While the nodes have room,
+//! requests place themselves concurrently: a placement is an RPC round trip to a decode node,
+//! and taking turns across it capped admission at one request per round trip (25 req/s with 48
+//! mock nodes on a loaded 2-core host, whatever the cluster's size). Once a request finds no
+//! room, requests take turns: only the one at the head tries to place itself, it keeps the
+//! turn while the backend answers that no node has room (so later arrivals cannot overtake
+//! it), and tries again whenever a request ends or a short pause passes; arrivals line up
+//! behind it until no request is held back. A request that waits longer than
+//! `max_queue_wait_ms` is refused with 429 and the time it waited.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -58,6 +61,9 @@ pub struct Queue {
     /// Held by the request whose turn it is to be placed. Tokio's mutex is fair: turns go in
     /// arrival order.
     turn: tokio::sync::Mutex<()>,
+    /// Requests that found no room, or arrived after one did, taking turns: while there are
+    /// any, arrivals take turns too.
+    held_back: AtomicUsize,
     waiting: AtomicUsize,
     queued_tokens: AtomicU64,
     /// Notified when a placed request ends: room may have appeared.
@@ -80,12 +86,29 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// Counts a request in [`Queue::held_back`] until it leaves the turns.
+struct HeldBack<'a>(&'a AtomicUsize);
+
+impl<'a> HeldBack<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        HeldBack(count)
+    }
+}
+
+impl Drop for HeldBack<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl Queue {
     pub fn new(config: QueueConfig) -> Self {
         Queue {
             slots: Arc::new(Semaphore::new(config.max_concurrent_requests.max(1))),
             config,
             turn: tokio::sync::Mutex::new(()),
+            held_back: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             queued_tokens: AtomicU64::new(0),
             ended: Arc::new(Notify::new()),
@@ -181,6 +204,15 @@ impl Queue {
                     reason: "the gateway is shutting down".into(),
                 }
             })?;
+            if self.held_back.load(Ordering::SeqCst) == 0 {
+                tracing::Span::current().record("attempts", 1i64);
+                match place().await {
+                    Ok(placed) => return Ok((placed, permit)),
+                    Err(e) if e.is_no_room() => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            let _held = HeldBack::enter(&self.held_back);
             let _turn = self.turn.lock().await;
             let mut attempts = 0i64;
             loop {
@@ -283,6 +315,38 @@ mod tests {
         }
         assert_eq!(*order.lock().unwrap(), vec![2, 3, 4]);
         assert_eq!(q.depth(), (0, 0));
+        assert_eq!(q.in_flight(), 0);
+    }
+
+    /// While the nodes have room, placements overlap: eight that each take a round trip of
+    /// 200 ms are all in flight at once (taking turns, the eighth would start after 1.4 s).
+    #[tokio::test]
+    async fn placements_overlap_while_there_is_room() {
+        let q = queue(64, 64, 10_000);
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let (q, in_flight, most) = (Arc::clone(&q), Arc::clone(&in_flight), Arc::clone(&most));
+            tasks.push(tokio::spawn(async move {
+                q.admit(5, far(), || {
+                    let (in_flight, most) = (Arc::clone(&in_flight), Arc::clone(&most));
+                    async move {
+                        let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        in_flight.fetch_sub(1, Ordering::SeqCst);
+                        Ok::<_, GatewayError>(())
+                    }
+                })
+                .await
+                .map(|(_, slot)| drop(slot))
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
+        assert_eq!(most.load(Ordering::SeqCst), 8);
         assert_eq!(q.in_flight(), 0);
     }
 
