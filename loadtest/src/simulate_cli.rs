@@ -156,6 +156,15 @@ struct CalibrateArgs {
     steps: usize,
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Mixed steps, timed to check the profile on them (not fitted): a prompt of each of
+    /// these lengths computed together with each `--mixed-batch` of decodes.
+    #[arg(long, value_delimiter = ',', default_value = "32,128,512")]
+    mixed_prompt: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "2,8")]
+    mixed_batch: Vec<usize>,
+    /// Each mixed step's decodes run over this many prompt tokens (and 2 generated).
+    #[arg(long, default_value_t = 128)]
+    mixed_context: usize,
     /// KV blocks per node: match the nodes' --num-kv-blocks.
     #[arg(long, default_value_t = 2048)]
     kv_blocks: usize,
@@ -359,6 +368,9 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
                 contexts: a.context.clone(),
                 steps: a.steps,
                 repeats: a.repeats,
+                mixed_prompts: a.mixed_prompt.clone(),
+                mixed_batches: a.mixed_batch.clone(),
+                mixed_context: a.mixed_context,
             };
             eprintln!("timing the engine's steps on {} ...", a.model);
             (
@@ -391,6 +403,22 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
         cal.decode_fit.coef.c,
         cal.decode_fit.rms_rel_error * 100.0
     );
+    if let Some(mixed) = cal.mixed_rms_rel_error {
+        eprintln!(
+            "mixed steps ({} timed, not fitted): rms error {:.1}%",
+            cal.measurements.mixed.len(),
+            mixed * 100.0
+        );
+        for m in &cal.measurements.mixed {
+            eprintln!(
+                "  prompt {:>4} + {:>2} decodes over {:>4} tokens: {:>7.2} ms measured",
+                m.0,
+                m.1,
+                m.2,
+                m.3 * 1e3
+            );
+        }
+    }
     let json = cal.profile.to_json();
     print!("{json}");
     if let Some(out) = &a.out {

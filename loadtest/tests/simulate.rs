@@ -110,3 +110,47 @@ fn bad_clusters_and_profiles_are_refused() {
         assert!(!out.status.success(), "{args:?} was accepted");
     }
 }
+
+#[test]
+fn calibration_times_the_engine_and_checks_the_profile_on_mixed_steps() {
+    let model = testkit::fission::stories_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_fission-loadtest"))
+        .args(["simulate", "calibrate", "--model"])
+        .arg(&model)
+        .args([
+            "--prefill",
+            "8,32,64",
+            "--batch",
+            "1,2,4",
+            "--context",
+            "16,32",
+        ])
+        .args(["--steps", "2", "--repeats", "1", "--kv-blocks", "64"])
+        .args([
+            "--mixed-prompt",
+            "16,32",
+            "--mixed-batch",
+            "2",
+            "--mixed-context",
+            "16",
+        ])
+        .output()
+        .expect("the binary runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // Both mixed steps were timed as mixed (calibration fails on a step the engine split).
+    assert!(
+        stderr.contains("mixed steps (2 timed, not fitted)"),
+        "{stderr}"
+    );
+    let profile: serde_json::Value = serde_json::from_slice(&out.stdout).expect("a JSON profile");
+    assert_eq!(profile["step"]["kind"], "linear");
+    assert_eq!(profile["node"]["kv_blocks"], 64);
+    assert!(
+        profile["sources"]["step"]
+            .as_str()
+            .is_some_and(|s| s.contains("on 2 mixed prefill+decode steps")),
+        "{}",
+        profile["sources"]
+    );
+}

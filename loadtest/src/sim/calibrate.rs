@@ -24,7 +24,7 @@ use engine::loader::{ModelFiles, ModelSource};
 use engine::model::LoadedModel;
 use serde::{Deserialize, Serialize};
 
-use super::cost::{CostModel, Link, ModelShape, NodeSpec, StepCost};
+use super::cost::{CostModel, Link, ModelShape, NodeSpec, StepCost, StepWork};
 use super::fit::{decode_samples, fit_cost, prefill_samples, Fit};
 use crate::error::LoadError;
 
@@ -35,6 +35,10 @@ pub struct Measurements {
     pub prefill: Vec<(usize, f64)>,
     /// `(batch, context tokens of the step, seconds)` of a decode step.
     pub decode: Vec<(usize, usize, f64)>,
+    /// `(prompt tokens, decode batch, the decodes' context tokens, seconds)` of a step that
+    /// computes a prompt and decodes together, as a colocated node's steps do. Not fitted:
+    /// they check how the profile prices such steps.
+    pub mixed: Vec<(usize, usize, usize, f64)>,
 }
 
 /// The part of `fission bench engine`'s JSON the fit reads.
@@ -91,6 +95,11 @@ pub struct MeasureGrid {
     pub steps: usize,
     /// Prefills timed per length; the median is kept.
     pub repeats: usize,
+    /// Mixed steps: a prompt of each of `mixed_prompts` tokens computed with each of
+    /// `mixed_batches` decodes over `mixed_context` tokens each.
+    pub mixed_prompts: Vec<usize>,
+    pub mixed_batches: Vec<usize>,
+    pub mixed_context: usize,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -202,7 +211,77 @@ pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, 
                 .push((batch, mid, median(times.iter().map(|t| t.0).collect())));
         }
     }
+    let ctx = grid.mixed_context;
+    for &prompt in &grid.mixed_prompts {
+        for &batch in &grid.mixed_batches {
+            if ctx.max(prompt) + 8 > max_ctx {
+                continue;
+            }
+            let mut times = Vec::new();
+            for r in 0..grid.repeats.max(1) {
+                times.push(time_mixed_step(model, prompt, batch, ctx, r, &mut next_id)?);
+            }
+            m.mixed
+                .push((prompt, batch, batch * (ctx + 2), median(times)));
+        }
+    }
     Ok(m)
+}
+
+/// Seconds of one step that prefills a `prompt`-token prompt while `batch` sequences of
+/// `ctx` prompt tokens take their second decode step (over `ctx + 2` tokens each).
+fn time_mixed_step(
+    model: &LoadedModel,
+    prompt: usize,
+    batch: usize,
+    ctx: usize,
+    round: usize,
+    next_id: &mut impl FnMut() -> SeqId,
+) -> Result<f64, LoadError> {
+    let vocab = model.config().vocab_size;
+    let block = 16;
+    let blocks = batch * (ctx + 8).div_ceil(block) + prompt.div_ceil(block) + 4;
+    let mut e = engine_for(model, blocks, (ctx * batch).max(prompt).max(16))?;
+    for b in 0..batch {
+        e.add_request(Request::greedy_fixed_length(
+            next_id(),
+            bench_prompt(ctx, b + round * batch, vocab),
+            8,
+        ))
+        .map_err(engine_err)?;
+    }
+    let mut first = 0;
+    while first < batch {
+        first += e
+            .step()
+            .map_err(engine_err)?
+            .iter()
+            .filter(|ev| ev.index == 0)
+            .count();
+    }
+    e.step().map_err(engine_err)?;
+    let id = next_id();
+    e.add_request(Request::greedy_fixed_length(
+        id,
+        bench_prompt(prompt, 1_000 + round, vocab),
+        2,
+    ))
+    .map_err(engine_err)?;
+    let t = Instant::now();
+    let events = e.step().map_err(engine_err)?;
+    let s = t.elapsed().as_secs_f64();
+    // The step must have been mixed: the prompt's first token and every decode's next.
+    let prompt_done = events.iter().any(|ev| ev.seq_id == id && ev.index == 0);
+    let decodes = events.iter().filter(|ev| ev.seq_id != id).count();
+    if !prompt_done || decodes != batch {
+        return Err(LoadError::RequestFailed {
+            what: "a mixed calibration step".into(),
+            reason: format!(
+                "the engine split it (prompt done: {prompt_done}, {decodes} of {batch} decodes)"
+            ),
+        });
+    }
+    Ok(s)
 }
 
 /// The model's shape from its `config.json` (`dtype_bytes`: 4 for f32, 2 for bf16/f16).
@@ -231,7 +310,34 @@ pub struct Calibration {
     pub profile: CostModel,
     pub prefill_fit: Fit,
     pub decode_fit: Fit,
+    /// RMS relative error of the profile on the measured mixed steps (`None`: none measured).
+    pub mixed_rms_rel_error: Option<f64>,
     pub measurements: Measurements,
+}
+
+/// The work of a measured mixed step.
+fn mixed_work(&(prompt, batch, context, _): &(usize, usize, usize, f64)) -> StepWork {
+    let decode = StepWork::decode(batch, context);
+    StepWork {
+        decode_seqs: decode.decode_seqs,
+        decode_context_tokens: decode.decode_context_tokens,
+        ..StepWork::prefill(prompt)
+    }
+}
+
+/// RMS relative error of `price` over the measured mixed steps.
+fn mixed_error(
+    mixed: &[(usize, usize, usize, f64)],
+    price: impl Fn(&StepWork) -> f64,
+) -> Option<f64> {
+    if mixed.is_empty() {
+        return None;
+    }
+    let sq: f64 = mixed
+        .iter()
+        .map(|m| (price(&mixed_work(m)) / m.3 - 1.0).powi(2))
+        .sum();
+    Some((sq / mixed.len() as f64).sqrt())
 }
 
 pub fn calibrate(
@@ -244,11 +350,19 @@ pub fn calibrate(
 ) -> Result<Calibration, LoadError> {
     let (step, prefill_fit, decode_fit) =
         fit_cost(&prefill_samples(&m.prefill), &decode_samples(&m.decode))?;
+    let mixed_rms_rel_error = mixed_error(&m.mixed, |w| step.mixed_s(w));
+    let mixed_note = mixed_rms_rel_error.map_or(String::new(), |e| {
+        format!(
+            "; on {} mixed prefill+decode steps (not fitted) {:.1}%",
+            m.mixed.len(),
+            e * 100.0
+        )
+    });
     let mut sources = BTreeMap::new();
     sources.insert(
         "step".to_string(),
         format!(
-            "least-squares fit (relative error, non-negative) of {} prefill and {} decode step times from {origin}; rms relative error {:.1}% prefill, {:.1}% decode",
+            "least-squares fit (relative error, non-negative) of {} prefill and {} decode step times from {origin}; rms relative error {:.1}% prefill, {:.1}% decode{mixed_note}",
             m.prefill.len(),
             m.decode.len(),
             prefill_fit.rms_rel_error * 100.0,
@@ -277,6 +391,7 @@ pub fn calibrate(
         profile,
         prefill_fit,
         decode_fit,
+        mixed_rms_rel_error,
         measurements: m,
     })
 }
