@@ -271,6 +271,27 @@ async fn a_client_that_leaves_closes_the_request_on_its_decode_node() {
     .await;
 }
 
+/// Runs `n` requests, 32 at a time, and fails with the first error if any request failed.
+async fn assert_none_fail<F, Fut>(n: usize, one: F)
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    use futures::StreamExt;
+    let failures: Vec<String> = futures::stream::iter(0..n)
+        .map(one)
+        .buffer_unordered(32)
+        .filter_map(|r| async move { r.err() })
+        .collect()
+        .await;
+    assert!(
+        failures.is_empty(),
+        "{} of {n} requests failed, the first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frames_after_the_gateway_has_what_it_needs_fail_no_request_over_thousands() {
     // Each prefill node sends four heartbeats after `Pushed`. A gateway that reset the stream
@@ -280,34 +301,23 @@ async fn frames_after_the_gateway_has_what_it_needs_fail_no_request_over_thousan
     let prefill = fake_nodes::prefill(PrefillScript::PushThenTrail).await;
     let decode = fake_nodes::decode(DecodeScript::Serve).await;
     let backend = std::sync::Arc::new(fake_nodes::backend(&[&prefill], &[&decode]).await);
-    use futures::StreamExt;
     let requests = 6_000;
-    let failures: Vec<String> = futures::stream::iter(0..requests)
-        .map(|_| {
-            let backend = std::sync::Arc::clone(&backend);
-            async move {
-                let stream = backend
-                    .generate(request(2))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let read = drain(stream).await;
-                match read.error {
-                    Some(e) => Err(e.to_string()),
-                    None if (read.ids, read.indices) == complete(2) => Ok(()),
-                    None => Err("an incomplete stream".to_string()),
-                }
+    assert_none_fail(requests, |_| {
+        let backend = std::sync::Arc::clone(&backend);
+        async move {
+            let stream = backend
+                .generate(request(2))
+                .await
+                .map_err(|e| e.to_string())?;
+            let read = drain(stream).await;
+            match read.error {
+                Some(e) => Err(e.to_string()),
+                None if (read.ids, read.indices) == complete(2) => Ok(()),
+                None => Err("an incomplete stream".to_string()),
             }
-        })
-        .buffer_unordered(32)
-        .filter_map(|r| async move { r.err() })
-        .collect()
-        .await;
-    assert!(
-        failures.is_empty(),
-        "{} of {requests} requests failed, the first: {:?}",
-        failures.len(),
-        failures.first()
-    );
+        }
+    })
+    .await;
     assert_eq!(prefill.calls.of("prefill").len(), requests);
 }
 
@@ -320,32 +330,22 @@ async fn thousands_of_clients_that_leave_mid_stream_cost_no_other_request() {
     let backend = std::sync::Arc::new(fake_nodes::backend(&[], &[&decode]).await);
     use futures::StreamExt;
     let leavers = 4_000;
-    let failures: Vec<String> = futures::stream::iter(0..leavers)
-        .map(|_| {
-            let backend = std::sync::Arc::clone(&backend);
-            async move {
-                let mut stream = backend
-                    .generate(request(64))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                // The first token, then the client is gone.
-                match stream.next().await {
-                    Some(Ok(_)) => Ok(()),
-                    Some(Err(e)) => Err(e.to_string()),
-                    None => Err("no token".to_string()),
-                }
+    assert_none_fail(leavers, |_| {
+        let backend = std::sync::Arc::clone(&backend);
+        async move {
+            let mut stream = backend
+                .generate(request(64))
+                .await
+                .map_err(|e| e.to_string())?;
+            // The first token, then the client is gone.
+            match stream.next().await {
+                Some(Ok(_)) => Ok(()),
+                Some(Err(e)) => Err(e.to_string()),
+                None => Err("no token".to_string()),
             }
-        })
-        .buffer_unordered(32)
-        .filter_map(|r| async move { r.err() })
-        .collect()
-        .await;
-    assert!(
-        failures.is_empty(),
-        "{} of {leavers} requests failed, the first: {:?}",
-        failures.len(),
-        failures.first()
-    );
+        }
+    })
+    .await;
     let read = drain(backend.generate(request(4)).await.expect("served")).await;
     assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
 }

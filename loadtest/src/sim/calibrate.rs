@@ -182,23 +182,7 @@ pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, 
             let new = steps + 2;
             let blocks = batch * (ctx + new).div_ceil(block) + 2;
             let mut e = engine_for(model, blocks, (ctx * batch).max(16))?;
-            for b in 0..batch {
-                e.add_request(Request::greedy_fixed_length(
-                    next_id(),
-                    bench_prompt(ctx, b, vocab),
-                    new,
-                ))
-                .map_err(engine_err)?;
-            }
-            let mut first = 0;
-            while first < batch {
-                first += e
-                    .step()
-                    .map_err(engine_err)?
-                    .iter()
-                    .filter(|ev| ev.index == 0)
-                    .count();
-            }
+            start_decoding(&mut e, batch, ctx, 0, new, vocab, &mut next_id)?;
             // Decode step j (from 1) runs each sequence over ctx + j tokens.
             let mut times = Vec::new();
             for j in 1..=steps {
@@ -228,6 +212,37 @@ pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, 
     Ok(m)
 }
 
+/// Adds `batch` requests of `ctx`-token prompts (prompt variants from `first_variant`), each
+/// to generate `new` tokens, and steps until every one has its first token.
+fn start_decoding(
+    e: &mut Engine,
+    batch: usize,
+    ctx: usize,
+    first_variant: usize,
+    new: usize,
+    vocab: usize,
+    next_id: &mut impl FnMut() -> SeqId,
+) -> Result<(), LoadError> {
+    for b in 0..batch {
+        e.add_request(Request::greedy_fixed_length(
+            next_id(),
+            bench_prompt(ctx, first_variant + b, vocab),
+            new,
+        ))
+        .map_err(engine_err)?;
+    }
+    let mut first = 0;
+    while first < batch {
+        first += e
+            .step()
+            .map_err(engine_err)?
+            .iter()
+            .filter(|ev| ev.index == 0)
+            .count();
+    }
+    Ok(())
+}
+
 /// Seconds of one step that prefills a `prompt`-token prompt while `batch` sequences of
 /// `ctx` prompt tokens take their second decode step (over `ctx + 2` tokens each).
 fn time_mixed_step(
@@ -242,23 +257,7 @@ fn time_mixed_step(
     let block = 16;
     let blocks = batch * (ctx + 8).div_ceil(block) + prompt.div_ceil(block) + 4;
     let mut e = engine_for(model, blocks, (ctx * batch).max(prompt).max(16))?;
-    for b in 0..batch {
-        e.add_request(Request::greedy_fixed_length(
-            next_id(),
-            bench_prompt(ctx, b + round * batch, vocab),
-            8,
-        ))
-        .map_err(engine_err)?;
-    }
-    let mut first = 0;
-    while first < batch {
-        first += e
-            .step()
-            .map_err(engine_err)?
-            .iter()
-            .filter(|ev| ev.index == 0)
-            .count();
-    }
+    start_decoding(&mut e, batch, ctx, round * batch, 8, vocab, next_id)?;
     e.step().map_err(engine_err)?;
     let id = next_id();
     e.add_request(Request::greedy_fixed_length(
