@@ -161,12 +161,30 @@ pub enum PushError {
 impl PushError {
     pub fn code(&self) -> ErrorCode {
         match self {
-            PushError::Kv(_) => ErrorCode::KvTransfer,
-            PushError::Connect { .. } => ErrorCode::Unavailable,
-            PushError::Done { status, .. } => ErrorCode::from_grpc(status.code()),
+            // The decode node's side failed, not this node: the gateway retries the prompt
+            // without holding it against this node, and hears from the decode node's own
+            // stream whether that node died.
+            PushError::Kv(_) | PushError::Connect { .. } => ErrorCode::KvTransfer,
+            PushError::Done { status, .. } => done_failure(status),
             PushError::PrefillEnded => ErrorCode::Cancelled,
             PushError::MissingLayers { .. } | PushError::Task(_) => ErrorCode::Internal,
         }
+    }
+}
+
+/// What a failed Done stands for. A call that broke on the way (the decode node was killed
+/// or restarted while its reservation waited) is a failed transfer, which the gateway
+/// retries or migrates; read as the gRPC code alone (`Unknown`), it was an internal error
+/// that failed a request the cluster could still serve. A reservation the decode node no
+/// longer holds, or holds at a newer epoch, was given up there (its lease ended, or the
+/// request moved on): the prompt is cancelled, as when the node refuses a Renew.
+fn done_failure(status: &tonic::Status) -> ErrorCode {
+    match status.code() {
+        tonic::Code::Unknown | tonic::Code::Unavailable | tonic::Code::Cancelled => {
+            ErrorCode::KvTransfer
+        }
+        tonic::Code::NotFound | tonic::Code::InvalidArgument => ErrorCode::Cancelled,
+        other => ErrorCode::from_grpc(other),
     }
 }
 
@@ -577,6 +595,52 @@ mod tests {
         // No Done: the reservation waits for the gateway's next epoch, or its lease.
         assert!(p.calls.lock().unwrap().is_empty());
         p.stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_decode_node_gone_before_done_is_a_failed_transfer_for_the_gateway_to_retry() {
+        let mut p = peers().await;
+        // The decode node's process is gone: its gRPC port refuses connections.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        p.decode_endpoint = closed.local_addr().unwrap().to_string();
+        drop(closed);
+        let err = push_two_layers(&p, 7).await.err().expect("no Done");
+        assert!(matches!(err, PushError::Connect { .. }), "{err}");
+        assert_eq!(err.code(), ErrorCode::KvTransfer, "{err}");
+        p.stop.cancel();
+    }
+
+    #[test]
+    fn a_done_that_broke_on_the_way_is_a_failed_transfer_and_a_refused_one_a_cancelled_prompt() {
+        let code = |status| {
+            PushError::Done {
+                endpoint: "d".into(),
+                xfer_id: 7,
+                status,
+            }
+            .code()
+        };
+        // What tonic makes of a connection the killed node reset mid-call.
+        assert_eq!(
+            code(tonic::Status::unknown("transport error")),
+            ErrorCode::KvTransfer
+        );
+        assert_eq!(
+            code(tonic::Status::unavailable("connection refused")),
+            ErrorCode::KvTransfer
+        );
+        assert_eq!(
+            code(tonic::Status::not_found("no reservation is waiting")),
+            ErrorCode::Cancelled
+        );
+        assert_eq!(
+            code(tonic::Status::invalid_argument("epoch 1 is stale")),
+            ErrorCode::Cancelled
+        );
+        assert_eq!(
+            code(tonic::Status::data_loss("checksum mismatch")),
+            ErrorCode::KvTransfer
+        );
     }
 
     /// Done carries the transfer's trace context, so the decode side joins the trace.

@@ -497,9 +497,11 @@ impl Driver {
             }
             Err(s) if node_failed(&s) || s.code() == tonic::Code::DataLoss => {
                 if let Some(p) = prefill.take() {
-                    // Cancelled: the node gave the prompt up because the reservation moved on
-                    // (its lease ended on the decode node); the node itself is fine.
-                    if s.code() != tonic::Code::Cancelled {
+                    // The node itself is fine when it gave the prompt up because the
+                    // reservation moved on (Cancelled: its lease ended on the decode node), and
+                    // when its push to the decode node failed (DataLoss): that node's own stream
+                    // says whether it died, and the request then migrates.
+                    if !matches!(s.code(), tonic::Code::Cancelled | tonic::Code::DataLoss) {
                         p.node.quarantine();
                     }
                 }

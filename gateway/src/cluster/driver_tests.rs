@@ -162,6 +162,28 @@ async fn a_decode_node_that_dies_mid_stream_hands_the_request_to_another_without
 }
 
 #[tokio::test]
+async fn a_decode_node_killed_as_the_prefill_node_sends_done_hands_the_request_over() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    let dying = fake_nodes::decode(DecodeScript::DieAtDone).await;
+    let good = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&prefill], &[&dying, &good]).await;
+
+    let read = drain(backend.generate(request(6)).await.expect("served")).await;
+    assert_eq!((read.ids, read.indices), complete(6), "{:?}", read.error);
+    assert_eq!(dying.calls.of("reprefill"), ["epoch=2 local=false"]);
+    // The prefill node's first token was streamed; the new node takes prompt + 1, and the
+    // prefill node, whose push failed through no fault of its own, prefills it again.
+    assert_eq!(
+        good.calls.of("start"),
+        ["prompt=6 generated=1 local=false epoch=3"]
+    );
+    assert_eq!(
+        prefill.calls.of("prefill"),
+        ["xfer=1 epoch=1", "xfer=1 epoch=3"]
+    );
+}
+
+#[tokio::test]
 async fn a_decode_node_that_hangs_mid_stream_is_suspect_and_the_stream_continues_elsewhere() {
     let prefill = fake_nodes::prefill(PrefillScript::Push).await;
     let hung = fake_nodes::decode(DecodeScript::HangAfter(2)).await;

@@ -48,6 +48,10 @@ pub(crate) enum DecodeScript {
     DieAfter(u32),
     /// Streams tokens up to and including this index, then goes silent: a hung process.
     HangAfter(u32),
+    /// Killed as the prefill node sends Done: the call breaks, and the request's stream breaks
+    /// at the gateway's next message on it, so the gateway hears of the death from the
+    /// prefill node first.
+    DieAtDone,
 }
 
 /// How a fake prefill node serves a prompt.
@@ -252,6 +256,15 @@ impl Decode for FakeDecode {
                         format!("epoch={} local={}", r.epoch, r.local_prefill),
                     );
                     let mut waiting = this.waiting.lock().expect("no panics");
+                    if matches!(this.script, DecodeScript::DieAtDone) {
+                        if let Some(w) = waiting.remove(&xfer_id) {
+                            w.alive.cancel();
+                            let _ = w
+                                .down
+                                .try_send(Err(Status::unavailable("connection reset")));
+                        }
+                        break;
+                    }
                     if r.local_prefill {
                         if let Some(w) = waiting.remove(&xfer_id) {
                             this.stream(w.from, w.max, w.down, w.alive);
@@ -282,6 +295,10 @@ impl Decode for FakeDecode {
                 None => return Err(Status::not_found("no reservation")),
                 Some(w) if w.epoch != d.epoch => {
                     return Err(Status::invalid_argument("stale epoch"))
+                }
+                Some(_) if matches!(self.script, DecodeScript::DieAtDone) => {
+                    // What tonic makes of the connection the killed process reset.
+                    return Err(Status::unknown("transport error"));
                 }
                 Some(_) => waiting.remove(&d.xfer_id).expect("present"),
             }
@@ -374,6 +391,12 @@ impl Prefill for FakePrefill {
             };
             let _ = match done.await {
                 Ok(_) => tx.send(event(prefill_event::Event::Pushed(true))).await,
+                // As a real prefill node reports a Done that broke on the way: a failed
+                // transfer.
+                Err(s) if s.code() == tonic::Code::Unknown => {
+                    tx.send(Err(Status::data_loss(s.message().to_string())))
+                        .await
+                }
                 Err(s) => tx.send(Err(s)).await,
             };
             if matches!(script, PrefillScript::PushThenTrail) {
