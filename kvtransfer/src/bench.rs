@@ -113,6 +113,9 @@ pub struct BenchRow {
     pub min: Duration,
     /// Decimal gigabytes per second at the median.
     pub gbps: f64,
+    /// The process's CPU seconds per byte moved (median over the transfers), sender and
+    /// receiver together: what a transfer takes from the steps on a host they share.
+    pub cpu_s_per_byte: f64,
     /// Backend details seen during the run (QUIC: path MTU, packets lost).
     pub note: String,
 }
@@ -146,9 +149,9 @@ impl fmt::Display for BenchReport {
         )?;
         writeln!(
             f,
-            "| tokens | backend | MB per transfer | median ms | p90 ms | GB/s (median) | vs raw tcp | notes |"
+            "| tokens | backend | MB per transfer | median ms | p90 ms | GB/s (median) | vs raw tcp | CPU ms per MB | notes |"
         )?;
-        writeln!(f, "|---:|---|---:|---:|---:|---:|---:|---|")?;
+        writeln!(f, "|---:|---|---:|---:|---:|---:|---:|---:|---|")?;
         for r in &self.rows {
             let ratio = self
                 .baseline(r.prompt_tokens)
@@ -156,7 +159,7 @@ impl fmt::Display for BenchReport {
                 .unwrap_or_else(|| "-".to_owned());
             writeln!(
                 f,
-                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
+                "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {:.2} | {} |",
                 r.prompt_tokens,
                 r.backend,
                 r.transfer_bytes as f64 / 1e6,
@@ -164,6 +167,7 @@ impl fmt::Display for BenchReport {
                 r.p90.as_secs_f64() * 1e3,
                 r.gbps,
                 ratio,
+                r.cpu_s_per_byte * 1e9,
                 r.note,
             )?;
         }
@@ -324,10 +328,12 @@ async fn run_with_servers(
             traceparent: None,
         };
         let mut samples = vec![Vec::with_capacity(cfg.repetitions); runners.len()];
+        let mut cpu_samples = vec![Vec::with_capacity(cfg.repetitions); runners.len()];
         let lost_before: Vec<u64> = runners.iter().map(|(_, r)| lost_packets(r)).collect();
         for rep in 0..cfg.warmup + cfg.repetitions {
             for k in 0..runners.len() {
                 let i = (rep + k) % runners.len();
+                let cpu_before = process_cpu_time();
                 let elapsed = match &mut runners[i].1 {
                     Runner::Raw(stream) => raw_transfer(stream, &payloads).await?,
                     Runner::RawQuic(conn, _) => raw_quic_transfer(conn, &payloads).await?,
@@ -339,15 +345,22 @@ async fn run_with_servers(
                     }
                 };
                 next_xfer_id.0 += 1;
+                let cpu = process_cpu_time().saturating_sub(cpu_before);
                 if rep >= cfg.warmup {
                     samples[i].push(elapsed);
+                    cpu_samples[i].push(cpu);
                 }
             }
         }
         let transfer_bytes = layer_bytes * u64::from(cfg.layout.num_layers);
-        for (((label, runner), mut s), lost_before) in runners.iter().zip(samples).zip(lost_before)
+        for ((((label, runner), mut s), mut cpu), lost_before) in runners
+            .iter()
+            .zip(samples)
+            .zip(cpu_samples)
+            .zip(lost_before)
         {
             s.sort();
+            cpu.sort();
             let note = match runner {
                 Runner::Quic(conn, _) => format!(
                     "path mtu {}, {} packets lost",
@@ -370,6 +383,7 @@ async fn run_with_servers(
                 p90: percentile(&s, 0.9),
                 min: s.first().copied().unwrap_or_default(),
                 gbps: transfer_bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9,
+                cpu_s_per_byte: percentile(&cpu, 0.5).as_secs_f64() / transfer_bytes as f64,
                 note,
             });
         }
@@ -388,7 +402,21 @@ async fn run_with_servers(
     })
 }
 
-async fn serve<T: KvServer>(
+/// CPU time this process has used, every thread's, user and system (the scheduler's own
+/// count, to the nanosecond; getrusage may count in ticks).
+fn process_cpu_time() -> Duration {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the struct it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+pub(crate) async fn serve<T: KvServer>(
     server: T,
     registry: TransferRegistry,
     sink: Arc<DiscardSink>,
@@ -603,5 +631,9 @@ mod tests {
         let table = report.to_string();
         assert!(table.contains("raw tcp (baseline)"), "{table}");
         assert!(table.contains("1.00x"), "{table}");
+        // Moving bytes costs CPU: a figure of zero would mean the clock was not read.
+        for r in &report.rows {
+            assert!(r.cpu_s_per_byte > 0.0, "{r:?}");
+        }
     }
 }

@@ -75,6 +75,7 @@ pub mod bench;
 mod error;
 pub mod frame;
 mod header;
+pub mod loopback;
 mod quic;
 #[cfg(test)]
 mod refusal_log;

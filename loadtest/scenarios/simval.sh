@@ -22,9 +22,9 @@ lscpu > "$OUT/lscpu.txt"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-echo "== calibrating a node alone (2 threads)"
-$BIN/fission-loadtest simulate calibrate --model "$M" --kv-blocks "$BLOCKS" \
-  --out "$OUT/local.json" | tee "$OUT/calibrate.txt"
+echo "== calibrating a node alone (2 threads), and the QUIC push beside its prefill steps"
+$BIN/fission-loadtest simulate calibrate --model "$M" --kv-blocks "$BLOCKS" --measure-link quic \
+  --out "$OUT/local.json" 2>&1 | tee "$OUT/calibrate.txt"
 
 W=(--workload sharegpt --input-len 128 --output-len 64 --max-input-len 1024 --max-output-len 256
    --seed 1 --duration "$DURATION" --slo-ttft-ms 2000 --slo-tpot-ms 200)

@@ -11,6 +11,7 @@ use loadtest::config::parse_duration;
 use loadtest::sim::calibrate::{self, MeasureGrid};
 use loadtest::sim::cluster::SharedHost;
 use loadtest::sim::cost::{Link, NodeSpec};
+use loadtest::sim::link_probe::{LinkProbe, LinkTransport};
 use loadtest::sim::{plan, CostModel, PlanConfig, SimCluster, Topology};
 use loadtest::sweep::SweepSpec;
 use loadtest::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target};
@@ -170,8 +171,13 @@ struct CalibrateArgs {
     kv_blocks: usize,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// The KV link (measure it with `fission bench kvtransfer`).
-    #[arg(long, default_value_t = 1e9)]
+    /// Measure the KV link with the nodes' transport: its bandwidth, and how much a push
+    /// lengthens the prefill step beside it (`--prefill` lengths up to 512, timed alone and
+    /// beside their push), instead of taking --link-bandwidth-bytes-per-s.
+    #[arg(long, value_enum, conflicts_with = "bench_json")]
+    measure_link: Option<LinkTransport>,
+    /// The KV link (measure it with `fission bench kvtransfer`, or --measure-link).
+    #[arg(long, default_value_t = 1e9, conflicts_with = "measure_link")]
     link_bandwidth_bytes_per_s: f64,
     #[arg(long, default_value_t = 1e-4)]
     link_latency_s: f64,
@@ -341,6 +347,23 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
         Some(other) => anyhow::bail!("--dtype {other}: expected f32, bf16 or f16"),
     };
     let shape = calibrate::model_shape(&a.model, dtype_bytes)?;
+    let model = if a.bench_json.is_none() {
+        let dtype = a
+            .dtype
+            .as_deref()
+            .map(engine::model::parse_dtype)
+            .transpose()?;
+        Some(
+            engine::model::LoadedModel::load(
+                &engine::loader::ModelSource::parse(&a.model),
+                dtype,
+                &candle_core::Device::Cpu,
+            )
+            .with_context(|| format!("loading {}", a.model))?,
+        )
+    } else {
+        None
+    };
     let (measurements, origin) = match &a.bench_json {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -351,17 +374,7 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
             )
         }
         None => {
-            let dtype = a
-                .dtype
-                .as_deref()
-                .map(engine::model::parse_dtype)
-                .transpose()?;
-            let model = engine::model::LoadedModel::load(
-                &engine::loader::ModelSource::parse(&a.model),
-                dtype,
-                &candle_core::Device::Cpu,
-            )
-            .with_context(|| format!("loading {}", a.model))?;
+            let model = model.as_ref().expect("loaded without --bench-json");
             let grid = MeasureGrid {
                 prefill_tokens: a.prefill.clone(),
                 batches: a.batch.clone(),
@@ -374,21 +387,51 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
             };
             eprintln!("timing the engine's steps on {} ...", a.model);
             (
-                calibrate::measure(&model, &grid)?,
+                calibrate::measure(model, &grid)?,
                 format!("engine steps of {} timed by `simulate calibrate`", a.model),
             )
         }
     };
-    let link = Link {
-        bandwidth_bytes_per_s: a.link_bandwidth_bytes_per_s,
-        latency_s: a.link_latency_s,
-        layerwise: true,
+    let (link, link_source) = match (a.measure_link, &model) {
+        (Some(transport), Some(model)) => {
+            eprintln!("pushing KV over loopback ({transport:?}), and beside prefill steps ...");
+            let probe = LinkProbe {
+                model,
+                shape: &shape,
+                block_size: a.block_size,
+                transport,
+                latency_s: a.link_latency_s,
+                step_tokens: a.prefill.iter().copied().filter(|&n| n <= 512).collect(),
+                repeats: a.repeats.max(5),
+            };
+            let measured = tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(probe.run())
+            })?;
+            eprint!("{}", measured.report);
+            let source = format!(
+                "measured by `simulate calibrate --measure-link {}` over loopback, both ends on this host: bandwidth by kvtransfer's bench; push_step_s_per_byte as the prefill steps' slowdown beside their push; latency given (--link-latency-s)",
+                format!("{transport:?}").to_lowercase()
+            );
+            (measured.link, Some(source))
+        }
+        _ => (
+            Link {
+                bandwidth_bytes_per_s: a.link_bandwidth_bytes_per_s,
+                latency_s: a.link_latency_s,
+                layerwise: true,
+                push_step_s_per_byte: 0.0,
+            },
+            None,
+        ),
     };
     let node = NodeSpec {
         kv_blocks: a.kv_blocks,
         block_size: a.block_size,
     };
-    let cal = calibrate::calibrate(&a.name, shape, measurements, link, node, &origin)?;
+    let mut cal = calibrate::calibrate(&a.name, shape, measurements, link, node, &origin)?;
+    if let Some(source) = link_source {
+        cal.profile.sources.insert("link".into(), source);
+    }
     eprintln!(
         "prefill fit: t = {:.3e} + {:.3e} * tokens + {:.3e} * tokens^2/1e6 s (rms error {:.1}%)",
         cal.prefill_fit.coef.a,

@@ -154,3 +154,37 @@ fn calibration_times_the_engine_and_checks_the_profile_on_mixed_steps() {
         profile["sources"]
     );
 }
+
+#[test]
+fn calibration_measures_the_link_and_its_push_beside_prefill_steps() {
+    let model = testkit::fission::stories_dir();
+    for transport in ["quic", "tcp"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fission-loadtest"))
+            .args(["simulate", "calibrate", "--model"])
+            .arg(&model)
+            .args(["--prefill", "32,64", "--batch", "1", "--context", "16"])
+            .args(["--steps", "1", "--repeats", "1", "--kv-blocks", "64"])
+            .args(["--mixed-prompt", "16", "--mixed-batch", "1"])
+            .args(["--mixed-context", "16", "--measure-link", transport])
+            .output()
+            .expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        // Both prompt lengths were timed alone and pushing.
+        for len in ["| 32 |", "| 64 |"] {
+            assert!(stderr.contains(len), "{stderr}");
+        }
+        let profile: serde_json::Value =
+            serde_json::from_slice(&out.stdout).expect("a JSON profile");
+        let link = &profile["link"];
+        let bandwidth = link["bandwidth_bytes_per_s"].as_f64().expect("a bandwidth");
+        // Measured, not the 1 GB/s given by default.
+        assert!(bandwidth > 0.0 && bandwidth != 1e9, "{link}");
+        assert!(link["push_step_s_per_byte"].as_f64().expect("a price") >= 0.0);
+        let source = profile["sources"]["link"].as_str().expect("a source");
+        assert!(
+            source.contains(&format!("--measure-link {transport}")),
+            "{source}"
+        );
+    }
+}

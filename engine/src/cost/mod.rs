@@ -181,6 +181,13 @@ pub struct Link {
     pub latency_s: f64,
     /// Push each layer as it completes (Fission) rather than after the whole prefill.
     pub layerwise: bool,
+    /// Seconds a prefill step lengthens per byte of KV it pushes: a CPU engine's threads
+    /// share their cores with the push (encryption, copies; the receiver's too on a one-host
+    /// cluster), and a thread that loses its core stalls the step's other threads at the next
+    /// op. `simulate calibrate --measure-link` measures it: prefill steps timed beside a push
+    /// against steps alone. 0 for a GPU engine, whose host cores are spare.
+    #[serde(default)]
+    pub push_step_s_per_byte: f64,
 }
 
 /// One node's KV cache.
@@ -294,6 +301,13 @@ impl CostModel {
         if !(self.link.bandwidth_bytes_per_s > 0.0 && self.link.latency_s >= 0.0) {
             return bad("link.bandwidth_bytes_per_s");
         }
+        // NaN is refused too.
+        if self.link.push_step_s_per_byte.is_nan() || self.link.push_step_s_per_byte < 0.0 {
+            return Err(EngineError::CostProfile {
+                origin: origin.to_string(),
+                reason: "link.push_step_s_per_byte must not be negative".into(),
+            });
+        }
         if let StepCost::Roofline(r) = &self.step {
             if !(r.peak_flops > 0.0
                 && r.mfu > 0.0
@@ -387,6 +401,7 @@ pub mod testing {
                 bandwidth_bytes_per_s: 1e6,
                 latency_s: 0.001,
                 layerwise: true,
+                push_step_s_per_byte: 0.0,
             },
             node: NodeSpec {
                 kv_blocks: 1000,

@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use engine::engine::{Engine, EngineConfig, Request};
+use engine::engine::{Engine, EngineConfig, LayerHook, Request};
 use engine::ids::SeqId;
 use engine::loader::{ModelFiles, ModelSource};
 use engine::model::LoadedModel;
@@ -102,7 +102,7 @@ pub struct MeasureGrid {
     pub mixed_context: usize,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -160,16 +160,7 @@ pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, 
     for &len in grid.prefill_tokens.iter().filter(|&&n| n + 1 < max_ctx) {
         let mut times = Vec::new();
         for r in 0..grid.repeats.max(1) {
-            let mut e = engine_for(model, len.div_ceil(block) + 2, len.max(16))?;
-            e.add_request(Request::greedy_fixed_length(
-                next_id(),
-                bench_prompt(len, r, vocab),
-                1,
-            ))
-            .map_err(engine_err)?;
-            let t = Instant::now();
-            e.step().map_err(engine_err)?;
-            times.push(t.elapsed().as_secs_f64());
+            times.push(time_prefill(model, len, r, None)?);
         }
         m.prefill.push((len, median(times)));
     }
@@ -210,6 +201,31 @@ pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, 
         }
     }
     Ok(m)
+}
+
+/// Seconds one engine step takes to prefill a `len`-token prompt (variant `variant`) on a
+/// fresh engine; `hook` sees each layer as a prefill node's does.
+pub fn time_prefill(
+    model: &LoadedModel,
+    len: usize,
+    variant: usize,
+    hook: Option<&mut LayerHook<'_>>,
+) -> Result<f64, LoadError> {
+    let vocab = model.config().vocab_size;
+    let mut e = engine_for(model, len.div_ceil(16) + 2, len.max(16))?;
+    e.add_request(Request::greedy_fixed_length(
+        SeqId(1),
+        bench_prompt(len, variant, vocab),
+        1,
+    ))
+    .map_err(engine_err)?;
+    let t = Instant::now();
+    match hook {
+        Some(hook) => e.step_with_layer_hook(hook),
+        None => e.step(),
+    }
+    .map_err(engine_err)?;
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// Adds `batch` requests of `ctx`-token prompts (prompt variants from `first_variant`), each

@@ -14,6 +14,7 @@
 //!   profiles (`h100-llama8b`), re-exported from [`engine::cost`] where the mock engine shares
 //!   them;
 //! - [`fit`] and [`calibrate`]: fitting a linear cost model to measured engine step times;
+//!   [`link_probe`]: measuring the KV link it gets;
 //! - [`cluster`]: what is simulated; [`node`], [`events`] and [`simulate`]: the event loop;
 //! - [`level`]: levels and sweeps as reports; [`plan`]: the P:D planner.
 //!
@@ -26,6 +27,7 @@ pub mod cost;
 pub(crate) mod events;
 pub mod fit;
 pub mod level;
+pub mod link_probe;
 pub(crate) mod node;
 pub mod plan;
 pub mod simulate;

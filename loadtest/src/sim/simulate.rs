@@ -362,7 +362,14 @@ impl<'a> Sim<'a> {
         let Some(batch) = self.nodes[n].start_step(self.now_s) else {
             return;
         };
-        let step_s = self.cluster.cost.step_s(&StepWork::of(batch));
+        let work = StepWork::of(batch);
+        let cost = &self.cluster.cost;
+        let mut step_s = cost.step_s(&work);
+        if self.nodes[n].role == NodeRole::Prefill {
+            // The step pushes its prompts' KV layer by layer as it computes them, on the
+            // cores it computes on.
+            step_s += cost.kv_bytes(work.prefill_tokens) * cost.link.push_step_s_per_byte;
+        }
         self.steps += 1;
         if self.cluster.node.shared_host.is_some() {
             self.shares[n] = Some(Share {

@@ -24,6 +24,7 @@ fn cost(prefill: Linear3, decode: Linear3) -> CostModel {
             bandwidth_bytes_per_s: 10e6,
             latency_s: 0.002,
             layerwise: true,
+            push_step_s_per_byte: 0.0,
         },
         node: NodeSpec {
             kv_blocks: 4096,
@@ -409,4 +410,33 @@ fn nodes_sharing_a_hosts_cores_slow_each_other_only_while_both_compute() {
     c.node.shared_host = None;
     let apart = run(&c, &[req(0, input, 1, 0.0), req(1, input, 1, 0.0)]);
     assert!(apart.iter().all(|r| close(r.ttft_s.unwrap(), w)));
+}
+
+#[test]
+fn a_push_lengthens_its_prefill_step_by_the_profiles_price_per_byte() {
+    let mut m = standard();
+    // 1 µs per byte: a 256-token prompt's 0.262 MB adds 0.262 s.
+    m.link.push_step_s_per_byte = 1e-6;
+    let mut c = cluster(
+        Topology::Disaggregated {
+            prefill: 1,
+            decode: 1,
+        },
+        m.clone(),
+    );
+    let input = 256;
+    let with_push = m.prefill_s(input) + m.kv_bytes(input) * 1e-6;
+    let alone = &run(&c, &[req(0, input, 1, 0.0)])[0];
+    assert!(close(alone.ttft_s.expect("a first token"), with_push));
+    // On a shared host too, where it then stretches like the rest of the step.
+    c.node.shared_host = Some(super::cluster::SharedHost {
+        cores: 2.0,
+        threads_per_node: 2.0,
+    });
+    let shared = &run(&c, &[req(0, input, 1, 0.0)])[0];
+    assert!(close(shared.ttft_s.unwrap(), with_push));
+    // Colocated nodes push nothing.
+    let colocated = cluster(Topology::Colocated { nodes: 1 }, m.clone());
+    let local = &run(&colocated, &[req(0, input, 1, 0.0)])[0];
+    assert!(close(local.ttft_s.unwrap(), m.prefill_s(input)));
 }
