@@ -4,7 +4,7 @@
 # then simulated with the same flags; prints p50/p90 TTFT and TPOT, real and simulated.
 # The recipe of loadtest/README.md ("Checking the simulator against real runs"), as one script.
 #
-#   loadtest/scenarios/simval.sh            # OUT=.bench/simval-DATE, RATE=1, DURATION=60s
+#   loadtest/scenarios/simval.sh            # OUT=.bench/simval-DATE, RATE=1, DURATION=60s, ROUNDS=3
 #
 # Needs `cargo build --release` (fission, fission-loadtest) and jq. Each real run is bounded
 # by DURATION and stops its cluster; ports are free ones on loopback.
@@ -15,6 +15,7 @@ M=${MODEL:-.models/smollm2-135m-random}
 RATE=${RATE:-1}
 DURATION=${DURATION:-60s}
 BLOCKS=${BLOCKS:-1024}
+ROUNDS=${ROUNDS:-3}
 BIN=target/release
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
@@ -22,18 +23,15 @@ lscpu > "$OUT/lscpu.txt"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-echo "== calibrating a node alone (2 threads), and the QUIC push beside its prefill steps"
-$BIN/fission-loadtest simulate calibrate --model "$M" --kv-blocks "$BLOCKS" --measure-link quic \
-  --out "$OUT/local.json" 2>&1 | tee "$OUT/calibrate.txt"
-
 W=(--workload sharegpt --input-len 128 --output-len 64 --max-input-len 1024 --max-output-len 256
    --seed 1 --duration "$DURATION" --slo-ttft-ms 2000 --slo-tpot-ms 200)
+H=(--shared-host-cores 2 --threads-per-node 2)
 
 real() {
-  local name=$1; shift
+  local dir=$1 name=$2; shift 2
   local port; port=$(free_port)
   $BIN/fission up --model "$M" --port "$port" "$@" --node-arg=--num-kv-blocks="$BLOCKS" \
-    > "$OUT/$name-up.log" 2>&1 &
+    > "$dir/$name-up.log" 2>&1 &
   local up=$!
   local i=0
   until curl -sf "127.0.0.1:$port/health" > /dev/null; do
@@ -42,25 +40,48 @@ real() {
   done
   echo "== real $name"
   $BIN/fission-loadtest --url "http://127.0.0.1:$port" --rate "$RATE" "${W[@]}" \
-    --json "$OUT/real-$name.json" > "$OUT/real-$name.txt"
+    --json "$dir/real-$name.json" > "$dir/real-$name.txt"
   kill -INT $up; wait $up || true
 }
-real 1p1d --prefill 1 --decode 1
-real 2c --prefill 0 --decode 2
 
-H=(--shared-host-cores 2 --threads-per-node 2)
-$BIN/fission-loadtest simulate --profile "$OUT/local.json" --cluster 1P+1D --rate "$RATE" "${W[@]}" \
-  "${H[@]}" --json "$OUT/sim-1p1d.json" > "$OUT/sim-1p1d.txt"
-$BIN/fission-loadtest simulate --profile "$OUT/local.json" --cluster 2C --rate "$RATE" "${W[@]}" \
-  "${H[@]}" --json "$OUT/sim-2c.json" > "$OUT/sim-2c.txt"
-
-q='.levels[0].summary | [.ttft_ms.p50, .ttft_ms.p90, .tpot_ms.p50, .tpot_ms.p90]'
-{
-  echo "| config | figure | real ms | sim ms | sim / real |"
-  echo "|---|---|---:|---:|---:|"
-  for c in 1p1d 2c; do
-    paste <(jq -r "$q | .[]" "$OUT/real-$c.json") <(jq -r "$q | .[]" "$OUT/sim-$c.json") \
-      <(printf 'TTFT p50\nTTFT p90\nTPOT p50\nTPOT p90\n') |
-      awk -v c=$c -F'\t' '{ printf "| %s | %s | %.1f | %.1f | %.2f |\n", c, $3, $1, $2, $2 / $1 }'
+# Each round calibrates right before its real runs: this machine's speed drifts by up to
+# ~20% over minutes (the same 32-token prefill timed at 50 and at 71 ms a few minutes apart),
+# which a calibration an hour older would charge to the simulator.
+for r in $(seq 1 "$ROUNDS"); do
+  D="$OUT/round-$r"
+  mkdir -p "$D"
+  echo "== round $r: calibrating a node alone (2 threads), and the QUIC push beside its prefill steps"
+  $BIN/fission-loadtest simulate calibrate --model "$M" --kv-blocks "$BLOCKS" --measure-link quic \
+    --prefill 32,128,256,512,1024 --batch 1,2,4,8,16 --context 64,256,1024 \
+    --out "$D/local.json" > /dev/null 2> "$D/calibrate.txt"
+  real "$D" 1p1d --prefill 1 --decode 1
+  real "$D" 2c --prefill 0 --decode 2
+  for c in 1P+1D 2C; do
+    f=$(echo "$c" | tr 'A-Z' 'a-z' | tr -d '+')
+    $BIN/fission-loadtest simulate --profile "$D/local.json" --cluster "$c" --rate "$RATE" \
+      "${W[@]}" "${H[@]}" --json "$D/sim-$f.json" > "$D/sim-$f.txt"
   done
+done
+
+# Per round, then the median over rounds of the real and the simulated figure.
+q='.levels[0].summary | [.ttft_ms.p50, .ttft_ms.p90, .tpot_ms.p50, .tpot_ms.p90] | .[]'
+{
+  echo "| config | figure | real ms per round | sim ms per round | real median | sim median | sim / real |"
+  echo "|---|---|---|---|---:|---:|---:|"
+  for c in 1p1d 2c; do
+    for i in 0 1 2 3; do
+      name=$(printf 'TTFT p50\nTTFT p90\nTPOT p50\nTPOT p90\n' | sed -n "$((i + 1))p")
+      reals=(); sims=()
+      for r in $(seq 1 "$ROUNDS"); do
+        reals+=("$(jq -r "[$q][$i]" "$OUT/round-$r/real-$c.json")")
+        sims+=("$(jq -r "[$q][$i]" "$OUT/round-$r/sim-$c.json")")
+      done
+      printf '%s\n' "${reals[@]}" > "$OUT/.reals"; printf '%s\n' "${sims[@]}" > "$OUT/.sims"
+      med() { sort -g "$1" | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+      rm_=$(med "$OUT/.reals"); sm=$(med "$OUT/.sims")
+      per() { awk '{ printf "%s%.0f", (NR > 1 ? ", " : ""), $1 }' "$1"; }
+      echo "| $c | $name | $(per "$OUT/.reals") | $(per "$OUT/.sims") | $(printf '%.1f' "$rm_") | $(printf '%.1f' "$sm") | $(awk -v a="$sm" -v b="$rm_" 'BEGIN { printf "%.2f", a / b }') |"
+    done
+  done
+  rm -f "$OUT/.reals" "$OUT/.sims"
 } | tee "$OUT/table.md"

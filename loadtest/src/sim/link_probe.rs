@@ -111,7 +111,8 @@ impl LinkProbe<'_> {
             "\nprefill steps alone and pushing their layers as computed (medians):\n\
              | tokens | MB pushed | alone ms | pushing ms | + ms |\n|---:|---:|---:|---:|---:|\n",
         );
-        for &len in &self.step_tokens {
+        let max_ctx = self.model.config().max_context;
+        for &len in self.step_tokens.iter().filter(|&&n| n + 1 < max_ctx) {
             let prompt_bytes = self.shape.kv_bytes_per_token() as f64
                 * (len.div_ceil(self.block_size) * self.block_size) as f64;
             let (mut alone, mut pushing) = (Vec::new(), Vec::new());
