@@ -44,16 +44,44 @@ real() {
   kill -INT $up; wait $up || true
 }
 
+declare -A PORTS
+UPS=()
+cleanup() { for pid in "${UPS[@]}"; do kill -INT "$pid" 2> /dev/null || true; done; }
+trap cleanup EXIT
+# Starts a cluster in the background and waits for it; its port in PORTS[name], its pid in UPS.
+up_for_calibration() {
+  local dir=$1 name=$2; shift 2
+  local port; port=$(free_port)
+  $BIN/fission up --model "$M" --port "$port" "$@" --node-arg=--num-kv-blocks="$BLOCKS" \
+    > "$dir/$name-up.log" 2>&1 &
+  UPS+=($!)
+  PORTS[$name]=$port
+  local i=0
+  until curl -sf "127.0.0.1:$port/health" > /dev/null; do
+    i=$((i + 1)); [ $i -lt 240 ] || { echo "cluster $name not up"; exit 1; }
+    sleep 0.5
+  done
+}
+
 # Each round calibrates right before its real runs: this machine's speed drifts by up to
 # ~20% over minutes (the same 32-token prefill timed at 50 and at 71 ms a few minutes apart),
 # which a calibration an hour older would charge to the simulator.
 for r in $(seq 1 "$ROUNDS"); do
   D="$OUT/round-$r"
   mkdir -p "$D"
-  echo "== round $r: calibrating a node alone (2 threads), and the QUIC push beside its prefill steps"
+  echo "== round $r: calibrating the engine (2 threads), the QUIC push, and a node's steps against the engine's"
+  # Two idle clusters for the node timings: one colocated node, and 1P+1D for the push.
+  up_for_calibration "$D" cal-1c --prefill 0 --decode 1
+  up_for_calibration "$D" cal-1p1d --prefill 1 --decode 1
+  node_metrics=$(grep -oP "decode-0 grpc=\S+ metrics=\K\S+" "$D/cal-1c-up.log")
+  prefill_metrics=$(grep -oP "prefill-0 grpc=\S+ metrics=\K\S+" "$D/cal-1p1d-up.log")
   $BIN/fission-loadtest simulate calibrate --model "$M" --kv-blocks "$BLOCKS" --measure-link quic \
     --prefill 32,128,256,512,1024 --batch 1,2,4,8,16 --context 64,256,1024 \
+    --node-gateway "http://127.0.0.1:${PORTS[cal-1c]}" --node-metrics "$node_metrics" \
+    --prefill-gateway "http://127.0.0.1:${PORTS[cal-1p1d]}" --prefill-metrics "$prefill_metrics" \
     --out "$D/local.json" > /dev/null 2> "$D/calibrate.txt"
+  for pid in "${UPS[@]}"; do kill -INT "$pid"; wait "$pid" || true; done
+  UPS=()
   real "$D" 1p1d --prefill 1 --decode 1
   real "$D" 2c --prefill 0 --decode 2
   for c in 1P+1D 2C; do

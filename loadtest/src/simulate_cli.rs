@@ -12,6 +12,7 @@ use loadtest::sim::calibrate::{self, MeasureGrid};
 use loadtest::sim::cluster::SharedHost;
 use loadtest::sim::cost::{Link, NodeSpec};
 use loadtest::sim::link_probe::{LinkProbe, LinkTransport};
+use loadtest::sim::node_probe::{NodeEndpoint, NodeProbe};
 use loadtest::sim::{plan, CostModel, PlanConfig, SimCluster, Topology};
 use loadtest::sweep::SweepSpec;
 use loadtest::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target};
@@ -181,6 +182,26 @@ struct CalibrateArgs {
     link_bandwidth_bytes_per_s: f64,
     #[arg(long, default_value_t = 1e-4)]
     link_latency_s: f64,
+    /// Also time the steps of a running one-node colocated cluster (its gateway URL) against
+    /// the engine's, and scale the fits to the node's (`--node-metrics`: that node's metrics URL).
+    #[arg(long, requires = "node_metrics", conflicts_with = "bench_json")]
+    node_gateway: Option<String>,
+    #[arg(long, requires = "node_gateway")]
+    node_metrics: Option<String>,
+    /// With --node-gateway: a running 1P+1D cluster's gateway URL, whose prefill node's step
+    /// (`--prefill-metrics`) prices the push instead of --measure-link's loopback figure.
+    #[arg(long, requires_all = ["node_gateway", "prefill_metrics"])]
+    prefill_gateway: Option<String>,
+    #[arg(long, requires = "prefill_gateway")]
+    prefill_metrics: Option<String>,
+    /// Rounds of node against engine, alternating; the medians are kept.
+    #[arg(long, default_value_t = 3)]
+    node_rounds: usize,
+    /// The prompt of the node's requests (tokens), and the new tokens of its decode request.
+    #[arg(long, default_value_t = 128)]
+    node_prompt: usize,
+    #[arg(long, default_value_t = 64)]
+    node_new_tokens: usize,
     #[arg(long, default_value = "calibrated")]
     name: String,
     /// Write the profile here (JSON); it is printed either way.
@@ -192,7 +213,7 @@ pub(crate) fn run(args: SimulateArgs, first_extra_id: usize, vocab: usize) -> an
     match args.action {
         None => simulate(args.run, first_extra_id, vocab),
         Some(SimAction::Plan(p)) => run_plan(p, first_extra_id, vocab),
-        Some(SimAction::Calibrate(c)) => run_calibrate(c),
+        Some(SimAction::Calibrate(c)) => run_calibrate(c, first_extra_id, vocab),
     }
 }
 
@@ -340,7 +361,7 @@ fn run_plan(a: PlanArgs, first_extra_id: usize, vocab: usize) -> anyhow::Result<
     Ok(())
 }
 
-fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
+fn run_calibrate(a: CalibrateArgs, first_extra_id: usize, vocab: usize) -> anyhow::Result<()> {
     let dtype_bytes = match a.dtype.as_deref() {
         None | Some("f32") => 4,
         Some("bf16" | "f16") => 2,
@@ -428,9 +449,65 @@ fn run_calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
         kv_blocks: a.kv_blocks,
         block_size: a.block_size,
     };
+    let node_factors = match (&a.node_gateway, &a.node_metrics, &model) {
+        (Some(gateway), Some(metrics), Some(model)) => {
+            eprintln!("timing a node's steps against the engine's ...");
+            let probe = NodeProbe {
+                model,
+                colocated: NodeEndpoint {
+                    gateway: gateway.clone(),
+                    metrics: metrics.clone(),
+                },
+                disaggregated: a
+                    .prefill_gateway
+                    .clone()
+                    .zip(a.prefill_metrics.clone())
+                    .map(|(gateway, metrics)| NodeEndpoint { gateway, metrics }),
+                prompt_tokens: a.node_prompt,
+                new_tokens: a.node_new_tokens,
+                rounds: a.node_rounds,
+                prompt_kv_bytes: (shape.kv_bytes_per_token()
+                    * a.node_prompt.div_ceil(a.block_size) as u64
+                    * a.block_size as u64) as f64,
+                first_extra_id,
+                vocab,
+            };
+            let factors = tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(probe.run())
+            })?;
+            eprint!("{}", factors.report);
+            eprintln!(
+                "node / engine: prefill {:.3}, decode {:.3}; push {}",
+                factors.prefill,
+                factors.decode,
+                factors
+                    .push_step_s_per_byte
+                    .map_or("not measured".into(), |p| format!("{:.2} ns/B", p * 1e9))
+            );
+            Some(factors)
+        }
+        _ => None,
+    };
     let mut cal = calibrate::calibrate(&a.name, shape, measurements, link, node, &origin)?;
     if let Some(source) = link_source {
         cal.profile.sources.insert("link".into(), source);
+    }
+    if let Some(f) = &node_factors {
+        f.apply(&mut cal.profile);
+        cal.profile.sources.insert(
+            "node".into(),
+            format!(
+                "the fits scaled by a node's steps over the engine's, timed alternately through running clusters by `simulate calibrate --node-gateway` (prompt {} tokens, {} rounds, medians): prefill x{:.3}, decode x{:.3}{}",
+                a.node_prompt,
+                a.node_rounds,
+                f.prefill,
+                f.decode,
+                f.push_step_s_per_byte.map_or(String::new(), |p| format!(
+                    "; link.push_step_s_per_byte from the 1P+1D prefill node's step over the colocated node's: {:.2} ns/B",
+                    p * 1e9
+                ))
+            ),
+        );
     }
     eprintln!(
         "prefill fit: t = {:.3e} + {:.3e} * tokens + {:.3e} * tokens^2/1e6 s (rms error {:.1}%)",

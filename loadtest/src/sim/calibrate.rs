@@ -135,11 +135,13 @@ fn engine_err(e: engine::error::EngineError) -> LoadError {
     }
 }
 
+/// Tokens per KV block of the engines timed here (the nodes' default).
+const BLOCK: usize = 16;
+
 /// Runs the engine on `model` over `grid`, timing each step.
 pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, LoadError> {
     let vocab = model.config().vocab_size;
     let max_ctx = model.config().max_context;
-    let block = 16;
     let mut m = Measurements::default();
     let mut id = 0u64;
     let mut next_id = || {
@@ -170,17 +172,7 @@ pub fn measure(model: &LoadedModel, grid: &MeasureGrid) -> Result<Measurements, 
             continue;
         }
         for &batch in &grid.batches {
-            let new = steps + 2;
-            let blocks = batch * (ctx + new).div_ceil(block) + 2;
-            let mut e = engine_for(model, blocks, (ctx * batch).max(16))?;
-            start_decoding(&mut e, batch, ctx, 0, new, vocab, &mut next_id)?;
-            // Decode step j (from 1) runs each sequence over ctx + j tokens.
-            let mut times = Vec::new();
-            for j in 1..=steps {
-                let t = Instant::now();
-                e.step().map_err(engine_err)?;
-                times.push((t.elapsed().as_secs_f64(), batch * (ctx + j)));
-            }
+            let times = time_decode_steps(model, batch, ctx, steps, &mut next_id)?;
             let mid = times[times.len() / 2].1;
             m.decode
                 .push((batch, mid, median(times.iter().map(|t| t.0).collect())));
@@ -212,7 +204,7 @@ pub fn time_prefill(
     hook: Option<&mut LayerHook<'_>>,
 ) -> Result<f64, LoadError> {
     let vocab = model.config().vocab_size;
-    let mut e = engine_for(model, len.div_ceil(16) + 2, len.max(16))?;
+    let mut e = engine_for(model, len.div_ceil(BLOCK) + 2, len.max(16))?;
     e.add_request(Request::greedy_fixed_length(
         SeqId(1),
         bench_prompt(len, variant, vocab),
@@ -226,6 +218,30 @@ pub fn time_prefill(
     }
     .map_err(engine_err)?;
     Ok(t.elapsed().as_secs_f64())
+}
+
+/// Times `steps` decode steps of `batch` sequences over `ctx`-token prompts on a fresh
+/// engine: each step's seconds and the context tokens it reads (step j from 1 runs each
+/// sequence over `ctx + j` tokens).
+pub fn time_decode_steps(
+    model: &LoadedModel,
+    batch: usize,
+    ctx: usize,
+    steps: usize,
+    next_id: &mut impl FnMut() -> SeqId,
+) -> Result<Vec<(f64, usize)>, LoadError> {
+    let vocab = model.config().vocab_size;
+    let new = steps + 2;
+    let blocks = batch * (ctx + new).div_ceil(BLOCK) + 2;
+    let mut e = engine_for(model, blocks, (ctx * batch).max(16))?;
+    start_decoding(&mut e, batch, ctx, 0, new, vocab, next_id)?;
+    let mut times = Vec::new();
+    for j in 1..=steps {
+        let t = Instant::now();
+        e.step().map_err(engine_err)?;
+        times.push((t.elapsed().as_secs_f64(), batch * (ctx + j)));
+    }
+    Ok(times)
 }
 
 /// Adds `batch` requests of `ctx`-token prompts (prompt variants from `first_variant`), each
@@ -270,8 +286,7 @@ fn time_mixed_step(
     next_id: &mut impl FnMut() -> SeqId,
 ) -> Result<f64, LoadError> {
     let vocab = model.config().vocab_size;
-    let block = 16;
-    let blocks = batch * (ctx + 8).div_ceil(block) + prompt.div_ceil(block) + 4;
+    let blocks = batch * (ctx + 8).div_ceil(BLOCK) + prompt.div_ceil(BLOCK) + 4;
     let mut e = engine_for(model, blocks, (ctx * batch).max(prompt).max(16))?;
     start_decoding(&mut e, batch, ctx, round * batch, 8, vocab, next_id)?;
     e.step().map_err(engine_err)?;

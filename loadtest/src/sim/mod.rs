@@ -14,7 +14,8 @@
 //!   profiles (`h100-llama8b`), re-exported from [`engine::cost`] where the mock engine shares
 //!   them;
 //! - [`fit`] and [`calibrate`]: fitting a linear cost model to measured engine step times;
-//!   [`link_probe`]: measuring the KV link it gets;
+//!   [`link_probe`]: measuring the KV link it gets; [`node_probe`]: what a node adds to the
+//!   engine's steps;
 //! - [`cluster`]: what is simulated; [`node`], [`events`] and [`simulate`]: the event loop;
 //! - [`level`]: levels and sweeps as reports; [`plan`]: the P:D planner.
 //!
@@ -29,6 +30,7 @@ pub mod fit;
 pub mod level;
 pub mod link_probe;
 pub(crate) mod node;
+pub mod node_probe;
 pub mod plan;
 pub mod simulate;
 #[cfg(test)]
