@@ -184,8 +184,10 @@ pub struct Link {
     /// Seconds a prefill step lengthens per byte of KV it pushes: a CPU engine's threads
     /// share their cores with the push (encryption, copies; the receiver's too on a one-host
     /// cluster), and a thread that loses its core stalls the step's other threads at the next
-    /// op. `simulate calibrate --measure-link` measures it: prefill steps timed beside a push
-    /// against steps alone. 0 for a GPU engine, whose host cores are spare.
+    /// op. `simulate calibrate --measure-link` measures it in one process (prefill steps timed
+    /// beside a push against steps alone), `--node-gateway` with `--prefill-gateway` through
+    /// running nodes (a prefill node's step against a colocated node's). 0 for a GPU engine,
+    /// whose host cores are spare.
     #[serde(default)]
     pub push_step_s_per_byte: f64,
 }
