@@ -21,13 +21,14 @@ use crate::error::KvTransferError;
 use kv_types::KvLayout;
 
 use crate::header::LayerHeader;
+use crate::loopback::streamed_transfer;
 use crate::quic::{new_endpoint, QuicConfig, QuicServer, QuicTransport, QuicWindows};
 use crate::quic::{quic_client_config, quic_server_config};
-use crate::registry::{Reservation, TransferRegistry};
+use crate::registry::TransferRegistry;
 use crate::sink::DiscardSink;
 use crate::stream_io::io_error;
 use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
-use crate::transport::{send_all_layers, KvConnection, KvServer, KvTransport};
+use crate::transport::{KvConnection, KvServer, KvTransport};
 use identity::{generate_dev_ca, PeerRole, TlsIdentity};
 
 #[derive(Clone, Debug)]
@@ -439,27 +440,13 @@ async fn framed_transfer<C: KvConnection>(
         xfer_id,
         ..template.clone()
     };
-    registry
-        .register(Reservation {
-            xfer_id,
-            epoch: header.epoch,
-            block_ids: header.block_ids.clone(),
-            layout: header.layout,
-        })
-        .await?;
-    let start = Instant::now();
-    send_all_layers(conn, &header, payloads.to_vec()).await?;
-    let elapsed = start.elapsed();
-    let status = registry.deregister(xfer_id).await;
-    if !status.as_ref().is_some_and(|s| s.is_complete()) {
-        return Err(KvTransferError::Timeout {
-            xfer_id,
-            timeout_ms: 0,
-            layers_received: 0,
-            num_layers: header.layout.num_layers,
-        });
+    // Every layer ready at once: the layer-by-layer push with nothing to wait for.
+    let (tx, layers) = tokio::sync::mpsc::unbounded_channel();
+    for (layer, payload) in payloads.iter().enumerate() {
+        let _ = tx.send((layer as u32, payload.clone()));
     }
-    Ok(elapsed)
+    drop(tx);
+    streamed_transfer(conn, registry, header, layers).await
 }
 
 /// Writes the layer count and size, then every layer back to back; the receiver reads each

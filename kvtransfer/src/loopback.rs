@@ -109,7 +109,7 @@ impl LoopbackLink {
 
 /// Registers a reservation, sends each layer as it arrives, and times it from the first
 /// layer until the last verdict.
-async fn streamed_transfer<C: KvConnection>(
+pub(crate) async fn streamed_transfer<C: KvConnection>(
     conn: &C,
     registry: &TransferRegistry,
     header: LayerHeader,

@@ -125,7 +125,7 @@ impl NodeProbe<'_> {
                 })
                 .await?;
             // One request of one new token is one prefill step on the node.
-            let prefill = self
+            let (sum, count) = self
                 .node_steps(
                     &http,
                     &colocated,
@@ -135,8 +135,9 @@ impl NodeProbe<'_> {
                     2 + 3 * r,
                 )
                 .await?;
+            let prefill = sum / count;
             let (sum, count) = self
-                .node_steps_raw(
+                .node_steps(
                     &http,
                     &colocated,
                     &self.colocated,
@@ -149,10 +150,12 @@ impl NodeProbe<'_> {
             let decode = (sum - prefill) / (count - 1.0).max(1.0);
             let pushing = match (&disaggregated, &self.disaggregated) {
                 // Two new tokens: the prompt's KV is pushed to the decode node.
-                (Some(c), Some(e)) => Some(
-                    self.node_steps(&http, c, e, "fission_prefill_step_seconds", 2, 4 + 3 * r)
-                        .await?,
-                ),
+                (Some(c), Some(e)) => {
+                    let (sum, count) = self
+                        .node_steps(&http, c, e, "fission_prefill_step_seconds", 2, 4 + 3 * r)
+                        .await?;
+                    Some(sum / count)
+                }
                 _ => None,
             };
             rows.push((engine_prefill, prefill, engine_decode, decode, pushing));
@@ -243,8 +246,9 @@ impl NodeProbe<'_> {
         Ok(())
     }
 
-    /// The step histogram `name` on `e` across one request of `new_tokens`: (seconds, steps).
-    async fn node_steps_raw(
+    /// The step histogram `name` on `e` across one request of `new_tokens`: (seconds, steps),
+    /// at least one step.
+    async fn node_steps(
         &self,
         http: &reqwest::Client,
         client: &Client,
@@ -268,26 +272,11 @@ impl NodeProbe<'_> {
         let before = read().await?;
         self.send(client, new_tokens, seed).await?;
         let after = read().await?;
-        Ok((after.0 - before.0, after.1 - before.1))
-    }
-
-    /// The mean step of [`Self::node_steps_raw`].
-    async fn node_steps(
-        &self,
-        http: &reqwest::Client,
-        client: &Client,
-        e: &NodeEndpoint,
-        name: &str,
-        new_tokens: usize,
-        seed: usize,
-    ) -> Result<f64, LoadError> {
-        let (sum, count) = self
-            .node_steps_raw(http, client, e, name, new_tokens, seed)
-            .await?;
+        let (sum, count) = (after.0 - before.0, after.1 - before.1);
         if count < 1.0 {
             return Err(failed(format!("{name} counted no step at {}", e.metrics)));
         }
-        Ok(sum / count)
+        Ok((sum, count))
     }
 }
 
