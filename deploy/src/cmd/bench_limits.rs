@@ -51,6 +51,14 @@ pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
         }
         gemm.insert(m.to_string(), serde_json::Value::Object(row));
     }
+    // The same GEMM over a whole decode step's distinct weights, as a step meets them: every
+    // layer's panels come from memory, not from the caches a repeated product keeps warm.
+    let mut step = serde_json::Map::new();
+    for m in [32usize, 64] {
+        let g = step_gflops(m, repeats)?;
+        step.insert(m.to_string(), json!(g));
+        eprintln!("packed GEMM m={m:>3} one step's {LAYERS} layers + lm_head: {g:>7.1} GFLOP/s");
+    }
     // The int8 GEMM (`--quantize int8`): at m=1 bound by its weight bytes, above by int8 dots.
     let mut gemm_int8 = serde_json::Map::new();
     for m in [1usize, 32, 512] {
@@ -66,6 +74,7 @@ pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
         "read_gb_s": read,
         "gemm_gflops": gemm,
         "gemm_peak_gflops": peak,
+        "gemm_step_gflops": step,
         "gemm_int8_gops": gemm_int8,
         "threads": kernels::pool_threads(),
     });
@@ -102,6 +111,49 @@ fn read_gb_s(bytes: usize, repeats: usize) -> f64 {
     });
     std::hint::black_box(total);
     best
+}
+
+/// SmolLM2-135M's layer count.
+const LAYERS: usize = 30;
+
+/// The packed GEMM's best GFLOP/s over one decode step's products at batch `m`: the four
+/// projections of each of [`LAYERS`] layers, each with weights of its own, then the lm_head.
+fn step_gflops(m: usize, repeats: usize) -> anyhow::Result<f64> {
+    let (layer, head) = SHAPES.split_at(SHAPES.len() - 1);
+    let mut weights = Vec::new();
+    for l in 0..LAYERS {
+        for &(k, n) in layer {
+            weights.push(seeded_weight(k, n, l)?);
+        }
+    }
+    weights.push(seeded_weight(head[0].0, head[0].1, LAYERS)?);
+    let kmax = SHAPES.iter().map(|s| s.0).max().unwrap_or(0);
+    let nmax = SHAPES.iter().map(|s| s.1).max().unwrap_or(0);
+    let x: Vec<f32> = (0..m * kmax)
+        .map(|i| ((i % 89) as f32 - 44.0) / 89.0)
+        .collect();
+    let mut out = vec![0f32; m * nmax];
+    let flops: f64 = weights
+        .iter()
+        .map(|w| 2.0 * (m * w.k() * w.n()) as f64)
+        .sum();
+    let mut best = 0f64;
+    for _ in 0..repeats + 1 {
+        let t = Instant::now();
+        for w in &weights {
+            kernels::packed_matmul(&x[..m * w.k()], m, w, &mut out[..m * w.n()])?;
+        }
+        best = best.max(flops / t.elapsed().as_secs_f64() / 1e9);
+    }
+    std::hint::black_box(&out);
+    Ok(best)
+}
+
+fn seeded_weight(k: usize, n: usize, seed: usize) -> anyhow::Result<kernels::PackedWeight> {
+    let w: Vec<f32> = (0..k * n)
+        .map(|i| (((i + seed) % 97) as f32 - 48.0) / 97.0)
+        .collect();
+    Ok(kernels::PackedWeight::from_in_out(&w, k, n)?)
 }
 
 /// The packed GEMM's best GFLOP/s for `[m, k] @ [k, n]`.
