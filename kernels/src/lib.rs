@@ -1,4 +1,4 @@
-//! Paged attention, KV block copies and the packed-weight GEMM of the linear layers, in portable Rust for CPU and in CUDA behind the `cuda`
+//! Paged attention, KV block copies, the packed-weight GEMM of the linear layers and the elementwise steps between them (SwiGLU, RMS norm), in portable Rust for CPU and in CUDA behind the `cuda`
 //! feature (module `cuda`; the CUDA C++ sources are in `kernels/cuda/`).
 //!
 //! This crate knows byte layouts and block ids only: it must not depend on models, tokenizers or networking.
@@ -8,6 +8,7 @@
 //! crate is built for baseline x86-64. [`reference::paged_attention_reference`] is the slow
 //! yardstick every fast kernel is tested against.
 
+mod activation;
 mod attention;
 mod copy;
 #[cfg(feature = "cuda")]
@@ -17,6 +18,7 @@ mod error;
 mod gemm;
 #[cfg(any(feature = "cuda", test))]
 mod gpu_plan;
+mod huge;
 mod layout;
 mod narrow;
 mod packed;
@@ -34,6 +36,7 @@ mod split;
 mod tile;
 mod wide;
 
+pub use activation::{rms_norm, silu_mul};
 pub use attention::{paged_attention, SeqAttn, MAX_CONTEXT_LEN};
 pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;

@@ -12,6 +12,7 @@
 //! of 32 inputs with its own scale; their layout is in [`crate::q8`].
 
 use crate::error::KernelError;
+use crate::huge::HugeVec;
 use crate::q8::Q8Panels;
 use crate::simd::LANES;
 
@@ -41,8 +42,8 @@ pub enum WeightDtype {
 
 #[derive(Clone)]
 pub(crate) enum Panels {
-    F32(Vec<PanelRow>),
-    Bf16(Vec<PanelRowBf16>),
+    F32(HugeVec<PanelRow>),
+    Bf16(HugeVec<PanelRowBf16>),
     Q8(Q8Panels),
 }
 
@@ -59,7 +60,7 @@ impl PackedWeight {
     /// safetensors store `nn.Linear` weights.
     pub fn from_out_in(w: &[f32], n: usize, k: usize) -> Result<Self, KernelError> {
         check_len("w", n * k, w.len())?;
-        let mut rows = vec![PanelRow([0.0; PANEL]); n.div_ceil(PANEL) * k];
+        let mut rows = HugeVec::filled(PanelRow([0.0; PANEL]), n.div_ceil(PANEL) * k);
         scatter_out_in(w, n, k, |i, lane, v| rows[i].0[lane] = v);
         Ok(PackedWeight {
             k,
@@ -71,7 +72,7 @@ impl PackedWeight {
     /// [`from_out_in`](Self::from_out_in) for bf16 weights, kept in bf16.
     pub fn from_out_in_bf16(w: &[half::bf16], n: usize, k: usize) -> Result<Self, KernelError> {
         check_len("w", n * k, w.len())?;
-        let mut rows = vec![PanelRowBf16([0; PANEL]); n.div_ceil(PANEL) * k];
+        let mut rows = HugeVec::filled(PanelRowBf16([0; PANEL]), n.div_ceil(PANEL) * k);
         scatter_out_in(w, n, k, |i, lane, v| rows[i].0[lane] = v.to_bits());
         Ok(PackedWeight {
             k,
@@ -95,7 +96,7 @@ impl PackedWeight {
     /// From `[k, n]` row-major (the transpose of the checkpoint's layout).
     pub fn from_in_out(w_t: &[f32], k: usize, n: usize) -> Result<Self, KernelError> {
         check_len("w_t", k * n, w_t.len())?;
-        let mut rows = vec![PanelRow([0.0; PANEL]); n.div_ceil(PANEL) * k];
+        let mut rows = HugeVec::filled(PanelRow([0.0; PANEL]), n.div_ceil(PANEL) * k);
         for (i, row) in w_t.chunks_exact(n.max(1)).enumerate().take(k) {
             for (panel, cols) in row.chunks(PANEL).enumerate() {
                 rows[panel * k + i].0[..cols.len()].copy_from_slice(cols);

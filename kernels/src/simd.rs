@@ -99,6 +99,7 @@ pub(crate) trait Simd: Copy {
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
     fn sub(self, a: Self::V, b: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
     /// `a * b + c`, fused where the ISA has FMA.
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// Lane-wise maximum (the scores are never NaN, so NaN rules do not matter).
@@ -169,6 +170,10 @@ impl Simd for Portable {
     #[inline(always)]
     fn mul(self, a: Self::V, b: Self::V) -> Self::V {
         std::array::from_fn(|l| a[l] * b[l])
+    }
+    #[inline(always)]
+    fn div(self, a: Self::V, b: Self::V) -> Self::V {
+        std::array::from_fn(|l| a[l] / b[l])
     }
     #[inline(always)]
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V {

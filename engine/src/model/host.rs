@@ -76,7 +76,7 @@ impl Llama {
             layer.o_proj.forward_host(&attn, t, &mut x, true)?;
             rms_norm_rows(&layer.post_norm, &x, t, &mut h)?;
             layer.gate_up.forward_host(&h, t, &mut gate_up, false)?;
-            ops::silu_mul_rows(&gate_up, t, f, &mut act);
+            silu_mul_rows(&gate_up, t, f, &mut act);
             layer.down.forward_host(&act, t, &mut x, true)?;
             on_layer(i, cache)?;
         }
@@ -111,21 +111,25 @@ impl Llama {
     }
 }
 
-/// `out = x / rms(x) * weight`, row by row, with candle's rounding (sum of squares in f32,
-/// divide, then scale), which the greedy parity with transformers was established on.
+/// `out = x / rms(x) * weight`, row by row: the sum of squares in f32 (in 16 lanes), divide,
+/// then scale, as candle rounds it.
 fn rms_norm_rows(norm: &RmsNorm, x: &[f32], t: usize, out: &mut [f32]) -> Result<()> {
     let w = &norm.host;
     let n = w.len();
     let body = |row: usize, o: &mut [f32]| {
-        let src = &x[row * n..(row + 1) * n];
-        let sum2: f32 = src.iter().map(|v| v * v).sum();
-        let m = (sum2 / n as f32 + norm.eps).sqrt();
-        for ((d, s), a) in o.iter_mut().zip(src).zip(w) {
-            *d = *s / m * *a;
-        }
+        kernels::rms_norm(&x[row * n..(row + 1) * n], w, norm.eps, o);
     };
     ops::for_rows(out, t, n, PARALLEL_ROWS, &body);
     Ok(())
+}
+
+/// `out = silu(gate) * up`, row by row; each row of `gate_up` holds its gate, then its up.
+fn silu_mul_rows(gate_up: &[f32], t: usize, f: usize, out: &mut [f32]) {
+    let body = |row: usize, o: &mut [f32]| {
+        let (g, u) = gate_up[row * 2 * f..(row + 1) * 2 * f].split_at(f);
+        kernels::silu_mul(g, u, o);
+    };
+    ops::for_rows(out, t, f, 8, &body);
 }
 
 /// Copies the embedding rows of `ids` into `x`, widened to f32.
