@@ -23,6 +23,52 @@ use std::time::{Duration, Instant};
 /// step (sampling and bookkeeping between steps take longer, and the workers may sleep then).
 const SPIN: Duration = Duration::from_micros(200);
 
+/// How long a wait polls without giving up its core. Past this a waiter yields between
+/// polls: on a host with more busy threads than cores (two nodes on one machine, or a
+/// neighbour's build), a thread spinning on a core keeps off it the very thread it waits for,
+/// or another node's, for a whole scheduler time slice. The gaps between the ops of one
+/// step are a few microseconds, so a quiet machine never reaches it.
+const PURE_SPIN: Duration = Duration::from_micros(20);
+
+/// Polls between clock reads: the clock is a vDSO call, 1.5% of a batch-32 decode step when
+/// read on every poll.
+const POLLS_PER_CLOCK: u32 = 64;
+
+/// A wait that polls, then polls and yields, and reports when it has run past `limit`.
+struct Backoff {
+    started: Instant,
+    polls: u32,
+    yielding: bool,
+}
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff {
+            started: Instant::now(),
+            polls: 0,
+            yielding: false,
+        }
+    }
+
+    /// One turn of the wait: false once `limit` has passed (checked every few polls).
+    fn snooze(&mut self, limit: Duration) -> bool {
+        self.polls += 1;
+        if self.polls.is_multiple_of(POLLS_PER_CLOCK) {
+            let waited = self.started.elapsed();
+            if waited >= limit {
+                return false;
+            }
+            self.yielding = waited >= PURE_SPIN;
+        }
+        if self.yielding {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+        true
+    }
+}
+
 /// One op in flight: `tasks` calls of `f`, claimed through `next`.
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
@@ -143,12 +189,15 @@ impl Pool {
             s.wake.notify_all();
         }
         job.work();
+        // A worker still inside a task may have lost its core: past the pure spin, yield it
+        // the one this thread holds.
+        let mut wait = Backoff::new();
         while job.done.load(SeqCst) < tasks {
-            std::hint::spin_loop();
+            wait.snooze(Duration::MAX);
         }
         s.job.store(std::ptr::null_mut(), SeqCst);
         while s.active.load(SeqCst) > 0 {
-            std::hint::spin_loop();
+            wait.snooze(Duration::MAX);
         }
         if let Some(p) = job.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
             resume_unwind(p);
@@ -169,7 +218,7 @@ fn worker(s: &'static Shared) {
     let mut seen = 0u64;
     loop {
         // Spin, then park, until there is a new op.
-        let started = Instant::now();
+        let mut wait = Backoff::new();
         loop {
             if s.shutdown.load(SeqCst) {
                 return;
@@ -177,8 +226,7 @@ fn worker(s: &'static Shared) {
             if s.epoch.load(SeqCst) != seen {
                 break;
             }
-            if started.elapsed() < SPIN {
-                std::hint::spin_loop();
+            if wait.snooze(SPIN) {
                 continue;
             }
             let g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
