@@ -253,15 +253,24 @@ fn etcd_stopped_for_30_s_refuses_no_request() {
     );
     let url = c.url.clone();
     let etcd_pid = c.etcd.pid().expect("etcd runs") as i32;
-    // Closed-loop load from before the outage to 8 s after it.
+    // Closed-loop load from before the outage to 8 s after it. The time bound ends it: a fast
+    // machine served 5,000 requests per client within the outage, so the count bound sits far
+    // above what 40 s can serve.
     let until = Instant::now() + Duration::from_secs(40);
     let load = std::thread::spawn(move || {
-        streams::run_until(&url, 3, 5_000, Some(until), REQUEST_TIMEOUT, |client, i| {
-            body(
-                &format!("Client {client} request {i}: once upon a time"),
-                16,
-            )
-        })
+        streams::run_until(
+            &url,
+            3,
+            200_000,
+            Some(until),
+            REQUEST_TIMEOUT,
+            |client, i| {
+                body(
+                    &format!("Client {client} request {i}: once upon a time"),
+                    16,
+                )
+            },
+        )
     });
     std::thread::sleep(Duration::from_secs(2));
     unsafe { libc::kill(etcd_pid, libc::SIGSTOP) };
