@@ -1,14 +1,16 @@
 //! Paged attention over a ragged batch: validation, work planning and the parallel driver.
 //!
-//! The batch is cut into tiles of (sequence, kv head, run of query rows) and rayon runs the
-//! tiles. Tiles are what make both shapes of load use every core: a decode batch has one tile
-//! per sequence and kv head, a long prefill is additionally cut along its query rows, and a
-//! small decode batch with long contexts is cut along its keys ([`crate::split`]).
+//! The batch is cut into tiles of (sequence, kv heads, run of query rows) and the kernel pool
+//! runs the tiles. Tiles are what make both shapes of load use every core: a big decode batch
+//! has one tile per sequence, a small one a tile per sequence and kv head, a long prefill is
+//! additionally cut along its query rows, and a small decode batch with long contexts is cut
+//! along its keys ([`crate::split`]).
 //! The arithmetic lives in [`crate::tile`].
 
 use std::cell::RefCell;
 
 use crate::layout::check_len;
+use crate::narrow::{self, STEP_KEYS};
 use crate::pool;
 use crate::simd::Isa;
 use crate::split;
@@ -24,6 +26,9 @@ thread_local! {
 /// Large enough that each K/V row read is reused many times, small enough that a 512-token
 /// prompt still gives every core several tiles and the causal mask wastes little.
 const TILE_QUERY_VECTORS: usize = 96;
+/// Sequences per core from which a decode batch takes one tile per sequence over all its kv
+/// heads (see `plan_tiles`).
+const MERGE_MIN_TILES_PER_THREAD: usize = 4;
 
 /// Longest context the kernels accept: positions are compared as f32 inside SIMD lanes,
 /// which is exact up to 2^24.
@@ -126,7 +131,7 @@ impl<T: KvElem> AttentionArgs<'_, T> {
             scale_log2: self.scale * std::f32::consts::LOG2_E,
         };
         let (group, d) = (inputs.group, layout.head_dim);
-        let tiles = plan_tiles(layout.num_kv_heads, group, self.seqs);
+        let tiles = plan_tiles(layout.num_kv_heads, group, self.seqs, threads);
         let plan = split::plan(tiles, group, d, threads);
         let mut partials = vec![0.0f32; plan.partial_len];
         {
@@ -134,7 +139,21 @@ impl<T: KvElem> AttentionArgs<'_, T> {
                 out: SharedOut::new(out),
                 partials: SharedOut::new(&mut partials),
             };
+            let ahead = pool::threads();
             pool::run(plan.items.len(), &|i| {
+                // The item this thread will most likely take next, when the threads keep pace:
+                // its first keys come in while this one computes. A decode tile is often a
+                // single step, so the step-ahead prefetch inside the tile has nothing to hide
+                // behind. A wrong guess costs only the bandwidth.
+                if let Some(next) = plan.items.get(i + ahead) {
+                    if !next.is_wide(group, d) {
+                        let keys = next
+                            .key_end()
+                            .min(next.keys_to)
+                            .saturating_sub(next.keys_from);
+                        narrow::prefetch_step(&inputs, next, next.keys_from, STEP_KEYS.min(keys));
+                    }
+                }
                 SCRATCH.with(|scratch| {
                     let scratch = &mut scratch.borrow_mut();
                     // SAFETY: validation made the sequences' rows disjoint, the tiles partition
@@ -249,24 +268,47 @@ fn validate_seq(
 
 /// Cuts every sequence into tiles: one per kv head and run of at most
 /// `TILE_QUERY_VECTORS / group` query rows.
-fn plan_tiles<'a>(num_kv_heads: usize, group: usize, seqs: &[SeqAttn<'a>]) -> Vec<Tile<'a>> {
+///
+/// A batch of many decode-sized sequences (at least `MERGE_MIN_TILES_PER_THREAD` per core)
+/// gets one narrow tile per sequence over all its kv heads instead: a cache row holds every kv
+/// head side by side, so one tile then reads each block's K and V as one contiguous run, where
+/// a tile per head read a `head_dim` slice of every row and left the rest of each row to
+/// another tile, later, from memory again. Fewer sequences keep a tile per head, so that every
+/// core still has work.
+fn plan_tiles<'a>(
+    num_kv_heads: usize,
+    group: usize,
+    seqs: &[SeqAttn<'a>],
+    threads: usize,
+) -> Vec<Tile<'a>> {
     let rows_per_tile = (TILE_QUERY_VECTORS / group).max(1);
+    let many = seqs.len() >= MERGE_MIN_TILES_PER_THREAD * threads.max(1);
     let mut tiles = Vec::new();
     for s in seqs {
         for row_begin in (0..s.q_len).step_by(rows_per_tile) {
-            for kv_head in 0..num_kv_heads {
+            let row_end = (row_begin + rows_per_tile).min(s.q_len);
+            let tile = Tile {
+                block_table: s.block_table,
+                context_len: s.context_len,
+                q_len: s.q_len,
+                q_start: s.q_start,
+                kv_head: 0,
+                kv_heads: 1,
+                row_begin,
+                row_end,
+                keys_from: 0,
+                keys_to: s.context_len,
+                partial: None,
+            };
+            if many && Tile::narrow_rows(row_end - row_begin, group) {
                 tiles.push(Tile {
-                    block_table: s.block_table,
-                    context_len: s.context_len,
-                    q_len: s.q_len,
-                    q_start: s.q_start,
-                    kv_head,
-                    row_begin,
-                    row_end: (row_begin + rows_per_tile).min(s.q_len),
-                    keys_from: 0,
-                    keys_to: s.context_len,
-                    partial: None,
+                    kv_heads: num_kv_heads,
+                    ..tile
                 });
+                continue;
+            }
+            for kv_head in 0..num_kv_heads {
+                tiles.push(Tile { kv_head, ..tile });
             }
         }
     }
@@ -299,7 +341,7 @@ mod tests {
     }
 
     impl<T: KvElem> Batch<T> {
-        /// `shapes` holds (q_len, context_len) per sequence.
+        /// `shapes` holds (q_len, context_len) per sequence; one or two kv heads.
         fn new(
             seed: u64,
             group: usize,
@@ -307,8 +349,19 @@ mod tests {
             block_size: usize,
             shapes: &[(usize, usize)],
         ) -> Self {
+            let num_kv_heads = StdRng::seed_from_u64(seed ^ 0x5eed).random_range(1..=2);
+            Self::with_kv_heads(seed, num_kv_heads, group, head_dim, block_size, shapes)
+        }
+
+        fn with_kv_heads(
+            seed: u64,
+            num_kv_heads: usize,
+            group: usize,
+            head_dim: usize,
+            block_size: usize,
+            shapes: &[(usize, usize)],
+        ) -> Self {
             let mut rng = StdRng::seed_from_u64(seed);
-            let num_kv_heads = rng.random_range(1..=2);
             let needed: usize = shapes.iter().map(|s| s.1.div_ceil(block_size)).sum();
             let layout = CacheShape {
                 num_blocks: needed + 3,
@@ -437,6 +490,33 @@ mod tests {
         for group in 1..=4 {
             check_all_dtypes(group as u64, group, 64, 16, &shapes);
         }
+    }
+
+    #[test]
+    fn big_decode_batches_take_one_tile_per_sequence_and_match_reference() {
+        // 20 sequences: more than 4 per planned core, so narrow tiles cover all kv heads. Some
+        // rows come two or three at a time, one context is long enough to be cut by split-K,
+        // and odd head dims leave tails in every pass.
+        let mut shapes: Vec<(usize, usize)> = (0..18).map(|i| (1 + i % 3, 3 + i * 17)).collect();
+        shapes.push((1, 1));
+        shapes.push((1, 6000));
+        for (group, head_dim) in [(1, 64), (3, 64), (2, 40), (4, 72)] {
+            let seed = (group * 100 + head_dim) as u64;
+            let f32s = Batch::<f32>::with_kv_heads(seed, 3, group, head_dim, 16, &shapes);
+            let tiles = plan_tiles(3, group, &f32s.seq_attn(), 4);
+            assert!(tiles.iter().any(|t| t.kv_heads == 3), "group {group}");
+            let plan = split::plan(tiles, group, head_dim, 4);
+            assert!(plan.merges.iter().any(|m| m.tile.kv_heads == 3));
+            f32s.check(1e-5);
+            Batch::<bf16>::with_kv_heads(seed, 3, group, head_dim, 16, &shapes).check(1.6e-2);
+            Batch::<f16>::with_kv_heads(seed, 3, group, head_dim, 16, &shapes).check(2e-3);
+        }
+        // Fewer sequences than that keep a tile per kv head.
+        let few = Batch::<f32>::with_kv_heads(1, 3, 3, 64, 16, &shapes[..8]);
+        assert!(plan_tiles(3, 3, &few.seq_attn(), 4)
+            .iter()
+            .all(|t| t.kv_heads == 1));
+        few.check(1e-5);
     }
 
     #[test]

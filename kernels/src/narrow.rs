@@ -10,7 +10,7 @@
 //! Layouts in [`Scratch`]: `q` and `o` are `[vector][head_dim]`, `p` is
 //! `[vector][STEP_KEYS]`, `row_max`, `row_sum` and `alpha` are `[vector]`.
 
-use crate::simd::{exp2, exp2_f32, Simd, IOTA, LANES};
+use crate::simd::{exp2, exp2_f32, prefetch_l2, Simd, IOTA, LANES};
 use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED};
 use crate::KvElem;
 
@@ -20,7 +20,7 @@ const STEP_VECTORS: usize = 4;
 /// Keys per step; split-K cuts key ranges at multiples of it.
 pub(crate) const STEP_KEYS: usize = STEP_VECTORS * LANES;
 
-/// The f32 K and V rows (`head_dim` each) of one step's keys.
+/// The f32 K and V rows of one step's keys: `head_dim` for each of the tile's kv heads.
 struct StepRows<'c> {
     k: [&'c [f32]; STEP_KEYS],
     v: [&'c [f32]; STEP_KEYS],
@@ -37,6 +37,8 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
 ) {
     let (d, g) = (inp.layout.head_dim, inp.group);
     let vectors = tile.vectors(g);
+    // A row's query vectors: its `kv_heads` groups, each against its own part of a cache row.
+    let (per_row, heads) = (tile.row_vectors(g), tile.kv_heads);
     let Scratch {
         q,
         o,
@@ -55,9 +57,9 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     refill(p, vectors * STEP_KEYS, 0.0);
     refill(alpha, vectors, 1.0);
 
-    for (i, dst) in (tile.row_begin..tile.row_end).zip(q.chunks_exact_mut(g * d)) {
+    for (i, dst) in (tile.row_begin..tile.row_end).zip(q.chunks_exact_mut(per_row * d)) {
         let at = tile.group_offset(i, inp.num_heads, g, d);
-        T::to_f32_slice(&inp.q[at..at + g * d], dst);
+        T::to_f32_slice(&inp.q[at..at + per_row * d], dst);
         for x in dst.iter_mut() {
             *x *= inp.scale_log2;
         }
@@ -69,11 +71,17 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     while c0 < key_end {
         let n = STEP_KEYS.min(key_end - c0);
         let rows = step_rows(inp, tile, c0, n, k_stage, v_stage);
-        let m_start = (tile.first_live_row(c0) - tile.row_begin) * g;
+        // Every line of the step's K and V rows is asked for before the first score: the
+        // loads below then find them in flight, where on their own they waited on memory a
+        // few lines at a time.
+        prefetch_step(inp, tile, c0, n);
+        let m_start = (tile.first_live_row(c0) - tile.row_begin) * per_row;
         for m in m_start..vectors {
-            let pos = tile.first_pos() + tile.row_begin + m / g;
+            let pos = tile.first_pos() + tile.row_begin + m / per_row;
             let valid = n.min(pos + 1 - c0);
             let qm = &q[m * d..][..d];
+            // Where this vector's kv head starts within the tile's cache rows.
+            let head_at = (m % per_row) / g * d;
             // Scores of the visible keys, 16 at a time; lane l of vector v is key 16v + l, and
             // keys at or past `valid` are masked.
             let mut s = [simd.splat(MASKED); STEP_VECTORS];
@@ -86,7 +94,7 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
                     .try_into()
                     .expect("a step holds STEP_VECTORS runs of LANES rows");
                 *last = simd.splat((valid - v * LANES) as f32 - 1.0);
-                let scores = chunk_scores(simd, qm, k, d);
+                let scores = chunk_scores(simd, qm, k, head_at, d);
                 *s = simd.select_le(iota, *last, scores, simd.splat(MASKED));
             }
             let mut step_max = s[0];
@@ -107,22 +115,30 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
             row_max[m] = new_max;
             alpha[m] = a;
         }
-        for_runs!(m_start, vectors, S::NARROW_ROWS, |m0, r| {
-            let rows = PvRows {
-                o: &mut o[m0 * d..],
-                p: &p[m0 * STEP_KEYS..],
-                alpha: &alpha[m0..],
-                v: &rows.v,
-                n,
-                d,
-            };
-            match r {
-                4 => pv_rows::<S, 4>(simd, rows),
-                3 => pv_rows::<S, 3>(simd, rows),
-                2 => pv_rows::<S, 2>(simd, rows),
-                _ => pv_rows::<S, 1>(simd, rows),
-            }
-        });
+        // Runs of vectors that share a kv head: a whole tile of one head, else each group.
+        let run = if heads == 1 { vectors } else { g };
+        let mut seg = m_start;
+        while seg < vectors {
+            let head_at = (seg % per_row) / g * d;
+            for_runs!(seg, (seg + run).min(vectors), S::NARROW_ROWS, |m0, r| {
+                let rows = PvRows {
+                    o: &mut o[m0 * d..],
+                    p: &p[m0 * STEP_KEYS..],
+                    alpha: &alpha[m0..],
+                    v: &rows.v,
+                    n,
+                    head_at,
+                    d,
+                };
+                match r {
+                    4 => pv_rows::<S, 4>(simd, rows),
+                    3 => pv_rows::<S, 3>(simd, rows),
+                    2 => pv_rows::<S, 2>(simd, rows),
+                    _ => pv_rows::<S, 1>(simd, rows),
+                }
+            });
+            seg += run;
+        }
         c0 += n;
     }
 
@@ -136,17 +152,38 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
         slot_stats[vectors..].copy_from_slice(row_sum);
         return;
     }
-    for (i, acc) in (tile.row_begin..tile.row_end).zip(o.chunks_exact(g * d)) {
+    for (i, acc) in (tile.row_begin..tile.row_end).zip(o.chunks_exact(per_row * d)) {
         // SAFETY: this tile alone writes its rows' columns of its kv head group (see attend_tile).
         let dst = unsafe {
             out.out
-                .range_mut(tile.group_offset(i, inp.num_heads, g, d), g * d)
+                .range_mut(tile.group_offset(i, inp.num_heads, g, d), per_row * d)
         };
-        let m0 = (i - tile.row_begin) * g;
+        let m0 = (i - tile.row_begin) * per_row;
         for (gi, (y, x)) in dst.chunks_exact_mut(d).zip(acc.chunks_exact(d)).enumerate() {
             let inv = 1.0 / row_sum[m0 + gi];
             for (y, &x) in y.iter_mut().zip(x) {
                 *y = T::from_f32(x * inv);
+            }
+        }
+    }
+}
+
+/// Asks for the K and V rows (every kv head of the tile) of keys `c0..c0 + n` to come into
+/// L2.
+#[inline(always)]
+pub(crate) fn prefetch_step<T: KvElem>(
+    inp: &AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    c0: usize,
+    n: usize,
+) {
+    let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
+    let width = inp.layout.head_dim * tile.kv_heads;
+    let line = 64 / std::mem::size_of::<T>();
+    for cache in [inp.k_cache, inp.v_cache] {
+        for &st in starts.iter().take(n) {
+            for at in (0..width).step_by(line) {
+                prefetch_l2(cache.as_ptr().wrapping_add(st + at));
             }
         }
     }
@@ -163,11 +200,11 @@ fn step_rows<'c, T: KvElem>(
     k_stage: &'c mut Vec<f32>,
     v_stage: &'c mut Vec<f32>,
 ) -> StepRows<'c> {
-    let d = inp.layout.head_dim;
+    let width = inp.layout.head_dim * tile.kv_heads;
     let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
     StepRows {
-        k: cache_rows(inp.k_cache, &starts, n, d, k_stage),
-        v: cache_rows(inp.v_cache, &starts, n, d, v_stage),
+        k: cache_rows(inp.k_cache, &starts, n, width, k_stage),
+        v: cache_rows(inp.v_cache, &starts, n, width, v_stage),
     }
 }
 
@@ -176,41 +213,48 @@ fn cache_rows<'c, T: KvElem>(
     cache: &'c [T],
     starts: &[usize; STEP_KEYS],
     n: usize,
-    d: usize,
+    width: usize,
     stage: &'c mut Vec<f32>,
 ) -> [&'c [f32]; STEP_KEYS] {
     // Loops rather than `array::from_fn`, whose closures do not inline into the kernels.
     let mut rows: [&[f32]; STEP_KEYS] = [&[]; STEP_KEYS];
     if let Some(cache) = T::as_f32_slice(cache) {
         for (row, &st) in rows.iter_mut().zip(starts) {
-            *row = &cache[st..st + d];
+            *row = &cache[st..st + width];
         }
         return rows;
     }
-    if stage.len() < n * d {
-        stage.resize(n * d, 0.0);
+    if stage.len() < n * width {
+        stage.resize(n * width, 0.0);
     }
-    for (&st, dst) in starts.iter().zip(stage.chunks_exact_mut(d)).take(n) {
-        T::to_f32_slice(&cache[st..st + d], dst);
+    for (&st, dst) in starts.iter().zip(stage.chunks_exact_mut(width)).take(n) {
+        T::to_f32_slice(&cache[st..st + width], dst);
     }
     let stage: &'c [f32] = stage;
     for (j, row) in rows.iter_mut().enumerate() {
-        *row = &stage[j.min(n - 1) * d..][..d];
+        *row = &stage[j.min(n - 1) * width..][..width];
     }
     rows
 }
 
 /// The scores of one query vector against 16 K rows, one key per lane: one accumulator per
-/// key along `head_dim`, then a single 16-way transpose-and-add.
+/// key along `head_dim`, then a single 16-way transpose-and-add. The vector's head sits at
+/// `head_at` in each row.
 #[inline(always)]
-fn chunk_scores<S: Simd>(simd: S, q: &[f32], k: &[&[f32]; LANES], d: usize) -> S::V {
+fn chunk_scores<S: Simd>(
+    simd: S,
+    q: &[f32],
+    k: &[&[f32]; LANES],
+    head_at: usize,
+    d: usize,
+) -> S::V {
     let full = d / LANES;
     let mut acc = [simd.splat(0.0); LANES];
     for_runs!(0, full, S::NARROW_CHUNKS, |c0, c| match c {
-        4 => score_pass::<S, 4>(simd, q, k, c0 * LANES, &mut acc),
-        3 => score_pass::<S, 3>(simd, q, k, c0 * LANES, &mut acc),
-        2 => score_pass::<S, 2>(simd, q, k, c0 * LANES, &mut acc),
-        _ => score_pass::<S, 1>(simd, q, k, c0 * LANES, &mut acc),
+        4 => score_pass::<S, 4>(simd, q, k, head_at, c0 * LANES, &mut acc),
+        3 => score_pass::<S, 3>(simd, q, k, head_at, c0 * LANES, &mut acc),
+        2 => score_pass::<S, 2>(simd, q, k, head_at, c0 * LANES, &mut acc),
+        _ => score_pass::<S, 1>(simd, q, k, head_at, c0 * LANES, &mut acc),
     });
     let s = simd.reduce_add_16(&acc);
     let full = full * LANES;
@@ -219,21 +263,22 @@ fn chunk_scores<S: Simd>(simd: S, q: &[f32], k: &[&[f32]; LANES], d: usize) -> S
     }
     let mut tail = [0.0f32; LANES];
     for (t, row) in tail.iter_mut().zip(k) {
-        for (x, y) in q[full..d].iter().zip(&row[full..d]) {
+        for (x, y) in q[full..d].iter().zip(&row[head_at + full..head_at + d]) {
             *t = simd.mul_add_f32(*x, *y, *t);
         }
     }
     simd.add(s, simd.load(&tail))
 }
 
-/// Adds `C` vectors of `head_dim`, from element `off`, to every key's score accumulator. The
-/// query vectors stay in registers and each row is sliced once to a constant length, so the
-/// loads carry no bounds checks.
+/// Adds `C` vectors of `head_dim`, from element `off` of the head at `head_at`, to every key's
+/// score accumulator. The query vectors stay in registers and each row is sliced once to a
+/// constant length, so the loads carry no bounds checks.
 #[inline(always)]
 fn score_pass<S: Simd, const C: usize>(
     simd: S,
     q: &[f32],
     k: &[&[f32]; LANES],
+    head_at: usize,
     off: usize,
     acc: &mut [S::V; LANES],
 ) {
@@ -243,7 +288,7 @@ fn score_pass<S: Simd, const C: usize>(
         *qv = simd.load(&q[c * LANES..]);
     }
     for (acc, row) in acc.iter_mut().zip(k) {
-        let row = &row[off..off + C * LANES];
+        let row = &row[head_at + off..head_at + off + C * LANES];
         // A local accumulator: the array may live in memory, this stays in a register.
         let mut a = *acc;
         for (c, qv) in qv.iter().enumerate() {
@@ -254,13 +299,14 @@ fn score_pass<S: Simd, const C: usize>(
 }
 
 /// A run of query vectors' output rows, probabilities and rescale factors, and the step's
-/// `n` V rows of `d` elements.
+/// `n` V rows, whose `d` elements of the run's kv head start at `head_at`.
 struct PvRows<'s> {
     o: &'s mut [f32],
     p: &'s [f32],
     alpha: &'s [f32],
     v: &'s [&'s [f32]; STEP_KEYS],
     n: usize,
+    head_at: usize,
     d: usize,
 }
 
@@ -280,6 +326,7 @@ fn pv_rows<S: Simd, const R: usize>(simd: S, mut rows: PvRows<'_>) {
         alpha,
         v,
         n,
+        head_at,
         d,
     } = rows;
     let full = full * LANES;
@@ -291,7 +338,7 @@ fn pv_rows<S: Simd, const R: usize>(simd: S, mut rows: PvRows<'_>) {
             }
             for (j, vj) in v.iter().enumerate().take(n) {
                 let pj = p[r * STEP_KEYS + j];
-                for (x, &y) in row.iter_mut().zip(&vj[full..]) {
+                for (x, &y) in row.iter_mut().zip(&vj[head_at + full..head_at + d]) {
                     *x = simd.mul_add_f32(pj, y, *x);
                 }
             }
@@ -317,7 +364,7 @@ fn pv_pass<S: Simd, const R: usize, const C: usize>(simd: S, rows: &mut PvRows<'
             .expect("a probability row holds STEP_KEYS entries");
     }
     for (j, vj) in rows.v.iter().enumerate().take(rows.n.min(STEP_KEYS)) {
-        let vj = &vj[off..off + width];
+        let vj = &vj[rows.head_at + off..rows.head_at + off + width];
         let mut vv = [simd.splat(0.0); C];
         for (c, vv) in vv.iter_mut().enumerate() {
             *vv = simd.load(&vj[c * LANES..]);

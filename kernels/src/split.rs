@@ -99,10 +99,11 @@ impl Merge<'_> {
         let mut acc = vec![0.0f32; d];
         for i in tile.row_begin..tile.row_end {
             // SAFETY: the caller's contract; the rows are this tile's alone.
+            let per_row = tile.row_vectors(group);
             let dst =
-                unsafe { out.range_mut(tile.group_offset(i, num_heads, group, d), group * d) };
+                unsafe { out.range_mut(tile.group_offset(i, num_heads, group, d), per_row * d) };
             for (gi, y) in dst.chunks_exact_mut(d).enumerate() {
-                let m = (i - tile.row_begin) * group + gi;
+                let m = (i - tile.row_begin) * per_row + gi;
                 let row_max = (0..self.parts)
                     .map(|p| slot(p)[vectors * d + m])
                     .fold(f32::NEG_INFINITY, f32::max);
@@ -136,6 +137,7 @@ mod tests {
             q_len: 1,
             q_start: 0,
             kv_head,
+            kv_heads: 1,
             row_begin: 0,
             row_end: 1,
             keys_from: 0,

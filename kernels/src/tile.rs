@@ -51,6 +51,9 @@ pub(crate) struct Tile<'a> {
     /// Absolute index (in `q` and `out`) of the sequence's first query row.
     pub q_start: usize,
     pub kv_head: usize,
+    /// How many kv heads from `kv_head` on: more than one only on the narrow path, where the
+    /// tile then reads each cache row's heads as one contiguous run (see `plan_tiles`).
+    pub kv_heads: usize,
     pub row_begin: usize,
     pub row_end: usize,
     /// The keys this work item covers: all of `0..key_end()` unless split-K cut the tile.
@@ -84,12 +87,27 @@ impl Tile<'_> {
     /// Query vectors (rows times group heads) of this tile.
     #[inline(always)]
     pub(crate) fn vectors(&self, group: usize) -> usize {
-        (self.row_end - self.row_begin) * group
+        (self.row_end - self.row_begin) * self.row_vectors(group)
     }
 
-    /// Whether this tile runs on the wide path (else the narrow one).
+    /// Query vectors of one row of this tile: the groups of all its kv heads, in head order.
+    #[inline(always)]
+    pub(crate) fn row_vectors(&self, group: usize) -> usize {
+        group * self.kv_heads
+    }
+
+    /// Whether this tile runs on the wide path (else the narrow one). The wide path lays one kv
+    /// head's vectors across lanes, so a tile of several kv heads is always narrow.
     pub(crate) fn is_wide(&self, group: usize, head_dim: usize) -> bool {
-        self.vectors(group) >= WIDE_MIN_VECTORS && head_dim <= WIDE_MAX_HEAD_DIM
+        self.kv_heads == 1
+            && self.vectors(group) >= WIDE_MIN_VECTORS
+            && head_dim <= WIDE_MAX_HEAD_DIM
+    }
+
+    /// Whether `rows` query rows of `group` heads per kv head would take the narrow path: only
+    /// such tiles may cover several kv heads.
+    pub(crate) fn narrow_rows(rows: usize, group: usize) -> bool {
+        rows * group < WIDE_MIN_VECTORS
     }
 
     /// Offset in `q` (and `out`) of the group's first head for sequence row `i`.

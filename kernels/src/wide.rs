@@ -47,6 +47,7 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize>(
     // Split-K only cuts narrow tiles.
     debug_assert!(tile.partial.is_none() && tile.keys_from == 0);
     let (d, g) = (inp.layout.head_dim, inp.group);
+    debug_assert_eq!(tile.kv_heads, 1, "a wide tile covers one kv head");
     let vectors = tile.vectors(g);
     let blocks = vectors.div_ceil(LANES);
     let Scratch {
