@@ -76,6 +76,14 @@ fn seeded_request_is_identical_alone_and_batched() {
         .find(|c| c.tokens.len() == 48 && c.prompt_ids == prompt)
         .expect("found");
     assert_eq!(alone.output_ids, in_batch.output_ids);
+    // Rows of a batch are sampled on several threads: the log-probabilities match too.
+    let logprobs = |c: &engine::engine::Completion| -> Vec<_> {
+        c.tokens
+            .iter()
+            .map(|t| (t.logprob.to_bits(), t.top_logprobs.clone()))
+            .collect()
+    };
+    assert_eq!(logprobs(&alone), logprobs(&in_batch));
     // Sampling really is random: another seed gives another sequence.
     let other = engine(&model, cfg)
         .generate(vec![seeded(0, prompt, 4321)])

@@ -5,7 +5,12 @@
 //! cache untouched.
 
 use crate::layout::check_len;
+use crate::pool;
+use crate::tile::SharedOut;
 use crate::{CacheShape, KernelError, KvElem};
+
+/// Rows from which reshape-and-cache spreads its copies over the kernel threads.
+const PARALLEL_SLOTS: usize = 16;
 
 /// The argument checks of reshape-and-cache, shared by the CPU kernel and the CUDA one:
 /// `cache_lens` are K's and V's storage lengths, `row_lens` the lengths of the K and V rows
@@ -48,16 +53,40 @@ pub fn reshape_and_cache<T: KvElem>(
         slots,
     )?;
     let row = layout.row_elems();
-
-    for ((&slot, k_row), v_row) in slots
-        .iter()
-        .zip(k.chunks_exact(row))
-        .zip(v.chunks_exact(row))
-    {
-        let at = slot as usize * row;
-        k_cache[at..at + row].copy_from_slice(k_row);
-        v_cache[at..at + row].copy_from_slice(v_row);
+    if slots.len() < PARALLEL_SLOTS {
+        for ((&slot, k_row), v_row) in slots
+            .iter()
+            .zip(k.chunks_exact(row))
+            .zip(v.chunks_exact(row))
+        {
+            let at = slot as usize * row;
+            k_cache[at..at + row].copy_from_slice(k_row);
+            v_cache[at..at + row].copy_from_slice(v_row);
+        }
+        return Ok(());
     }
+    // Each row lands on lines of its own that are rarely cached, so one thread spends the copy
+    // waiting on memory; several threads wait in parallel. A task takes the slots of one
+    // residue class, in token order, so a repeated slot is always written by the same task
+    // and the last token still wins.
+    let tasks = pool::threads();
+    let (kc, vc) = (SharedOut::new(k_cache), SharedOut::new(v_cache));
+    pool::run(tasks, &|task| {
+        for (t, &slot) in slots.iter().enumerate() {
+            if slot as usize % tasks != task {
+                continue;
+            }
+            let at = slot as usize * row;
+            // SAFETY: slots were checked to lie in the cache, and only this task writes slots
+            // of its residue class.
+            unsafe {
+                kc.range_mut(at, row)
+                    .copy_from_slice(&k[t * row..(t + 1) * row]);
+                vc.range_mut(at, row)
+                    .copy_from_slice(&v[t * row..(t + 1) * row]);
+            }
+        }
+    });
     Ok(())
 }
 
@@ -211,6 +240,27 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn reshape_and_cache_lets_the_last_token_of_a_slot_win(
+            slots in prop::collection::vec(0u32..24, 0..40),
+        ) {
+            // Past PARALLEL_SLOTS rows the copies run on several threads; repeats included.
+            let l = layout();
+            let row = l.row_elems();
+            let k: Vec<f32> = (0..slots.len() * row).map(|i| i as f32 + 1.0).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            let (mut kc, mut vc) = (numbered::<f32>(&l, 0.0), numbered::<f32>(&l, 0.5));
+            let (mut want_k, mut want_v) = (kc.clone(), vc.clone());
+            for (t, &slot) in slots.iter().enumerate() {
+                let at = slot as usize * row;
+                want_k[at..at + row].copy_from_slice(&k[t * row..(t + 1) * row]);
+                want_v[at..at + row].copy_from_slice(&v[t * row..(t + 1) * row]);
+            }
+            reshape_and_cache(&l, &mut kc, &mut vc, &k, &v, &slots).expect("valid");
+            prop_assert_eq!(kc, want_k);
+            prop_assert_eq!(vc, want_v);
+        }
+
         #[test]
         fn cache_gather_scatter_round_trip_is_bit_exact(
             slots in prop::collection::vec(0u32..24, 0..24),

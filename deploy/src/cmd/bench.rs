@@ -89,6 +89,10 @@ fn new_engine(
             max_prefill_chunk_tokens: max_prefill,
             // Every run must compute its prompt: a prefix hit would flatter the figures.
             enable_prefix_caching: false,
+            // A fresh engine's first use of each block would page-fault inside the measured
+            // steps; a serving node has touched its blocks long before (and llama.cpp clears
+            // its whole cache when it creates it).
+            prefault_kv: true,
             ..Default::default()
         },
     )?)

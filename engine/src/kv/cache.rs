@@ -43,6 +43,16 @@ fn zeroed_u16_vec<T: Copy>(n: usize) -> Vec<T> {
     unsafe { Vec::from_raw_parts(v.as_ptr() as *mut T, v.len(), v.capacity()) }
 }
 
+/// Writes the first element of every 4 KiB page of `v` with the value it holds. A volatile
+/// write, so the compiler cannot drop a store of an unchanged value.
+fn touch_pages<T: Copy>(v: &mut [T]) {
+    let step = (4096 / std::mem::size_of::<T>().max(1)).max(1);
+    for x in v.iter_mut().step_by(step) {
+        // SAFETY: `x` is a valid, aligned, exclusive reference.
+        unsafe { std::ptr::write_volatile(x, *x) };
+    }
+}
+
 /// A type-erased pair of mutable K and V slices, so callers dispatch on dtype once.
 pub enum LayerKvMut<'a> {
     F32(&'a mut [f32], &'a mut [f32]),
@@ -80,6 +90,19 @@ impl KvCache {
             layout,
             shape,
             layers,
+        }
+    }
+
+    /// Maps in every page of the storage now, by writing the zero each page already holds.
+    pub fn prefault(&mut self) {
+        for layer in &mut self.layers {
+            for buf in [&mut layer.k, &mut layer.v] {
+                match buf {
+                    KvBuf::F32(v) => touch_pages(v),
+                    KvBuf::Bf16(v) => touch_pages(v),
+                    KvBuf::F16(v) => touch_pages(v),
+                }
+            }
         }
     }
 

@@ -9,6 +9,11 @@ use super::rope::RopeTables;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::LayerKvMut;
 
+/// Token rows from which rope and the Q/K/V split run on every kernel thread.
+const ROPE_PARALLEL_ROWS: usize = 16;
+/// Token rows from which they are cut into several tasks per thread.
+const ROPE_BALANCED_ROWS: usize = 64;
+
 /// Runs `f` on the contiguous CPU slice behind `t`.
 pub(crate) fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
     let t = t.contiguous()?;
@@ -115,11 +120,12 @@ pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
             SharedRows::new(&mut k, hkv * d),
             SharedRows::new(&mut v, hkv * d),
         );
-        // Rope is cheap per token; only spread it over threads for long prefill chunks.
-        let tasks = if t >= 64 {
-            kernels::pool_threads() * 4
-        } else {
-            1
+        // Rope is cheap per token: a decode batch of a few dozen rows is worth one task per
+        // thread, a prefill chunk several for balance, a handful of rows no hand-off at all.
+        let tasks = match t {
+            0..ROPE_PARALLEL_ROWS => 1,
+            ROPE_PARALLEL_ROWS..ROPE_BALANCED_ROWS => kernels::pool_threads(),
+            _ => kernels::pool_threads() * 4,
         };
         let per = t.div_ceil(tasks);
         kernels::parallel_for(tasks, &|task| {
