@@ -4,7 +4,7 @@
 # then simulated with the same flags; prints p50/p90 TTFT and TPOT, real and simulated.
 # The recipe of loadtest/README.md ("Checking the simulator against real runs"), as one script.
 #
-#   loadtest/scenarios/simval.sh            # OUT=.bench/simval-DATE, RATE=1, DURATION=60s, ROUNDS=3
+#   loadtest/scenarios/simval.sh            # OUT=.bench/simval-DATE, RATE=1, DURATION=60s, ROUNDS=3, CAL_REPEATS=5
 #
 # Needs `cargo build --release` (fission, fission-loadtest) and jq. Each real run is bounded
 # by DURATION and stops its cluster; ports are free ones on loopback.
@@ -16,6 +16,9 @@ RATE=${RATE:-1}
 DURATION=${DURATION:-60s}
 BLOCKS=${BLOCKS:-1024}
 ROUNDS=${ROUNDS:-3}
+# Timings per calibration point (medians kept): 3 let one slow phase of this shared machine
+# through (a prefill fit 10.6% off, a push priced at twice its usual figure).
+CAL_REPEATS=${CAL_REPEATS:-5}
 BIN=target/release
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
@@ -77,6 +80,7 @@ for r in $(seq 1 "$ROUNDS"); do
   prefill_metrics=$(grep -oP "prefill-0 grpc=\S+ metrics=\K\S+" "$D/cal-1p1d-up.log")
   $BIN/fission-loadtest simulate calibrate --model "$M" --kv-blocks "$BLOCKS" --measure-link quic \
     --prefill 32,128,256,512,1024 --batch 1,2,4,8,16 --context 64,256,1024 \
+    --repeats "$CAL_REPEATS" --node-rounds "$CAL_REPEATS" \
     --node-gateway "http://127.0.0.1:${PORTS[cal-1c]}" --node-metrics "$node_metrics" \
     --prefill-gateway "http://127.0.0.1:${PORTS[cal-1p1d]}" --prefill-metrics "$prefill_metrics" \
     --out "$D/local.json" > /dev/null 2> "$D/calibrate.txt"
