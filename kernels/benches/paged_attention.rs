@@ -283,12 +283,12 @@ fn main() {
         from_memory_row(32, 200, 30),
     ];
     println!(
-        "{:<34} {:>10} {:>14} {:>10} {:>14} {:>8}",
+        "{:<46} {:>10} {:>14} {:>10} {:>14} {:>8}",
         "workload", "kernel", "kernel rate", "baseline", "baseline rate", "speedup"
     );
     for r in rows {
         println!(
-            "{:<34} {:>10} {:>14} {:>10} {:>14} {:>7.1}x",
+            "{:<46} {:>10} {:>14} {:>10} {:>14} {:>7.1}x",
             r.name,
             format!("{:.2?}", r.fast),
             format!("{:.1} {}", r.fast_rate, r.unit),
