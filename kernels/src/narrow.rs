@@ -70,11 +70,12 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     let mut c0 = tile.keys_from;
     while c0 < key_end {
         let n = STEP_KEYS.min(key_end - c0);
-        let rows = step_rows(inp, tile, c0, n, k_stage, v_stage);
+        let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
         // Every line of the step's K and V rows is asked for before the first score: the
         // loads below then find them in flight, where on their own they waited on memory a
         // few lines at a time.
-        prefetch_step(inp, tile, c0, n);
+        prefetch_rows(inp, tile, &starts, n);
+        let rows = step_rows(inp, tile, &starts, n, k_stage, v_stage);
         let m_start = (tile.first_live_row(c0) - tile.row_begin) * per_row;
         for m in m_start..vectors {
             let pos = tile.first_pos() + tile.row_begin + m / per_row;
@@ -178,6 +179,17 @@ pub(crate) fn prefetch_step<T: KvElem>(
     n: usize,
 ) {
     let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
+    prefetch_rows(inp, tile, &starts, n);
+}
+
+/// Asks for the first `n` K and V rows at `starts` (every kv head of the tile) to come into L2.
+#[inline(always)]
+fn prefetch_rows<T: KvElem>(
+    inp: &AttnInputs<'_, T>,
+    tile: &Tile<'_>,
+    starts: &[usize; STEP_KEYS],
+    n: usize,
+) {
     let width = inp.layout.head_dim * tile.kv_heads;
     let line = 64 / std::mem::size_of::<T>();
     for cache in [inp.k_cache, inp.v_cache] {
@@ -189,22 +201,21 @@ pub(crate) fn prefetch_step<T: KvElem>(
     }
 }
 
-/// Borrows the rows of keys `c0..c0 + n` as f32: in place for an f32 cache, converted into
-/// the stage buffers otherwise. Rows at `n` and beyond repeat the first.
+/// Borrows the first `n` rows at `starts` (a step's keys) as f32: in place for an f32 cache,
+/// converted into the stage buffers otherwise. Rows at `n` and beyond repeat the first.
 #[inline(always)]
 fn step_rows<'c, T: KvElem>(
     inp: &'c AttnInputs<'_, T>,
     tile: &Tile<'_>,
-    c0: usize,
+    starts: &[usize; STEP_KEYS],
     n: usize,
     k_stage: &'c mut Vec<f32>,
     v_stage: &'c mut Vec<f32>,
 ) -> StepRows<'c> {
     let width = inp.layout.head_dim * tile.kv_heads;
-    let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
     StepRows {
-        k: cache_rows(inp.k_cache, &starts, n, width, k_stage),
-        v: cache_rows(inp.v_cache, &starts, n, width, v_stage),
+        k: cache_rows(inp.k_cache, starts, n, width, k_stage),
+        v: cache_rows(inp.v_cache, starts, n, width, v_stage),
     }
 }
 
