@@ -52,6 +52,9 @@ def ratio(a_rounds, b_rounds, key):
 
 
 limits = [json.loads(f.read_text()) for f in sorted(run.glob("limits-*.json"))]
+isa_file = run / "isa.txt"
+if isa_file.exists() and isa_file.read_text().strip() != "native":
+    print(f"\nEvery engine capped at {isa_file.read_text().strip()} (run_engine_bench.sh ISA=...).")
 models = sorted({re.match(r"fission-(.+)-r\d+\.json$", f.name).group(1) for f in run.glob("fission-*-r*.json")})
 for model in models:
     data = {e: load_rounds(e, model) for e in ENGINES}
@@ -78,3 +81,5 @@ if limits:
     peaks = [l["gemm_peak_gflops"] for l in limits]
     print(f"\nCeilings (before and after the rounds): read bandwidth {', '.join(f'{r:.1f}' for r in reads)} GB/s; "
           f"packed GEMM best {', '.join(f'{p:.0f}' for p in peaks)} GFLOP/s.")
+    isas = sorted({l.get("kernel_isa", "?") for l in limits})
+    print(f"Fission's kernels: {', '.join(isas)}.")

@@ -4,6 +4,11 @@
 #   engine/benches/run_engine_bench.sh            # ROUNDS=5, both models
 #   ROUNDS=7 MODELS=smollm2 engine/benches/run_engine_bench.sh
 #   INT8=0 engine/benches/run_engine_bench.sh    # without the int8 rows
+#   ISA=avx2 engine/benches/run_engine_bench.sh  # every engine on AVX2 without AVX-512
+#
+# ISA=avx2 measures the path a CPU without AVX-512 takes, on one that has it: Fission under
+# FISSION_MAX_ISA=avx2, llama.cpp built for AVX2 (setup.sh's LLAMA_ISA=avx2, .peers/llama.cpp/
+# build-avx2), and torch with its own dispatch (ATen, MKL, oneDNN) capped at AVX2.
 #
 # Builds the peers into .peers/ (engine/benches/peers/setup.sh), then runs ROUNDS rounds; each
 # round runs Fission, llama.cpp and transformers once per model (one repeat per figure), in an
@@ -17,13 +22,21 @@
 # `lscpu` to $OUT/lscpu.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-bash engine/benches/peers/setup.sh
+ISA="${ISA:-native}"
+case "$ISA" in
+  native) LLAMA_BUILD=build ;;
+  avx2) LLAMA_BUILD=build-avx2
+        export FISSION_MAX_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+  *) echo "ISA must be native or avx2, not $ISA" >&2; exit 2 ;;
+esac
+LLAMA_ISA="$ISA" bash engine/benches/peers/setup.sh
 cargo build --release --workspace --all-targets
 M=.models/smollm2-135m-bench
 [ -f "$M/model.safetensors" ] || target/release/fission make-random-model --shape smollm2-135m --out "$M"
-OUT=.bench/engine-$(date +%Y%m%d-%H%M%S)
+OUT=.bench/engine-$([[ "$ISA" == native ]] || echo "$ISA-")$(date +%Y%m%d-%H%M%S)
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
+echo "$ISA" > "$OUT/isa.txt"
 PY=.peers/venv/bin/python
 ROUNDS="${ROUNDS:-5}"
 INT8="${INT8:-1}"
@@ -34,8 +47,8 @@ run_one() { # engine model_dir out.json
   case "$1" in
     fission) target/release/fission bench engine --model "$2" --repeats 1 --out "$3" >/dev/null ;;
     fission_int8) target/release/fission bench engine --model "$2" --quantize int8 --repeats 1 --out "$3" >/dev/null ;;
-    llamacpp) $PY engine/benches/peers/bench_llamacpp.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
-    llamacpp_q8_0) $PY engine/benches/peers/bench_llamacpp.py --model "$2" --outtype q8_0 --repeats 1 --out "$3" >/dev/null ;;
+    llamacpp) $PY engine/benches/peers/bench_llamacpp.py --build "$LLAMA_BUILD" --model "$2" --repeats 1 --out "$3" >/dev/null ;;
+    llamacpp_q8_0) $PY engine/benches/peers/bench_llamacpp.py --build "$LLAMA_BUILD" --model "$2" --outtype q8_0 --repeats 1 --out "$3" >/dev/null ;;
     transformers) $PY engine/benches/peers/bench_transformers.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
   esac
 }

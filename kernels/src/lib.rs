@@ -47,3 +47,4 @@ pub use layout::CacheShape;
 pub use packed::{PackedWeight, WeightDtype, PANEL};
 pub use pool::{parallel_for, pool_threads};
 pub use q8::Q8_BLOCK;
+pub use simd::kernel_isa;

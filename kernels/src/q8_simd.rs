@@ -35,10 +35,13 @@ impl QIsa {
         *ISA.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                let avx2 = is_x86_feature_detected!("avx2")
+                let cap = crate::simd::IsaCap::get();
+                let avx2 = cap >= crate::simd::IsaCap::Avx2
+                    && is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c");
                 let bw = avx2
+                    && cap >= crate::simd::IsaCap::Avx512
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw");
                 if bw && is_x86_feature_detected!("avx512vnni") {

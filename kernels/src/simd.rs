@@ -36,6 +36,50 @@ pub(crate) fn prefetch_l2<T>(p: *const T) {
     let _ = p;
 }
 
+/// The widest instruction set an operator allows the kernels, from `FISSION_MAX_ISA`:
+/// `avx512`, `avx2` or `portable` (unset, or any other value: no cap). It exists so that the
+/// path a CPU without AVX-512 takes can be measured, and served, on one that has it, as
+/// oneDNN's `ONEDNN_MAX_CPU_ISA` allows; the engine benchmark's `ISA=avx2` runs use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum IsaCap {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl IsaCap {
+    /// The cap this process runs under, read once.
+    pub(crate) fn get() -> IsaCap {
+        static CAP: OnceLock<IsaCap> = OnceLock::new();
+        *CAP.get_or_init(|| IsaCap::parse(std::env::var("FISSION_MAX_ISA").ok().as_deref()))
+    }
+
+    fn parse(value: Option<&str>) -> IsaCap {
+        match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            Some("avx2") => IsaCap::Avx2,
+            Some("portable") => IsaCap::Portable,
+            _ => IsaCap::Avx512,
+        }
+    }
+}
+
+/// The instruction sets the kernels picked in this process, for benchmark records: the f32
+/// kernels' and the int8 GEMM's, e.g. `avx512 (int8: vnni)`.
+pub fn kernel_isa() -> String {
+    let f32_isa = match Isa::detect() {
+        Isa::Avx512 => "avx512",
+        Isa::Avx2Fma => "avx2",
+        Isa::Portable => "portable",
+    };
+    let q8 = match crate::q8_simd::QIsa::detect() {
+        crate::q8_simd::QIsa::Vnni => "vnni",
+        crate::q8_simd::QIsa::Avx512Bw => "avx512bw",
+        crate::q8_simd::QIsa::Avx2 => "avx2",
+        crate::q8_simd::QIsa::Portable => "portable",
+    };
+    format!("{f32_isa} (int8: {q8})")
+}
+
 /// Instruction sets the kernels have been instantiated for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -54,8 +98,11 @@ impl Isa {
         *ISA.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                let avx2_fma = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-                if avx2_fma && is_x86_feature_detected!("avx512f") {
+                let cap = IsaCap::get();
+                let avx2_fma = cap >= IsaCap::Avx2
+                    && is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma");
+                if avx2_fma && cap >= IsaCap::Avx512 && is_x86_feature_detected!("avx512f") {
                     return Isa::Avx512;
                 }
                 if avx2_fma {
@@ -343,6 +390,17 @@ mod tests {
         for (j, g) in got.iter().enumerate() {
             assert_eq!(*g, (0..LANES).map(|l| (j * 100 + l) as f32).sum::<f32>());
         }
+    }
+
+    #[test]
+    fn the_isa_cap_reads_its_three_names_and_ignores_the_rest() {
+        assert_eq!(IsaCap::parse(Some("avx2")), IsaCap::Avx2);
+        assert_eq!(IsaCap::parse(Some(" AVX2 ")), IsaCap::Avx2);
+        assert_eq!(IsaCap::parse(Some("portable")), IsaCap::Portable);
+        assert_eq!(IsaCap::parse(Some("avx512")), IsaCap::Avx512);
+        assert_eq!(IsaCap::parse(Some("sse9")), IsaCap::Avx512);
+        assert_eq!(IsaCap::parse(None), IsaCap::Avx512);
+        assert!(IsaCap::Portable < IsaCap::Avx2 && IsaCap::Avx2 < IsaCap::Avx512);
     }
 
     #[test]

@@ -186,6 +186,7 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
         "prefill_tok_s": prefill,
         "decode_single_tok_s": single,
         "decode_batch_tok_s": batched,
+        "kernel_isa": kernels::kernel_isa(),
         "notes": format!("median of {repeats}; {} threads", kernels::pool_threads()),
     });
     println!("{}", serde_json::to_string_pretty(&report)?);

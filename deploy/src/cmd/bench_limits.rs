@@ -77,6 +77,7 @@ pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
         "gemm_step_gflops": step,
         "gemm_int8_gops": gemm_int8,
         "threads": kernels::pool_threads(),
+        "kernel_isa": kernels::kernel_isa(),
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(out) = args.out {

@@ -127,10 +127,12 @@ def main() -> int:
                     help="llama-bench -r and llama-batched-bench runs (default: 5 and 3; --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, small sets")
     ap.add_argument("--peers-dir", default=str(REPO_ROOT / ".peers"))
+    ap.add_argument("--build", default="build",
+                    help="llama.cpp build folder under .peers/llama.cpp (build-avx2: LLAMA_ISA=avx2 in setup.sh)")
     args = ap.parse_args()
 
     peers = Path(args.peers_dir).resolve()
-    bindir = peers / "llama.cpp" / "build" / "bin"
+    bindir = peers / "llama.cpp" / args.build / "bin"
     bench_bin, batched_bin = bindir / "llama-bench", bindir / "llama-batched-bench"
     for b in (bench_bin, batched_bin):
         if not b.exists():
@@ -219,6 +221,7 @@ def main() -> int:
         "engine": "llama.cpp",
         "model": model_dir.name,
         "weights": args.outtype,
+        "build": args.build,
         "prefill_tok_s": prefill,
         "decode_single_tok_s": decode_single,
         "decode_batch_tok_s": decode_batch,

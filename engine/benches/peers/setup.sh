@@ -5,12 +5,15 @@
 #   .peers/sdist/                the llama-cpp-python sdist (source only, no wheel)
 #   .peers/llama.cpp/            the llama.cpp tree vendored in that sdist (convert_hf_to_gguf.py lives here)
 #   .peers/llama.cpp/build/bin/  llama-bench, llama-batched-bench
+#   .peers/llama.cpp/build-avx2/bin/  the same, built for AVX2 without AVX-512 (LLAMA_ISA=avx2)
 #
 # Idempotent: every step is skipped when its output already exists. Safe to re-run after a failure.
 # Environment knobs:
 #   PEERS_DIR            (default <repo>/.peers)
 #   LLAMA_CPP_PY_VERSION (default: latest on PyPI; BASELINES.md used 0.3.36)
 #   JOBS                 (default 2: the build machine is shared)
+#   LLAMA_ISA            native (default: GGML_NATIVE, whatever this CPU has) or avx2 (AVX2, FMA,
+#                        F16C and BMI2, no AVX-512: the build a CPU without AVX-512 would run)
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,7 +22,15 @@ PEERS_DIR="${PEERS_DIR:-$REPO_ROOT/.peers}"
 VENV="$PEERS_DIR/venv"
 SDIST_DIR="$PEERS_DIR/sdist"
 LLAMA_DIR="$PEERS_DIR/llama.cpp"
-BUILD_DIR="$LLAMA_DIR/build"
+LLAMA_ISA="${LLAMA_ISA:-native}"
+case "$LLAMA_ISA" in
+    native) BUILD_NAME=build; ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    avx2) BUILD_NAME=build-avx2
+          ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF) ;;
+    *) echo "LLAMA_ISA must be native or avx2, not $LLAMA_ISA" >&2; exit 2 ;;
+esac
+BUILD_DIR="$LLAMA_DIR/$BUILD_NAME"
 JOBS="${JOBS:-2}"
 PY="${PYTHON:-python3}"
 
@@ -87,13 +98,13 @@ fi
 if [[ -x "$BUILD_DIR/bin/llama-bench" && -x "$BUILD_DIR/bin/llama-batched-bench" ]]; then
     log "llama.cpp tools already built in $BUILD_DIR/bin"
 else
-    log "building llama.cpp (Release, GGML_NATIVE=ON, -j$JOBS); this takes several minutes"
+    log "building llama.cpp (Release, ${ISA_FLAGS[*]}, -j$JOBS); this takes several minutes"
     (
         cd "$LLAMA_DIR"
-        if [[ ! -f build/build.ninja ]]; then
-            cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+        if [[ ! -f "$BUILD_NAME/build.ninja" ]]; then
+            cmake -B "$BUILD_NAME" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF
         fi
-        nice -n 10 cmake --build build --target llama-batched-bench llama-bench -j"$JOBS"
+        nice -n 10 cmake --build "$BUILD_NAME" --target llama-batched-bench llama-bench -j"$JOBS"
     )
 fi
 
