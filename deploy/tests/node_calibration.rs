@@ -40,6 +40,8 @@ async fn a_nodes_steps_are_timed_against_the_engines_through_real_clusters() {
         prompt_tokens: 8,
         new_tokens: 8,
         rounds: 2,
+        // stories260K's steps are short: a long batch outlasts the prefill timed beside it.
+        beside_new_tokens: 200,
         prompt_kv_bytes: 1e4,
         first_extra_id: 512,
         vocab: 49152,
@@ -65,6 +67,13 @@ async fn a_nodes_steps_are_timed_against_the_engines_through_real_clusters() {
         .push_step_s_per_byte
         .expect("the 1P+1D cluster was timed");
     assert!(push.is_finite() && push >= 0.0, "{factors:?}");
+    let decode_cores = factors
+        .decode_step_cores
+        .expect("the prefill node was timed beside a decode batch");
+    assert!(
+        decode_cores.is_finite() && decode_cores >= 0.0,
+        "{factors:?}"
+    );
 
     // Folded into a profile: the fits scale by the factors and the push takes the node's price.
     let mut profile = CostModel::load("h100-llama8b").unwrap();
@@ -87,4 +96,5 @@ async fn a_nodes_steps_are_timed_against_the_engines_through_real_clusters() {
     assert!((l.prefill.b - 2.0 * factors.prefill).abs() < 1e-12);
     assert!((l.decode.c - 6.0 * factors.decode).abs() < 1e-12);
     assert_eq!(profile.link.push_step_s_per_byte, push);
+    assert_eq!(profile.decode_step_cores, Some(decode_cores));
 }

@@ -197,7 +197,8 @@ struct CalibrateArgs {
     /// Rounds of node against engine, alternating; the medians are kept.
     #[arg(long, default_value_t = 3)]
     node_rounds: usize,
-    /// The prompt of the node's requests (tokens), and the new tokens of its decode request.
+    /// The prompt of the node's requests (tokens), and the new tokens of its decode request
+    /// (twice as many for each of the batch the 1P+1D prefill step is timed beside).
     #[arg(long, default_value_t = 128)]
     node_prompt: usize,
     #[arg(long, default_value_t = 64)]
@@ -229,9 +230,13 @@ impl SimCommon {
         c.node.max_num_seqs = self.max_num_seqs;
         c.node.max_prefill_chunk_tokens = self.max_prefill_chunk_tokens;
         c.node.enable_prefix_caching = !self.disable_prefix_caching;
-        c.node.shared_host = self.shared_host_cores.map(|cores| SharedHost {
-            cores,
-            threads_per_node: self.threads_per_node.unwrap_or(cores),
+        let decode_step_cores = c.cost.decode_step_cores;
+        c.node.shared_host = self.shared_host_cores.map(|cores| {
+            SharedHost::new(
+                cores,
+                self.threads_per_node.unwrap_or(cores),
+                decode_step_cores,
+            )
         });
         c.gateway.routing = self.routing;
         c.gateway.max_local_prefill_tokens = self.max_local_prefill_tokens;
@@ -466,6 +471,7 @@ fn run_calibrate(a: CalibrateArgs, first_extra_id: usize, vocab: usize) -> anyho
                 prompt_tokens: a.node_prompt,
                 new_tokens: a.node_new_tokens,
                 rounds: a.node_rounds,
+                beside_new_tokens: 2 * a.node_new_tokens,
                 prompt_kv_bytes: (shape.kv_bytes_per_token()
                     * a.node_prompt.div_ceil(a.block_size) as u64
                     * a.block_size as u64) as f64,
@@ -477,12 +483,15 @@ fn run_calibrate(a: CalibrateArgs, first_extra_id: usize, vocab: usize) -> anyho
             })?;
             eprint!("{}", factors.report);
             eprintln!(
-                "node / engine: prefill {:.3}, decode {:.3}; push {}",
+                "node / engine: prefill {:.3}, decode {:.3}; push {}; a decode step takes {} cores",
                 factors.prefill,
                 factors.decode,
                 factors
                     .push_step_s_per_byte
-                    .map_or("not measured".into(), |p| format!("{:.2} ns/B", p * 1e9))
+                    .map_or("not measured".into(), |p| format!("{:.2} ns/B", p * 1e9)),
+                factors
+                    .decode_step_cores
+                    .map_or("(not measured)".into(), |c| format!("{c:.2}"))
             );
             Some(factors)
         }
@@ -497,7 +506,7 @@ fn run_calibrate(a: CalibrateArgs, first_extra_id: usize, vocab: usize) -> anyho
         cal.profile.sources.insert(
             "node".into(),
             format!(
-                "the fits scaled by a node's steps over the engine's, timed alternately through running clusters by `simulate calibrate --node-gateway` (prompt {} tokens, {} rounds, medians): prefill x{:.3}, decode x{:.3}{}",
+                "the fits scaled by a node's steps over the engine's, timed alternately through running clusters by `simulate calibrate --node-gateway` (prompt {} tokens, {} rounds, medians): prefill x{:.3}, decode x{:.3}{}{}",
                 a.node_prompt,
                 a.node_rounds,
                 f.prefill,
@@ -505,6 +514,9 @@ fn run_calibrate(a: CalibrateArgs, first_extra_id: usize, vocab: usize) -> anyho
                 f.push_step_s_per_byte.map_or(String::new(), |p| format!(
                     "; link.push_step_s_per_byte from the 1P+1D prefill node's step over the colocated node's: {:.2} ns/B",
                     p * 1e9
+                )),
+                f.decode_step_cores.map_or(String::new(), |c| format!(
+                    "; decode_step_cores from the 1P+1D prefill node's step beside the colocated node decoding a batch over its step alone: {c:.2}"
                 ))
             ),
         );

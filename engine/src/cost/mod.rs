@@ -53,6 +53,14 @@ pub struct CostModel {
     pub step: StepCost,
     pub link: Link,
     pub node: NodeSpec,
+    /// Cores a decode-only step keeps busy on a host whose cores several nodes share, as a
+    /// prefill step beside one measures it (`simulate calibrate --node-gateway` with
+    /// `--prefill-gateway`). A CPU decode step of a small batch leaves its threads waiting on
+    /// memory and on its engine thread (sampling, scheduling, streaming), so it takes less
+    /// than all of its threads' cores from the node beside it. `None`: all of them. Only a
+    /// simulated cluster on one host (`simulate --shared-host-cores`) reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_step_cores: Option<f64>,
     /// Where each figure comes from, by field path (`"step.mfu"`, `"link.latency_s"`).
     #[serde(default)]
     pub sources: BTreeMap<String, String>,
@@ -409,6 +417,7 @@ pub mod testing {
                 kv_blocks: 1000,
                 block_size: 16,
             },
+            decode_step_cores: None,
             sources: BTreeMap::new(),
         }
     }

@@ -414,6 +414,7 @@ pub fn calibrate(
         step: StepCost::Linear(step),
         link,
         node,
+        decode_step_cores: None,
         sources,
     };
     profile.validate(name)?;

@@ -107,20 +107,45 @@ pub struct NodeSettings {
     pub shared_host: Option<SharedHost>,
 }
 
-/// One machine's cores shared by all the simulated nodes: while k nodes compute, each step
-/// advances at 1 / [`Self::stretch`]`(k)` of its speed alone (processor sharing, re-timed
-/// whenever a step starts or ends). The profile's times are those of one node alone with
-/// `threads_per_node` threads.
+/// One machine's cores shared by all the simulated nodes: while steps asking for more cores
+/// than the host has compute, each advances at 1 / [`Self::stretch`] of its speed alone
+/// (processor sharing, re-timed whenever a step starts or ends). The profile's times are
+/// those of one node alone with `threads_per_node` threads.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SharedHost {
     pub cores: f64,
     pub threads_per_node: f64,
+    /// Cores a decode-only step asks for, at most `threads_per_node`: the profile's
+    /// `decode_step_cores` where calibration measured it.
+    pub decode_step_cores: f64,
 }
 
 impl SharedHost {
-    /// The factor a step's time is stretched by when `busy` nodes (this one included) compute.
-    pub fn stretch(&self, busy: usize) -> f64 {
-        (busy as f64 * self.threads_per_node / self.cores).max(1.0)
+    /// A host of `cores` whose nodes run `threads_per_node` threads, each decode-only step
+    /// asking for `decode_step_cores` of them (all when `None`).
+    pub fn new(cores: f64, threads_per_node: f64, decode_step_cores: Option<f64>) -> SharedHost {
+        SharedHost {
+            cores,
+            threads_per_node,
+            decode_step_cores: decode_step_cores
+                .unwrap_or(threads_per_node)
+                .clamp(0.0, threads_per_node),
+        }
+    }
+
+    /// Cores a step asks for: every thread's while it computes prompt tokens.
+    pub fn demand(&self, prefill_tokens: usize) -> f64 {
+        if prefill_tokens > 0 {
+            self.threads_per_node
+        } else {
+            self.decode_step_cores
+        }
+    }
+
+    /// The factor each step's time is stretched by while the steps computing ask for
+    /// `demand` cores in all (this one's included).
+    pub fn stretch(&self, demand: f64) -> f64 {
+        (demand / self.cores).max(1.0)
     }
 }
 

@@ -10,6 +10,7 @@
 //! the same steps in between, alternating, so that the machine's drift falls on both.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use engine::ids::SeqId;
@@ -43,6 +44,9 @@ pub struct NodeProbe<'a> {
     /// and these.
     pub new_tokens: usize,
     pub rounds: usize,
+    /// New tokens of each sequence of the decode batch a prefill step is timed beside
+    /// (prompts of `prompt_tokens`): enough to outlast that step several times over.
+    pub beside_new_tokens: usize,
     /// KV bytes a prompt of `prompt_tokens` pushes.
     pub prompt_kv_bytes: f64,
     /// `--prompt-style extra`'s ids, as the load generator sends them.
@@ -50,12 +54,19 @@ pub struct NodeProbe<'a> {
     pub vocab: usize,
 }
 
-/// Node step ÷ engine step, and the prefill node's extra seconds per pushed byte.
+/// Sequences in the decode batch a prefill step is timed beside.
+const BESIDE_BATCH: usize = 4;
+
+/// Node step ÷ engine step, the prefill node's extra seconds per pushed byte, and the cores
+/// a decode step takes from a prefill beside it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeFactors {
     pub prefill: f64,
     pub decode: f64,
     pub push_step_s_per_byte: Option<f64>,
+    /// [`CostModel::decode_step_cores`], from the prefill node's step beside a decoding
+    /// node over its step alone.
+    pub decode_step_cores: Option<f64>,
     pub report: String,
 }
 
@@ -73,7 +84,17 @@ impl NodeFactors {
         if let Some(p) = self.push_step_s_per_byte {
             profile.link.push_step_s_per_byte = p;
         }
+        if self.decode_step_cores.is_some() {
+            profile.decode_step_cores = self.decode_step_cores;
+        }
     }
+}
+
+/// The cores a decode step asks of a host of `cores` whose nodes run a thread per core, from
+/// a prefill step's time beside it over its time alone: processor sharing stretches both by
+/// (cores + decode cores) / cores.
+fn decode_step_cores(stretch: f64, cores: f64) -> f64 {
+    (cores * (stretch - 1.0)).clamp(0.0, cores)
 }
 
 fn failed(reason: String) -> LoadError {
@@ -158,26 +179,42 @@ impl NodeProbe<'_> {
                 }
                 _ => None,
             };
-            rows.push((engine_prefill, prefill, engine_decode, decode, pushing));
+            let beside = match (&disaggregated, &self.disaggregated) {
+                (Some(c), Some(e)) => Some(
+                    self.prefill_beside_decodes(&http, &colocated, c, e, r)
+                        .await?,
+                ),
+                _ => None,
+            };
+            rows.push((
+                engine_prefill,
+                prefill,
+                engine_decode,
+                decode,
+                pushing,
+                beside,
+            ));
         }
         let mut report = format!(
             "node steps against the engine's (prompt {} tokens, decode batch 1 over {}-{} tokens):\n\
-             | round | engine prefill ms | node prefill ms | engine decode ms | node decode ms | prefill node ms |\n\
-             |---:|---:|---:|---:|---:|---:|\n",
+             | round | engine prefill ms | node prefill ms | engine decode ms | node decode ms | prefill node ms | beside a decode batch of {BESIDE_BATCH} ms |\n\
+             |---:|---:|---:|---:|---:|---:|---:|\n",
             self.prompt_tokens,
             self.prompt_tokens,
             self.prompt_tokens + self.new_tokens
         );
-        for (i, (ep, np, ed, nd, pp)) in rows.iter().enumerate() {
+        let ms = |v: &Option<f64>| v.map_or("-".into(), |p| format!("{:.1}", p * 1e3));
+        for (i, (ep, np, ed, nd, pp, bp)) in rows.iter().enumerate() {
             let _ = writeln!(
                 report,
-                "| {} | {:.1} | {:.1} | {:.2} | {:.2} | {} |",
+                "| {} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} |",
                 i + 1,
                 ep * 1e3,
                 np * 1e3,
                 ed * 1e3,
                 nd * 1e3,
-                pp.map_or("-".into(), |p| format!("{:.1}", p * 1e3))
+                ms(pp),
+                ms(bp)
             );
         }
         let push = rows
@@ -185,10 +222,18 @@ impl NodeProbe<'_> {
             .map(|r| r.4.map(|p| (p - r.1) / self.prompt_kv_bytes))
             .collect::<Option<Vec<f64>>>()
             .map(|v| median(v).max(0.0));
+        // The nodes run a thread per core (their default), as this process's pool does.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let decode_cores = rows
+            .iter()
+            .map(|r| Some(r.5? / r.4?))
+            .collect::<Option<Vec<f64>>>()
+            .map(|v| decode_step_cores(median(v), cores));
         Ok(NodeFactors {
             prefill: median(rows.iter().map(|r| r.1 / r.0).collect()),
             decode: median(rows.iter().map(|r| r.3 / r.2).collect()),
             push_step_s_per_byte: push,
+            decode_step_cores: decode_cores,
             report,
         })
     }
@@ -246,6 +291,80 @@ impl NodeProbe<'_> {
         Ok(())
     }
 
+    /// The histogram `name` on `e`'s metrics page now: (sum, count).
+    async fn read(
+        &self,
+        http: &reqwest::Client,
+        e: &NodeEndpoint,
+        name: &str,
+    ) -> Result<(f64, f64), LoadError> {
+        let page = http
+            .get(&e.metrics)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .map_err(LoadError::Client)?
+            .text()
+            .await
+            .map_err(LoadError::Client)?;
+        sum_count(&page, name).ok_or_else(|| failed(format!("no {name} at {}", e.metrics)))
+    }
+
+    /// The 1P+1D prefill node's step (seconds, a prompt of `prompt_tokens`, pushed) while
+    /// the colocated cluster's node decodes a batch of [`BESIDE_BATCH`] on the same host:
+    /// over the same step alone, it tells how much of the host a decode step takes.
+    async fn prefill_beside_decodes(
+        &self,
+        http: &reqwest::Client,
+        colocated: &Client,
+        disaggregated: &Client,
+        e: &NodeEndpoint,
+        round: usize,
+    ) -> Result<f64, LoadError> {
+        const STEPS: &str = "fission_decode_step_seconds";
+        let start = self.read(http, &self.colocated, STEPS).await?.1;
+        let load_done = AtomicBool::new(false);
+        let load = async {
+            let batch = (0..BESIDE_BATCH)
+                .map(|i| self.send(colocated, self.beside_new_tokens, 10_000 + 10 * round + i));
+            let sent = futures::future::try_join_all(batch).await;
+            load_done.store(true, Ordering::Release);
+            sent
+        };
+        let measure = async {
+            // The batch's prompts take a step or a few; past that, its node only decodes.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while self.read(http, &self.colocated, STEPS).await?.1
+                < start + (BESIDE_BATCH + 4) as f64
+            {
+                if Instant::now() > deadline {
+                    return Err(failed("the colocated node took no decode steps".into()));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let (sum, count) = self
+                .node_steps(
+                    http,
+                    disaggregated,
+                    e,
+                    "fission_prefill_step_seconds",
+                    2,
+                    20_000 + round,
+                )
+                .await?;
+            if load_done.load(Ordering::Acquire) {
+                return Err(failed(format!(
+                    "the decode batch ended before the prefill step beside it ({} new tokens)",
+                    self.beside_new_tokens
+                )));
+            }
+            Ok(sum / count)
+        };
+        let (sent, measured) = tokio::join!(load, measure);
+        sent?;
+        measured
+    }
+
     /// The step histogram `name` on `e` across one request of `new_tokens`: (seconds, steps),
     /// at least one step.
     async fn node_steps(
@@ -257,21 +376,9 @@ impl NodeProbe<'_> {
         new_tokens: usize,
         seed: usize,
     ) -> Result<(f64, f64), LoadError> {
-        let read = || async {
-            let page = http
-                .get(&e.metrics)
-                .timeout(Duration::from_secs(10))
-                .send()
-                .await
-                .map_err(LoadError::Client)?
-                .text()
-                .await
-                .map_err(LoadError::Client)?;
-            sum_count(&page, name).ok_or_else(|| failed(format!("no {name} at {}", e.metrics)))
-        };
-        let before = read().await?;
+        let before = self.read(http, e, name).await?;
         self.send(client, new_tokens, seed).await?;
-        let after = read().await?;
+        let after = self.read(http, e, name).await?;
         let (sum, count) = (after.0 - before.0, after.1 - before.1);
         if count < 1.0 {
             return Err(failed(format!("{name} counted no step at {}", e.metrics)));
@@ -282,7 +389,17 @@ impl NodeProbe<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::sum_count;
+    use super::{decode_step_cores, sum_count};
+
+    #[test]
+    fn a_prefills_stretch_beside_a_decode_step_gives_the_cores_that_step_took() {
+        // 2 cores, a prefill on both: a decode step on 1 more core stretches it to 1.5.
+        assert!((decode_step_cores(1.5, 2.0) - 1.0).abs() < 1e-12);
+        assert_eq!(decode_step_cores(2.0, 2.0), 2.0);
+        // Noise either side of the possible range is clamped into it.
+        assert_eq!(decode_step_cores(0.9, 2.0), 0.0);
+        assert_eq!(decode_step_cores(2.6, 2.0), 2.0);
+    }
 
     #[test]
     fn a_histograms_sum_and_count_are_read_and_its_buckets_are_not() {

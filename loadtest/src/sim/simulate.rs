@@ -110,6 +110,8 @@ struct Share {
     work_left_s: f64,
     rate: f64,
     since_s: f64,
+    /// Cores the step asks for ([`super::cluster::SharedHost::demand`]).
+    cores: f64,
 }
 
 /// Simulates `requests` (sorted by arrival) on `cluster`.
@@ -371,11 +373,12 @@ impl<'a> Sim<'a> {
             step_s += cost.kv_bytes(work.prefill_tokens) * cost.link.push_step_s_per_byte;
         }
         self.steps += 1;
-        if self.cluster.node.shared_host.is_some() {
+        if let Some(host) = self.cluster.node.shared_host {
             self.shares[n] = Some(Share {
                 work_left_s: step_s,
                 rate: 1.0,
                 since_s: self.now_s,
+                cores: host.demand(work.prefill_tokens),
             });
             self.reshare();
         } else {
@@ -390,8 +393,8 @@ impl<'a> Sim<'a> {
         let Some(host) = self.cluster.node.shared_host else {
             return;
         };
-        let busy = self.shares.iter().filter(|s| s.is_some()).count();
-        let rate = 1.0 / host.stretch(busy);
+        let demand: f64 = self.shares.iter().flatten().map(|s| s.cores).sum();
+        let rate = 1.0 / host.stretch(demand);
         let now = self.now_s;
         for (n, share) in self.shares.iter_mut().enumerate() {
             let Some(s) = share else {

@@ -382,10 +382,7 @@ fn the_planner_gives_a_prefill_heavy_workload_more_prefill_nodes() {
 fn nodes_sharing_a_hosts_cores_slow_each_other_only_while_both_compute() {
     let m = standard();
     let mut c = cluster(Topology::Colocated { nodes: 2 }, m.clone());
-    c.node.shared_host = Some(super::cluster::SharedHost {
-        cores: 2.0,
-        threads_per_node: 2.0,
-    });
+    c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, None));
     let input = 256;
     let w = m.prefill_s(input);
     // Alone on the host: the profile's time.
@@ -413,6 +410,32 @@ fn nodes_sharing_a_hosts_cores_slow_each_other_only_while_both_compute() {
 }
 
 #[test]
+fn a_decode_step_asks_the_shared_host_for_the_cores_calibration_measured() {
+    let m = standard();
+    let mut c = cluster(Topology::Colocated { nodes: 2 }, m.clone());
+    let input = 256;
+    let w = m.prefill_s(input);
+    // Node 0 decodes a long answer throughout; node 1's prompt arrives once it decodes.
+    let reqs = [req(0, 16, 2000, 0.0), req(1, input, 1, 1.0)];
+    // (decode_step_cores, the prompt's stretch): 2 + d cores asked of 2.
+    for (decode_cores, stretch) in [
+        (None, 2.0),
+        (Some(1.0), 1.5),
+        (Some(0.0), 1.0),
+        (Some(9.0), 2.0),
+    ] {
+        c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, decode_cores));
+        let out = run(&c, &reqs);
+        let ttft = out[1].ttft_s.expect("a first token");
+        assert!(
+            close(ttft, stretch * w),
+            "{decode_cores:?}: {ttft} against {}",
+            stretch * w
+        );
+    }
+}
+
+#[test]
 fn a_push_lengthens_its_prefill_step_by_the_profiles_price_per_byte() {
     let mut m = standard();
     // 1 µs per byte: a 256-token prompt's 0.262 MB adds 0.262 s.
@@ -429,10 +452,7 @@ fn a_push_lengthens_its_prefill_step_by_the_profiles_price_per_byte() {
     let alone = &run(&c, &[req(0, input, 1, 0.0)])[0];
     assert!(close(alone.ttft_s.expect("a first token"), with_push));
     // On a shared host too, where it then stretches like the rest of the step.
-    c.node.shared_host = Some(super::cluster::SharedHost {
-        cores: 2.0,
-        threads_per_node: 2.0,
-    });
+    c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, None));
     let shared = &run(&c, &[req(0, input, 1, 0.0)])[0];
     assert!(close(shared.ttft_s.unwrap(), with_push));
     // Colocated nodes push nothing.
