@@ -107,10 +107,18 @@ pub struct NodeSettings {
     pub shared_host: Option<SharedHost>,
 }
 
-/// One machine's cores shared by all the simulated nodes: while steps asking for more cores
-/// than the host has compute, each advances at 1 / [`Self::stretch`] of its speed alone
-/// (processor sharing, re-timed whenever a step starts or ends). The profile's times are
-/// those of one node alone with `threads_per_node` threads.
+/// One machine shared by all the simulated nodes: its cores, and its memory bandwidth. While
+/// the steps computing ask for more of either than the host has, each advances at
+/// 1 / [`Self::stretch`] of its speed alone (processor sharing, re-timed whenever a step
+/// starts or ends). The profile's times are those of one node alone with `threads_per_node`
+/// threads.
+///
+/// Two resources, because the steps differ: a prefill step keeps all its threads computing,
+/// while a decode step of the small batches such a host serves streams every weight at the
+/// host's read bandwidth (a batch-1 step measured at 99-104% of it) with its threads partly
+/// idle. So two decode steps halve each other's speed (the bandwidth), a prefill beside a
+/// decode step loses only the cores that step takes (`decode_step_cores`, measured), and two
+/// prefills halve each other's speed (the cores).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SharedHost {
     pub cores: f64,
@@ -118,6 +126,23 @@ pub struct SharedHost {
     /// Cores a decode-only step asks for, at most `threads_per_node`: the profile's
     /// `decode_step_cores` where calibration measured it.
     pub decode_step_cores: f64,
+}
+
+/// What a step asks of a [`SharedHost`]: cores, and the share of its read bandwidth.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Demand {
+    pub cores: f64,
+    pub bandwidth: f64,
+}
+
+impl std::ops::Add for Demand {
+    type Output = Demand;
+    fn add(self, o: Demand) -> Demand {
+        Demand {
+            cores: self.cores + o.cores,
+            bandwidth: self.bandwidth + o.bandwidth,
+        }
+    }
 }
 
 impl SharedHost {
@@ -133,19 +158,27 @@ impl SharedHost {
         }
     }
 
-    /// Cores a step asks for: every thread's while it computes prompt tokens.
-    pub fn demand(&self, prefill_tokens: usize) -> f64 {
+    /// What a step asks for: every thread's core while it computes prompt tokens (their
+    /// weight reads are spread over many tokens' work); the measured cores and all the
+    /// bandwidth for a decode-only step.
+    pub fn demand(&self, prefill_tokens: usize) -> Demand {
         if prefill_tokens > 0 {
-            self.threads_per_node
+            Demand {
+                cores: self.threads_per_node,
+                bandwidth: 0.0,
+            }
         } else {
-            self.decode_step_cores
+            Demand {
+                cores: self.decode_step_cores,
+                bandwidth: 1.0,
+            }
         }
     }
 
     /// The factor each step's time is stretched by while the steps computing ask for
-    /// `demand` cores in all (this one's included).
-    pub fn stretch(&self, demand: f64) -> f64 {
-        (demand / self.cores).max(1.0)
+    /// `demand` in all (this one's included).
+    pub fn stretch(&self, demand: Demand) -> f64 {
+        (demand.cores / self.cores).max(demand.bandwidth).max(1.0)
     }
 }
 

@@ -27,7 +27,7 @@ use engine::ids::{BlockId, SeqId};
 use engine::scheduler::NewSequence;
 use gateway::cluster::routing::{policy, RoutingPolicy};
 
-use super::cluster::{SimCluster, Topology};
+use super::cluster::{Demand, SimCluster, Topology};
 use super::cost::{kv_arrival_s, StepWork};
 use super::events::{Event, EventQueue};
 use super::node::{NodeRole, SimNode};
@@ -110,8 +110,8 @@ struct Share {
     work_left_s: f64,
     rate: f64,
     since_s: f64,
-    /// Cores the step asks for ([`super::cluster::SharedHost::demand`]).
-    cores: f64,
+    /// What the step asks of the host ([`super::cluster::SharedHost::demand`]).
+    demand: Demand,
 }
 
 /// Simulates `requests` (sorted by arrival) on `cluster`.
@@ -378,7 +378,7 @@ impl<'a> Sim<'a> {
                 work_left_s: step_s,
                 rate: 1.0,
                 since_s: self.now_s,
-                cores: host.demand(work.prefill_tokens),
+                demand: host.demand(work.prefill_tokens),
             });
             self.reshare();
         } else {
@@ -393,7 +393,11 @@ impl<'a> Sim<'a> {
         let Some(host) = self.cluster.node.shared_host else {
             return;
         };
-        let demand: f64 = self.shares.iter().flatten().map(|s| s.cores).sum();
+        let demand = self
+            .shares
+            .iter()
+            .flatten()
+            .fold(Demand::default(), |sum, s| sum + s.demand);
         let rate = 1.0 / host.stretch(demand);
         let now = self.now_s;
         for (n, share) in self.shares.iter_mut().enumerate() {

@@ -433,6 +433,14 @@ fn a_decode_step_asks_the_shared_host_for_the_cores_calibration_measured() {
             stretch * w
         );
     }
+    // Two decode steps share the host's read bandwidth, whatever cores they take: two
+    // requests in lockstep, one per node, take twice one's time.
+    c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, Some(1.0)));
+    let alone = run(&c, &[req(0, 16, 50, 0.0)])[0].e2e_s;
+    let both = run(&c, &[req(0, 16, 50, 0.0), req(1, 16, 50, 0.0)]);
+    for r in &both {
+        assert!(close(r.e2e_s, 2.0 * alone), "{} against {alone}", r.e2e_s);
+    }
 }
 
 #[test]
