@@ -191,10 +191,19 @@ def main() -> int:
     ctx = max(8192, max(batch_sizes) * (BATCH_PROMPT_LEN + batch_new))
     per_b: dict[int, list[float]] = {b: [] for b in batch_sizes}
     for i in range(batched_runs):
-        text = run_cmd([str(batched_bin), "-m", str(gguf), "-t", t, "-tb", t, "-c", str(ctx),
-                        "-npp", str(BATCH_PROMPT_LEN), "-ntg", str(batch_new),
-                        "-npl", ",".join(map(str, batch_sizes)), "--output-format", "jsonl"])
-        rows = parse_batched_bench(text)
+        # One retry: a run has now and then printed no row for its largest batch (seen once, on
+        # stories260K's Q8_0 in the AVX2 build), which would end a 30-minute alternating run.
+        for attempt in range(2):
+            text = run_cmd([str(batched_bin), "-m", str(gguf), "-t", t, "-tb", t, "-c", str(ctx),
+                            "-npp", str(BATCH_PROMPT_LEN), "-ntg", str(batch_new),
+                            "-npl", ",".join(map(str, batch_sizes)), "--output-format", "jsonl"])
+            rows = parse_batched_bench(text)
+            missing = [b for b in batch_sizes if b not in rows]
+            if not missing:
+                break
+            if attempt == 1:
+                raise RuntimeError(f"llama-batched-bench printed no row for batch {missing}:\n" + text[-2000:])
+            log(f"no row for batch {missing}; running it again")
         for b in batch_sizes:
             per_b[b].append(round(rows[b]["speed_tg"], 2))
         log(f"batched run {i + 1}/{batched_runs}: " + ", ".join(f"B={b}: {rows[b]['speed_tg']:.1f}" for b in batch_sizes))
