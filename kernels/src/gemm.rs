@@ -17,6 +17,10 @@
 //! decode step's GEMMs at batch 32 ran at about 160 GFLOP/s against 210 with the weights in
 //! cache, and about 180 with the shares (`fission bench limits`, "one step").
 //!
+//! A prefill (several row blocks) walks each input block's panel groups once per row block,
+//! and fetches the next group's rows in the same shares: with the weights coming from memory
+//! rather than from a cache, that made AVX2 prefill 512 1.2x faster (AVX-512 level).
+//!
 //! Threads split the panels into contiguous ranges: disjoint output columns, nothing to sum.
 //! Products too small to repay a fork-join run on the calling thread.
 
@@ -287,6 +291,13 @@ unsafe fn task<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
             let mut p = p0;
             while p < p1 {
                 let np = if p1 - p >= NP { NP } else { 1 };
+                // The next panel group's rows of this input block come in while these run,
+                // as in the decode order above.
+                let next = if p + np < p1 {
+                    job.b.wrapping_add(((p + np) * k + kb) * PANEL)
+                } else {
+                    std::ptr::null()
+                };
                 // SAFETY: the block lies inside the task's panels and the checked x and out.
                 unsafe {
                     rows_block::<S, W, NP, MR>(
@@ -299,7 +310,7 @@ unsafe fn task<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
                             mc,
                             p,
                             np,
-                            next: std::ptr::null(),
+                            next,
                         },
                     )
                 };
@@ -351,9 +362,12 @@ unsafe fn rows_block<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
     // evenly instead of in a burst that stalls the first tile.
     let tiles = mc.div_ceil(MR);
     let share = kc.div_ceil(tiles);
+    // Rows dealt evenly over the tiles (32 on AVX2's 6-row tiles: 6, 6, 5, 5, 5, 5, not five
+    // 6s and a 2): a short tile has too few FMA chains to hide the FMA latency.
+    let (base, extra) = (mc / tiles, mc % tiles);
     let mut r = mb;
-    while r < mb + mc {
-        let rows = MR.min(mb + mc - r);
+    for tile in 0..tiles {
+        let rows = base + usize::from(tile < extra);
         let t = Tile {
             // SAFETY (all three): r < m, kb < k, p * PANEL < n: in bounds.
             a: unsafe { job.x.add(r * k + kb) },
@@ -369,7 +383,7 @@ unsafe fn rows_block<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
             pf: if next.is_null() {
                 next
             } else {
-                next.wrapping_add((r - mb) / MR * share * PANEL)
+                next.wrapping_add(tile * share * PANEL)
             },
             pf_every: tiles,
         };
@@ -599,6 +613,8 @@ mod tests {
             (17, 513, 100),
             (32, 64, 512),
             (130, 40, 48),
+            // Several row blocks, each dealt unevenly over its tiles, across panel groups.
+            (300, 200, 200),
             // Panel counts that leave tails short of a full group: 2, and 3 + 2.
             (5, 70, 32),
             (64, 576, 80),
