@@ -10,7 +10,7 @@
 use std::cell::RefCell;
 
 use crate::layout::check_len;
-use crate::narrow::{self, STEP_KEYS};
+use crate::narrow::{Ahead, STEP_KEYS};
 use crate::pool;
 use crate::simd::Isa;
 use crate::split;
@@ -145,22 +145,25 @@ impl<T: KvElem> AttentionArgs<'_, T> {
                 // its first keys come in while this one computes. A decode tile is often a
                 // single step, so the step-ahead prefetch inside the tile has nothing to hide
                 // behind. A wrong guess costs only the bandwidth.
-                if let Some(next) = plan.items.get(i + ahead) {
-                    if !next.is_wide(group, d) {
+                let mut next = match plan.items.get(i + ahead) {
+                    Some(next) if !next.is_wide(group, d) => {
                         let keys = next
                             .key_end()
                             .min(next.keys_to)
                             .saturating_sub(next.keys_from);
-                        narrow::prefetch_step(&inputs, next, next.keys_from, STEP_KEYS.min(keys));
+                        Ahead::new(&inputs, next, next.keys_from, STEP_KEYS.min(keys))
                     }
-                }
+                    _ => Ahead::NONE,
+                };
                 SCRATCH.with(|scratch| {
                     let scratch = &mut scratch.borrow_mut();
                     // SAFETY: validation made the sequences' rows disjoint, the tiles partition
                     // each sequence's (rows, kv head) pairs and split-K parts get slots of
                     // their own, so no two items write the same place; `isa` is supported by
                     // the caller's contract.
-                    unsafe { attend_tile(isa, &inputs, &plan.items[i], scratch, &outputs) };
+                    unsafe {
+                        attend_tile(isa, &inputs, &plan.items[i], scratch, &outputs, &mut next)
+                    };
                 })
             });
         }

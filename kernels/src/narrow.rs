@@ -34,6 +34,7 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     tile: &Tile<'_>,
     scratch: &mut Scratch,
     out: &Outputs<'_, T>,
+    next: &mut Ahead,
 ) {
     let (d, g) = (inp.layout.head_dim, inp.group);
     let vectors = tile.vectors(g);
@@ -68,16 +69,33 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     let iota = simd.load(&IOTA);
     let key_end = tile.key_end().min(tile.keys_to);
     let mut c0 = tile.keys_from;
+    // The tile's next step, while this one computes; the last step fetches `next`, the item
+    // this thread most likely takes after this one.
+    let mut own: Ahead;
     while c0 < key_end {
         let n = STEP_KEYS.min(key_end - c0);
         let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
-        // Every line of the step's K and V rows is asked for before the first score: the
-        // loads below then find them in flight, where on their own they waited on memory a
-        // few lines at a time.
-        prefetch_rows(inp, tile, &starts, n);
+        if c0 == tile.keys_from {
+            // Every line of the first step's K and V rows is asked for before the first score
+            // (most are already on their way, fetched by the previous item): the loads below
+            // then find them in flight, where on their own they waited on memory a few lines
+            // at a time.
+            prefetch_rows(inp, tile, &starts, n);
+        }
         let rows = step_rows(inp, tile, &starts, n, k_stage, v_stage);
         let m_start = (tile.first_live_row(c0) - tile.row_begin) * per_row;
+        let ahead = if c0 + n < key_end {
+            own = Ahead::new(inp, tile, c0 + n, STEP_KEYS.min(key_end - c0 - n));
+            &mut own
+        } else {
+            &mut *next
+        };
+        // One share per query vector for the scores and one for P·V: the next rows are read
+        // at a steady pace while this step computes, where one burst of a step's lines (1,536
+        // at 64 keys) held the core until most of them had arrived.
+        let share = ahead.remaining().div_ceil(2 * (vectors - m_start).max(1));
         for m in m_start..vectors {
+            ahead.issue(inp, share);
             let pos = tile.first_pos() + tile.row_begin + m / per_row;
             let valid = n.min(pos + 1 - c0);
             let qm = &q[m * d..][..d];
@@ -122,6 +140,7 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
         while seg < vectors {
             let head_at = (seg % per_row) / g * d;
             for_runs!(seg, (seg + run).min(vectors), S::NARROW_ROWS, |m0, r| {
+                ahead.issue(inp, share * r);
                 let rows = PvRows {
                     o: &mut o[m0 * d..],
                     p: &p[m0 * STEP_KEYS..],
@@ -140,6 +159,7 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
             });
             seg += run;
         }
+        ahead.issue(inp, usize::MAX);
         c0 += n;
     }
 
@@ -169,17 +189,67 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
     }
 }
 
-/// Asks for the K and V rows (every kv head of the tile) of keys `c0..c0 + n` to come into
-/// L2.
-#[inline(always)]
-pub(crate) fn prefetch_step<T: KvElem>(
-    inp: &AttnInputs<'_, T>,
-    tile: &Tile<'_>,
-    c0: usize,
-    n: usize,
-) {
-    let starts: [usize; STEP_KEYS] = chunk_starts(inp, tile, c0, n);
-    prefetch_rows(inp, tile, &starts, n);
+/// The K and V rows of some keys to come (every kv head of a tile), asked into L2 a few rows
+/// at a time: the rows of keys `c0..c0 + n` of one tile, K first, then V.
+pub(crate) struct Ahead {
+    starts: [usize; STEP_KEYS],
+    keys: usize,
+    /// Elements per row (the tile's kv heads) and per cache line.
+    width: usize,
+    line: usize,
+    /// The next row to ask for, of `2 * keys` (K rows, then V rows).
+    next: usize,
+}
+
+impl Ahead {
+    /// Nothing to ask for.
+    pub(crate) const NONE: Ahead = Ahead {
+        starts: [0; STEP_KEYS],
+        keys: 0,
+        width: 0,
+        line: 1,
+        next: 0,
+    };
+
+    /// The rows of keys `c0..c0 + n` of `tile`, none asked for yet.
+    #[inline(always)]
+    pub(crate) fn new<T: KvElem>(
+        inp: &AttnInputs<'_, T>,
+        tile: &Tile<'_>,
+        c0: usize,
+        n: usize,
+    ) -> Self {
+        Ahead {
+            starts: chunk_starts(inp, tile, c0, n),
+            keys: n,
+            width: inp.layout.head_dim * tile.kv_heads,
+            line: 64 / std::mem::size_of::<T>(),
+            next: 0,
+        }
+    }
+
+    /// Rows not yet asked for.
+    #[inline(always)]
+    pub(crate) fn remaining(&self) -> usize {
+        2 * self.keys - self.next
+    }
+
+    /// Asks for every line of the next `count` rows (or of all that remain).
+    #[inline(always)]
+    pub(crate) fn issue<T: KvElem>(&mut self, inp: &AttnInputs<'_, T>, count: usize) {
+        let end = self.next + count.min(self.remaining());
+        for r in self.next..end {
+            let (cache, st) = if r < self.keys {
+                (inp.k_cache, self.starts[r])
+            } else {
+                (inp.v_cache, self.starts[r - self.keys])
+            };
+            for at in (0..self.width).step_by(self.line) {
+                prefetch_l2(cache.as_ptr().wrapping_add(st + at));
+            }
+        }
+        self.next = end;
+    }
 }
 
 /// Asks for the first `n` K and V rows at `starts` (every kv head of the tile) to come into L2.

@@ -14,6 +14,7 @@
 
 use std::marker::PhantomData;
 
+use crate::narrow::Ahead;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2Fma, Avx512};
 use crate::simd::{Isa, Portable, Simd};
@@ -253,15 +254,16 @@ pub(crate) unsafe fn attend_tile<T: KvElem>(
     tile: &Tile<'_>,
     scratch: &mut Scratch,
     out: &Outputs<'_, T>,
+    next: &mut Ahead,
 ) {
     match isa {
         // SAFETY: the caller promises the CPU has these features.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512(inp, tile, scratch, out) },
+        Isa::Avx512 => unsafe { attend_avx512(inp, tile, scratch, out, next) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { attend_avx2(inp, tile, scratch, out) },
-        _ => attend(Portable, inp, tile, scratch, out),
+        Isa::Avx2Fma => unsafe { attend_avx2(inp, tile, scratch, out, next) },
+        _ => attend(Portable, inp, tile, scratch, out, next),
     }
 }
 
@@ -274,10 +276,11 @@ unsafe fn attend_avx512<T: KvElem>(
     tile: &Tile<'_>,
     scratch: &mut Scratch,
     out: &Outputs<'_, T>,
+    next: &mut Ahead,
 ) {
     // SAFETY: this function's own contract.
     let simd = unsafe { Avx512::new_unchecked() };
-    attend(simd, inp, tile, scratch, out);
+    attend(simd, inp, tile, scratch, out, next);
 }
 
 /// # Safety
@@ -289,10 +292,11 @@ unsafe fn attend_avx2<T: KvElem>(
     tile: &Tile<'_>,
     scratch: &mut Scratch,
     out: &Outputs<'_, T>,
+    next: &mut Ahead,
 ) {
     // SAFETY: this function's own contract.
     let simd = unsafe { Avx2Fma::new_unchecked() };
-    attend(simd, inp, tile, scratch, out);
+    attend(simd, inp, tile, scratch, out, next);
 }
 
 /// The ISA-generic body; always inlined into the `#[target_feature]` wrappers above.
@@ -303,14 +307,17 @@ fn attend<T: KvElem, S: Simd>(
     tile: &Tile<'_>,
     scratch: &mut Scratch,
     out: &Outputs<'_, T>,
+    next: &mut Ahead,
 ) {
     if tile.is_wide(inp.group, inp.layout.head_dim) {
+        // A prefill tile runs long enough that the next item's first keys arrive in time.
+        next.issue(inp, usize::MAX);
         match S::KEYS {
             16 => crate::wide::attend_wide::<T, S, 16>(simd, inp, tile, scratch, out),
             _ => crate::wide::attend_wide::<T, S, 4>(simd, inp, tile, scratch, out),
         }
     } else {
-        crate::narrow::attend_narrow(simd, inp, tile, scratch, out);
+        crate::narrow::attend_narrow(simd, inp, tile, scratch, out, next);
     }
 }
 
