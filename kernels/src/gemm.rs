@@ -464,44 +464,79 @@ unsafe fn micro<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(s: S, 
     }
     let (mut a, mut b) = (t.a, t.b);
     let mut pf = t.pf;
-    // Runs of `pf_every` inputs, each after one prefetch: no `i % pf_every` per input, for
-    // which LLVM kept a `div` in the loop that a 2-row AVX2 tile (4 FMAs an input) waited on.
-    let run = if pf.is_null() {
-        t.kc
-    } else {
-        t.pf_every.max(1)
-    };
-    let mut done = 0;
-    while done < t.kc {
-        if !pf.is_null() {
+    if pf.is_null() {
+        for _ in 0..t.kc {
+            // SAFETY: the caller's contract, for input `a - t.a`.
+            unsafe { fma_input(s, &mut acc, a, t.lda, b, t.panel_stride) };
+            // SAFETY: stays within (or one past) the rows and panels read above.
+            (a, b) = unsafe { (a.add(1), b.add(PANEL)) };
+        }
+    } else if t.pf_every <= 1 {
+        // The only tile of its block (batch 1): one prefetch per input, in the input loop
+        // itself rather than in runs of one, whose bookkeeping doubled the loop's instructions.
+        for _ in 0..t.kc {
             for q in 0..NP {
                 prefetch_l2(pf.wrapping_add(q * t.panel_stride));
             }
             pf = pf.wrapping_add(PANEL);
-        }
-        let inputs = run.min(t.kc - done);
-        done += inputs;
-        for _ in 0..inputs {
-            let mut bv = [zero; NP];
-            for (q, v) in bv.iter_mut().enumerate() {
-                // SAFETY: the caller's contract for b: kc vectors per panel.
-                *v = unsafe { W::load(s, b.add(q * t.panel_stride)) };
-            }
-            for (r, row) in acc.iter_mut().enumerate() {
-                // SAFETY: the caller's contract for a: MR rows of kc.
-                let av = s.splat(unsafe { *a.add(r * t.lda) });
-                for (v, bq) in row.iter_mut().zip(&bv) {
-                    *v = s.mul_add(av, *bq, *v);
-                }
-            }
-            // SAFETY: stays within (or one past) the rows and panels read above.
+            // SAFETY: as above.
+            unsafe { fma_input(s, &mut acc, a, t.lda, b, t.panel_stride) };
+            // SAFETY: as above.
             (a, b) = unsafe { (a.add(1), b.add(PANEL)) };
+        }
+    } else {
+        // Runs of `pf_every` inputs, each after one prefetch: no `i % pf_every` per input, for
+        // which LLVM kept a `div` in the loop that a 2-row AVX2 tile (4 FMAs an input) waited
+        // on.
+        let mut done = 0;
+        while done < t.kc {
+            for q in 0..NP {
+                prefetch_l2(pf.wrapping_add(q * t.panel_stride));
+            }
+            pf = pf.wrapping_add(PANEL);
+            let inputs = t.pf_every.min(t.kc - done);
+            done += inputs;
+            for _ in 0..inputs {
+                // SAFETY: as above.
+                unsafe { fma_input(s, &mut acc, a, t.lda, b, t.panel_stride) };
+                // SAFETY: as above.
+                (a, b) = unsafe { (a.add(1), b.add(PANEL)) };
+            }
         }
     }
     for (r, row) in acc.iter().enumerate() {
         for (q, v) in row.iter().enumerate() {
             // SAFETY: the caller's contract for c.
             unsafe { store_c(s, t.c.add(r * t.ldc + q * LANES), t.cols, q, *v) };
+        }
+    }
+}
+
+/// One input of a tile: `NP` panel vectors at `b`, one `x` value per row at `a` (rows `lda`
+/// apart), `MR * NP` FMAs.
+///
+/// # Safety
+/// `a` must be readable for `MR` rows at stride `lda`, `b` for one vector in each of `NP`
+/// panels `panel_stride` apart.
+#[inline(always)]
+unsafe fn fma_input<S: Simd, W: WeightElem, const NP: usize, const MR: usize>(
+    s: S,
+    acc: &mut [[S::V; NP]; MR],
+    a: *const f32,
+    lda: usize,
+    b: *const W,
+    panel_stride: usize,
+) {
+    let mut bv = [s.splat(0.0); NP];
+    for (q, v) in bv.iter_mut().enumerate() {
+        // SAFETY: the caller's contract for b.
+        *v = unsafe { W::load(s, b.add(q * panel_stride)) };
+    }
+    for (r, row) in acc.iter_mut().enumerate() {
+        // SAFETY: the caller's contract for a.
+        let av = s.splat(unsafe { *a.add(r * lda) });
+        for (v, bq) in row.iter_mut().zip(&bv) {
+            *v = s.mul_add(av, *bq, *v);
         }
     }
 }
