@@ -24,6 +24,8 @@ mod narrow;
 mod packed;
 mod pool;
 mod q8;
+#[cfg(target_arch = "x86_64")]
+mod q8_avx2;
 mod q8_gemm;
 mod q8_simd;
 #[cfg(target_arch = "x86_64")]

@@ -14,6 +14,7 @@
 use crate::error::KernelError;
 use crate::huge::HugeVec;
 use crate::q8::Q8Panels;
+use crate::q8_simd::QIsa;
 use crate::simd::LANES;
 
 /// Output columns per panel: one vector of f32.
@@ -89,7 +90,7 @@ impl PackedWeight {
         Ok(PackedWeight {
             k,
             n,
-            panels: Panels::Q8(Q8Panels::quantize_out_in(w, n, k)),
+            panels: Panels::Q8(Q8Panels::quantize_out_in(w, n, k, QIsa::detect().layout())),
         })
     }
 

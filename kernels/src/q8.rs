@@ -6,11 +6,12 @@
 //! so the weights take 34 bytes per 32, about a quarter of f32's. The panels follow
 //! [`crate::PackedWeight`]'s: [`PANEL`] output columns, one block of inputs after another, so
 //! a step still reads every weight byte once front to back whatever the batch. Inside a block
-//! the 32 inputs go in 8 groups of 4; a group holds the 4 inputs of each of the 16 columns
-//! next to each other (64 bytes, one cache line), which is the operand layout of VNNI's
-//! `vpdpbusd` (16 four-way int8 dot products into 16 i32 lanes) and of AVX2's
-//! `maddubs`/`madd` pair. The 16 scales of a block sit in a separate stream, so the groups
-//! stay cache-line aligned.
+//! the 32 inputs go in 8 groups of 4 (64 bytes, one cache line), whose byte order is the
+//! operands of the instruction set the process runs ([`QLayout`]): with AVX-512 the 4 inputs
+//! of each of the 16 columns sit next to each other, for VNNI's `vpdpbusd` (16 four-way int8
+//! dot products into 16 i32 lanes) and AVX-512BW's `maddubs`/`madd` pair; with AVX2 only,
+//! each column's inputs go in pairs, for `vpmaddwd` on i16. The 16 scales of a block sit in a
+//! separate stream, so the groups stay cache-line aligned.
 //!
 //! Weights are stored offset by +128 (as u8): `vpdpbusd` multiplies unsigned by signed bytes,
 //! and with unsigned weights and signed activations the only fix-up is
@@ -33,8 +34,31 @@ pub(crate) const GROUPS: usize = Q8_BLOCK / GROUP_INPUTS;
 /// The offset stored weights carry.
 pub(crate) const W_OFFSET: i32 = 128;
 
-/// One group: input `4 * g + j` of column `c` at byte `4 * c + j`, offset by +128.
-#[derive(Clone, Copy, Debug)]
+/// How the 64 bytes of a group are ordered: which kernel's operands they are. Chosen at load
+/// for the instruction set the process runs ([`crate::q8_simd::QIsa::layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QLayout {
+    /// Column `c`'s 4 inputs next to each other, at byte `4 * c + j`: one i32 lane of
+    /// `vpdpbusd` (or of `maddubs` then `madd`) per column.
+    Quads,
+    /// Per 8 columns, inputs 0 and 1 of each column (16 bytes), then inputs 2 and 3: widened
+    /// to i16, one `vpmaddwd` against a broadcast pair of activations puts both of a
+    /// column's products in that column's own i32 lane (the AVX2 kernel, [`crate::q8_avx2`]).
+    Pairs,
+}
+
+impl QLayout {
+    /// The byte of input `j` (0..4) of column `c` (0..16) in a group.
+    pub(crate) fn byte(self, c: usize, j: usize) -> usize {
+        match self {
+            QLayout::Quads => c * GROUP_INPUTS + j,
+            QLayout::Pairs => (c / 8) * 32 + (j / 2) * 16 + (c % 8) * 2 + j % 2,
+        }
+    }
+}
+
+/// One group: input `4 * g + j` of column `c` at byte `layout.byte(c, j)`, offset by +128.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C, align(64))]
 pub(crate) struct QGroup(pub(crate) [u8; GROUP_INPUTS * LANES]);
 
@@ -52,11 +76,14 @@ pub(crate) struct Q8Panels {
     /// f16 bit patterns: panel `p`, block `b`, column `c` at `(p * blocks + b) * LANES + c`.
     /// Columns past `n` have scale 0.
     pub(crate) scales: Vec<u16>,
+    /// The byte order inside each group.
+    pub(crate) layout: QLayout,
 }
 
 impl Q8Panels {
-    /// Quantises a checkpoint's `[n, k]` row-major weight (lengths checked by the caller).
-    pub(crate) fn quantize_out_in(w: &[f32], n: usize, k: usize) -> Self {
+    /// Quantises a checkpoint's `[n, k]` row-major weight (lengths checked by the caller) into
+    /// groups ordered as `layout`.
+    pub(crate) fn quantize_out_in(w: &[f32], n: usize, k: usize, layout: QLayout) -> Self {
         let blocks = k.div_ceil(Q8_BLOCK);
         let panels = n.div_ceil(LANES);
         let zero = QGroup([W_OFFSET as u8; GROUP_INPUTS * LANES]);
@@ -70,7 +97,7 @@ impl Q8Panels {
                 scales[at * LANES + lane] = half::f16::from_f32(scale).to_bits();
                 for (i, &v) in q.iter().enumerate().take(block.len()) {
                     let g = &mut groups[at * GROUPS + i / GROUP_INPUTS];
-                    g.0[lane * GROUP_INPUTS + i % GROUP_INPUTS] = (i32::from(v) + W_OFFSET) as u8;
+                    g.0[layout.byte(lane, i % GROUP_INPUTS)] = (i32::from(v) + W_OFFSET) as u8;
                 }
             }
         }
@@ -80,14 +107,32 @@ impl Q8Panels {
             blocks,
             groups,
             scales,
+            layout,
         }
+    }
+
+    /// The same weights with their groups reordered as `layout` (the tests run every kernel
+    /// on one quantisation).
+    #[cfg(test)]
+    pub(crate) fn with_layout(&self, layout: QLayout) -> Self {
+        let mut out = self.clone();
+        out.layout = layout;
+        for (to, from) in out.groups.iter_mut().zip(&self.groups) {
+            for c in 0..LANES {
+                for j in 0..GROUP_INPUTS {
+                    to.0[layout.byte(c, j)] = from.0[self.layout.byte(c, j)];
+                }
+            }
+        }
+        out
     }
 
     /// `W[i, j]` dequantised.
     pub(crate) fn get(&self, i: usize, j: usize) -> f32 {
         let at = (j / LANES) * self.blocks + i / Q8_BLOCK;
         let (lane, r) = (j % LANES, i % Q8_BLOCK);
-        let byte = self.groups[at * GROUPS + r / GROUP_INPUTS].0[lane * GROUP_INPUTS + r % 4];
+        let byte =
+            self.groups[at * GROUPS + r / GROUP_INPUTS].0[self.layout.byte(lane, r % GROUP_INPUTS)];
         let scale = half::f16::from_bits(self.scales[at * LANES + lane]).to_f32();
         (i32::from(byte) - W_OFFSET) as f32 * scale
     }
@@ -120,6 +165,8 @@ pub(crate) struct QActs {
     pub(crate) scale: Vec<f32>,
     /// `-128 * sum(q)` of each block, which cancels the weights' offset in `vpdpbusd`.
     pub(crate) comp: Vec<i32>,
+    /// `q` widened to i16, for the [`QLayout::Pairs`] kernel only (empty otherwise).
+    pub(crate) q16: Vec<i16>,
 }
 
 impl QActs {
@@ -172,7 +219,10 @@ mod tests {
         let w: Vec<f32> = (0..n * k)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
-        let p = Q8Panels::quantize_out_in(&w, n, k);
+        let quads = Q8Panels::quantize_out_in(&w, n, k, QLayout::Quads);
+        let pairs = Q8Panels::quantize_out_in(&w, n, k, QLayout::Pairs);
+        assert_eq!(pairs.groups, quads.with_layout(QLayout::Pairs).groups);
+        let p = quads;
         assert_eq!(p.blocks, 3);
         assert_eq!(p.groups.as_ptr() as usize % 64, 0);
         for j in 0..n {
@@ -183,6 +233,7 @@ mod tests {
                 // Half a quantisation step, plus the f16 rounding of the scale.
                 let tol = amax / 127.0 * 0.5 + amax * 1e-3;
                 let got = p.get(i, j);
+                assert_eq!(got, pairs.get(i, j));
                 assert!(
                     (got - row[i]).abs() <= tol,
                     "({i}, {j}): {got} vs {}",
@@ -204,10 +255,26 @@ mod tests {
     }
 
     #[test]
+    fn each_layout_places_every_input_once() {
+        for layout in [QLayout::Quads, QLayout::Pairs] {
+            let mut seen = [false; GROUP_INPUTS * LANES];
+            for c in 0..LANES {
+                for j in 0..GROUP_INPUTS {
+                    assert!(!std::mem::replace(&mut seen[layout.byte(c, j)], true));
+                }
+            }
+        }
+        // Pairs: 16 bytes hold inputs 0-1 of columns 0-7, column by column.
+        assert_eq!(QLayout::Pairs.byte(3, 1), 7);
+        assert_eq!(QLayout::Pairs.byte(3, 2), 22);
+        assert_eq!(QLayout::Pairs.byte(9, 0), 34);
+    }
+
+    #[test]
     fn the_largest_weight_maps_to_127() {
         let mut w = vec![0.5f32; 32];
         w[3] = -2.0;
-        let p = Q8Panels::quantize_out_in(&w, 1, 32);
+        let p = Q8Panels::quantize_out_in(&w, 1, 32, QLayout::Quads);
         assert_eq!(p.groups[0].0[3], (-127 + 128) as u8);
         assert_eq!(
             p.get(3, 0),

@@ -4,16 +4,18 @@
 //! +128) against 4 activations broadcast to every column: 16 four-way dot products into 16
 //! i32 lanes. VNNI does it in one `vpdpbusd` (unsigned weights × signed activations; the
 //! offset is cancelled by seeding each block's accumulator with `-128 * sum(activations)`).
-//! AVX-512BW and AVX2 have no such instruction and use llama.cpp's sign trick: the weights,
+//! AVX-512BW has no such instruction and uses llama.cpp's sign trick: the weights,
 //! made signed again, take the sign of the activation they meet, so `maddubs` multiplies
 //! `|a|` (unsigned) by `±w` (signed) without overflowing i16 (2 · 127 · 127 < 2^15), and
-//! `madd` by ones widens the pairs to i32. The portable build does it lane by lane.
+//! `madd` by ones widens the pairs to i32. The portable build does it lane by lane. AVX2
+//! alone gets a kernel of its own on i16 ([`crate::q8_avx2`]), which does not fit this
+//! vocabulary: its weights are ordered in pairs ([`crate::q8::QLayout::Pairs`]).
 //!
 //! As with [`crate::simd::Simd`], a token exists only once the CPU has been checked.
 
 use std::sync::OnceLock;
 
-use crate::q8::{GROUP_INPUTS, W_OFFSET};
+use crate::q8::{QLayout, GROUP_INPUTS, W_OFFSET};
 use crate::simd::LANES;
 
 /// Instruction sets the Q8 GEMM has been instantiated for, best first.
@@ -56,6 +58,14 @@ impl QIsa {
             }
             QIsa::Portable
         })
+    }
+
+    /// The byte order its kernel wants the weights' groups in.
+    pub(crate) fn layout(self) -> QLayout {
+        match self {
+            QIsa::Avx2 => QLayout::Pairs,
+            QIsa::Vnni | QIsa::Avx512Bw | QIsa::Portable => QLayout::Quads,
+        }
     }
 
     /// Every instruction set this CPU runs, best first: each implies the ones after it.
@@ -223,14 +233,13 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn x86_paths_match_portable() {
-        use crate::q8_simd_x86::{QAvx2, QAvx512Bw, QVnni};
+        use crate::q8_simd_x86::{QAvx512Bw, QVnni};
         for isa in QIsa::available() {
             // SAFETY (each arm): `available` lists only what this CPU runs.
             match isa {
                 QIsa::Vnni => matches_portable(unsafe { QVnni::new_unchecked() }),
                 QIsa::Avx512Bw => matches_portable(unsafe { QAvx512Bw::new_unchecked() }),
-                QIsa::Avx2 => matches_portable(unsafe { QAvx2::new_unchecked() }),
-                QIsa::Portable => {}
+                QIsa::Avx2 | QIsa::Portable => {}
             }
         }
     }

@@ -1,4 +1,5 @@
-//! [`QDot`] for x86-64: AVX-512 with VNNI, AVX-512BW, and AVX2 (two ymm per 16 lanes).
+//! [`QDot`] for x86-64: AVX-512 with VNNI, and AVX-512BW. (AVX2's kernel is
+//! [`crate::q8_avx2`].)
 //!
 //! Every method is `#[inline(always)]` so that it compiles, inside the `#[target_feature]`
 //! wrapper of the GEMM task, to the few instructions it names. The tokens can only be made by
@@ -132,109 +133,6 @@ impl QDot for QAvx512Bw {
         unsafe {
             let s = _mm512_mul_ps(w_scale, _mm512_set1_ps(a_scale));
             _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc)
-        }
-    }
-}
-
-/// AVX2 + FMA + F16C token.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct QAvx2 {
-    _detected: (),
-}
-
-impl QAvx2 {
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[inline(always)]
-    pub(crate) unsafe fn new_unchecked() -> Self {
-        QAvx2 { _detected: () }
-    }
-}
-
-// SAFETY (every `unsafe` block in this impl): a `QAvx2` exists only on a CPU with AVX2, FMA
-// and F16C; pointer validity is the caller's contract on the unsafe methods.
-impl QDot for QAvx2 {
-    /// Columns 0..8 and 8..16.
-    type I = [__m256i; 2];
-    type F = [__m256; 2];
-    /// Signed weights (the offset flipped back).
-    type W = [__m256i; 2];
-
-    #[inline(always)]
-    fn zero_f(self) -> [__m256; 2] {
-        unsafe { [_mm256_setzero_ps(); 2] }
-    }
-    #[inline(always)]
-    unsafe fn load_f(self, p: *const f32) -> [__m256; 2] {
-        unsafe { [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))] }
-    }
-    #[inline(always)]
-    unsafe fn store_f(self, p: *mut f32, v: [__m256; 2]) {
-        unsafe {
-            _mm256_storeu_ps(p, v[0]);
-            _mm256_storeu_ps(p.add(8), v[1]);
-        }
-    }
-    #[inline(always)]
-    unsafe fn load_scales(self, p: *const u16) -> [__m256; 2] {
-        unsafe {
-            [
-                _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-                _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast())),
-            ]
-        }
-    }
-    #[inline(always)]
-    unsafe fn load_group(self, p: *const u8) -> [__m256i; 2] {
-        unsafe {
-            let flip = _mm256_set1_epi8(-128);
-            [
-                _mm256_xor_si256(_mm256_load_si256(p.cast()), flip),
-                _mm256_xor_si256(_mm256_load_si256(p.add(32).cast()), flip),
-            ]
-        }
-    }
-    #[inline(always)]
-    fn seed(self, _comp: i32) -> [__m256i; 2] {
-        unsafe { [_mm256_setzero_si256(); 2] }
-    }
-    #[inline(always)]
-    fn dot(self, acc: [__m256i; 2], w: [__m256i; 2], a: i32) -> [__m256i; 2] {
-        unsafe {
-            let a = _mm256_set1_epi32(a);
-            let abs = _mm256_abs_epi8(a);
-            let ones = _mm256_set1_epi16(1);
-            // Written out rather than as a closure: closures do not get the target features.
-            let lo = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(w[0], a));
-            let hi = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(w[1], a));
-            [
-                _mm256_add_epi32(acc[0], _mm256_madd_epi16(lo, ones)),
-                _mm256_add_epi32(acc[1], _mm256_madd_epi16(hi, ones)),
-            ]
-        }
-    }
-    #[inline(always)]
-    fn fold(
-        self,
-        acc: [__m256; 2],
-        dot: [__m256i; 2],
-        w_scale: [__m256; 2],
-        a_scale: f32,
-    ) -> [__m256; 2] {
-        unsafe {
-            let a = _mm256_set1_ps(a_scale);
-            [
-                _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(dot[0]),
-                    _mm256_mul_ps(w_scale[0], a),
-                    acc[0],
-                ),
-                _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(dot[1]),
-                    _mm256_mul_ps(w_scale[1], a),
-                    acc[1],
-                ),
-            ]
         }
     }
 }
