@@ -170,8 +170,13 @@ pub(crate) struct QActs {
 }
 
 impl QActs {
-    /// Sizes the buffers for `m` rows of `blocks` blocks, reusing their allocations.
-    pub(crate) fn resize(&mut self, m: usize, blocks: usize) {
+    /// Sizes the buffers for `m` rows of `blocks` blocks, `q16` too where `wide`, reusing
+    /// their allocations.
+    pub(crate) fn resize(&mut self, m: usize, blocks: usize, wide: bool) {
+        self.q16.clear();
+        if wide {
+            self.q16.resize(m * blocks * Q8_BLOCK, 0);
+        }
         self.q.clear();
         self.q.resize(m * blocks * Q8_BLOCK, 0);
         self.scale.clear();
@@ -286,7 +291,7 @@ mod tests {
     fn activations_carry_their_sums() {
         let x: Vec<f32> = (0..40).map(|i| i as f32 - 20.0).collect();
         let mut a = QActs::default();
-        a.resize(1, 2);
+        a.resize(1, 2, false);
         quantize_row(&x, &mut a.q, &mut a.scale, &mut a.comp);
         assert_eq!(a.q[0], -127);
         assert_eq!(&a.q[40..], &[0; 24]);

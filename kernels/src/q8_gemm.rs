@@ -70,11 +70,7 @@ fn run_job(
         isa.layout(),
         "Q8 weights packed for another kernel"
     );
-    quantize(isa, x, m, k, blocks, acts);
-    if w.layout == QLayout::Pairs {
-        acts.q16.clear();
-        acts.q16.extend(acts.q.iter().map(|&v| i16::from(v)));
-    }
+    quantize(isa, x, m, k, blocks, w.layout == QLayout::Pairs, acts);
     let job = Job {
         a: acts.q.as_ptr(),
         a16: acts.q16.as_ptr(),
@@ -115,45 +111,65 @@ fn run_job(
     }
 }
 
-/// Quantises the `m` rows of `x` into `acts`, on the pool when there are many.
-fn quantize(isa: QIsa, x: &[f32], m: usize, k: usize, blocks: usize, acts: &mut QActs) {
-    acts.resize(m, blocks);
+/// Quantises the `m` rows of `x` into `acts` (widened to i16 too where `wide`: each row
+/// while it is in cache), on the pool when there are many.
+fn quantize(isa: QIsa, x: &[f32], m: usize, k: usize, blocks: usize, wide: bool, acts: &mut QActs) {
+    acts.resize(m, blocks, wide);
     let row_bytes = blocks * Q8_BLOCK;
     if m * k < PARALLEL_QUANT_MIN || m < 2 {
         for (r, xr) in x.chunks_exact(k).enumerate() {
+            let q = &mut acts.q[r * row_bytes..(r + 1) * row_bytes];
             quantize_row_on(
                 isa,
                 xr,
-                &mut acts.q[r * row_bytes..(r + 1) * row_bytes],
+                q,
                 &mut acts.scale[r * blocks..(r + 1) * blocks],
                 &mut acts.comp[r * blocks..(r + 1) * blocks],
             );
+            if wide {
+                widen_row(q, &mut acts.q16[r * row_bytes..(r + 1) * row_bytes]);
+            }
         }
         return;
     }
     let tasks = pool::threads().min(m);
     let per = m.div_ceil(tasks);
-    let (q, scale, comp) = (
+    let (q, scale, comp, q16) = (
         SyncPtr(acts.q.as_mut_ptr()),
         SyncPtr(acts.scale.as_mut_ptr()),
         SyncPtr(acts.comp.as_mut_ptr()),
+        SyncPtr(acts.q16.as_mut_ptr()),
     );
     pool::run(tasks, &|t| {
         let rows = (t * per).min(m)..((t + 1) * per).min(m);
         for r in rows {
-            // SAFETY: each task owns rows `t * per..`, disjoint slices of the three buffers,
-            // which `resize` sized for m rows; the caller holds `&mut acts` throughout.
+            // SAFETY: each task owns rows `t * per..`, disjoint slices of the four buffers,
+            // which `resize` sized for m rows (`q16` only where `wide`); the caller holds
+            // `&mut acts` throughout.
             unsafe {
+                let qr = std::slice::from_raw_parts_mut(q.get().add(r * row_bytes), row_bytes);
                 quantize_row_on(
                     isa,
                     &x[r * k..(r + 1) * k],
-                    std::slice::from_raw_parts_mut(q.get().add(r * row_bytes), row_bytes),
+                    qr,
                     std::slice::from_raw_parts_mut(scale.get().add(r * blocks), blocks),
                     std::slice::from_raw_parts_mut(comp.get().add(r * blocks), blocks),
-                )
+                );
+                if wide {
+                    let wr =
+                        std::slice::from_raw_parts_mut(q16.get().add(r * row_bytes), row_bytes);
+                    widen_row(qr, wr);
+                }
             };
         }
     });
+}
+
+/// One row of quantised activations, widened for the [`QLayout::Pairs`] kernel.
+fn widen_row(q: &[i8], q16: &mut [i16]) {
+    for (w, &v) in q16.iter_mut().zip(q) {
+        *w = i16::from(v);
+    }
 }
 
 /// [`quantize_row`] compiled for `isa`, so that its max and rounding loops vectorise.
@@ -327,8 +343,8 @@ unsafe fn task<K: TileKernel>(kernel: K, job: &Job, p0: usize, p1: usize) {
             // memory and the rest from L1, so every tile fetches a share of the next panels'
             // lines into L2 while it computes, instead of the next first tile stalling on
             // them all. Rows are dealt evenly (a short tile has too few chains in flight).
-            // Worked out once per row block: divisions per tile cost a batch-1 tile (16
-            // dot instructions a block on VNNI) 3-5%.
+            // Worked out once per row block, not per tile: a batch-1 tile on VNNI is only 16
+            // dot instructions a block, and a few divisions would be a visible share of it.
             let tiles = mc.div_ceil(K::MR);
             let (base, extra) = (mc / tiles, mc % tiles);
             let lines = nb * Q8_BLOCK * LANES / 64;
@@ -418,9 +434,8 @@ pub(crate) struct QTile {
 
 impl QTile {
     /// Block `b`'s turn of the tile's prefetches, in `panels` panels. Kernels call it only in
-    /// their instances for tiles with a `pf` (a const generic), so a batch-1 tile's loop
-    /// carries none of its bookkeeping: that cost 4-7% on VNNI, where such a block is only 16
-    /// dot instructions.
+    /// their instances for tiles with a `pf` (a const generic), so a batch-1 tile's loop on
+    /// VNNI, only 16 dot instructions a block, carries none of its bookkeeping.
     #[inline(always)]
     pub(crate) fn prefetch(&self, b: usize, panels: usize) {
         let start = b * self.pf_per_block;
