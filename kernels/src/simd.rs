@@ -126,8 +126,11 @@ impl Isa {
 pub(crate) trait Simd: Copy {
     type V: Copy;
 
-    /// Keys per chunk on the wide path (16 or 4): that many score vectors stay in registers.
+    /// Keys whose score vectors the wide path accumulates in registers at once (16, 6 or 4).
     const KEYS: usize;
+    /// Keys per chunk on the wide path (16, 24 or 4, a multiple of `KEYS`): one online-softmax
+    /// rescale and one pass over the output accumulators per chunk.
+    const WIDE_CHUNK: usize;
     /// Output dims the wide path's P·V updates at once (independent FMA chains per key).
     const WIDE_DIMS: usize;
     /// Query vectors the narrow path's P·V updates at once (at most 4).
@@ -186,6 +189,7 @@ impl Simd for Portable {
     type V = [f32; LANES];
 
     const KEYS: usize = 4;
+    const WIDE_CHUNK: usize = 4;
     const WIDE_DIMS: usize = 4;
     const NARROW_ROWS: usize = 2;
     const NARROW_CHUNKS: usize = 2;

@@ -17,7 +17,7 @@ use std::marker::PhantomData;
 use crate::narrow::Ahead;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2Fma, Avx512};
-use crate::simd::{Isa, Portable, Simd};
+use crate::simd::{Isa, Portable, Simd, LANES};
 use crate::wide::{STAGE_STRIDE, WIDE_MAX_HEAD_DIM};
 use crate::{CacheShape, KvElem};
 
@@ -139,6 +139,8 @@ pub(crate) struct Scratch {
     /// The current chunk's K and V rows at a fixed stride (wide path).
     pub k_rows: Vec<[f32; STAGE_STRIDE]>,
     pub v_rows: Vec<[f32; STAGE_STRIDE]>,
+    /// The current chunk's scores, then probabilities, per key (wide path).
+    pub chunk: Vec<[f32; LANES]>,
     /// f32 copies of the current chunk's K and V rows when the cache is not f32.
     pub k_stage: Vec<f32>,
     pub v_stage: Vec<f32>,
@@ -312,9 +314,10 @@ fn attend<T: KvElem, S: Simd>(
     if tile.is_wide(inp.group, inp.layout.head_dim) {
         // A prefill tile runs long enough that the next item's first keys arrive in time.
         next.issue(inp, usize::MAX);
-        match S::KEYS {
-            16 => crate::wide::attend_wide::<T, S, 16>(simd, inp, tile, scratch, out),
-            _ => crate::wide::attend_wide::<T, S, 4>(simd, inp, tile, scratch, out),
+        match (S::WIDE_CHUNK, S::KEYS) {
+            (16, 16) => crate::wide::attend_wide::<T, S, 16, 16>(simd, inp, tile, scratch, out),
+            (24, 6) => crate::wide::attend_wide::<T, S, 24, 6>(simd, inp, tile, scratch, out),
+            _ => crate::wide::attend_wide::<T, S, 4, 4>(simd, inp, tile, scratch, out),
         }
     } else {
         crate::narrow::attend_narrow(simd, inp, tile, scratch, out, next);
