@@ -40,13 +40,12 @@ const WIDE_N: usize = 8192;
 const KC_WIDE: usize = 1024;
 /// Rows per block: `MC * KC` f32 of `x` (128 KiB) stay in L2 while the panels pass.
 const MC: usize = 128;
-/// A task's panels come in multiples of this: the widest tile's panel count (AVX-512's 3).
-const TASK_PANELS: usize = 3;
 /// Below this many multiply-adds a hand-off to the pool's threads costs more than it saves.
 const PARALLEL_MIN_FMAS: usize = 1 << 16;
 /// From this many multiply-adds (prefill chunks, big batches) a product is cut finer than one
-/// task per thread.
+/// task per thread, into this many per thread.
 const BALANCED_MIN_FMAS: usize = 1 << 24;
+const TASKS_PER_THREAD: usize = 3;
 
 /// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every thread of the kernel pool.
 pub fn packed_matmul(
@@ -145,19 +144,26 @@ fn run_job<W: WeightElem>(
     let panels = w.panels();
     let threads = pool::threads();
     // Big products get several tasks per thread: a thread the OS takes away for a while
-    // (another process on the core) then holds up only a small share of the product.
+    // (another process on the core) then holds up only a small share of the product. Three,
+    // not more: each task starts its panels cold, and on AVX2 eight tasks of 4-5 panels ran
+    // n = 576 about 10% slower than six of 6.
     let tasks = if m * k * n < PARALLEL_MIN_FMAS {
         1
     } else if m * k * n < BALANCED_MIN_FMAS {
         threads.min(panels)
     } else {
-        (threads * 4).min(panels.div_ceil(2))
+        (threads * TASKS_PER_THREAD).min(panels.div_ceil(2))
     };
-    // Whole triples of panels per task, so AVX-512's three-panel tiles stay whole.
-    let per_task = panels.div_ceil(tasks).next_multiple_of(TASK_PANELS);
+    // Whole tiles' worth of panels per task (AVX-512's three), dealt evenly: on AVX2, 60
+    // panels (the 960 QKV outputs) as 6 tasks of 10, where rounding every task up to a
+    // multiple of 3 gave seven of 9 and one of 6, and two threads ran 33 and 27 panels (that
+    // shape ran 10% under the others in `fission bench limits`).
+    let unit = tile_panels(isa);
+    let units = panels.div_ceil(unit);
+    let tasks = tasks.min(units);
     let run = |t: usize| {
-        let p0 = (t * per_task).min(panels);
-        let p1 = ((t + 1) * per_task).min(panels);
+        let p0 = (t * units / tasks * unit).min(panels);
+        let p1 = ((t + 1) * units / tasks * unit).min(panels);
         // SAFETY: tasks own disjoint panel ranges, so disjoint columns of `out`; `x` and `out`
         // were checked to hold m * k and m * n elements, `b` points at `w`'s panels; `isa` is
         // this CPU's or one it runs.
@@ -167,6 +173,15 @@ fn run_job<W: WeightElem>(
         run(0);
     } else {
         pool::run(tasks, &run);
+    }
+}
+
+/// Panels of the widest tile `isa`'s micro-kernel runs (`NP` of [`task`]).
+fn tile_panels(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 3,
+        _ => 1,
     }
 }
 
