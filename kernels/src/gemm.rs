@@ -671,6 +671,10 @@ mod tests {
             // Panel counts that leave tails short of a full group: 2, and 3 + 2.
             (5, 70, 32),
             (64, 576, 80),
+            // Several input blocks (the down projection's 1536 is three of 512), in the decode
+            // order and the prefill order.
+            (5, 1536, 64),
+            (140, 1200, 48),
             (1, 1, 1),
             (2, 0, 5),
             // Wide outputs take the deeper input block, and past it a second one.
