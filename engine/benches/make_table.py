@@ -79,7 +79,9 @@ for model in models:
 if limits:
     reads = [l["read_gb_s"] for l in limits]
     peaks = [l["gemm_peak_gflops"] for l in limits]
+    fmas = [l["fma_peak_gflops"] for l in limits if "fma_peak_gflops" in l]
+    fma = f"; FMA peak (registers only) {', '.join(f'{p:.0f}' for p in fmas)} GFLOP/s" if fmas else ""
     print(f"\nCeilings (before and after the rounds): read bandwidth {', '.join(f'{r:.1f}' for r in reads)} GB/s; "
-          f"packed GEMM best {', '.join(f'{p:.0f}' for p in peaks)} GFLOP/s.")
+          f"packed GEMM best {', '.join(f'{p:.0f}' for p in peaks)} GFLOP/s{fma}.")
     isas = sorted({l.get("kernel_isa", "?") for l in limits})
     print(f"Fission's kernels: {', '.join(isas)}.")

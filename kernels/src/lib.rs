@@ -22,6 +22,7 @@ mod huge;
 mod layout;
 mod narrow;
 mod packed;
+mod peak;
 mod pool;
 mod q8;
 #[cfg(target_arch = "x86_64")]
@@ -47,6 +48,7 @@ pub use gemm::{packed_matmul, packed_matmul_add};
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
 pub use packed::{PackedWeight, WeightDtype, PANEL};
+pub use peak::fma_peak_gflops;
 pub use pool::{parallel_for, pool_threads};
 pub use q8::Q8_BLOCK;
 pub use simd::kernel_isa;

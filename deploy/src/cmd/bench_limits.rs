@@ -1,7 +1,8 @@
 //! `fission bench limits`: the machine's own ceilings, measured in the same run as the engine
 //! figures they bound. Batch-1 decode reads every weight once per token, so its ceiling is
 //! weight bytes ÷ read bandwidth; batched decode and prefill are multiply-adds, so theirs is
-//! FLOPs ÷ the best GEMM this build has, on the model's own shapes.
+//! FLOPs ÷ the best GEMM this build has, on the model's own shapes. Above both sits the
+//! hardware's: the FMA throughput of the instruction set the kernels run, with no memory at all.
 
 use std::time::Instant;
 
@@ -21,6 +22,9 @@ pub struct LimitsArgs {
     pub out: Option<std::path::PathBuf>,
 }
 
+/// Rounds of the FMA-peak loop per pass (12 vector FMAs each, per thread).
+const FMA_ROUNDS: usize = 100_000_000;
+
 /// SmolLM2-135M's projections as `(k inputs, n outputs)`: fused QKV, o_proj, fused gate/up,
 /// down and the lm_head.
 const SHAPES: [(usize, usize); 5] = [
@@ -39,6 +43,11 @@ pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
         args.read_bytes >> 20,
         kernels::pool_threads()
     );
+    // About a quarter of a second of multiply-adds per pass, the best of `repeats`.
+    let fma = (0..repeats)
+        .map(|_| kernels::fma_peak_gflops(FMA_ROUNDS))
+        .fold(0f64, f64::max);
+    eprintln!("FMA peak (registers only): {fma:.1} GFLOP/s");
     let mut gemm = serde_json::Map::new();
     let mut peak = 0f64;
     for m in [32usize, 64, 512] {
@@ -73,6 +82,7 @@ pub fn run(args: LimitsArgs) -> anyhow::Result<()> {
     let report = json!({
         "read_gb_s": read,
         "gemm_gflops": gemm,
+        "fma_peak_gflops": fma,
         "gemm_peak_gflops": peak,
         "gemm_step_gflops": step,
         "gemm_int8_gops": gemm_int8,
