@@ -331,7 +331,7 @@ fn chunk_scores<S: Simd>(
 ) -> S::V {
     let full = d / LANES;
     let mut acc = [simd.splat(0.0); LANES];
-    for_runs!(0, full, S::NARROW_CHUNKS, |c0, c| match c {
+    for_runs!(0, full, S::NARROW_SCORE_CHUNKS, |c0, c| match c {
         4 => score_pass::<S, 4>(simd, q, k, head_at, c0 * LANES, &mut acc),
         3 => score_pass::<S, 3>(simd, q, k, head_at, c0 * LANES, &mut acc),
         2 => score_pass::<S, 2>(simd, q, k, head_at, c0 * LANES, &mut acc),

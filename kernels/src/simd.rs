@@ -137,6 +137,8 @@ pub(crate) trait Simd: Copy {
     const NARROW_ROWS: usize;
     /// Vectors of `head_dim` the narrow path keeps per query vector at once (at most 4).
     const NARROW_CHUNKS: usize;
+    /// Vectors of `head_dim` of the query the narrow path's scores keep in registers (at most 4).
+    const NARROW_SCORE_CHUNKS: usize;
 
     fn splat(self, x: f32) -> Self::V;
     /// The first `LANES` elements of `src` (which must hold that many).
@@ -193,6 +195,7 @@ impl Simd for Portable {
     const WIDE_DIMS: usize = 4;
     const NARROW_ROWS: usize = 2;
     const NARROW_CHUNKS: usize = 2;
+    const NARROW_SCORE_CHUNKS: usize = 2;
 
     #[inline(always)]
     fn splat(self, x: f32) -> Self::V {

@@ -37,6 +37,7 @@ impl Simd for Avx512 {
     const WIDE_DIMS: usize = 8;
     const NARROW_ROWS: usize = 4;
     const NARROW_CHUNKS: usize = 4;
+    const NARROW_SCORE_CHUNKS: usize = 4;
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {
@@ -183,6 +184,9 @@ impl Simd for Avx2Fma {
     const WIDE_DIMS: usize = 6;
     const NARROW_ROWS: usize = 2;
     const NARROW_CHUNKS: usize = 2;
+    // The query's 4 vectors (8 ymm) + a score accumulator fit: one pass over each K row, not
+    // two that reload and store every key's accumulator (decode attention 1.03-1.05x).
+    const NARROW_SCORE_CHUNKS: usize = 4;
 
     #[inline(always)]
     fn splat(self, x: f32) -> Self::V {
