@@ -46,9 +46,11 @@ const MC: usize = 128;
 /// Below this many multiply-adds a hand-off to the pool's threads costs more than it saves.
 const PARALLEL_MIN_FMAS: usize = 1 << 16;
 /// From this many multiply-adds (prefill chunks, big batches) a product is cut finer than one
-/// task per thread, into this many per thread.
+/// task per thread: into this many per thread for a decode batch (one row block), and into
+/// half as many for a prefill, whose tasks each bring every row block's `x` into L2 again.
 const BALANCED_MIN_FMAS: usize = 1 << 24;
 const TASKS_PER_THREAD: usize = 3;
+const PREFILL_TASKS_PER_THREAD: usize = 2;
 
 /// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every thread of the kernel pool.
 pub fn packed_matmul(
@@ -149,13 +151,19 @@ fn run_job<W: WeightElem>(
     // Big products get several tasks per thread: a thread the OS takes away for a while
     // (another process on the core) then holds up only a small share of the product. Three,
     // not more: each task starts its panels cold, and on AVX2 eight tasks of 4-5 panels ran
-    // n = 576 about 10% slower than six of 6.
+    // n = 576 about 10% slower than six of 6. A prefill's tasks also reload `x` (two per
+    // thread: prefill 1.01-1.03x on AVX2 and 1.05-1.06x on AVX-512, where batch 64 lost 2%).
+    let per_thread = if m > MC {
+        PREFILL_TASKS_PER_THREAD
+    } else {
+        TASKS_PER_THREAD
+    };
     let tasks = if m * k * n < PARALLEL_MIN_FMAS {
         1
     } else if m * k * n < BALANCED_MIN_FMAS {
         threads.min(panels)
     } else {
-        (threads * TASKS_PER_THREAD).min(panels.div_ceil(2))
+        (threads * per_thread).min(panels.div_ceil(2))
     };
     // Whole tiles' worth of panels per task (AVX-512's three), dealt evenly: on AVX2, 60
     // panels (the 960 QKV outputs) as 6 tasks of 10, where rounding every task up to a
