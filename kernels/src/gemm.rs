@@ -151,8 +151,9 @@ fn run_job<W: WeightElem>(
     // Big products get several tasks per thread: a thread the OS takes away for a while
     // (another process on the core) then holds up only a small share of the product. Three,
     // not more: each task starts its panels cold, and on AVX2 eight tasks of 4-5 panels ran
-    // n = 576 about 10% slower than six of 6. A prefill's tasks also reload `x` (two per
-    // thread: prefill 1.01-1.03x on AVX2 and 1.05-1.06x on AVX-512, where batch 64 lost 2%).
+    // n = 576 about 10% slower than six of 6. A prefill's tasks also reload `x`, so a prefill
+    // takes two per thread (prefill 1.01-1.03x on AVX2, 1.05-1.06x on AVX-512); decode keeps
+    // three (two lost 2% at batch 64).
     let per_thread = if m > MC {
         PREFILL_TASKS_PER_THREAD
     } else {
