@@ -49,8 +49,13 @@ const PARALLEL_MIN_FMAS: usize = 1 << 16;
 /// task per thread: into this many per thread for a decode batch (one row block), and into
 /// half as many for a prefill, whose tasks each bring every row block's `x` into L2 again.
 const BALANCED_MIN_FMAS: usize = 1 << 24;
+/// Tasks per thread of a big decode-batch product.
 const TASKS_PER_THREAD: usize = 3;
+/// Tasks per thread of a big prefill product.
 const PREFILL_TASKS_PER_THREAD: usize = 2;
+/// AVX-512's tile: panels (of 16 columns) by rows. Tasks split products in whole tiles.
+const AVX512_PANELS: usize = 3;
+const AVX512_ROWS: usize = 8;
 
 /// `out[m, n] = x[m, k] @ W[k, n]` (row-major `x` and `out`), on every thread of the kernel pool.
 pub fn packed_matmul(
@@ -192,7 +197,7 @@ fn run_job<W: WeightElem>(
 fn tile_panels(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => 3,
+        Isa::Avx512 => AVX512_PANELS,
         _ => 1,
     }
 }
@@ -239,7 +244,7 @@ unsafe fn run_task<W: WeightElem>(isa: Isa, job: &Job<W>, p0: usize, p1: usize) 
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn task_avx512<W: WeightElem>(job: &Job<W>, p0: usize, p1: usize) {
     // SAFETY: this function's contract.
-    unsafe { task::<Avx512, W, 3, 8>(Avx512::new_unchecked(), job, p0, p1) }
+    unsafe { task::<Avx512, W, AVX512_PANELS, AVX512_ROWS>(Avx512::new_unchecked(), job, p0, p1) }
 }
 
 /// # Safety

@@ -70,6 +70,7 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize, const G: usize>(
     k_rows.resize(KC, [0.0; STAGE_STRIDE]);
     v_rows.resize(KC, [0.0; STAGE_STRIDE]);
     chunk.resize(KC, [0.0; LANES]);
+    let sc: &mut [[f32; LANES]; KC] = (&mut chunk[..KC]).try_into().expect("KC score rows");
     refill(qt, blocks * d * LANES, 0.0);
     refill(ot, blocks * d * LANES, 0.0);
     refill(row_max, blocks * LANES, MASKED);
@@ -118,7 +119,6 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize, const G: usize>(
             // padding lanes (position -1) always takes the masked path.
             let lowest = tile.first_pos() + tile.row_begin + b * LANES / g;
             let mask = (b + 1) * LANES > vectors || c0 + KC > lowest + 1;
-            let sc: &mut [[f32; LANES]; KC] = (&mut chunk[..KC]).try_into().expect("KC score rows");
             block_chunk::<S, KC, G>(simd, block, ks, vs, sc, c0, mask);
         }
         c0 += n;
