@@ -51,4 +51,4 @@ pub use packed::{PackedWeight, WeightDtype, PANEL};
 pub use peak::fma_peak_gflops;
 pub use pool::{parallel_for, pool_threads};
 pub use q8::Q8_BLOCK;
-pub use simd::kernel_isa;
+pub use simd::{avx2_allowed, kernel_isa};

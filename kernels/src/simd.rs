@@ -80,6 +80,13 @@ pub fn kernel_isa() -> String {
     format!("{f32_isa} (int8: {q8})")
 }
 
+/// Whether code outside the kernels may run AVX2 paths: the CPU has AVX2 and FMA and
+/// `FISSION_MAX_ISA` allows them. Loops elsewhere (the sampler's pass over the vocabulary)
+/// compile a copy for AVX2 and pick it with this, so one cap governs every vector path.
+pub fn avx2_allowed() -> bool {
+    Isa::detect() != Isa::Portable
+}
+
 /// Instruction sets the kernels have been instantiated for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -181,6 +188,20 @@ pub(crate) trait Simd: Copy {
     fn pow2_rounded(self, rounded: Self::V) -> Self::V;
     /// Scalar `a * b + c` with the same fusing as [`Simd::mul_add`].
     fn mul_add_f32(self, a: f32, b: f32, c: f32) -> f32;
+    /// Scores of `R` query vectors against 16 cache rows: lane `j` of `out[r]` is
+    /// `q[r * d..(r + 1) * d] · rows[j][..d]`. An instruction set that loads each row once for
+    /// all `R` vectors does so and returns true; false leaves the scores to the caller.
+    #[inline(always)]
+    fn dot_group<const R: usize>(
+        self,
+        q: &[f32],
+        d: usize,
+        rows: &[&[f32]; LANES],
+        out: &mut [Self::V; R],
+    ) -> bool {
+        let _ = (q, d, rows, out);
+        false
+    }
 }
 
 /// The compile target's baseline: arrays and plain loops.

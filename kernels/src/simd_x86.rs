@@ -287,6 +287,67 @@ impl Simd for Avx2Fma {
         }
     }
     #[inline(always)]
+    fn dot_group<const R: usize>(
+        self,
+        q: &[f32],
+        d: usize,
+        rows: &[&[f32]; LANES],
+        out: &mut [Self::V; R],
+    ) -> bool {
+        if !(1..=3).contains(&R)
+            || !d.is_multiple_of(8)
+            || q.len() < R * d
+            || rows.iter().any(|r| r.len() < d)
+        {
+            return false;
+        }
+        // Every (vector, key) sum takes the same steps whatever R is, so a vector's scores do
+        // not depend on which others it was scored with (a seeded request gives the same
+        // tokens alone and in any batch).
+        if R == 1 {
+            // One vector: eight keys at a time, for eight FMA chains rather than four.
+            // SAFETY: q holds d elements and every row d (checked), read in whole ymm.
+            unsafe {
+                out[0] = [dot_8(q, d, &rows[..8]), dot_8(q, d, &rows[8..])];
+            }
+            return true;
+        }
+        // SAFETY: q holds R vectors of d and every row d elements (checked), read in whole ymm.
+        unsafe {
+            let mut quads = [[_mm_setzero_ps(); 4]; R];
+            for (g, four) in rows.chunks_exact(4).enumerate() {
+                let p = [
+                    four[0].as_ptr(),
+                    four[1].as_ptr(),
+                    four[2].as_ptr(),
+                    four[3].as_ptr(),
+                ];
+                let mut acc = [[_mm256_setzero_ps(); 4]; R];
+                let mut c = 0;
+                while c < d {
+                    for (j, p) in p.iter().enumerate() {
+                        let k = _mm256_loadu_ps(p.add(c));
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
+                            acc[j] = _mm256_fmadd_ps(qv, k, acc[j]);
+                        }
+                    }
+                    c += 8;
+                }
+                for (quad, acc) in quads.iter_mut().zip(&acc) {
+                    quad[g] = reduce_add_4_256(acc);
+                }
+            }
+            for (o, quad) in out.iter_mut().zip(&quads) {
+                *o = [
+                    _mm256_set_m128(quad[1], quad[0]),
+                    _mm256_set_m128(quad[3], quad[2]),
+                ];
+            }
+        }
+        true
+    }
+    #[inline(always)]
     fn reduce_add_16(self, v: &[Self::V; LANES]) -> Self::V {
         unsafe {
             // Sum the halves, then reduce eight ymm vectors to one, twice.
@@ -372,6 +433,42 @@ unsafe fn reduce_add_8_256(h: &[__m256]) -> __m256 {
     }
 }
 
+/// Lane `j` is `q[..d] · rows[j][..d]` for 8 rows, summed in the same steps as each
+/// (vector, key) of [`Avx2Fma::dot_group`] with several vectors: an FMA chain along `d` from
+/// zero, then the lanes pairwise.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `d` is a multiple of 8 and `q` and the 8 rows hold `d`.
+#[inline(always)]
+unsafe fn dot_8(q: &[f32], d: usize, rows: &[&[f32]]) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut c = 0;
+        while c < d {
+            let qv = _mm256_loadu_ps(q.as_ptr().add(c));
+            for (a, row) in acc.iter_mut().zip(rows) {
+                *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(row.as_ptr().add(c)), *a);
+            }
+            c += 8;
+        }
+        reduce_add_8_256(&acc)
+    }
+}
+
+/// Lane `j` of the result is the sum of the lanes of `h[j]`.
+///
+/// # Safety
+/// The CPU must support AVX.
+#[inline(always)]
+unsafe fn reduce_add_4_256(h: &[__m256; 4]) -> __m128 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let u = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+        _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps::<1>(u))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,6 +533,52 @@ mod tests {
             matches_portable(unsafe { Avx2Fma::new_unchecked() });
         } else {
             eprintln!("skipping: this CPU has no AVX2+FMA");
+        }
+    }
+
+    /// AVX2's grouped scores: right, and the same bits for a vector whatever group it is in.
+    #[test]
+    fn avx2_group_scores_do_not_depend_on_the_group() {
+        if !Isa::available().contains(&Isa::Avx2Fma) {
+            return;
+        }
+        // SAFETY: detected above.
+        let s = unsafe { Avx2Fma::new_unchecked() };
+        for d in [8, 64, 72] {
+            let val = |i: usize| ((i * 7919) % 1000) as f32 / 333.0 - 1.4;
+            let q: Vec<f32> = (0..3 * d).map(val).collect();
+            let keys: Vec<Vec<f32>> = (0..LANES)
+                .map(|j| (0..d + 5).map(|i| val(i * 31 + j * 17 + 3)).collect())
+                .collect();
+            let rows: [&[f32]; LANES] = std::array::from_fn(|j| &keys[j][..]);
+            let bits = |v: [__m256; 2]| -> Vec<u32> {
+                let mut out = [0.0f32; LANES];
+                s.store(&mut out, v);
+                out.iter().map(|x| x.to_bits()).collect()
+            };
+            let mut three = [s.splat(0.0); 3];
+            assert!(s.dot_group::<3>(&q, d, &rows, &mut three));
+            for r in 0..3 {
+                let mut one = [s.splat(0.0); 1];
+                assert!(s.dot_group::<1>(&q[r * d..], d, &rows, &mut one));
+                assert_eq!(bits(one[0]), bits(three[r]), "d {d}, vector {r} alone");
+                if r < 2 {
+                    let mut two = [s.splat(0.0); 2];
+                    assert!(s.dot_group::<2>(&q[r * d..], d, &rows, &mut two));
+                    assert_eq!(bits(two[0]), bits(three[r]), "d {d}, vector {r} of two");
+                }
+                let mut got = [0.0f32; LANES];
+                s.store(&mut got, three[r]);
+                for (j, g) in got.iter().enumerate() {
+                    let want: f64 = (0..d)
+                        .map(|i| f64::from(q[r * d + i]) * f64::from(keys[j][i]))
+                        .sum();
+                    assert!((f64::from(*g) - want).abs() < 1e-4, "d {d}: {g} vs {want}");
+                }
+            }
+            // Head dims that are not whole ymm are left to the caller.
+            let mut one = [s.splat(0.0); 1];
+            assert!(!s.dot_group::<1>(&q, 20, &rows, &mut one));
         }
     }
 

@@ -183,6 +183,28 @@ impl LogitStats {
 /// (the online softmax normaliser, rescaled once per block when the maximum grows) and the `top_n`
 /// highest values.
 pub(crate) fn logit_stats(logits: &[f32], inv_temperature: f32, top_n: usize) -> LogitStats {
+    #[cfg(target_arch = "x86_64")]
+    if kernels::avx2_allowed() {
+        // SAFETY: `avx2_allowed` found AVX2 on this CPU.
+        return unsafe { logit_stats_avx2(logits, inv_temperature, top_n) };
+    }
+    logit_stats_body(logits, inv_temperature, top_n)
+}
+
+/// [`logit_stats`] compiled for AVX2: one 8-lane register per `LANES` accumulators where the
+/// baseline build takes two SSE halves (batch 64 spent 2% of its step here). Plain adds,
+/// multiplies and compares (Rust never fuses them into FMAs), so the bits are the same.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn logit_stats_avx2(logits: &[f32], inv_temperature: f32, top_n: usize) -> LogitStats {
+    logit_stats_body(logits, inv_temperature, top_n)
+}
+
+#[inline(always)]
+fn logit_stats_body(logits: &[f32], inv_temperature: f32, top_n: usize) -> LogitStats {
     let mut max = f32::NEG_INFINITY;
     let mut argmax = 0u32;
     // sum(e^(x - max)) over the values seen so far.
@@ -408,6 +430,44 @@ mod tests {
         expected.sort_by(canonical);
         expected.truncate(5);
         assert_eq!(stats.top, expected);
+    }
+
+    /// The AVX2 copy and the baseline build give the same bits: the sampler's results may not
+    /// depend on the CPU.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_stats_equal_the_baseline_bit_for_bit() {
+        if !kernels::avx2_allowed() {
+            return;
+        }
+        let mut state = 0x9e37_79b9_u32;
+        let mut next = || {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            state
+        };
+        for len in [1, 7, 64, 65, 1000, 49_152] {
+            let logits: Vec<f32> = (0..len)
+                .map(|_| match next() % 97 {
+                    0 => f32::NEG_INFINITY,
+                    1 => f32::NAN,
+                    2 => f32::INFINITY,
+                    r => (next() >> 8) as f32 / 65_536.0 - 128.0 + r as f32 * 1e-3,
+                })
+                .collect();
+            for (inv_t, top_n) in [(1.0, 0), (1.0, 5), (1.7, 20)] {
+                let base = logit_stats_body(&logits, inv_t, top_n);
+                // SAFETY: `avx2_allowed` found AVX2.
+                let avx2 = unsafe { logit_stats_avx2(&logits, inv_t, top_n) };
+                assert_eq!(base.max.to_bits(), avx2.max.to_bits(), "len {len}");
+                assert_eq!(base.argmax, avx2.argmax, "len {len}");
+                assert_eq!(
+                    base.log_sum_exp.to_bits(),
+                    avx2.log_sum_exp.to_bits(),
+                    "len {len}"
+                );
+                assert_eq!(base.top, avx2.top, "len {len}");
+            }
+        }
     }
 
     #[test]
