@@ -10,11 +10,12 @@
 //! take the tensor path in `llama.rs`.
 
 use candle_core::{DType, Device, Tensor};
-use kernels::KvElem;
+use kernels::{CacheShape, KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
-use super::llama::{Llama, RmsNorm};
+use super::llama::{Layer, Llama, RmsNorm};
 use super::ops::{self, with_slice, AttnDims};
+use super::rope::RopeTables;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
 
@@ -59,7 +60,27 @@ impl Llama {
         let mut qkv = vec![0f32; t * (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim];
         let mut gate_up = vec![0f32; t * 2 * f];
         let mut act = vec![0f32; t * f];
+        let mut out_rows = None;
+        let last_layer = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
+            if i == last_layer {
+                let bufs = Buffers {
+                    h: &mut h,
+                    qkv: &mut qkv,
+                    gate_up: &mut gate_up,
+                    act: &mut act,
+                };
+                let at = LayerAt {
+                    index: i,
+                    batch,
+                    rope: &rope,
+                    layout: &layout,
+                    dims,
+                };
+                out_rows = Some(self.output_layer(layer, &at, &x, cache, bufs)?);
+                on_layer(i, cache)?;
+                break;
+            }
             rms_norm_rows(&layer.input_norm, &x, t, &mut h)?;
             layer.qkv.forward_host(&h, t, &mut qkv, false)?;
             let attn = match cache.layer_mut(i) {
@@ -81,11 +102,10 @@ impl Llama {
             on_layer(i, cache)?;
         }
         let rows = batch.logits_rows.len();
-        let mut last = vec![0f32; rows * hid];
-        for (dst, &r) in last.chunks_mut(hid).zip(&batch.logits_rows) {
-            let r = r as usize;
-            dst.copy_from_slice(&x[r * hid..(r + 1) * hid]);
-        }
+        let last = match out_rows {
+            Some(last) => last,
+            None => gather_logits_rows(&x, hid, &batch.logits_rows),
+        };
         let mut normed = vec![0f32; rows * hid];
         rms_norm_rows(&self.norm, &last, rows, &mut normed)?;
         let mut logits = vec![0f32; rows * cfg.vocab_size];
@@ -96,6 +116,53 @@ impl Llama {
             (rows, cfg.vocab_size),
             &Device::Cpu,
         )?)
+    }
+
+    /// The last layer, in full only for the rows whose logits are wanted: every row's K and V
+    /// still go into the cache (later tokens attend to them), but the other rows' attention,
+    /// output projection and MLP feed nothing. That is 1/30 of the projections' FLOPs on
+    /// SmolLM2's 30 layers, and what llama.cpp skips too. Each wanted row attends as a
+    /// sequence of its own, so its result does not depend on how its prompt was chunked or
+    /// batched. Returns the rows' hidden states, in `logits_rows` order.
+    fn output_layer(
+        &self,
+        layer: &Layer,
+        at: &LayerAt<'_>,
+        x: &[f32],
+        cache: &mut KvCache,
+        bufs: Buffers<'_>,
+    ) -> Result<Vec<f32>> {
+        let (t, hid, f) = (
+            at.batch.num_tokens(),
+            self.cfg.hidden_size,
+            self.cfg.intermediate_size,
+        );
+        let Buffers {
+            h,
+            qkv,
+            gate_up,
+            act,
+        } = bufs;
+        rms_norm_rows(&layer.input_norm, x, t, h)?;
+        layer.qkv.forward_host(h, t, qkv, false)?;
+        let rows = &at.batch.logits_rows;
+        let seqs = wanted_rows(at.batch)?;
+        let attn = match cache.layer_mut(at.index) {
+            LayerKvMut::F32(k, v) => attend_wanted(qkv, at, &seqs, k, v)?,
+            LayerKvMut::Bf16(k, v) => to_f32(attend_wanted(qkv, at, &seqs, k, v)?),
+            LayerKvMut::F16(k, v) => to_f32(attend_wanted(qkv, at, &seqs, k, v)?),
+        };
+        let n = rows.len();
+        let mut out = gather_logits_rows(x, hid, rows);
+        layer.o_proj.forward_host(&attn, n, &mut out, true)?;
+        rms_norm_rows(&layer.post_norm, &out, n, &mut h[..n * hid])?;
+        let gate_up = &mut gate_up[..n * 2 * f];
+        layer
+            .gate_up
+            .forward_host(&h[..n * hid], n, gate_up, false)?;
+        silu_mul_rows(gate_up, n, f, &mut act[..n * f]);
+        layer.down.forward_host(&act[..n * f], n, &mut out, true)?;
+        Ok(out)
     }
 
     /// Whether [`forward_host`](Self::forward_host) can run this model.
@@ -132,6 +199,79 @@ fn silu_mul_rows(gate_up: &[f32], t: usize, f: usize, out: &mut [f32]) {
     ops::for_rows(out, t, f, 8, &body);
 }
 
+/// The step's buffers, sized for all its rows, lent to [`Llama::output_layer`].
+struct Buffers<'a> {
+    h: &'a mut [f32],
+    qkv: &'a mut [f32],
+    gate_up: &'a mut [f32],
+    act: &'a mut [f32],
+}
+
+/// A layer's place in the step: its index and what its attention needs.
+struct LayerAt<'a> {
+    index: usize,
+    batch: &'a ForwardBatch,
+    rope: &'a RopeTables,
+    layout: &'a CacheShape,
+    dims: AttnDims,
+}
+
+/// Writes every row's K and V, then attends for the wanted rows alone (`seqs`).
+fn attend_wanted<T: KvElem>(
+    qkv: &[f32],
+    at: &LayerAt<'_>,
+    seqs: &[SeqAttn<'_>],
+    k: &mut [T],
+    v: &mut [T],
+) -> Result<Vec<T>> {
+    let q = ops::rope_and_cache(qkv, at.batch, at.rope, at.layout, k, v, at.dims)?;
+    let width = at.dims.num_heads * at.dims.head_dim;
+    let mut wanted = Vec::with_capacity(seqs.len() * width);
+    for &r in &at.batch.logits_rows {
+        let r = r as usize;
+        wanted.extend_from_slice(&q[r * width..(r + 1) * width]);
+    }
+    ops::attend(&wanted, seqs, at.layout, k, v, at.dims)
+}
+
+/// Each logits row as a sequence of one query row: it sees the keys up to its own position,
+/// through its sequence's block table. Row `j` of the result is `logits_rows[j]`.
+fn wanted_rows(batch: &ForwardBatch) -> Result<Vec<SeqAttn<'_>>> {
+    batch
+        .logits_rows
+        .iter()
+        .enumerate()
+        .map(|(j, &r)| {
+            let r = r as usize;
+            // Sequences are pushed in row order.
+            let s = batch.seqs.partition_point(|s| s.q_start + s.q_len <= r);
+            let seq = batch
+                .seqs
+                .get(s)
+                .filter(|s| s.q_start <= r)
+                .ok_or_else(|| EngineError::InvalidConfig {
+                    reason: format!("logits row {r} is in no sequence of the batch"),
+                })?;
+            Ok(SeqAttn {
+                q_start: j,
+                q_len: 1,
+                context_len: seq.context_len - (seq.q_start + seq.q_len - 1 - r),
+                block_table: &seq.block_table,
+            })
+        })
+        .collect()
+}
+
+/// The rows of `x` (`hid` wide) that `rows` names, in that order.
+fn gather_logits_rows(x: &[f32], hid: usize, rows: &[u32]) -> Vec<f32> {
+    let mut out = vec![0f32; rows.len() * hid];
+    for (dst, &r) in out.chunks_mut(hid).zip(rows) {
+        let r = r as usize;
+        dst.copy_from_slice(&x[r * hid..(r + 1) * hid]);
+    }
+    out
+}
+
 /// Copies the embedding rows of `ids` into `x`, widened to f32.
 fn gather_rows<T: KvElem>(table: &[T], ids: &[u32], x: &mut [f32]) -> Result<()> {
     let hid = x.len() / ids.len().max(1);
@@ -153,4 +293,102 @@ fn gather_rows<T: KvElem>(table: &[T], ids: &[u32], x: &mut [f32]) -> Result<()>
 /// Attention output in a 16-bit KV cache's dtype, widened for the next projection.
 fn to_f32<T: KvElem>(v: Vec<T>) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loader::ModelSource;
+    use crate::model::{LoadedModel, Model};
+
+    fn stories() -> Llama {
+        let dir = testkit::shared_model("stories260K");
+        let model = LoadedModel::load(&ModelSource::Local(dir), None, &Device::Cpu)
+            .expect("stories260K loads");
+        match &*model.model {
+            Model::Llama(m) => m.clone(),
+            Model::Mock(_) => panic!("stories260K loads as a Llama"),
+        }
+    }
+
+    /// A 37-token prompt, then a 21-token chunk of another sequence after 19 cached tokens.
+    fn step(cache: &mut KvCache, m: &Llama, logits: &[u32]) -> Vec<f32> {
+        let cfg = m.config();
+        let bs = cache.shape().block_size;
+        let ids = |n: usize, salt: usize| -> Vec<u32> {
+            (0..n)
+                .map(|i| ((i * 31 + salt) % (cfg.vocab_size - 3) + 3) as u32)
+                .collect()
+        };
+        // The second sequence's cached prefix first, as its own step.
+        let mut prefix = ForwardBatch::default();
+        prefix.push_seq(&ids(19, 5), 0, vec![3, 4], bs, false);
+        m.forward(&prefix, cache).expect("prefix");
+        let mut fb = ForwardBatch::default();
+        fb.push_seq(&ids(37, 1), 0, vec![0, 1, 2], bs, false);
+        fb.push_seq(&ids(21, 9), 19, vec![3, 4, 5], bs, false);
+        fb.logits_rows = logits.to_vec();
+        let out = m.forward(&fb, cache).expect("forward");
+        out.flatten_all().and_then(|t| t.to_vec1()).expect("logits")
+    }
+
+    fn cache_for(m: &Llama) -> KvCache {
+        let cfg = m.config();
+        KvCache::new(
+            kv_types::KvLayout {
+                dtype: kv_types::KvDtype::F32,
+                num_layers: cfg.num_layers as u32,
+                block_size: 16,
+                num_kv_heads: cfg.num_kv_heads as u32,
+                head_dim: cfg.head_dim as u32,
+            },
+            8,
+        )
+    }
+
+    /// The last layer runs only the wanted rows: their logits are those of a full forward (the
+    /// tensor path), a row's bits do not depend on which other rows are wanted, and the
+    /// unwanted rows' K and V still reach the cache.
+    #[test]
+    fn the_output_layer_computes_only_the_wanted_rows_and_the_same_logits() {
+        let host = stories();
+        assert!(host.host, "stories260K runs on the host path");
+        let mut tensor = host.clone();
+        tensor.host = false;
+        let vocab = host.config().vocab_size;
+        let wanted = [36, 57];
+        let every: Vec<u32> = (0..58).collect();
+        let (mut a, mut b, mut c) = (cache_for(&host), cache_for(&host), cache_for(&host));
+        let few = step(&mut a, &host, &wanted);
+        let all = step(&mut b, &host, &every);
+        let full = step(&mut c, &tensor, &wanted);
+        for (j, &r) in wanted.iter().enumerate() {
+            let row = |v: &[f32], i: usize| v[i * vocab..(i + 1) * vocab].to_vec();
+            let (few, all, full) = (row(&few, j), row(&all, r as usize), row(&full, j));
+            assert_eq!(few, all, "row {r}: the same bits whatever else is wanted");
+            let worst = few
+                .iter()
+                .zip(&full)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-3, "row {r}: {worst} from the full forward");
+        }
+        // Every row's K and V of the last layer, wanted or not, are in the cache.
+        let last = host.config().num_layers - 1;
+        let (LayerKvMut::F32(ka, _), LayerKvMut::F32(kc, _)) =
+            (a.layer_mut(last), c.layer_mut(last))
+        else {
+            panic!("f32 caches");
+        };
+        let (ka, kc) = (ka.to_vec(), kc.to_vec());
+        let worst = ka
+            .iter()
+            .zip(&kc)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            ka.iter().any(|&x| x != 0.0) && worst < 1e-4,
+            "last layer K: {worst}"
+        );
+    }
 }

@@ -116,7 +116,7 @@ pub struct Llama {
     pub(super) dtype: DType,
     pub(super) device: Device,
     /// f32 or bf16 weights on the CPU, every projection packed: [`Llama::forward_host`] runs it.
-    host: bool,
+    pub(super) host: bool,
 }
 
 impl Llama {

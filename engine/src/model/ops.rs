@@ -89,6 +89,31 @@ pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
     v_cache: &mut [T],
     dims: AttnDims,
 ) -> Result<Vec<T>> {
+    let q = rope_and_cache(src, batch, rope, layout, k_cache, v_cache, dims)?;
+    let seqs: Vec<SeqAttn<'_>> = batch
+        .seqs
+        .iter()
+        .map(|s| SeqAttn {
+            q_start: s.q_start,
+            q_len: s.q_len,
+            context_len: s.context_len,
+            block_table: &s.block_table,
+        })
+        .collect();
+    attend(&q, &seqs, layout, k_cache, v_cache, dims)
+}
+
+/// The first half of [`attention_rows`]: splits the fused rows, applies rope to Q and K, and
+/// writes every row's K and V into the cache. Returns Q, `[T, H * D]`.
+pub(crate) fn rope_and_cache<S: KvElem, T: KvElem>(
+    src: &[S],
+    batch: &ForwardBatch,
+    rope: &RopeTables,
+    layout: &CacheShape,
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    dims: AttnDims,
+) -> Result<Vec<T>> {
     let AttnDims {
         num_heads: h,
         num_kv_heads: hkv,
@@ -138,19 +163,23 @@ pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
         });
     }
     kernels::reshape_and_cache(layout, k_cache, v_cache, &k, &v, &batch.slots)?;
-    let seqs: Vec<SeqAttn<'_>> = batch
-        .seqs
-        .iter()
-        .map(|s| SeqAttn {
-            q_start: s.q_start,
-            q_len: s.q_len,
-            context_len: s.context_len,
-            block_table: &s.block_table,
-        })
-        .collect();
-    let mut out = vec![T::default(); t * h * d];
+    Ok(q)
+}
+
+/// The second half of [`attention_rows`]: the query rows `q` (`[rows, H * D]`) of `seqs`
+/// against the cache. Returns `[rows, H * D]`.
+pub(crate) fn attend<T: KvElem>(
+    q: &[T],
+    seqs: &[SeqAttn<'_>],
+    layout: &CacheShape,
+    k_cache: &[T],
+    v_cache: &[T],
+    dims: AttnDims,
+) -> Result<Vec<T>> {
+    let (h, d) = (dims.num_heads, dims.head_dim);
+    let mut out = vec![T::default(); q.len()];
     let scale = 1.0 / (d as f32).sqrt();
-    kernels::paged_attention(layout, k_cache, v_cache, &q, &mut out, h, &seqs, scale)?;
+    kernels::paged_attention(layout, k_cache, v_cache, q, &mut out, h, seqs, scale)?;
     Ok(out)
 }
 
