@@ -108,8 +108,9 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
         while seg < vectors {
             let head_at = (seg % per_row) / g * d;
             for_runs!(seg, (seg + run).min(vectors), SCORE_ROWS, |m0, r| {
-                ahead.issue(inp, share * r);
+                let piece = (share * r).div_ceil(chunks);
                 for v in 0..chunks {
+                    ahead.issue(inp, piece);
                     let k: [&[f32]; LANES] =
                         std::array::from_fn(|j| &rows.k[v * LANES + j][head_at..head_at + d]);
                     let at = m0 * STEP_KEYS + v * LANES;
