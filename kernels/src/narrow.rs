@@ -94,9 +94,11 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
         } else {
             &mut *next
         };
-        // One share per query vector for the scores and one for P·V: the next rows are read
-        // at a steady pace while this step computes, where one burst of a step's lines (1,536
-        // at 64 keys) held the core until most of them had arrived.
+        // One share per query vector for the scores (asked for in pieces, one per 16-key
+        // chunk) and one for P·V: the next rows are read at a steady pace while this step
+        // computes, where one burst of a step's lines (1,536 at 64 keys) held the core until
+        // most of them had arrived. Pieces per chunk rather than a share per run of vectors
+        // made a 64 x 64 decode step's attention from memory 1.1x faster.
         let share = ahead.remaining().div_ceil(2 * (vectors - m_start).max(1));
         // Runs of vectors that share a kv head: a whole tile of one head, else each group.
         let run = if heads == 1 { vectors } else { g };
