@@ -476,7 +476,7 @@ mod tests {
         let mut t = task();
         let capture = Captured::default();
         let (recorder, metrics) = local_recorder();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         metrics::with_local_recorder(&recorder, || {
             let _first = generate(&mut t, 1, 3);
             let _second = generate(&mut t, 2, 3);
@@ -519,7 +519,7 @@ mod tests {
         let mut t = task();
         let capture = Captured::default();
         let (recorder, metrics) = local_recorder();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         metrics::with_local_recorder(&recorder, || {
             let mut tokens = generate(&mut t, 1, 4);
             while t.engine.has_work() {
@@ -560,7 +560,7 @@ mod tests {
     fn a_cancelled_sequence_records_what_it_did() {
         let mut t = task();
         let capture = Captured::default();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         let _tokens = generate(&mut t, 1, 10);
         t.step();
         t.step();
@@ -583,7 +583,7 @@ mod tests {
     fn a_failed_import_fails_activation_stream_and_span() {
         let mut t = task();
         let capture = Captured::default();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         let stopping = proto::v1::StoppingCriteria {
             max_new_tokens: 4,
             ..Default::default()

@@ -80,7 +80,7 @@ mod tests {
     fn a_reported_failure_is_counted_and_marks_its_span() {
         const ERRORS: ErrorCounter = ErrorCounter::new("fission_test_errors_total");
         let capture = Captured::default();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         let (recorder, metrics) = local_recorder();
         let status = metrics::with_local_recorder(&recorder, || {
             let span = tracing::info_span!(

@@ -391,7 +391,7 @@ mod tests {
         let mut t = task();
         let capture = Captured::default();
         let (recorder, metrics) = local_recorder();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         metrics::with_local_recorder(&recorder, || {
             // 12 + 8 prompt tokens, 8 per step: the second prompt waits for step 2.
             let mut first = admit(&mut t, 1, 100..112);
@@ -454,7 +454,7 @@ mod tests {
     #[test]
     fn queue_time_and_time_to_first_token_start_at_the_rpc_arrival() {
         let mut t = task();
-        let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
+        let _subscriber = Captured::default().install();
         let (recorder, metrics) = local_recorder();
         let waited = Duration::from_millis(300);
         // The RPC arrived a while before the engine thread got the command.
@@ -473,7 +473,7 @@ mod tests {
         let mut t = task();
         // Every test that runs traced code holds a subscriber of its own: a thread with none
         // can register a callsite as never-enabled under another test's feet.
-        let _subscriber = tracing::subscriber::set_default(Captured::default().subscriber());
+        let _subscriber = Captured::default().install();
         let (recorder, metrics) = local_recorder();
         metrics::with_local_recorder(&recorder, || {
             for id in [1, 2] {

@@ -527,7 +527,7 @@ mod tests {
     #[tokio::test]
     async fn a_push_traces_each_layer_under_its_kv_transfer_span() {
         let capture = Captured::default();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         let p = peers().await;
         let report = push_two_layers(&p, 7).await.expect("pushed");
         assert_eq!(report.kv_bytes, 2 * payload_len() as u64);
@@ -578,7 +578,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_push_marks_its_span_and_leaves_the_retry_to_the_gateway() {
         let capture = Captured::default();
-        let _subscriber = tracing::subscriber::set_default(capture.subscriber());
+        let _subscriber = capture.install();
         let p = peers().await;
         // No reservation 8 on the receiver: every layer is refused.
         let err = push_two_layers(&p, 8).await.err().expect("refused");

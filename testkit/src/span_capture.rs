@@ -45,6 +45,12 @@ impl SpanRec {
     }
 }
 
+/// Keeps a [`Captured`] installed: see [`Captured::install`].
+pub struct CaptureGuard {
+    _default: tracing::subscriber::DefaultGuard,
+    _anchor: tracing::Dispatch,
+}
+
 #[derive(Clone, Default)]
 pub struct Captured {
     spans: Arc<Mutex<Vec<SpanRec>>>,
@@ -53,9 +59,28 @@ pub struct Captured {
 }
 
 impl Captured {
-    /// A subscriber that feeds this capture; scope it with `tracing::subscriber::set_default`.
+    /// A subscriber that feeds this capture; scope it with [`Captured::install`].
     pub fn subscriber(&self) -> impl Subscriber + Send + Sync {
         tracing_subscriber::registry().with(self.clone())
+    }
+
+    /// Makes this capture the thread's subscriber until the guard drops.
+    ///
+    /// tracing caches each callsite's interest process-wide, computed when the callsite is
+    /// first hit. While only one dispatcher is registered it asks just the thread that hits
+    /// it: a parallel test with no subscriber then caches "never" for a span this test waits
+    /// for, and the span is lost (one run in a dozen of prefill-node's push tests). A second,
+    /// always-interested dispatcher held for the guard's life makes tracing ask every live
+    /// dispatcher, this capture included; registering them rebuilds the callsites cached
+    /// before.
+    pub fn install(&self) -> CaptureGuard {
+        let anchor = tracing::Dispatch::new(tracing_subscriber::registry());
+        let default = tracing::subscriber::set_default(self.subscriber());
+        tracing::callsite::rebuild_interest_cache();
+        CaptureGuard {
+            _default: default,
+            _anchor: anchor,
+        }
     }
 
     pub fn spans(&self) -> Vec<SpanRec> {
