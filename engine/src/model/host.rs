@@ -120,8 +120,9 @@ impl Llama {
 
     /// The last layer, in full only for the rows whose logits are wanted: every row's K and V
     /// still go into the cache (later tokens attend to them), but the other rows' attention,
-    /// output projection and MLP feed nothing. That is 1/30 of the projections' FLOPs on
-    /// SmolLM2's 30 layers, and what llama.cpp skips too. Each wanted row attends as a
+    /// output projection and MLP feed nothing. That is 2.99 M of SmolLM2's 3.54 M weights a
+    /// layer, 2.8% of a prompt's projection FLOPs over its 30 layers, and what llama.cpp skips
+    /// too (prefill 512 ran 1.06x faster under AVX2). Each wanted row attends as a
     /// sequence of its own, so its result does not depend on how its prompt was chunked or
     /// batched. Returns the rows' hidden states, in `logits_rows` order.
     fn output_layer(
