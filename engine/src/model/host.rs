@@ -63,42 +63,38 @@ impl Llama {
         let mut out_rows = None;
         let last_layer = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
+            rms_norm_rows(&layer.input_norm, &x, t, &mut h)?;
+            layer.qkv.forward_host(&h, t, &mut qkv, false)?;
+            let at = LayerAt {
+                index: i,
+                batch,
+                rope: &rope,
+                layout: &layout,
+                dims,
+            };
+            let mlp = MlpBuffers {
+                h: &mut h,
+                gate_up: &mut gate_up,
+                act: &mut act,
+            };
             if i == last_layer {
-                let bufs = Buffers {
-                    h: &mut h,
-                    qkv: &mut qkv,
-                    gate_up: &mut gate_up,
-                    act: &mut act,
-                };
-                let at = LayerAt {
-                    index: i,
-                    batch,
-                    rope: &rope,
-                    layout: &layout,
-                    dims,
-                };
-                out_rows = Some(self.output_layer(layer, &at, &x, cache, bufs)?);
+                // The last layer, in full only for the rows whose logits are wanted: every
+                // row's K and V still go into the cache (later tokens attend to them), but the
+                // other rows' attention, output projection and MLP feed nothing. That is 2.99 M
+                // of SmolLM2's 3.54 M weights a layer, 2.8% of a prompt's projection FLOPs over
+                // its 30 layers, and what llama.cpp skips too (prefill 512 ran 1.06x faster
+                // under AVX2). Each wanted row attends as a sequence of its own, so its result
+                // does not depend on how its prompt was chunked or batched.
+                let seqs = wanted_rows(batch)?;
+                let attn = layer_attention(cache, &at, &qkv, Some(&seqs))?;
+                let mut rows = gather_logits_rows(&x, hid, &batch.logits_rows);
+                self.mlp_half(layer, &attn, seqs.len(), &mut rows, mlp)?;
+                out_rows = Some(rows);
                 on_layer(i, cache)?;
                 break;
             }
-            rms_norm_rows(&layer.input_norm, &x, t, &mut h)?;
-            layer.qkv.forward_host(&h, t, &mut qkv, false)?;
-            let attn = match cache.layer_mut(i) {
-                LayerKvMut::F32(k, v) => {
-                    ops::attention_rows(&qkv, batch, &rope, &layout, k, v, dims)?
-                }
-                LayerKvMut::Bf16(k, v) => to_f32(ops::attention_rows(
-                    &qkv, batch, &rope, &layout, k, v, dims,
-                )?),
-                LayerKvMut::F16(k, v) => to_f32(ops::attention_rows(
-                    &qkv, batch, &rope, &layout, k, v, dims,
-                )?),
-            };
-            layer.o_proj.forward_host(&attn, t, &mut x, true)?;
-            rms_norm_rows(&layer.post_norm, &x, t, &mut h)?;
-            layer.gate_up.forward_host(&h, t, &mut gate_up, false)?;
-            silu_mul_rows(&gate_up, t, f, &mut act);
-            layer.down.forward_host(&act, t, &mut x, true)?;
+            let attn = layer_attention(cache, &at, &qkv, None)?;
+            self.mlp_half(layer, &attn, t, &mut x, mlp)?;
             on_layer(i, cache)?;
         }
         let rows = batch.logits_rows.len();
@@ -118,52 +114,28 @@ impl Llama {
         )?)
     }
 
-    /// The last layer, in full only for the rows whose logits are wanted: every row's K and V
-    /// still go into the cache (later tokens attend to them), but the other rows' attention,
-    /// output projection and MLP feed nothing. That is 2.99 M of SmolLM2's 3.54 M weights a
-    /// layer, 2.8% of a prompt's projection FLOPs over its 30 layers, and what llama.cpp skips
-    /// too (prefill 512 ran 1.06x faster under AVX2). Each wanted row attends as a
-    /// sequence of its own, so its result does not depend on how its prompt was chunked or
-    /// batched. Returns the rows' hidden states, in `logits_rows` order.
-    fn output_layer(
+    /// The layer after its attention, for `n` rows of `x` in place: the output projection with
+    /// its residual, the post-attention norm and the MLP with its residual.
+    fn mlp_half(
         &self,
         layer: &Layer,
-        at: &LayerAt<'_>,
-        x: &[f32],
-        cache: &mut KvCache,
-        bufs: Buffers<'_>,
-    ) -> Result<Vec<f32>> {
-        let (t, hid, f) = (
-            at.batch.num_tokens(),
-            self.cfg.hidden_size,
-            self.cfg.intermediate_size,
+        attn: &[f32],
+        n: usize,
+        x: &mut [f32],
+        bufs: MlpBuffers<'_>,
+    ) -> Result<()> {
+        let (hid, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
+        let MlpBuffers { h, gate_up, act } = bufs;
+        let (h, gate_up, act) = (
+            &mut h[..n * hid],
+            &mut gate_up[..n * 2 * f],
+            &mut act[..n * f],
         );
-        let Buffers {
-            h,
-            qkv,
-            gate_up,
-            act,
-        } = bufs;
-        rms_norm_rows(&layer.input_norm, x, t, h)?;
-        layer.qkv.forward_host(h, t, qkv, false)?;
-        let rows = &at.batch.logits_rows;
-        let seqs = wanted_rows(at.batch)?;
-        let attn = match cache.layer_mut(at.index) {
-            LayerKvMut::F32(k, v) => attend_wanted(qkv, at, &seqs, k, v)?,
-            LayerKvMut::Bf16(k, v) => to_f32(attend_wanted(qkv, at, &seqs, k, v)?),
-            LayerKvMut::F16(k, v) => to_f32(attend_wanted(qkv, at, &seqs, k, v)?),
-        };
-        let n = rows.len();
-        let mut out = gather_logits_rows(x, hid, rows);
-        layer.o_proj.forward_host(&attn, n, &mut out, true)?;
-        rms_norm_rows(&layer.post_norm, &out, n, &mut h[..n * hid])?;
-        let gate_up = &mut gate_up[..n * 2 * f];
-        layer
-            .gate_up
-            .forward_host(&h[..n * hid], n, gate_up, false)?;
-        silu_mul_rows(gate_up, n, f, &mut act[..n * f]);
-        layer.down.forward_host(&act[..n * f], n, &mut out, true)?;
-        Ok(out)
+        layer.o_proj.forward_host(attn, n, x, true)?;
+        rms_norm_rows(&layer.post_norm, x, n, h)?;
+        layer.gate_up.forward_host(h, n, gate_up, false)?;
+        silu_mul_rows(gate_up, n, f, act);
+        layer.down.forward_host(act, n, x, true)
     }
 
     /// Whether [`forward_host`](Self::forward_host) can run this model.
@@ -200,10 +172,9 @@ fn silu_mul_rows(gate_up: &[f32], t: usize, f: usize, out: &mut [f32]) {
     ops::for_rows(out, t, f, 8, &body);
 }
 
-/// The step's buffers, sized for all its rows, lent to [`Llama::output_layer`].
-struct Buffers<'a> {
+/// The step's MLP buffers, sized for all its rows, lent to [`Llama::mlp_half`].
+struct MlpBuffers<'a> {
     h: &'a mut [f32],
-    qkv: &'a mut [f32],
     gate_up: &'a mut [f32],
     act: &'a mut [f32],
 }
@@ -217,22 +188,40 @@ struct LayerAt<'a> {
     dims: AttnDims,
 }
 
-/// Writes every row's K and V, then attends for the wanted rows alone (`seqs`).
-fn attend_wanted<T: KvElem>(
+/// A layer's attention over the cache's dtype, widened to f32: every row's K and V written,
+/// then every row attending (`wanted` none), or only the logits rows, as `wanted`'s sequences.
+fn layer_attention(
+    cache: &mut KvCache,
+    at: &LayerAt<'_>,
+    qkv: &[f32],
+    wanted: Option<&[SeqAttn<'_>]>,
+) -> Result<Vec<f32>> {
+    Ok(match cache.layer_mut(at.index) {
+        LayerKvMut::F32(k, v) => attend_rows(qkv, at, wanted, k, v)?,
+        LayerKvMut::Bf16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
+        LayerKvMut::F16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
+    })
+}
+
+/// [`layer_attention`] on one cache dtype.
+fn attend_rows<T: KvElem>(
     qkv: &[f32],
     at: &LayerAt<'_>,
-    seqs: &[SeqAttn<'_>],
+    wanted: Option<&[SeqAttn<'_>]>,
     k: &mut [T],
     v: &mut [T],
 ) -> Result<Vec<T>> {
+    let Some(seqs) = wanted else {
+        return ops::attention_rows(qkv, at.batch, at.rope, at.layout, k, v, at.dims);
+    };
     let q = ops::rope_and_cache(qkv, at.batch, at.rope, at.layout, k, v, at.dims)?;
     let width = at.dims.num_heads * at.dims.head_dim;
-    let mut wanted = Vec::with_capacity(seqs.len() * width);
+    let mut rows = Vec::with_capacity(seqs.len() * width);
     for &r in &at.batch.logits_rows {
         let r = r as usize;
-        wanted.extend_from_slice(&q[r * width..(r + 1) * width]);
+        rows.extend_from_slice(&q[r * width..(r + 1) * width]);
     }
-    ops::attend(&wanted, seqs, at.layout, k, v, at.dims)
+    ops::attend(&rows, seqs, at.layout, k, v, at.dims)
 }
 
 /// Each logits row as a sequence of one query row: it sees the keys up to its own position,
