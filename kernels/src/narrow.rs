@@ -5,11 +5,13 @@
 //! keys come out as one vector per query vector (dot-product accumulators, then one
 //! transpose-and-add), for up to three vectors of a kv head at once where the instruction set
 //! can share each K row's loads between them (a GQA group); the online softmax is per query
-//! vector, and P·V accumulates natural-layout output rows from contiguous V rows. Keys go in steps of [`STEP_KEYS`], so the serial part of the softmax
-//! (max, rescale factor) is paid once per 64 keys rather than once per 16.
+//! vector, and P·V accumulates natural-layout output rows from contiguous V rows. Keys go in
+//! steps of [`STEP_KEYS`], so the serial part of the softmax (max, rescale factor) is paid once
+//! per 64 keys rather than once per 16.
 //!
 //! Layouts in [`Scratch`]: `q` and `o` are `[vector][head_dim]`, `p` is
-//! `[vector][STEP_KEYS]` (raw scores, then probabilities), `row_max`, `row_sum` and `alpha` are `[vector]`.
+//! `[vector][STEP_KEYS]` (raw scores, then probabilities), `row_max`, `row_sum` and `alpha` are
+//! `[vector]`.
 
 use crate::simd::{exp2, exp2_f32, prefetch_l2, Simd, IOTA, LANES};
 use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED};
@@ -100,16 +102,16 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
         // most of them had arrived. Pieces per chunk rather than a share per run of vectors
         // made a 64 x 64 decode step's attention from memory 1.1x faster.
         let share = ahead.remaining().div_ceil(2 * (vectors - m_start).max(1));
-        // Runs of vectors that share a kv head: a whole tile of one head, else each group.
-        let run = if heads == 1 { vectors } else { g };
-        // The raw scores of the step's keys, a few vectors of one kv head at a time, so that
+        // Runs of vectors that share a kv head (a whole tile of one head, else each group), one
+        // after another: the raw scores of the step's keys, a few vectors at a time so that
         // each K row is loaded once for all of them (a GQA group of 3 scored 1.5x faster on
-        // AVX2 than one vector at a time).
+        // AVX2 than one vector at a time), then their softmax, then their P·V.
+        let run = if heads == 1 { vectors } else { g };
         let chunks = n.div_ceil(LANES);
         let mut seg = m_start;
         while seg < vectors {
-            let head_at = (seg % per_row) / g * d;
-            for_runs!(seg, (seg + run).min(vectors), SCORE_ROWS, |m0, r| {
+            let (end, head_at) = ((seg + run).min(vectors), (seg % per_row) / g * d);
+            for_runs!(seg, end, SCORE_ROWS, |m0, r| {
                 let piece = (share * r).div_ceil(chunks);
                 for v in 0..chunks {
                     ahead.issue(inp, piece);
@@ -123,44 +125,45 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
                     }
                 }
             });
-            seg += run;
-        }
-        // The online softmax of each vector over the step, from its raw scores.
-        for m in m_start..vectors {
-            let pos = tile.first_pos() + tile.row_begin + m / per_row;
-            let valid = n.min(pos + 1 - c0);
-            let pm = &mut p[m * STEP_KEYS..][..STEP_KEYS];
-            // Lane l of vector v is key 16v + l; keys at or past `valid` are masked.
-            let mut s = [simd.splat(MASKED); STEP_VECTORS];
-            let mut last = [simd.splat(-1.0); STEP_VECTORS];
-            for (v, (s, last)) in s.iter_mut().zip(&mut last).enumerate() {
-                if v * LANES >= valid {
-                    break;
+            // The online softmax of each vector over the step, from its raw scores.
+            for m in seg..end {
+                let pos = tile.first_pos() + tile.row_begin + m / per_row;
+                let valid = n.min(pos + 1 - c0);
+                let pm = &mut p[m * STEP_KEYS..][..STEP_KEYS];
+                // Lane l of vector v is key 16v + l; keys at or past `valid` are masked.
+                let mut s = [simd.splat(MASKED); STEP_VECTORS];
+                let mut last = [simd.splat(-1.0); STEP_VECTORS];
+                for (v, (s, last)) in s.iter_mut().zip(&mut last).enumerate() {
+                    if v * LANES >= valid {
+                        break;
+                    }
+                    *last = simd.splat((valid - v * LANES) as f32 - 1.0);
+                    *s = simd.select_le(
+                        iota,
+                        *last,
+                        simd.load(&pm[v * LANES..]),
+                        simd.splat(MASKED),
+                    );
                 }
-                *last = simd.splat((valid - v * LANES) as f32 - 1.0);
-                *s = simd.select_le(iota, *last, simd.load(&pm[v * LANES..]), simd.splat(MASKED));
+                let mut step_max = s[0];
+                for s in &s[1..] {
+                    step_max = simd.max(step_max, *s);
+                }
+                let new_max = row_max[m].max(simd.reduce_max(step_max));
+                let a = exp2_f32(simd, row_max[m] - new_max);
+                let mut sum = simd.splat(0.0);
+                for (v, (s, last)) in s.iter().zip(&last).enumerate() {
+                    let e = exp2(simd, simd.sub(*s, simd.splat(new_max)));
+                    let pv = simd.select_le(iota, *last, e, simd.splat(0.0));
+                    sum = simd.add(sum, pv);
+                    simd.store(&mut pm[v * LANES..], pv);
+                }
+                row_sum[m] = row_sum[m] * a + simd.reduce_add(sum);
+                row_max[m] = new_max;
+                alpha[m] = a;
             }
-            let mut step_max = s[0];
-            for s in &s[1..] {
-                step_max = simd.max(step_max, *s);
-            }
-            let new_max = row_max[m].max(simd.reduce_max(step_max));
-            let a = exp2_f32(simd, row_max[m] - new_max);
-            let mut sum = simd.splat(0.0);
-            for (v, (s, last)) in s.iter().zip(&last).enumerate() {
-                let e = exp2(simd, simd.sub(*s, simd.splat(new_max)));
-                let pv = simd.select_le(iota, *last, e, simd.splat(0.0));
-                sum = simd.add(sum, pv);
-                simd.store(&mut pm[v * LANES..], pv);
-            }
-            row_sum[m] = row_sum[m] * a + simd.reduce_add(sum);
-            row_max[m] = new_max;
-            alpha[m] = a;
-        }
-        let mut seg = m_start;
-        while seg < vectors {
-            let head_at = (seg % per_row) / g * d;
-            for_runs!(seg, (seg + run).min(vectors), S::NARROW_ROWS, |m0, r| {
+            // Then P·V for the run's vectors.
+            for_runs!(seg, end, S::NARROW_ROWS, |m0, r| {
                 ahead.issue(inp, share * r);
                 let rows = PvRows {
                     o: &mut o[m0 * d..],
