@@ -1,13 +1,14 @@
 //! `fission bench engine`: prefill and decode throughput of the local engine, in the same
 //! workload shapes that `engine/benches/peers/` measures for transformers and llama.cpp.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
+use engine::model::profile::{self, Op, OpTimes};
 use engine::model::{parse_dtype, LoadedModel};
 use engine::quantize::Quantize;
 use serde_json::json;
@@ -50,6 +51,11 @@ pub struct EngineBenchArgs {
     /// Write the figures as JSON here (the schema the peer scripts use).
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// Also time each op of the forward pass, and print each figure's time per op as shares of
+    /// its clock time (the JSON gains `profile`, in ms): timers, where perf misattributes the
+    /// inlined kernels.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -98,21 +104,42 @@ fn new_engine(
     )?)
 }
 
+/// One measured run: its throughput, its clock time and the time its ops took (profiled).
+struct Run {
+    tok_s: f64,
+    elapsed: Duration,
+    ops: OpTimes,
+}
+
+impl Run {
+    fn measure(tokens: impl FnOnce() -> anyhow::Result<usize>) -> anyhow::Result<Run> {
+        let (t, before) = (Instant::now(), profile::snapshot());
+        let tokens = tokens()?;
+        let (elapsed, ops) = (t.elapsed(), profile::snapshot().since(&before));
+        Ok(Run {
+            tok_s: tokens as f64 / elapsed.as_secs_f64(),
+            elapsed,
+            ops,
+        })
+    }
+}
+
 /// Prefill tokens/s for one prompt of `len` tokens (time to the first token).
-fn prefill_once(model: &LoadedModel, len: usize) -> anyhow::Result<f64> {
+fn prefill_once(model: &LoadedModel, len: usize) -> anyhow::Result<Run> {
     let vocab = model.config().vocab_size;
     let mut e = new_engine(model, len.div_ceil(16) + 2, len.max(16))?;
     e.add_request(request(0, bench_prompt(len, 0, vocab), 1))?;
-    let t = Instant::now();
-    while e.has_work() {
-        e.step()?;
-    }
-    Ok(len as f64 / t.elapsed().as_secs_f64())
+    Run::measure(|| {
+        while e.has_work() {
+            e.step()?;
+        }
+        Ok(len)
+    })
 }
 
 /// Decode-only tokens/s for `batch` sequences of 32-token prompts generating `new_tokens`
 /// each: the clock starts once every sequence has its first token.
-fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::Result<f64> {
+fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::Result<Run> {
     let vocab = model.config().vocab_size;
     let blocks = batch * (32 + new_tokens).div_ceil(16) + 2;
     let mut e = new_engine(model, blocks, 32 * batch)?;
@@ -123,12 +150,41 @@ fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::
     while first < batch {
         first += e.step()?.iter().filter(|ev| ev.index == 0).count();
     }
-    let t = Instant::now();
-    let mut tokens = 0usize;
-    while e.has_work() {
-        tokens += e.step()?.len();
+    Run::measure(|| {
+        let mut tokens = 0usize;
+        while e.has_work() {
+            tokens += e.step()?.len();
+        }
+        Ok(tokens)
+    })
+}
+
+/// The median throughput of `runs`, and with `--profile` their summed time per op, printed as
+/// shares of their clock time and added to `profiles` under `name`.
+fn figure(
+    name: &str,
+    runs: Vec<Run>,
+    show: bool,
+    profiles: &mut serde_json::Map<String, serde_json::Value>,
+) -> f64 {
+    if show {
+        let total: Duration = runs.iter().map(|r| r.elapsed).sum();
+        let mut ms = serde_json::Map::new();
+        let mut line = format!("profile {name} ({:.1} ms):", total.as_secs_f64() * 1e3);
+        for op in Op::ALL {
+            let t: Duration = runs.iter().map(|r| r.ops.get(op)).sum();
+            line += &format!(
+                " {} {:.1}%",
+                op.name(),
+                100.0 * t.as_secs_f64() / total.as_secs_f64()
+            );
+            ms.insert(op.name().into(), json!(t.as_secs_f64() * 1e3));
+        }
+        ms.insert("clock".into(), json!(total.as_secs_f64() * 1e3));
+        eprintln!("{line}");
+        profiles.insert(name.into(), ms.into());
     }
-    Ok(tokens as f64 / t.elapsed().as_secs_f64())
+    median(runs.iter().map(|r| r.tok_s).collect())
 }
 
 fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
@@ -144,6 +200,8 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     let repeats = args.repeats.max(1);
     // Warm-up: first-touch page faults and thread-pool start-up are not throughput.
     prefill_once(&model, 32.min(max_ctx - 1))?;
+    profile::enable(args.profile);
+    let mut profiles = serde_json::Map::new();
 
     let mut prefill = serde_json::Map::new();
     for &len in &args.prefill {
@@ -151,27 +209,24 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
             eprintln!("prefill {len}: skipped (model context is {max_ctx})");
             continue;
         }
-        let tps = median(
-            (0..repeats)
-                .map(|_| prefill_once(&model, len))
-                .collect::<anyhow::Result<_>>()?,
-        );
+        let runs = (0..repeats)
+            .map(|_| prefill_once(&model, len))
+            .collect::<anyhow::Result<_>>()?;
+        let tps = figure(&format!("prefill {len}"), runs, args.profile, &mut profiles);
         eprintln!("prefill {len:>5} tokens: {tps:>9.1} tok/s");
         prefill.insert(len.to_string(), json!(tps));
     }
-    let single = median(
-        (0..repeats)
-            .map(|_| decode_once(&model, 1, 128))
-            .collect::<anyhow::Result<_>>()?,
-    );
+    let runs = (0..repeats)
+        .map(|_| decode_once(&model, 1, 128))
+        .collect::<anyhow::Result<_>>()?;
+    let single = figure("single stream", runs, args.profile, &mut profiles);
     eprintln!("decode single stream (32 prompt, 128 new): {single:>9.1} tok/s");
     let mut batched = serde_json::Map::new();
     for &b in &args.batch {
-        let tps = median(
-            (0..repeats)
-                .map(|_| decode_once(&model, b, 64))
-                .collect::<anyhow::Result<_>>()?,
-        );
+        let runs = (0..repeats)
+            .map(|_| decode_once(&model, b, 64))
+            .collect::<anyhow::Result<_>>()?;
+        let tps = figure(&format!("batch {b}"), runs, args.profile, &mut profiles);
         eprintln!("decode batch {b:>3} (32 prompt, 64 new each): {tps:>9.1} tok/s");
         batched.insert(b.to_string(), json!(tps));
     }
@@ -179,7 +234,7 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| args.model.clone());
-    let report = json!({
+    let mut report = json!({
         "engine": "fission",
         "model": name,
         "quantize": args.quantize.to_string(),
@@ -189,6 +244,9 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
         "kernel_isa": kernels::kernel_isa(),
         "notes": format!("median of {repeats}; {} threads", kernels::pool_threads()),
     });
+    if args.profile {
+        report["profile"] = profiles.into();
+    }
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(out) = args.out {
         std::fs::write(&out, serde_json::to_string_pretty(&report)?)

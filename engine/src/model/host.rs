@@ -15,6 +15,7 @@ use kernels::{CacheShape, KvElem, SeqAttn};
 use super::batch::ForwardBatch;
 use super::llama::{Layer, Llama, RmsNorm};
 use super::ops::{self, with_slice, AttnDims};
+use super::profile::{timed, Op};
 use super::rope::RopeTables;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
@@ -64,7 +65,7 @@ impl Llama {
         let last_layer = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
             rms_norm_rows(&layer.input_norm, &x, t, &mut h)?;
-            layer.qkv.forward_host(&h, t, &mut qkv, false)?;
+            timed(Op::Qkv, || layer.qkv.forward_host(&h, t, &mut qkv, false))?;
             let at = LayerAt {
                 index: i,
                 batch,
@@ -105,8 +106,9 @@ impl Llama {
         let mut normed = vec![0f32; rows * hid];
         rms_norm_rows(&self.norm, &last, rows, &mut normed)?;
         let mut logits = vec![0f32; rows * cfg.vocab_size];
-        self.lm_head
-            .forward_host(&normed, rows, &mut logits, false)?;
+        timed(Op::LmHead, || {
+            self.lm_head.forward_host(&normed, rows, &mut logits, false)
+        })?;
         Ok(Tensor::from_vec(
             logits,
             (rows, cfg.vocab_size),
@@ -131,11 +133,13 @@ impl Llama {
             &mut gate_up[..n * 2 * f],
             &mut act[..n * f],
         );
-        layer.o_proj.forward_host(attn, n, x, true)?;
+        timed(Op::OProj, || layer.o_proj.forward_host(attn, n, x, true))?;
         rms_norm_rows(&layer.post_norm, x, n, h)?;
-        layer.gate_up.forward_host(h, n, gate_up, false)?;
-        silu_mul_rows(gate_up, n, f, act);
-        layer.down.forward_host(act, n, x, true)
+        timed(Op::GateUp, || {
+            layer.gate_up.forward_host(h, n, gate_up, false)
+        })?;
+        timed(Op::Silu, || silu_mul_rows(gate_up, n, f, act));
+        timed(Op::Down, || layer.down.forward_host(act, n, x, true))
     }
 
     /// Whether [`forward_host`](Self::forward_host) can run this model.
@@ -159,7 +163,7 @@ fn rms_norm_rows(norm: &RmsNorm, x: &[f32], t: usize, out: &mut [f32]) -> Result
     let body = |row: usize, o: &mut [f32]| {
         kernels::rms_norm(&x[row * n..(row + 1) * n], w, norm.eps, o);
     };
-    ops::for_rows(out, t, n, PARALLEL_ROWS, &body);
+    timed(Op::Norm, || ops::for_rows(out, t, n, PARALLEL_ROWS, &body));
     Ok(())
 }
 
@@ -196,10 +200,12 @@ fn layer_attention(
     qkv: &[f32],
     wanted: Option<&[SeqAttn<'_>]>,
 ) -> Result<Vec<f32>> {
-    Ok(match cache.layer_mut(at.index) {
-        LayerKvMut::F32(k, v) => attend_rows(qkv, at, wanted, k, v)?,
-        LayerKvMut::Bf16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
-        LayerKvMut::F16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
+    timed(Op::Attention, || {
+        Ok(match cache.layer_mut(at.index) {
+            LayerKvMut::F32(k, v) => attend_rows(qkv, at, wanted, k, v)?,
+            LayerKvMut::Bf16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
+            LayerKvMut::F16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
+        })
     })
 }
 
@@ -380,5 +386,37 @@ mod tests {
             ka.iter().any(|&x| x != 0.0) && worst < 1e-4,
             "last layer K: {worst}"
         );
+    }
+    /// With profiling on, every op of the host forward adds its time, nested in the forward's;
+    /// off, nothing is added.
+    #[test]
+    fn profiling_times_each_op_inside_the_forward_and_nothing_when_off() {
+        use crate::model::profile::{self, Op};
+        let m = stories();
+        let mut cache = cache_for(&m);
+        // Off (the default; no other test switches it on): nothing accrues.
+        let before = profile::snapshot();
+        step(&mut cache, &m, &[36, 57]);
+        let off = profile::snapshot().since(&before);
+        for op in Op::ALL {
+            assert!(off.get(op).is_zero(), "{} timed while off", op.name());
+        }
+        profile::enable(true);
+        let before = profile::snapshot();
+        step(&mut cache_for(&m), &m, &[36, 57]);
+        let on = profile::snapshot().since(&before);
+        profile::enable(false);
+        // Each op on its own rather than their sum: a parallel test's forward may be part-way
+        // through when profiling stops, with its ops counted and its whole not yet.
+        for op in Op::ALL.into_iter().filter(|&op| op != Op::Forward) {
+            assert!(!on.get(op).is_zero(), "{} not timed", op.name());
+            assert!(
+                on.get(op) <= on.get(Op::Forward),
+                "{} {:?} outside the forward {:?}",
+                op.name(),
+                on.get(op),
+                on.get(Op::Forward)
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@ use candle_nn::VarBuilder;
 use super::batch::ForwardBatch;
 use super::linear::Linear;
 use super::ops::{self, AttnDims};
+use super::profile::{timed, Op};
 use super::rope::Rope;
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -180,7 +181,7 @@ impl Llama {
         on_layer: &mut dyn FnMut(usize, &mut KvCache) -> Result<()>,
     ) -> Result<Tensor> {
         if self.host {
-            return self.forward_host(batch, cache, on_layer);
+            return timed(Op::Forward, || self.forward_host(batch, cache, on_layer));
         }
         let t = batch.num_tokens();
         let ids = Tensor::from_slice(&batch.token_ids, t, &self.device)?;

@@ -6,6 +6,7 @@ mod linear;
 pub mod llama;
 pub mod mock;
 mod ops;
+pub mod profile;
 pub mod rope;
 
 use std::sync::Arc;
