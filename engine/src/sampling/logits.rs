@@ -12,8 +12,10 @@ use std::borrow::Cow;
 use std::cmp::Ordering;
 
 /// Values per block of the one-pass loops: small enough to stay in L1, large enough to amortise
-/// the per-block bookkeeping.
-const BLOCK: usize = 64;
+/// the per-block bookkeeping (the horizontal max and sum, and the f64 update that waits on
+/// them): 256 ran the pass over 64 rows of SmolLM2's 49,152 logits 1.27x faster than 64 under
+/// AVX2 (2.05-2.08 against 2.62-2.63 ms on one thread), and 128 and 512 were no faster.
+const BLOCK: usize = 256;
 /// Independent accumulators per reduction.
 const LANES: usize = 8;
 
