@@ -387,6 +387,7 @@ mod tests {
             "last layer K: {worst}"
         );
     }
+
     /// With profiling on, every op of the host forward adds its time, nested in the forward's;
     /// off, nothing is added.
     #[test]
