@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
-use engine::model::profile::{self, Op, OpTimes};
+use engine::model::op_timing::{self, Op, OpTimes};
 use engine::model::{parse_dtype, LoadedModel};
 use engine::quantize::Quantize;
 use serde_json::json;
@@ -52,10 +52,10 @@ pub struct EngineBenchArgs {
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
     /// Also time each op of the forward pass, and print each figure's time per op as shares of
-    /// its clock time (the JSON gains `profile`, in ms): timers, where perf misattributes the
+    /// its clock time (the JSON gains `op_times`, in ms): timers, where perf misattributes the
     /// inlined kernels.
     #[arg(long)]
-    pub profile: bool,
+    pub op_times: bool,
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -104,7 +104,7 @@ fn new_engine(
     )?)
 }
 
-/// One measured run: its throughput, its clock time and the time its ops took (profiled).
+/// One measured run: its throughput, its clock time and the time its ops took (with `--op-times`).
 struct Run {
     tok_s: f64,
     elapsed: Duration,
@@ -113,9 +113,9 @@ struct Run {
 
 impl Run {
     fn measure(tokens: impl FnOnce() -> anyhow::Result<usize>) -> anyhow::Result<Run> {
-        let (t, before) = (Instant::now(), profile::snapshot());
+        let (t, before) = (Instant::now(), op_timing::snapshot());
         let tokens = tokens()?;
-        let (elapsed, ops) = (t.elapsed(), profile::snapshot().since(&before));
+        let (elapsed, ops) = (t.elapsed(), op_timing::snapshot().since(&before));
         Ok(Run {
             tok_s: tokens as f64 / elapsed.as_secs_f64(),
             elapsed,
@@ -159,18 +159,18 @@ fn decode_once(model: &LoadedModel, batch: usize, new_tokens: usize) -> anyhow::
     })
 }
 
-/// The median throughput of `runs`, and with `--profile` their summed time per op, printed as
-/// shares of their clock time and added to `profiles` under `name`.
+/// The median throughput of `runs`, and with `--op-times` their summed time per op, printed as
+/// shares of their clock time and added to `op_times` under `name`.
 fn figure(
     name: &str,
     runs: Vec<Run>,
     show: bool,
-    profiles: &mut serde_json::Map<String, serde_json::Value>,
+    op_times: &mut serde_json::Map<String, serde_json::Value>,
 ) -> f64 {
     if show {
         let total: Duration = runs.iter().map(|r| r.elapsed).sum();
         let mut ms = serde_json::Map::new();
-        let mut line = format!("profile {name} ({:.1} ms):", total.as_secs_f64() * 1e3);
+        let mut line = format!("op times {name} ({:.1} ms):", total.as_secs_f64() * 1e3);
         for op in Op::ALL {
             let t: Duration = runs.iter().map(|r| r.ops.get(op)).sum();
             line += &format!(
@@ -182,7 +182,7 @@ fn figure(
         }
         ms.insert("clock".into(), json!(total.as_secs_f64() * 1e3));
         eprintln!("{line}");
-        profiles.insert(name.into(), ms.into());
+        op_times.insert(name.into(), ms.into());
     }
     median(runs.iter().map(|r| r.tok_s).collect())
 }
@@ -200,8 +200,8 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     let repeats = args.repeats.max(1);
     // Warm-up: first-touch page faults and thread-pool start-up are not throughput.
     prefill_once(&model, 32.min(max_ctx - 1))?;
-    profile::enable(args.profile);
-    let mut profiles = serde_json::Map::new();
+    op_timing::enable(args.op_times);
+    let mut op_times = serde_json::Map::new();
 
     let mut prefill = serde_json::Map::new();
     for &len in &args.prefill {
@@ -212,21 +212,26 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
         let runs = (0..repeats)
             .map(|_| prefill_once(&model, len))
             .collect::<anyhow::Result<_>>()?;
-        let tps = figure(&format!("prefill {len}"), runs, args.profile, &mut profiles);
+        let tps = figure(
+            &format!("prefill {len}"),
+            runs,
+            args.op_times,
+            &mut op_times,
+        );
         eprintln!("prefill {len:>5} tokens: {tps:>9.1} tok/s");
         prefill.insert(len.to_string(), json!(tps));
     }
     let runs = (0..repeats)
         .map(|_| decode_once(&model, 1, 128))
         .collect::<anyhow::Result<_>>()?;
-    let single = figure("single stream", runs, args.profile, &mut profiles);
+    let single = figure("single stream", runs, args.op_times, &mut op_times);
     eprintln!("decode single stream (32 prompt, 128 new): {single:>9.1} tok/s");
     let mut batched = serde_json::Map::new();
     for &b in &args.batch {
         let runs = (0..repeats)
             .map(|_| decode_once(&model, b, 64))
             .collect::<anyhow::Result<_>>()?;
-        let tps = figure(&format!("batch {b}"), runs, args.profile, &mut profiles);
+        let tps = figure(&format!("batch {b}"), runs, args.op_times, &mut op_times);
         eprintln!("decode batch {b:>3} (32 prompt, 64 new each): {tps:>9.1} tok/s");
         batched.insert(b.to_string(), json!(tps));
     }
@@ -244,8 +249,8 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
         "kernel_isa": kernels::kernel_isa(),
         "notes": format!("median of {repeats}; {} threads", kernels::pool_threads()),
     });
-    if args.profile {
-        report["profile"] = profiles.into();
+    if args.op_times {
+        report["op_times"] = op_times.into();
     }
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(out) = args.out {

@@ -14,8 +14,8 @@ use kernels::{CacheShape, KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
 use super::llama::{Layer, Llama, RmsNorm};
+use super::op_timing::{timed, Op};
 use super::ops::{self, with_slice, AttnDims};
-use super::profile::{timed, Op};
 use super::rope::RopeTables;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
@@ -392,21 +392,21 @@ mod tests {
     /// off, nothing is added.
     #[test]
     fn profiling_times_each_op_inside_the_forward_and_nothing_when_off() {
-        use crate::model::profile::{self, Op};
+        use crate::model::op_timing::{self, Op};
         let m = stories();
         let mut cache = cache_for(&m);
         // Off (the default; no other test switches it on): nothing accrues.
-        let before = profile::snapshot();
+        let before = op_timing::snapshot();
         step(&mut cache, &m, &[36, 57]);
-        let off = profile::snapshot().since(&before);
+        let off = op_timing::snapshot().since(&before);
         for op in Op::ALL {
             assert!(off.get(op).is_zero(), "{} timed while off", op.name());
         }
-        profile::enable(true);
-        let before = profile::snapshot();
+        op_timing::enable(true);
+        let before = op_timing::snapshot();
         step(&mut cache_for(&m), &m, &[36, 57]);
-        let on = profile::snapshot().since(&before);
-        profile::enable(false);
+        let on = op_timing::snapshot().since(&before);
+        op_timing::enable(false);
         // Each op on its own rather than their sum: a parallel test's forward may be part-way
         // through when profiling stops, with its ops counted and its whole not yet.
         for op in Op::ALL.into_iter().filter(|&op| op != Op::Forward) {

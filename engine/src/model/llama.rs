@@ -8,8 +8,8 @@ use candle_nn::VarBuilder;
 
 use super::batch::ForwardBatch;
 use super::linear::Linear;
+use super::op_timing::{timed, Op};
 use super::ops::{self, AttnDims};
-use super::profile::{timed, Op};
 use super::rope::Rope;
 use crate::config::ModelConfig;
 use crate::error::Result;

@@ -5,8 +5,8 @@ mod host;
 mod linear;
 pub mod llama;
 pub mod mock;
+pub mod op_timing;
 mod ops;
-pub mod profile;
 pub mod rope;
 
 use std::sync::Arc;

@@ -1,5 +1,6 @@
 //! Wall time per op of the host forward pass, summed process-wide while switched on
-//! (`fission bench engine --profile`).
+//! (`fission bench engine --op-times`). Not to be confused with the cost profiles of
+//! [`crate::cost`], which model a machine the engine does not run on.
 //!
 //! Sampling profilers mislead here: `perf` put 91% of an AVX2 prefill of 512 tokens in the
 //! GEMM and 2.6% in attention, where timers around the calls measured 87% and 10.5% (the
