@@ -126,6 +126,9 @@ impl LocalEtcd {
                 .arg(format!("--cert-file={}", tls.cert.display()))
                 .arg(format!("--key-file={}", tls.key.display()));
         }
+        // A group of its own: a terminal's Ctrl-C meant for its owner (`fission up`) must not
+        // stop etcd before the nodes that revoke their leases in it on the way out.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let child = cmd
             .arg("--name=fission")
             .arg(format!("--data-dir={}", self.data_dir.join("member").display()))

@@ -1,6 +1,7 @@
 //! A node's registration: one actor task owns the lease, the record and the keep-alive; a cheap
 //! `Clone` handle sends it commands.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use tokio::time::{sleep, sleep_until, Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use crate::error::ClusterError;
-use crate::etcd::{call, EtcdConfig};
+use crate::etcd::{call, Backoff, EtcdConfig};
 use crate::record::{NodeLoad, NodeRecord};
 
 /// How a node registers itself.
@@ -21,6 +22,11 @@ pub struct RegistrationConfig {
     pub lease_ttl_s: i64,
     /// At most one load put per interval; the latest load wins.
     pub load_publish_interval_ms: u64,
+    /// The longest wait between two registration attempts while etcd is unreachable. The
+    /// wait doubles from the etcd config's `retry_min_ms` up to this: a node whose etcd is gone
+    /// for hours must not knock every second, and a fleet of them must not knock together
+    /// (each wait is spread by up to a fifth, by node).
+    pub retry_max_ms: u64,
 }
 
 impl RegistrationConfig {
@@ -29,7 +35,13 @@ impl RegistrationConfig {
             etcd,
             lease_ttl_s: 5,
             load_publish_interval_ms: 500,
+            retry_max_ms: 10_000,
         }
+    }
+
+    fn backoff(&self) -> Backoff {
+        let min = Duration::from_millis(self.etcd.retry_min_ms.max(1));
+        Backoff::new(min, Duration::from_millis(self.retry_max_ms).max(min))
     }
 }
 
@@ -54,6 +66,7 @@ pub struct Registration {
     cmd_tx: mpsc::Sender<Command>,
     lease_rx: watch::Receiver<Option<i64>>,
     load_tx: Arc<watch::Sender<Option<NodeLoad>>>,
+    failed_attempts: Arc<AtomicU64>,
 }
 
 impl Registration {
@@ -94,7 +107,9 @@ impl Registration {
         }));
 
         let node_id = record.node_id.clone();
+        let failed_attempts = Arc::new(AtomicU64::new(0));
         let actor = RegistrationActor {
+            failed_attempts: Arc::clone(&failed_attempts),
             key: record.etcd_key(&config.etcd.cluster),
             client,
             config,
@@ -109,7 +124,14 @@ impl Registration {
             cmd_tx,
             lease_rx,
             load_tx: Arc::new(load_tx),
+            failed_attempts,
         })
+    }
+
+    /// Registration attempts that failed since the node started (etcd unreachable, a lease
+    /// that could not be granted, a record that could not be written).
+    pub fn failed_attempts(&self) -> u64 {
+        self.failed_attempts.load(Ordering::Relaxed)
     }
 
     pub fn node_id(&self) -> &str {
@@ -168,6 +190,7 @@ struct RegistrationActor {
     record: NodeRecord,
     cmd_rx: mpsc::Receiver<Command>,
     lease_tx: watch::Sender<Option<i64>>,
+    failed_attempts: Arc<AtomicU64>,
     _publisher_guard: tokio_util::sync::DropGuard,
 }
 
@@ -180,16 +203,21 @@ enum KeepAliveEnd {
 }
 
 async fn run_registration_task(mut actor: RegistrationActor) {
-    let mut backoff = actor.config.etcd.backoff();
+    let mut backoff = actor.config.backoff();
     let mut old_lease: Option<i64> = None;
+    // Failures since the last successful registration.
+    let mut attempt: u32 = 0;
     loop {
         let lease_id = match actor.register().await {
             Ok(lease_id) => lease_id,
             Err(error) => {
-                let delay = backoff.next_delay();
+                attempt = attempt.saturating_add(1);
+                actor.failed_attempts.fetch_add(1, Ordering::Relaxed);
+                let delay = spread(backoff.next_delay(), &actor.record.node_id, attempt);
                 tracing::warn!(
                     node_id = %actor.record.node_id,
                     %error,
+                    attempt,
                     retry_in_ms = delay.as_millis() as u64,
                     "etcd registration failed"
                 );
@@ -207,8 +235,9 @@ async fn run_registration_task(mut actor: RegistrationActor) {
             let _ = call("lease revoke", timeout, client.lease_revoke(old)).await;
         }
         actor.lease_tx.send_replace(Some(lease_id));
-        tracing::info!(node_id = %actor.record.node_id, lease_id, key = %actor.key, "registered in etcd");
+        tracing::info!(node_id = %actor.record.node_id, lease_id, key = %actor.key, failed_attempts = attempt, "registered in etcd");
         backoff.reset();
+        attempt = 0;
         match actor.keep_alive(lease_id).await {
             KeepAliveEnd::Stopped => return,
             KeepAliveEnd::Lost(reason) => {
@@ -218,6 +247,17 @@ async fn run_registration_task(mut actor: RegistrationActor) {
             }
         }
     }
+}
+
+/// Stretches `delay` by 0-20%, by node and attempt, so that nodes that lost etcd together do not
+/// retry in lockstep. A hash rather than a random draw: no RNG for one spread, and a node's
+/// schedule is reproducible from its log.
+fn spread(delay: Duration, node_id: &str, attempt: u32) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (node_id, attempt).hash(&mut h);
+    let fifth_permille = h.finish() % 201; // 0..=200 thousandths: up to a fifth
+    delay + delay * (fifth_permille as u32) / 1000
 }
 
 impl RegistrationActor {
@@ -389,5 +429,32 @@ async fn run_load_publisher_task(mut p: LoadPublisher) {
             _ = p.cancel.cancelled() => return,
             _ = sleep(p.interval) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_spread_stays_within_a_fifth_and_differs_by_node() {
+        let base = Duration::from_secs(10);
+        let a: Vec<Duration> = (1..20).map(|i| spread(base, "decode-a", i)).collect();
+        let b: Vec<Duration> = (1..20).map(|i| spread(base, "decode-b", i)).collect();
+        for d in a.iter().chain(&b) {
+            assert!(*d >= base && *d <= base + base / 5, "{d:?}");
+        }
+        assert_ne!(a, b, "two nodes retry on different schedules");
+    }
+
+    #[test]
+    fn registration_backs_off_to_its_own_cap_not_the_call_retry_cap() {
+        let etcd = EtcdConfig::new(vec!["http://127.0.0.1:1".into()], "c");
+        let config = RegistrationConfig::new(etcd);
+        let mut backoff = config.backoff();
+        let waits: Vec<u128> = (0..12).map(|_| backoff.next_delay().as_millis()).collect();
+        assert_eq!(waits[0], 100);
+        assert_eq!(*waits.last().expect("12 waits"), 10_000);
+        assert!(waits.windows(2).all(|w| w[0] <= w[1]), "{waits:?}");
     }
 }

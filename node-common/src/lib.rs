@@ -14,6 +14,7 @@ pub mod engine_args;
 pub mod engine_state;
 pub mod engine_thread;
 pub mod error;
+pub mod etcd_status;
 pub mod failure;
 pub mod grpc;
 pub mod kv;

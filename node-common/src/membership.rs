@@ -16,6 +16,7 @@ use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::error::NodeError;
+use crate::etcd_status::EtcdStatus;
 use crate::failure::Failure;
 
 #[derive(Args, Debug, Clone)]
@@ -173,6 +174,7 @@ impl Membership {
         args: &ClusterArgs,
         record: NodeRecord,
         mut load: watch::Receiver<WorkLoad>,
+        etcd_status: EtcdStatus,
     ) -> Result<Membership, NodeError> {
         let node_id = record.node_id.clone();
         let drain_timeout = Duration::from_secs(args.drain_timeout_s);
@@ -189,6 +191,7 @@ impl Membership {
         let registration = Registration::start(config, record)
             .await
             .map_err(|e| NodeError::Config(format!("etcd registration: {e}")))?;
+        tokio::spawn(etcd_status.follow(registration.clone()));
         let reg = registration.clone();
         let load_task = tokio::spawn(async move {
             loop {
@@ -302,7 +305,7 @@ mod tests {
             String::new(),
             crate::kv::KvBackend::Tcp,
         );
-        let m = Membership::join(&args, record, load_rx.clone())
+        let m = Membership::join(&args, record, load_rx.clone(), EtcdStatus::new(false))
             .await
             .unwrap();
         let t = tracker.clone();

@@ -20,6 +20,7 @@ use crate::access::AccessLayer;
 use crate::engine_args::EngineArgs;
 use crate::engine_state::EngineState;
 use crate::error::NodeError;
+use crate::etcd_status::EtcdStatus;
 use crate::grpc::{stop_server, GRPC_STOP_GRACE};
 use crate::kv::KvArgs;
 use crate::membership::{node_record, random_node_id, ClusterArgs, Membership, WorkTracker};
@@ -130,9 +131,11 @@ where
     let work = WorkTracker::default();
     let data_plane_stop = CancellationToken::new();
     // /metrics outlives `shutdown`: a draining node is still observed.
+    let etcd_status = EtcdStatus::new(!args.cluster.etcd.is_empty());
     let metrics_task = tokio::spawn(crate::metrics_http::serve(
         listeners.metrics,
         metrics,
+        etcd_status.clone(),
         data_plane_stop.clone(),
     ));
     // Cancelled once the drain is over: the server stops and the streams that never end by
@@ -183,7 +186,8 @@ where
         service.kv_endpoint,
         args.kv.kv_transport,
     );
-    let membership = Membership::join(&args.cluster, record, state_rx.load.clone()).await?;
+    let membership =
+        Membership::join(&args.cluster, record, state_rx.load.clone(), etcd_status).await?;
     shutdown.cancelled().await;
     membership.drain(state_rx.load.clone(), &work).await;
     server_stop.cancel();

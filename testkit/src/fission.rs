@@ -133,6 +133,9 @@ pub struct UpConfig {
     /// Where the cluster's stderr goes; inherited when unset.
     pub log: Option<PathBuf>,
     pub ready_timeout: Duration,
+    /// Starts `fission up` in a process group of its own, so that a test can signal the group
+    /// as a terminal's Ctrl-C does ([`Up::signal_group`]) without signalling itself.
+    pub process_group: bool,
 }
 
 impl UpConfig {
@@ -150,6 +153,7 @@ impl UpConfig {
             api_key: None,
             log: None,
             ready_timeout: Duration::from_secs(120),
+            process_group: false,
         }
     }
 }
@@ -198,6 +202,9 @@ impl Up {
             .stdout(Stdio::piped());
         if let Some(etcd) = &config.etcd {
             cmd.args(["--etcd", etcd]);
+        }
+        if config.process_group {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         }
         match &config.log {
             Some(log) => cmd.stderr(std::fs::File::create(log).expect("log file")),
@@ -263,6 +270,20 @@ impl Up {
             },
         );
         up
+    }
+
+    /// Sends `sig` to `fission up`'s process group, as a terminal does on Ctrl-C (needs
+    /// [`UpConfig::process_group`]).
+    pub fn signal_group(&self, sig: libc::c_int) {
+        // SAFETY: killpg(2) on the group of a child we spawned as its leader.
+        unsafe {
+            libc::killpg(self.child.id() as libc::pid_t, sig);
+        }
+    }
+
+    /// Waits for `fission up` to exit, for at most `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        wait_exit(&mut self.child, timeout)
     }
 
     /// The credentials a node of `role` added to this cluster needs (its `--tls-*` and

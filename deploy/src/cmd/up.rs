@@ -102,35 +102,45 @@ struct Procs {
 }
 
 impl Procs {
-    /// SIGTERM everyone, wait up to `grace`, then SIGKILL whoever is left.
+    /// Stops the nodes, then the gateway (it keeps routing to nodes that are still draining),
+    /// each stage with SIGTERM, up to `grace`, then SIGKILL for whoever is left. etcd, owned by
+    /// the caller, goes after: draining nodes revoke their leases on the way out, which an etcd
+    /// stopped first would turn into lease-loss warnings on every stop.
     fn stop(&mut self, grace: Duration) {
-        for (_, c) in &self.children {
-            // SAFETY: kill(2) on a pid we spawned and have not waited on yet.
-            unsafe {
-                libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
-            }
+        let (gateway, nodes): (Vec<_>, Vec<_>) = std::mem::take(&mut self.children)
+            .into_iter()
+            .partition(|(name, _)| name == "gateway");
+        stop_all(nodes, grace);
+        stop_all(gateway, grace);
+    }
+}
+
+fn stop_all(mut children: Vec<(String, Child)>, grace: Duration) {
+    for (_, c) in &children {
+        // SAFETY: kill(2) on a pid we spawned and have not waited on yet.
+        unsafe {
+            libc::kill(c.id() as libc::pid_t, libc::SIGTERM);
         }
-        let deadline = Instant::now() + grace;
-        for (name, c) in &mut self.children {
-            loop {
-                match c.try_wait() {
-                    Ok(Some(status)) => {
-                        eprintln!("{name} exited ({status})");
-                        break;
-                    }
-                    Ok(None) if Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(50))
-                    }
-                    _ => {
-                        eprintln!("{name} did not stop in time: killing it");
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        break;
-                    }
+    }
+    let deadline = Instant::now() + grace;
+    for (name, c) in &mut children {
+        loop {
+            match c.try_wait() {
+                Ok(Some(status)) => {
+                    eprintln!("{name} exited ({status})");
+                    break;
+                }
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
+                _ => {
+                    eprintln!("{name} did not stop in time: killing it");
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
                 }
             }
         }
-        self.children.clear();
     }
 }
 
@@ -481,8 +491,13 @@ fn otel_child(cmd: &mut Command, service_name: &str, otlp_endpoint: Option<&str>
     }
 }
 
+/// Each child gets a process group of its own: a terminal's Ctrl-C signals the foreground
+/// group, and would otherwise stop the gateway and etcd together with the nodes it is meant
+/// to drain first. `fission up` alone takes the signal and stops them in order.
 fn spawn(mut cmd: Command) -> anyhow::Result<Child> {
+    use std::os::unix::process::CommandExt;
     cmd.stdin(Stdio::null())
+        .process_group(0)
         .spawn()
         .with_context(|| format!("starting {cmd:?}"))
 }
