@@ -378,6 +378,7 @@ impl Task {
                         metrics::counter!("fission_decode_cancelled_total").increment(1);
                     }
                 }
+                self.end_failed();
             }
             Err(e) => {
                 // A failed step leaves no sequence in a usable state: end them all loudly.
@@ -394,6 +395,21 @@ impl Task {
                     )));
                     self.engine.cancel(seq_id);
                 }
+            }
+        }
+    }
+
+    /// Sequences the engine ended with an error (a grammar that failed): their streams end
+    /// with it, rather than with a token or a finish reason that did not happen.
+    fn end_failed(&mut self) {
+        for (seq_id, e) in self.engine.take_failed() {
+            let e = NodeError::from(e);
+            if let Some(s) = self.spans.remove(&seq_id) {
+                mark_failed(&s.span, e.code());
+                s.end("error");
+            }
+            if let Some(tx) = self.streams.remove(&seq_id) {
+                let _ = tx.send(Err(Failure::from(e)));
             }
         }
     }

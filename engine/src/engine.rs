@@ -189,6 +189,9 @@ pub struct Engine {
     grammar_vocab: Option<Arc<grammar::Vocabulary>>,
     /// A constrained sequence's masked logits row; kept so a step does not allocate it anew.
     mask_scratch: Vec<f32>,
+    /// Sequences that ended with an error instead of a token (their grammar failed): already
+    /// removed, their owners learn why from [`Engine::take_failed`].
+    failed: Vec<(SeqId, EngineError)>,
 }
 
 impl Engine {
@@ -272,6 +275,7 @@ impl Engine {
             max_reserved_blocks: (num_blocks as f64 * cfg.reservation_fraction) as usize,
             grammar_vocab: None,
             mask_scratch: Vec::new(),
+            failed: Vec::new(),
         })
     }
 
@@ -540,7 +544,7 @@ impl Engine {
         self.scheduler.commit(&plan, &ids);
         let mut events = Vec::with_capacity(sampled.len());
         for (seq_id, token) in sampled {
-            events.push(self.emit(seq_id, token)?);
+            events.extend(self.emit(seq_id, token)?);
         }
         Ok(events)
     }
@@ -563,14 +567,16 @@ impl Engine {
         (fb, uses)
     }
 
-    fn emit(&mut self, seq_id: SeqId, token: SampledToken) -> Result<TokenEvent> {
+    /// The event for `token`, or none when the sequence's grammar refuses it: the sequence
+    /// then ends with an error ([`Engine::take_failed`]), so that no token outside the
+    /// grammar reaches a client and no finish reason is made up.
+    fn emit(&mut self, seq_id: SeqId, token: SampledToken) -> Result<Option<TokenEvent>> {
         let state = self
             .states
             .get_mut(&seq_id)
             .expect("sampled sequences have state");
         state.num_generated += 1;
         let index = state.num_generated - 1;
-        let prompt_logprobs = state.prompt_logprobs.take().unwrap_or_default();
         let mut finish = state
             .stopping
             .check_token(token.token_id, state.num_generated);
@@ -578,16 +584,16 @@ impl Engine {
         if !stop_token {
             if let Some(grammar) = &mut state.grammar {
                 // A complete match admits nothing more: the output ends as at an eos token.
-                // So does a matcher that failed (see `sample_constrained`), rather than the
-                // step of every other sequence.
                 if let Err(e) = grammar.accept(token.token_id) {
-                    tracing::warn!(%seq_id, error = %e, "token outside the grammar; the sequence ends");
-                    finish = Some(FinishReason::Eos);
+                    tracing::warn!(%seq_id, error = %e, "token outside the grammar; the sequence fails");
+                    self.fail(seq_id, e)?;
+                    return Ok(None);
                 } else if grammar.is_complete() {
                     finish = Some(FinishReason::Eos);
                 }
             }
         }
+        let prompt_logprobs = state.prompt_logprobs.take().unwrap_or_default();
         let mut text = String::new();
         let prefill_only = state.prefill_only;
         // The eos token itself contributes no text; a grammar's last token does.
@@ -602,14 +608,14 @@ impl Engine {
             // The decode node carries on; this node is done with the sequence.
             self.states.remove(&seq_id);
             self.scheduler.finish(seq_id)?;
-            return Ok(TokenEvent {
+            return Ok(Some(TokenEvent {
                 seq_id,
                 token,
                 text,
                 finish,
                 index,
                 prompt_logprobs,
-            });
+            }));
         }
         if let Some(reason) = finish {
             if reason != FinishReason::Stop {
@@ -622,17 +628,39 @@ impl Engine {
             self.states.remove(&seq_id);
             self.scheduler.finish(seq_id)?;
         }
-        Ok(TokenEvent {
+        Ok(Some(TokenEvent {
             seq_id,
             token,
             text,
             finish,
             index,
             prompt_logprobs,
-        })
+        }))
     }
 
-    /// Runs the given requests to completion and returns each one's output, in request order.
+    /// Ends `seq_id` because its grammar failed: its blocks are freed and its owner learns
+    /// why from [`Engine::take_failed`].
+    pub(crate) fn fail(&mut self, seq_id: SeqId, e: grammar::GrammarError) -> Result<()> {
+        self.states.remove(&seq_id);
+        self.scheduler.finish(seq_id)?;
+        self.failed.push((
+            seq_id,
+            EngineError::Grammar {
+                seq_id,
+                reason: e.to_string(),
+            },
+        ));
+        Ok(())
+    }
+
+    /// The sequences that ended with an error since the last call, and why. A sequence listed
+    /// here gets no more events: its owner must end its stream with the error.
+    pub fn take_failed(&mut self) -> Vec<(SeqId, EngineError)> {
+        std::mem::take(&mut self.failed)
+    }
+
+    /// Runs the given requests to completion and returns each one's output, in request order;
+    /// fails with the error of a sequence that fails (its grammar refused a token).
     pub fn generate(&mut self, requests: Vec<Request>) -> Result<Vec<Completion>> {
         let order: Vec<SeqId> = requests.iter().map(|r| r.seq_id).collect();
         let mut done: HashMap<SeqId, Completion> = HashMap::new();
@@ -658,6 +686,9 @@ impl Engine {
                 c.text.push_str(&ev.text);
                 c.tokens.push(ev.token);
                 c.finish_reason = ev.finish;
+            }
+            if let Some((_, e)) = self.take_failed().into_iter().next() {
+                return Err(e);
             }
         }
         Ok(order

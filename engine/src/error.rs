@@ -62,6 +62,11 @@ pub enum EngineError {
     },
     #[error("invalid cost profile {origin}: {reason}")]
     CostProfile { origin: String, reason: String },
+    /// A constrained sequence's grammar failed mid-generation (its matcher hit a limit, or
+    /// could not admit the sampled token): the sequence ends with this error, never with a
+    /// token outside the grammar.
+    #[error("sequence {seq_id}: the output can no longer follow the grammar: {reason}")]
+    Grammar { seq_id: SeqId, reason: String },
     #[error("KV layout mismatch: expected {expected}, given {given}")]
     LayoutMismatch { expected: String, given: String },
 }

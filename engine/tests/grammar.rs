@@ -226,3 +226,53 @@ fn a_bad_grammar_is_refused_and_leaves_nothing_behind() {
     );
     assert_eq!(e.stats().num_blocks_used, 0);
 }
+
+/// Issue 31: a sequence whose grammar fails mid-generation (here `[^\s\S]`, which matches
+/// nothing, as a node gets it from a gateway that does not refuse it) emitted a token outside
+/// the grammar with finish reason `eos`. It now fails: no event, nothing left running, and
+/// [`engine::engine::Engine::take_failed`] says why; its neighbour is untouched.
+#[test]
+fn a_failing_grammar_fails_its_sequence_without_a_token() {
+    let model = stories();
+    let empty = Some(GrammarSpec::Regex(r"[^\s\S]".into()));
+    let bad = request(0, prompt(&model, "Hi"), 1, empty);
+    let mut e = engine(&model, cfg());
+    e.add_request(bad.clone()).unwrap();
+    e.add_request(request(1, prompt(&model, "Once"), 2, None))
+        .unwrap();
+    let (mut events, mut failed) = (Vec::new(), Vec::new());
+    while e.has_work() {
+        events.extend(e.step().unwrap());
+        failed.extend(e.take_failed());
+    }
+    assert!(
+        events.iter().all(|ev| ev.seq_id == SeqId(1)),
+        "no token of the failed sequence: {:?}",
+        events
+            .iter()
+            .filter(|ev| ev.seq_id == SeqId(0))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        events.last().unwrap().finish.is_some(),
+        "the neighbour ends"
+    );
+    assert!(
+        matches!(
+            failed.as_slice(),
+            [(
+                SeqId(0),
+                EngineError::Grammar {
+                    seq_id: SeqId(0),
+                    ..
+                }
+            )]
+        ),
+        "{failed:?}"
+    );
+    assert_eq!(e.stats().num_running, 0);
+    assert!(matches!(
+        engine(&model, cfg()).generate(vec![bad]),
+        Err(EngineError::Grammar { .. })
+    ));
+}

@@ -14,6 +14,9 @@ use crate::{GrammarError, Result};
 pub struct Constraint {
     matcher: Matcher,
     vocab_size: usize,
+    /// Why the matcher failed, once it has: every later mask and token is refused, so a row
+    /// sampled without a mask can never pass for grammar output.
+    failed: Option<String>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -33,15 +36,26 @@ impl Constraint {
         Ok(Constraint {
             matcher,
             vocab_size,
+            failed: None,
         })
     }
 
     /// The tokens the grammar admits next: one bit per token id, with the end-of-sequence
-    /// tokens set once the output so far is complete.
+    /// tokens set once the output so far is complete. Fails when the matcher fails or admits
+    /// nothing at all (a grammar whose language is empty): the constraint is then spent.
     pub fn allowed_tokens(&mut self) -> Result<SimpleVob> {
-        self.matcher
-            .compute_mask_or_eos()
-            .map_err(|e| GrammarError::Matcher(e.to_string()))
+        if let Some(why) = &self.failed {
+            return Err(GrammarError::Matcher(why.clone()));
+        }
+        let result = match self.matcher.compute_mask_or_eos() {
+            Ok(mask) if mask.is_zero() => Err("the grammar admits no token here".to_string()),
+            Ok(mask) => Ok(mask),
+            Err(e) => Err(first_line(&e.to_string())),
+        };
+        result.map_err(|why| {
+            self.failed = Some(why.clone());
+            GrammarError::Matcher(why)
+        })
     }
 
     /// Sets every logit the grammar does not admit next to `-inf`. `also_when_complete` are
@@ -69,9 +83,14 @@ impl Constraint {
 
     /// Advances past `token_id`, which must have been admitted by the last mask.
     pub fn accept(&mut self, token_id: u32) -> Result<()> {
-        self.matcher
-            .consume_token(token_id)
-            .map_err(|e| GrammarError::Matcher(e.to_string()))
+        if let Some(why) = &self.failed {
+            return Err(GrammarError::Matcher(why.clone()));
+        }
+        self.matcher.consume_token(token_id).map_err(|e| {
+            let why = first_line(&e.to_string());
+            self.failed = Some(why.clone());
+            GrammarError::Matcher(why)
+        })
     }
 
     /// The output is a complete match and the grammar admits nothing more: the sequence ends.
@@ -83,6 +102,12 @@ impl Constraint {
     pub fn is_accepting(&mut self) -> bool {
         self.matcher.is_accepting().unwrap_or(false)
     }
+}
+
+/// llguidance's errors end with a dump of the parser's state, dozens of lines long: the first
+/// line says what went wrong, and is what logs and clients get.
+fn first_line(message: &str) -> String {
+    message.lines().next().unwrap_or(message).trim().to_string()
 }
 
 /// `-inf` over every logit whose bit is clear, and over logits past the mask. Whole words of

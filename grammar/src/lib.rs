@@ -20,6 +20,10 @@ pub enum GrammarError {
     /// The schema, regex or grammar is not valid (or uses what llguidance does not support).
     #[error("invalid {kind}: {message}")]
     Invalid { kind: &'static str, message: String },
+    /// The grammar compiles but matches no text at all (a regex like `[^\s\S]`): nothing
+    /// could ever be generated under it.
+    #[error("the {kind} matches no text, so no output can follow it")]
+    Empty { kind: &'static str },
     /// The tokenizer's vocabulary could not be turned into bytes per token.
     #[error("unsupported tokenizer: {0}")]
     Tokenizer(String),

@@ -110,9 +110,17 @@ impl Vocabulary {
         Constraint::new(llguidance::Matcher::new(Ok(parser)), self.vocab_size)
     }
 
-    /// Whether `spec` compiles: the gateway's check, with [`Vocabulary::bytes_only`].
+    /// Whether `spec` compiles and admits a first token: the gateway's check, with
+    /// [`Vocabulary::bytes_only`]. Over single bytes, a grammar that matches any text admits
+    /// its first byte (or the end token, for the empty text), so a first mask that admits
+    /// nothing means its language is empty; refused here, it could only fail mid-stream.
     pub fn check(&self, spec: &GrammarSpec) -> Result<()> {
-        self.compile(spec).map(drop)
+        let mut constraint = self.compile(spec)?;
+        match constraint.allowed_tokens() {
+            Ok(_) => Ok(()),
+            Err(GrammarError::Matcher(_)) => Err(GrammarError::Empty { kind: spec.kind() }),
+            Err(e) => Err(e),
+        }
     }
 }
 

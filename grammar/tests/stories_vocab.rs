@@ -145,3 +145,42 @@ fn bad_grammars_fail_to_compile_with_their_kind() {
         .check(&GrammarSpec::json_object())
         .expect("json_object compiles");
 }
+
+/// Issue 31: `[^\s\S]` compiled and the engine then sampled outside the grammar. A grammar
+/// that matches nothing is refused by the check, while one that matches something passes.
+#[test]
+fn a_grammar_that_matches_nothing_is_refused() {
+    let bytes = Vocabulary::bytes_only().expect("byte vocabulary");
+    for rx in [r"[^\s\S]", r"a[^\s\S]", r"(x[^\s\S])+"] {
+        let err = bytes
+            .check(&GrammarSpec::Regex(rx.into()))
+            .expect_err("an empty language is refused");
+        assert!(
+            matches!(err, grammar::GrammarError::Empty { kind: "regex" }),
+            "{rx}: {err:?}"
+        );
+        assert!(err.to_string().contains("matches no text"), "{err}");
+    }
+    for rx in ["", "a|[^\\s\\S]", "[0-9]{1,3} years old"] {
+        bytes
+            .check(&GrammarSpec::Regex(rx.into()))
+            .unwrap_or_else(|e| panic!("{rx:?}: {e}"));
+    }
+}
+
+/// A constraint whose mask failed is spent: it refuses every token after, so a row sampled
+/// without the mask can never be taken for grammar output (the engine then fails the
+/// sequence).
+#[test]
+fn a_failed_mask_refuses_every_later_token() {
+    let (vocab, _) = vocab();
+    let mut constraint = vocab
+        .compile(&GrammarSpec::Regex(r"[^\s\S]".into()))
+        .expect("compiles");
+    let mut row = vec![0.0f32; vocab.vocab_size()];
+    let err = constraint.mask_logits(&mut row, &[2]).expect_err("no mask");
+    assert!(!err.to_string().contains('\n'), "one line: {err}");
+    for token in [2, 300, 65] {
+        assert!(constraint.accept(token).is_err(), "token {token}");
+    }
+}

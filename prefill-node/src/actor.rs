@@ -315,6 +315,13 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
                     }));
                 }
             }
+            // A prompt whose first token the grammar could not admit fails, with no token.
+            for (seq_id, e) in engine.take_failed() {
+                if let Some(p) = pending.remove(&seq_id) {
+                    p.span.record("chunks", p.chunks);
+                    let _ = p.reply.send(Err(e));
+                }
+            }
         }
         Err(e) => {
             // Every prompt of the step fails; each is counted where its RPC answers.

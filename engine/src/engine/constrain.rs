@@ -54,9 +54,9 @@ impl Engine {
 /// `scratch` and masked there. Without a constraint the row is sampled as it is, so
 /// unconstrained output stays bit-identical.
 ///
-/// A matcher that fails (a parser limit on a pathological grammar) must not fail the whole
-/// batch: the row is then sampled unmasked, and [`Engine`]'s emit ends the sequence when the
-/// grammar refuses that token.
+/// A matcher that fails (a parser limit on a pathological grammar, a language with no text)
+/// must not fail the whole batch: the row is then sampled unmasked, but the spent constraint
+/// refuses that token, so [`Engine`]'s emit fails the sequence and the token goes nowhere.
 pub(super) fn sample_constrained(
     logits: &[f32],
     constraint: Option<&mut Constraint>,

@@ -137,8 +137,16 @@ impl Engine {
             if let Some(grammar) = &mut state.grammar {
                 match grammar.accept(first.token_id) {
                     Err(e) => {
+                        // Not a finish that did not happen: the request fails.
                         tracing::warn!(%seq_id, error = %e, "first token outside the grammar");
-                        finish = Some(FinishReason::Eos);
+                        self.states.remove(&seq_id);
+                        if !ends_now {
+                            self.scheduler.finish(seq_id)?;
+                        }
+                        return Err(EngineError::Grammar {
+                            seq_id,
+                            reason: e.to_string(),
+                        });
                     }
                     Ok(()) if grammar.is_complete() => finish = Some(FinishReason::Eos),
                     Ok(()) => {}
