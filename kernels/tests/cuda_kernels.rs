@@ -1,6 +1,7 @@
 //! The CUDA kernels against their CPU references: attention within bf16/f16/f32 tolerances,
 //! copies bit-exact. Needs a GPU: `cargo test --release --features cuda -p kernels --test
-//! cuda_kernels` (BENCHMARKS.md has the command that runs it on the GPU machine).
+//! cuda_kernels` (benchmarks/history/2026-11-21-gpu-run-plan.md has the command that runs it on
+//! the GPU machine).
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Peer benchmark on the GPU machine: HF transformers + torch, bf16, CUDA, sdpa attention, on a
-random-weight Llama-3.2-1B-shaped model. The transformers side of BENCHMARKS.md's "GPU run".
+random-weight Llama-3.2-1B-shaped model. The transformers side of the "GPU run" in
+benchmarks/history/2026-11-21-gpu-run-plan.md.
 
 Usage (on the GPU machine, which has torch and transformers but no network):
     python3 engine/benches/peers/gpu_transformers.py --out gpu-transformers.json \
