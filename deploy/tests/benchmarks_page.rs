@@ -63,8 +63,11 @@ fn cells(line: &str) -> Vec<String> {
     out
 }
 
-/// Lines outside fenced code blocks, with their 1-based numbers, and the fenced lines apart.
-fn split_fences(md: &str) -> (Vec<(usize, &str)>, Vec<(usize, &str)>) {
+/// Lines with their 1-based numbers.
+type Lines<'a> = Vec<(usize, &'a str)>;
+
+/// Lines outside fenced code blocks, and the fenced lines apart.
+fn split_fences(md: &str) -> (Lines<'_>, Lines<'_>) {
     let (mut prose, mut code) = (Vec::new(), Vec::new());
     let mut in_fence = false;
     for (i, line) in md.lines().enumerate() {
