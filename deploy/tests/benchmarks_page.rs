@@ -5,7 +5,8 @@
 //!   test walks the subcommands through `--help` (each must succeed) and finds every `--flag`
 //!   of the command in the help of the binary or of a subcommand on its path; `cargo` commands
 //!   name a package with that test, bench or example; scripts (`*.sh`, `*.py`) are files;
-//! - every history link resolves, and every history file is linked from the page.
+//! - every history link resolves, and every history file is linked from the page;
+//! - links from the repository's other markdown files to `BENCHMARKS.md#anchor` name a heading.
 //!
 //! The checks are plain functions that return the problems they find, so the unit tests below
 //! run them on a bad page and see each one fail.
@@ -485,6 +486,71 @@ fn command_problems(md: &str, root: &Path, helps: &mut Helps) -> Vec<String> {
     problems
 }
 
+/// GitHub's anchor for a heading: lower case, spaces to `-`, other punctuation dropped.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of a page's headings.
+fn anchors(md: &str) -> BTreeSet<String> {
+    let (prose, _) = split_fences(md);
+    prose
+        .iter()
+        .filter_map(|(_, l)| l.strip_prefix('#'))
+        .map(|l| slug(l.trim_start_matches('#')))
+        .collect()
+}
+
+/// The repository's markdown files outside build, tool and history folders.
+fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with('.')
+            || name == "target"
+            || path.ends_with(HISTORY_DIR.trim_end_matches('/'))
+        {
+            continue;
+        }
+        if path.is_dir() {
+            markdown_files(&path, out);
+        } else if name.ends_with(".md") {
+            out.push(path);
+        }
+    }
+}
+
+/// Links from `doc` (a file at `doc_path`, relative to the root) to `BENCHMARKS.md#anchor`
+/// whose anchor is not a heading of `page`.
+fn anchor_problems(doc_path: &str, doc: &str, page: &str) -> Vec<String> {
+    let known = anchors(page);
+    let mut problems = Vec::new();
+    for (n, line) in doc.lines().enumerate() {
+        for (at, _) in line.match_indices("BENCHMARKS.md#") {
+            let anchor: String = line[at + "BENCHMARKS.md#".len()..]
+                .chars()
+                .take_while(|c| !matches!(c, ')' | ' ' | '`' | '"' | '>'))
+                .collect();
+            if !known.contains(&anchor) {
+                problems.push(format!(
+                    "{doc_path}:{}: BENCHMARKS.md has no heading #{anchor}",
+                    n + 1
+                ));
+            }
+        }
+    }
+    problems
+}
+
 fn page() -> String {
     std::fs::read_to_string(root().join("BENCHMARKS.md")).unwrap()
 }
@@ -533,6 +599,28 @@ fn every_history_link_resolves_and_every_history_file_is_linked() {
     );
     let problems = history_problems(&md, &root());
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn links_to_the_page_name_its_headings() {
+    let md = page();
+    let root = root();
+    let mut docs = Vec::new();
+    markdown_files(&root, &mut docs);
+    assert!(docs.iter().any(|d| d.ends_with("loadtest/README.md")));
+    let mut problems = Vec::new();
+    for doc in docs {
+        let shown = doc.strip_prefix(&root).unwrap().display().to_string();
+        let text = std::fs::read_to_string(&doc).unwrap();
+        problems.extend(anchor_problems(&shown, &text, &md));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // And the check can fail.
+    let bad = "see [it](../BENCHMARKS.md#kv-transfer-issue-3) and [that](BENCHMARKS.md#no-such)";
+    assert_eq!(
+        anchor_problems("x.md", bad, &md),
+        vec!["x.md:1: BENCHMARKS.md has no heading #no-such".to_string()]
+    );
 }
 
 /// A page with one fault of each kind, and one line of each kind that is right.
