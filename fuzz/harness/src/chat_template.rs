@@ -13,8 +13,7 @@ use std::sync::LazyLock;
 use gateway::GatewayConfig;
 use serde_json::{json, Value};
 
-use crate::gateway_fixture::TestGateway;
-use crate::http::request;
+use crate::gateway_fixture::{request, TestGateway};
 use crate::response::{self, Body};
 
 const PATH: &str = "/v1/chat/completions";

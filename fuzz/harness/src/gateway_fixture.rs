@@ -1,14 +1,14 @@
-//! A gateway [`app`] over the fake backend, built once per target and driven with `oneshot`,
-//! and the checks that hold for every request whatever its answer: it is answered in time, it
-//! starts at most one generation, that generation passed validation, and none outlives its
-//! response.
+//! A gateway [`app`] over the fake backend, built once per target and driven with `oneshot`
+//! with the POSTs [`request`] frames, and the checks that hold for every request whatever its
+//! answer: it is answered in time, it starts at most one generation, that generation passed
+//! validation, and none outlives its response.
 
 use std::path::PathBuf;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{header, HeaderMap, Request, StatusCode};
 use axum::Router;
 use gateway::fake::{FakeBackend, FakeScript};
 use gateway::{app, AppState, GatewayConfig, ValidRequest};
@@ -205,4 +205,25 @@ fn check_valid(request: &ValidRequest, config: &GatewayConfig) {
         sampling.top_n_logprobs,
         config.max_top_n_tokens
     );
+}
+
+/// A POST of `body` to `path`, framed as `mode` says.
+pub(crate) fn request(path: &str, mode: u8, body: Vec<u8>) -> Request<Body> {
+    let mut request = Request::post(path);
+    if mode & 2 == 0 {
+        request = request.header(header::CONTENT_TYPE, "application/json");
+    }
+    let body = if mode & 1 == 0 {
+        request = request.header(header::CONTENT_LENGTH, body.len());
+        Body::from(body)
+    } else {
+        // Two chunks, as a chunked upload arrives: the reader must join them.
+        let mut first = body;
+        let second = first.split_off(first.len() / 2);
+        let chunks = [first, second].map(|chunk| Ok::<_, std::io::Error>(Bytes::from(chunk)));
+        Body::from_stream(futures::stream::iter(chunks))
+    };
+    request
+        .body(body)
+        .expect("a POST with a static path and valid headers builds")
 }

@@ -11,11 +11,8 @@
 
 use std::sync::LazyLock;
 
-use axum::body::{Body, Bytes};
-use axum::http::{header, Request};
-
 use crate::chat_template;
-use crate::gateway_fixture::{TestGateway, MAX_BODY_BYTES};
+use crate::gateway_fixture::{request, TestGateway, MAX_BODY_BYTES};
 use crate::response::{self, CONTENT_STATUSES};
 
 // One gateway per target, so that targets replayed on parallel test threads do not see each
@@ -62,25 +59,4 @@ fn post(gateway: &TestGateway, path: &str, mode: u8, body: &[u8]) {
     if let Some(generated) = &exchange.generated {
         response::check_generation(path, &answer, generated, exchange.sequences, gateway);
     }
-}
-
-/// A POST of `body` to `path`, framed as `mode` says.
-pub(crate) fn request(path: &str, mode: u8, body: Vec<u8>) -> Request<Body> {
-    let mut request = Request::post(path);
-    if mode & 2 == 0 {
-        request = request.header(header::CONTENT_TYPE, "application/json");
-    }
-    let body = if mode & 1 == 0 {
-        request = request.header(header::CONTENT_LENGTH, body.len());
-        Body::from(body)
-    } else {
-        // Two chunks, as a chunked upload arrives: the reader must join them.
-        let mut first = body;
-        let second = first.split_off(first.len() / 2);
-        let chunks = [first, second].map(|chunk| Ok::<_, std::io::Error>(Bytes::from(chunk)));
-        Body::from_stream(futures::stream::iter(chunks))
-    };
-    request
-        .body(body)
-        .expect("a POST with a static path and valid headers builds")
 }
