@@ -8,7 +8,9 @@
 //!   is an object, or the start of one where max_tokens cut it.
 //! - A seeded constrained request gives the same output alone, in a batch, disaggregated
 //!   (prefill node + decode node) and colocated (prefill on the decode node).
-//! - TGI's `grammar` (regex and JSON) on `/generate`; a bad schema is a 4xx naming the field.
+//! - TGI's `grammar` (regex and JSON) on `/generate`, and TGI's `response_format` spelling
+//!   (`{"type": "json_object", "value": schema}`) on chat; a bad schema, or a grammar that
+//!   matches no text, is a 4xx naming the field.
 //! - Tool calls through the SDK's tools API on a random Qwen2-architecture model carrying
 //!   Qwen2.5's real chat template (`fuzz/harness/fixtures/qwen2.5.json`: the `chat_template` of
 //!   Qwen/Qwen2.5-Instruct's `tokenizer_config.json`, Apache-2.0, by the Qwen team).
@@ -197,8 +199,33 @@ async fn schema_outputs_validate_and_are_deterministic_everywhere() {
     let generated: Value = serde_json::from_str(body["generated_text"].as_str().unwrap()).unwrap();
     assert!(generated["age"].as_u64().unwrap() <= 120, "{generated}");
 
-    // A schema that cannot compile is refused up front, naming the field.
+    // TGI's `response_format` spelling (huggingface_hub's InferenceClient sends it) is held
+    // to its schema, not just to "some JSON object" (issue 31).
+    let (status, body) = post(
+        &client,
+        &disaggregated,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Once upon a time"}],
+            "max_tokens": 200, "temperature": 1.0, "seed": 5,
+            "response_format": {"type": "json_object", "value": schema()}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+    let generated: Value = serde_json::from_str(content).unwrap();
+    let mut keys: Vec<&String> = generated.as_object().unwrap().keys().collect();
+    keys.sort();
+    assert_eq!(keys, ["age", "happy", "name", "pets"], "{generated}");
+    assert!(generated["age"].as_u64().unwrap() <= 120, "{generated}");
+
+    // A schema that cannot compile, or a grammar that matches no text (which a node could
+    // only break), is refused up front, naming the field.
     for (path, body, field) in [
+        (
+            "/generate",
+            json!({"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": r"[^\s\S]"}}}),
+            "grammar",
+        ),
         (
             "/v1/completions",
             json!({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": 5}}}}),

@@ -189,15 +189,18 @@ struct SimpleToken {
 
 #[utoipa::path(post, path = "/tokenize", tag = "TGI", request_body = TokenizeRequest, responses(
     (status = 200, body = Vec<SimpleToken>),
-    (status = 422, body = crate::error::ErrorBody),
+    (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+    (status = 413, description = "Body over --max-body-bytes", body = crate::error::ErrorBody),
+    (status = 422, description = "Over the input token limit", body = crate::error::ErrorBody),
 ))]
 async fn tokenize(
     State(state): State<AppState>,
     Json(request): Json<TokenizeRequest>,
 ) -> Result<axum::Json<Vec<SimpleToken>>, GatewayError> {
     let validator = std::sync::Arc::clone(state.validator());
+    let limits = state.limits();
     let tokens = tokio::task::spawn_blocking(move || {
-        let encoding = validator.encode(&request.inputs, true)?;
+        let encoding = validator.tokenize_input(&request.inputs, limits)?;
         let tokens = encoding
             .get_ids()
             .iter()

@@ -23,6 +23,7 @@ use crate::validation::{FieldNames, GenerateParameters, Prompt, Validator};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct GenerateRequest {
+    #[schema(min_length = 1)]
     inputs: String,
     #[serde(default)]
     parameters: Option<TgiParameters>,
@@ -31,6 +32,7 @@ pub(crate) struct GenerateRequest {
 /// `POST /`'s body: a generate request and whether to stream it.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CompatGenerateRequest {
+    #[schema(min_length = 1)]
     inputs: String,
     #[serde(default)]
     parameters: Option<TgiParameters>,
@@ -42,22 +44,37 @@ pub(crate) struct CompatGenerateRequest {
 /// the prompt's blocks.
 const MAX_BEST_OF: usize = 8;
 
-/// Every field may be absent or `null`, as TGI's clients send them.
+/// Every field may be absent or `null`, as TGI's clients send them. The bounds in the OpenAPI
+/// document are the validator's (`crate::validation`), with the default configuration's
+/// limits (`GatewayConfig::max_stop_sequences`, `max_top_n_tokens`).
 #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 struct TgiParameters {
+    /// At most `max_total_tokens` with the prompt's tokens.
+    #[schema(minimum = 1)]
     max_new_tokens: Option<u32>,
+    /// Finite (a 32-bit float: at most 3.4e38).
+    #[schema(minimum = 0.0, maximum = 3.4e38)]
     temperature: Option<f32>,
+    #[schema(minimum = 0)]
     top_k: Option<i64>,
+    /// In (0, 1]: a 32-bit float, so the least that stays above 0 is about 1e-38.
+    #[schema(minimum = 1e-38, maximum = 1.0)]
     top_p: Option<f32>,
+    /// Above 0 and finite (a 32-bit float: from about 1e-38 to 3.4e38).
+    #[schema(minimum = 1e-38, maximum = 3.4e38)]
     repetition_penalty: Option<f32>,
     do_sample: Option<bool>,
     seed: Option<u64>,
+    #[schema(value_type = Option<crate::structured::StopListSchema>)]
     stop: Option<Vec<String>>,
     details: Option<bool>,
+    #[schema(maximum = 20)]
     top_n_tokens: Option<u32>,
     return_full_text: Option<bool>,
     /// Sequences to sample; the one with the highest logprob per token is the answer and the
-    /// others come in `details.best_of_sequences`.
+    /// others come in `details.best_of_sequences`. Above 1 only when sampling, without a
+    /// seed, not streaming.
+    #[schema(minimum = 1, maximum = 8)]
     best_of: Option<usize>,
     decoder_input_details: Option<bool>,
     grammar: Option<TgiGrammar>,
@@ -192,6 +209,7 @@ struct StreamDetails {
     responses(
         (status = 200, description = "The generated text", body = GenerateResponse),
         (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 413, description = "Body over --max-body-bytes", body = crate::error::ErrorBody),
         (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
         (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
     )
@@ -213,6 +231,7 @@ pub(crate) async fn generate(
     responses(
         (status = 200, description = "Server-sent events, one per token", body = StreamResponse, content_type = "text/event-stream"),
         (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 413, description = "Body over --max-body-bytes", body = crate::error::ErrorBody),
         (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
         (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
     )
@@ -233,8 +252,12 @@ pub(crate) async fn generate_stream(
     tag = "TGI",
     request_body = CompatGenerateRequest,
     responses(
-        (status = 200, description = "A list of one response; server-sent events with `stream: true`", body = Vec<GenerateResponse>),
+        (status = 200, description = "A list of one response; server-sent events with `stream: true`", content(
+            (Vec<GenerateResponse> = "application/json"),
+            (StreamResponse = "text/event-stream"),
+        )),
         (status = 400, description = "Malformed JSON", body = crate::error::ErrorBody),
+        (status = 413, description = "Body over --max-body-bytes", body = crate::error::ErrorBody),
         (status = 422, description = "Invalid parameters or input too long", body = crate::error::ErrorBody),
         (status = 429, description = "Overloaded", body = crate::error::ErrorBody),
     )

@@ -349,6 +349,24 @@ impl Validator {
         Ok(self.encode(&text, add_special_tokens)?.get_ids().to_vec())
     }
 
+    /// `/tokenize`'s tokens for `inputs`, held to the input limit that `/generate` applies to
+    /// the same text (422 past it; the body limit gives 413 before that).
+    pub(crate) fn tokenize_input(
+        &self,
+        inputs: &str,
+        limits: Limits,
+    ) -> Result<Encoding, GatewayError> {
+        let encoding = self.encode(inputs, true)?;
+        if encoding.len() > limits.max_input_tokens {
+            return Err(GatewayError::InputTooLong {
+                field: "inputs",
+                input_tokens: encoding.len(),
+                max_input_tokens: limits.max_input_tokens,
+            });
+        }
+        Ok(encoding)
+    }
+
     /// Tokenizes `text`; offsets count characters, as `/tokenize` reports them.
     pub(crate) fn encode(
         &self,

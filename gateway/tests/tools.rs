@@ -444,10 +444,13 @@ async fn call_ids_are_unique_across_choices() {
 #[tokio::test]
 async fn a_backend_error_mid_stream_ends_a_tool_stream_with_an_error_and_no_done() {
     let paris = weather_call("Paris");
-    // Failing while a call is held, and after text went out as content.
-    for (pieces, fail_at, contents_before) in [
-        (vec![paris.as_str(), "\n", "more"], 1, 0),
-        (vec!["Let", " me", " see", paris.as_str()], 3, 3),
+    // Failing after a complete call went out (each goes out as it completes), while a call
+    // is held, and after text went out as content.
+    let half = &paris[..20];
+    for (pieces, fail_at, contents_before, calls_before) in [
+        (vec![paris.as_str(), "\n", "more"], 1, 0, 1),
+        (vec![half, "\n", "more"], 1, 0, 0),
+        (vec!["Let", " me", " see", paris.as_str()], 3, 3, 0),
     ] {
         let (_dir, config) = qwen_config();
         let script = FakeScript {
@@ -468,13 +471,20 @@ async fn a_backend_error_mid_stream_ends_a_tool_stream_with_an_error_and_no_done
         assert_eq!(error["error"]["type"], "internal", "{events:?}");
         assert_eq!(error["error"]["code"], "internal", "{events:?}");
         assert!(error["error"]["message"].is_string(), "{error}");
-        // Only content went out before it: no calls, no finish, no usage.
-        assert_eq!(before.len(), contents_before, "{events:?}");
-        for event in before {
+        // Only content and complete calls went out before it: no finish, no usage.
+        assert_eq!(before.len(), contents_before + calls_before, "{events:?}");
+        for (i, event) in before.iter().enumerate() {
             let chunk: Value = serde_json::from_str(event).unwrap();
             let choice = &chunk["choices"][0];
-            assert!(choice["delta"]["content"].is_string(), "{chunk}");
-            assert!(choice["delta"].get("tool_calls").is_none(), "{chunk}");
+            if i < contents_before {
+                assert!(choice["delta"]["content"].is_string(), "{chunk}");
+                assert!(choice["delta"].get("tool_calls").is_none(), "{chunk}");
+            } else {
+                assert_eq!(
+                    choice["delta"]["tool_calls"][0]["function"]["name"],
+                    "get_weather"
+                );
+            }
             assert!(choice["finish_reason"].is_null(), "{chunk}");
         }
         server.stop().await;
@@ -498,6 +508,46 @@ async fn tgis_client_gets_a_tool_stream_without_done() {
     assert_eq!(
         last["choices"][0]["finish_reason"], "tool_calls",
         "{events:?}"
+    );
+    server.stop().await;
+}
+
+/// Issue 31: with `required` and parallel calls, a model that keeps adding calls runs into
+/// max_tokens; its complete calls came back as plain content with `tool_calls: []`, streamed
+/// as one content chunk at the end. They are now calls, each streamed as it completes, the
+/// cut-off one dropped and the finish reason `length`.
+#[tokio::test]
+async fn calls_cut_off_by_max_tokens_keep_the_complete_ones() {
+    let (_dir, config) = qwen_config();
+    let one = r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#;
+    let two = r#"{"name":"get_time","arguments":{}}"#;
+    let output = format!(r#"[{one},{two},{{"name":"get_weather","arguments":{{"ci"#);
+    let pieces = split(&output, 6);
+    let max_tokens = pieces.len();
+    let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    let mut script = script(&pieces);
+    script.tokens.pop(); // no EOS: max_tokens ends it
+    let server = TestServer::start(config, script).await;
+    let extra = json!({"tool_choice": "required", "max_tokens": max_tokens});
+    let expected = (
+        None,
+        vec![("get_weather", r#"{"city":"Paris"}"#), ("get_time", "{}")],
+        "length",
+    );
+    let plain = non_streamed(&server, extra.clone()).await;
+    assert_eq!(plain.without_ids(), expected);
+    let (stream, chunks) = streamed(&server, extra).await;
+    assert_eq!(stream.without_ids(), expected);
+    let with_calls: Vec<usize> = chunks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c["choices"][0]["delta"]["tool_calls"].is_array())
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(with_calls.len(), 2, "one delta per call: {chunks:?}");
+    assert!(
+        with_calls[1] < chunks.len() - 1,
+        "the calls go out as they complete, before the end: {chunks:?}"
     );
     server.stop().await;
 }

@@ -22,11 +22,16 @@ const MAX_TOP_LOGPROBS: u32 = 20;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct ChatRequest {
+    #[schema(min_items = 1)]
     messages: Vec<RequestMessage>,
+    #[schema(minimum = 1)]
     max_tokens: Option<u32>,
     /// The newer name of `max_tokens`; wins when both are given.
+    #[schema(minimum = 1)]
     max_completion_tokens: Option<u32>,
     logprobs: Option<bool>,
+    /// Needs `logprobs: true` when above 0.
+    #[schema(maximum = 20)]
     top_logprobs: Option<u32>,
     tools: Option<Vec<serde_json::Value>>,
     tool_choice: Option<ToolChoice>,
@@ -199,6 +204,7 @@ impl Logprobs {
         (status = 200, description = "The chat completion; server-sent chunks with `stream: true`", body = ChatCompletion),
         (status = 400, description = "Invalid request", body = crate::error::OpenAiErrorBody),
         (status = 404, description = "Unknown model", body = crate::error::OpenAiErrorBody),
+        (status = 413, description = "Body over --max-body-bytes", body = crate::error::OpenAiErrorBody),
         (status = 429, description = "Overloaded", body = crate::error::OpenAiErrorBody),
     )
 )]
@@ -218,6 +224,15 @@ pub(crate) async fn chat_completions(
     }
     if let (Some(top), false) = (request.top_logprobs.filter(|&n| n > 0), with_logprobs) {
         return Err(invalid("top_logprobs", "needs `logprobs: true`", top).into());
+    }
+    // Either spelling is checked, not only the one that wins.
+    for (field, value) in [
+        ("max_tokens", request.max_tokens),
+        ("max_completion_tokens", request.max_completion_tokens),
+    ] {
+        if value == Some(0) {
+            return Err(invalid(field, "must be at least 1", 0).into());
+        }
     }
     let n = request.common.n();
     let mut parameters = request.common.parameters(
@@ -353,13 +368,24 @@ pub(crate) async fn chat_completions(
             let index = choices.len() as u32;
             let calls = plan
                 .parses_calls()
-                .then(|| plan.parse(&completed.text))
+                .then(|| plan.calls(&completed.text, true))
                 .flatten();
             let (content, tool_calls, finish_reason) = match calls {
-                Some((content, calls)) => (
-                    content,
-                    Some(tool_calls_json(&request_id, index as usize, &calls, false)),
-                    "tool_calls",
+                // A call cut off (by max_tokens) is dropped: the finish reason says why.
+                Some(found) => (
+                    found.content,
+                    Some(tool_calls_json(
+                        &request_id,
+                        index as usize,
+                        &found.calls,
+                        0,
+                        false,
+                    )),
+                    if found.clean {
+                        "tool_calls"
+                    } else {
+                        completed.finish_reason.as_openai_str()
+                    },
                 ),
                 None => (
                     Some(completed.text),

@@ -49,6 +49,29 @@ impl PromptInput {
     }
 }
 
+/// [`PromptInput`] as the OpenAPI document shows it: never empty, at most [`MAX_PROMPTS`]
+/// prompts. The validator's rules, which derived schemas of untagged variants cannot carry.
+struct PromptSchema;
+
+impl utoipa::PartialSchema for PromptSchema {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        let text = serde_json::json!({"type": "string", "minLength": 1});
+        let ids = serde_json::json!({"type": "array", "minItems": 1,
+            "items": {"type": "integer", "format": "int32", "minimum": 0}});
+        let many = |items: &serde_json::Value| {
+            serde_json::json!({"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                "items": items})
+        };
+        let schema = serde_json::json!({
+            "description": "A string, a list of strings, a list of token ids, or a list of such lists; never empty.",
+            "oneOf": [text, many(&text), ids, many(&ids)],
+        });
+        crate::structured::schema_literal(schema)
+    }
+}
+
+impl utoipa::ToSchema for PromptSchema {}
+
 /// The most prompts one request may carry.
 const MAX_PROMPTS: usize = 64;
 /// OpenAI's largest `logprobs` on completions.
@@ -58,13 +81,17 @@ const MAX_BEST_OF: u32 = 20;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub(crate) struct CompletionRequest {
+    #[schema(value_type = PromptSchema)]
     prompt: PromptInput,
+    #[schema(minimum = 1)]
     max_tokens: Option<u32>,
     /// How many alternatives to report per token; any value (0 too) turns logprobs on.
+    #[schema(maximum = 5)]
     logprobs: Option<u32>,
     echo: Option<bool>,
     /// Sequences generated per prompt, of which the `n` with the highest logprob per token
-    /// are returned.
+    /// are returned; at least `n`.
+    #[schema(minimum = 1, maximum = 20)]
     best_of: Option<u32>,
     #[serde(flatten)]
     common: CommonFields,
@@ -111,7 +138,9 @@ struct Completion {
     usage: Option<Usage>,
 }
 
+/// Named apart from chat's `Choice` in the OpenAPI document, where one name is one schema.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = CompletionChoice)]
 struct Choice {
     index: u32,
     text: String,
@@ -120,6 +149,7 @@ struct Choice {
 }
 
 #[derive(Debug, Default, Serialize, utoipa::ToSchema)]
+#[schema(as = CompletionLogprobs)]
 struct Logprobs {
     tokens: Vec<String>,
     token_logprobs: Vec<f32>,
@@ -152,6 +182,7 @@ impl Logprobs {
         (status = 200, description = "The completion; server-sent chunks with `stream: true`", body = Completion),
         (status = 400, description = "Invalid request", body = crate::error::OpenAiErrorBody),
         (status = 404, description = "Unknown model", body = crate::error::OpenAiErrorBody),
+        (status = 413, description = "Body over --max-body-bytes", body = crate::error::OpenAiErrorBody),
         (status = 429, description = "Overloaded", body = crate::error::OpenAiErrorBody),
     )
 )]

@@ -44,14 +44,27 @@ pub(crate) const MAX_N: u32 = 128;
 pub(crate) struct CommonFields {
     /// Checked against the served id and its aliases ([`AppState::check_model`]).
     model: Option<String>,
+    #[schema(minimum = 0.0, maximum = 2.0)]
     temperature: Option<f32>,
+    /// In (0, 1]: a 32-bit float, so the least that stays above 0 is about 1e-38.
+    #[schema(minimum = 1e-38, maximum = 1.0)]
     top_p: Option<f32>,
+    /// -1 (vLLM's "off") or more.
+    #[schema(minimum = -1)]
     top_k: Option<i64>,
+    /// Above 0 and finite (a 32-bit float: from about 1e-38 to 3.4e38).
+    #[schema(minimum = 1e-38, maximum = 3.4e38)]
     repetition_penalty: Option<f32>,
     seed: Option<u64>,
+    #[schema(value_type = Option<crate::structured::StopSchema>)]
     stop: Option<StopSequences>,
+    #[schema(minimum = 1, maximum = 128)]
     n: Option<u32>,
+    /// Only 0 (no penalty) is supported.
+    #[schema(minimum = 0.0, maximum = 0.0)]
     frequency_penalty: Option<f32>,
+    /// Only 0 (no penalty) is supported.
+    #[schema(minimum = 0.0, maximum = 0.0)]
     presence_penalty: Option<f32>,
     ignore_eos: Option<bool>,
     stream: Option<bool>,
@@ -141,10 +154,10 @@ impl CommonFields {
             stop,
             top_n_tokens,
             ignore_eos: self.ignore_eos.unwrap_or(false),
-            grammar: self
-                .response_format
-                .as_ref()
-                .and_then(ResponseFormat::grammar),
+            grammar: match &self.response_format {
+                Some(format) => format.grammar()?,
+                None => None,
+            },
             prompt_logprobs: false,
         })
     }

@@ -2,10 +2,12 @@
 //! the non-streamed answer would. Text streams as content at once, except a tail that may be
 //! the start of a `<tool_call>` (and the whitespace before it), which waits for the next token.
 //! From the opening of a call on, or from the start when the output may be a whole-output call
-//! (`{`, `[`, `<|python_tag|>`) or the choice is forced, the output is held back until the
-//! end, then parsed: its calls go out as one `delta.tool_calls` chunk (every call complete,
-//! arguments included) and a final chunk with `finish_reason: "tool_calls"`; what holds no call
-//! goes out as content. A backend error ends the stream with an error event and no `[DONE]`.
+//! (`{`, `[`, `<|python_tag|>`) or the choice is forced, the output is held back, and each call
+//! goes out as a `delta.tool_calls` chunk (complete, arguments included) as soon as it is
+//! complete; the end sends the rest and a final chunk with `finish_reason: "tool_calls"` (the
+//! sequence's own reason when a call was cut off and dropped). Held output that holds no call
+//! goes out as content at the end. A backend error ends the stream with an error event and no
+//! `[DONE]`.
 
 use std::convert::Infallible;
 
@@ -69,11 +71,13 @@ impl ChunkIds {
     }
 }
 
-/// OpenAI's `tool_calls` entries for choice `choice`, with ids unique to the request.
+/// OpenAI's `tool_calls` entries for choice `choice`, with ids unique to the request; the
+/// first of `calls` is the answer's call number `first_index`.
 pub(crate) fn tool_calls_json(
     request_id: &str,
     choice: usize,
     calls: &[ParsedCall],
+    first_index: usize,
     with_index: bool,
 ) -> Value {
     let prefix = &request_id[..request_id.len().min(20)];
@@ -81,6 +85,7 @@ pub(crate) fn tool_calls_json(
         calls
             .iter()
             .enumerate()
+            .map(|(i, call)| (first_index + i, call))
             .map(|(i, call)| {
                 let mut entry = json!({
                     "id": format!("call_{prefix}_{choice}_{i}"),
@@ -126,6 +131,8 @@ struct ToolStream {
     completion_tokens: usize,
     phase: Phase,
     role_sent: bool,
+    /// Calls already sent, each as it completed.
+    sent_calls: usize,
     /// A backend error was sent: the stream is over.
     failed: bool,
 }
@@ -155,6 +162,7 @@ impl ToolStream {
                 } else if let Some(reason) = last {
                     self.finish_held(held, reason, &mut events);
                 } else {
+                    self.send_complete_calls(&held, &mut events);
                     self.phase = Phase::Undecided(held);
                 }
             }
@@ -166,7 +174,10 @@ impl ToolStream {
                 held.push_str(&token.text);
                 match last {
                     Some(reason) => self.finish_held(held, reason, &mut events),
-                    None => self.phase = Phase::Held(held),
+                    None => {
+                        self.send_complete_calls(&held, &mut events);
+                        self.phase = Phase::Held(held);
+                    }
                 }
             }
         }
@@ -193,7 +204,10 @@ impl ToolStream {
             let held = text[content_end..].to_string();
             match last {
                 Some(reason) => self.finish_held(held, reason, events),
-                None => self.phase = Phase::Held(held),
+                None => {
+                    self.send_complete_calls(&held, events);
+                    self.phase = Phase::Held(held);
+                }
             }
             return;
         }
@@ -208,21 +222,55 @@ impl ToolStream {
         self.phase = Phase::Content(text[split..].to_string());
     }
 
-    /// The end of held output: its calls, or the text as content when it holds none.
+    /// Sends the calls of `held` (output held back so far) that completed since the last
+    /// token: a client sees each call as soon as nothing can change it.
+    fn send_complete_calls(&mut self, held: &str, events: &mut Vec<Event>) {
+        if let Some(found) = self.plan.calls(held, false) {
+            self.send_calls(found.content, &found.calls, events);
+        }
+    }
+
+    /// One `tool_calls` delta with `calls` past those sent already (and `content`, the text
+    /// before the first call, with the first).
+    fn send_calls(
+        &mut self,
+        content: Option<String>,
+        calls: &[ParsedCall],
+        events: &mut Vec<Event>,
+    ) {
+        let Some(new) = calls.get(self.sent_calls..).filter(|c| !c.is_empty()) else {
+            return;
+        };
+        let mut delta = json!({
+            "content": if self.sent_calls == 0 { content } else { None },
+            "tool_calls": tool_calls_json(&self.request_id, 0, new, self.sent_calls, true),
+        });
+        if !std::mem::replace(&mut self.role_sent, true) {
+            delta["role"] = json!("assistant");
+        }
+        self.sent_calls = calls.len();
+        events.push(self.ids.chunk(delta, None));
+    }
+
+    /// The end of held output: its calls not sent yet, or the text as content when it holds
+    /// none. A call cut off (by max_tokens) is dropped, and the finish reason is then the
+    /// sequence's own rather than `tool_calls`.
     fn finish_held(&mut self, held: String, reason: FinishReason, events: &mut Vec<Event>) {
-        match self.plan.parse(&held) {
-            Some((text, calls)) => {
-                let mut delta = json!({
-                    "content": text,
-                    "tool_calls": tool_calls_json(&self.request_id, 0, &calls, true),
-                });
-                if !std::mem::replace(&mut self.role_sent, true) {
-                    delta["role"] = json!("assistant");
-                }
-                events.push(self.ids.chunk(delta, None));
-                events.push(self.ids.chunk(json!({}), Some("tool_calls")));
+        match self.plan.calls(&held, true) {
+            Some(found) => {
+                self.send_calls(found.content, &found.calls, events);
+                let finish = if found.clean {
+                    "tool_calls"
+                } else {
+                    reason.as_openai_str()
+                };
+                events.push(self.ids.chunk(json!({}), Some(finish)));
             }
-            None => events.push(self.content(held, Some(reason.as_openai_str()))),
+            // Calls found before the end stay found (see `ToolPlan::calls`): this is text.
+            None if self.sent_calls == 0 => {
+                events.push(self.content(held, Some(reason.as_openai_str())))
+            }
+            None => events.push(self.ids.chunk(json!({}), Some(reason.as_openai_str()))),
         }
     }
 
@@ -257,6 +305,7 @@ pub(crate) fn tool_sse_response(
             Phase::Undecided(String::new())
         },
         role_sent: false,
+        sent_calls: 0,
         failed: false,
     };
     let events = tokens

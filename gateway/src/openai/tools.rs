@@ -86,6 +86,14 @@ impl ToolPlan {
                     tool,
                 ));
             };
+            if !valid_function_name(name) {
+                return Err(invalid(
+                    "tools",
+                    format!("tool {i}'s function name must match ^[a-zA-Z0-9_-]{{1,64}}$"),
+                    name,
+                ));
+            }
+            check_parameters(i, function)?;
             names.push(name.to_string());
             functions.push(function);
         }
@@ -102,8 +110,11 @@ impl ToolPlan {
                 "required" => {
                     let one_of: Vec<Value> = functions.iter().map(|f| call_schema(f)).collect();
                     let call = json!({"anyOf": one_of});
+                    // Bounded: a model that keeps adding calls stops after the last one
+                    // allowed, instead of running into max_tokens halfway through a call.
                     let schema = if parallel {
-                        json!({"type": "array", "items": call, "minItems": 1})
+                        json!({"type": "array", "items": call, "minItems": 1,
+                            "maxItems": MAX_PARALLEL_CALLS})
                     } else {
                         call
                     };
@@ -142,18 +153,38 @@ impl ToolPlan {
     }
 
     /// The calls in `text` (only the first without `parallel_tool_calls`), with any text
-    /// before them; `None` when it holds no call to a known function (it is then plain
-    /// content).
-    pub(crate) fn parse(&self, text: &str) -> Option<(Option<String>, Vec<ParsedCall>)> {
-        let (content, mut calls) = parse_tool_calls(text)?;
-        if !calls.iter().all(|c| self.names.contains(&c.name)) {
-            return None;
+    /// before them; `None` when it holds no complete call to a known function (it is then
+    /// plain content). Calls come in order up to the first that is incomplete, malformed or
+    /// to an unknown function, which is dropped with all after it: [`Calls::clean`] then
+    /// says so. Before the end (`at_end` false) a call counts only once nothing that follows
+    /// can change it, so the calls of a prefix of the output are a prefix of its calls.
+    pub(crate) fn calls(&self, text: &str, at_end: bool) -> Option<Calls> {
+        let mut found = scan_tool_calls(text, at_end)?;
+        if let Some(unknown) = found
+            .calls
+            .iter()
+            .position(|c| !self.names.contains(&c.name))
+        {
+            found.calls.truncate(unknown);
+            found.clean = false;
         }
         if !self.parallel {
-            calls.truncate(1);
+            found.calls.truncate(1);
         }
-        Some((content, calls))
+        (!found.calls.is_empty()).then_some(found)
     }
+}
+
+/// Tool calls found in an output.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Calls {
+    /// The text before the first call (Hermes style), if any.
+    pub content: Option<String>,
+    pub calls: Vec<ParsedCall>,
+    /// Nothing was dropped: no incomplete or malformed call, nothing after the calls. When
+    /// false, the answer's finish reason is the sequence's own (`length` when it was cut
+    /// off), not `tool_calls`.
+    pub clean: bool,
 }
 
 fn forced(schema: Value) -> RequestGrammar {
@@ -182,39 +213,174 @@ fn call_schema(function: &Value) -> Value {
 
 /// The opening of a Hermes/Qwen-style call.
 pub(crate) const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
 
-/// Parses tool calls out of a model's output: `<tool_call>` blocks (the text before the first,
-/// but for trailing whitespace, is content, as a stream sends it; an unclosed last block runs
-/// to the end), else the whole output as a call object or a list of them. `None` when there is
-/// no well-formed call.
-pub(crate) fn parse_tool_calls(text: &str) -> Option<(Option<String>, Vec<ParsedCall>)> {
-    const CLOSE: &str = "</tool_call>";
+/// The most calls a `required` answer may hold with `parallel_tool_calls` (the grammar's
+/// bound).
+pub(crate) const MAX_PARALLEL_CALLS: usize = 16;
+
+/// OpenAI's rule for function names: `^[a-zA-Z0-9_-]{1,64}$`.
+fn valid_function_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// A function's `parameters` must be a JSON schema (an object) that the server can compile:
+/// `auto` never constrains with it, but a client that sends a broken one learns of it now, not
+/// when it first forces a call. Keywords the grammar compiler does not implement are let
+/// through: the schema is valid, the model just sees it.
+fn check_parameters(i: usize, function: &Value) -> Result<(), GatewayError> {
+    let Some(parameters) = function.get("parameters") else {
+        return Ok(());
+    };
+    let reason = format!("tool {i}'s `parameters` must be a JSON schema object");
+    if !parameters.is_object() {
+        return Err(invalid("tools", reason, parameters));
+    }
+    match crate::structured::check_spec(&grammar::GrammarSpec::JsonSchema(call_schema(function))) {
+        Err(grammar::GrammarError::Invalid { message, .. })
+            if !message.contains("Unimplemented") =>
+        {
+            Err(invalid("tools", reason, message))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Finds tool calls in a model's output: `<tool_call>` blocks (the text before the first,
+/// but for trailing whitespace, is content, as a stream sends it), else the whole output as a
+/// call object or a list of them (Llama style, optionally after `<|python_tag|>`). `None` when
+/// the output is not in one of these forms. With `at_end`, an unclosed last block or an
+/// unterminated list item that parses counts (some models end without the closing tag);
+/// before the end it may still grow, so it does not.
+pub(crate) fn scan_tool_calls(text: &str, at_end: bool) -> Option<Calls> {
     if let Some(start) = text.find(CALL_OPEN) {
         let content = text[..start].trim_end();
-        let mut calls = Vec::new();
-        let mut rest = &text[start..];
-        while let Some(open) = rest.find(CALL_OPEN) {
-            let body = &rest[open + CALL_OPEN.len()..];
-            let (inner, after) = match body.find(CLOSE) {
-                Some(close) => (&body[..close], &body[close + CLOSE.len()..]),
-                None => (body, ""),
-            };
-            calls.push(call_from(&serde_json::from_str(inner.trim()).ok()?)?);
-            rest = after;
-        }
         let content = (!content.trim_start().is_empty()).then(|| content.to_string());
-        return Some((content, calls));
+        let (calls, clean) = hermes_calls(&text[start..], at_end);
+        return Some(Calls {
+            content,
+            calls,
+            clean,
+        });
     }
-    let body = text.trim();
-    let body = body.strip_prefix("<|python_tag|>").unwrap_or(body).trim();
-    let calls = match serde_json::from_str::<Value>(body).ok()? {
-        Value::Array(items) if !items.is_empty() => {
-            items.iter().map(call_from).collect::<Option<Vec<_>>>()?
+    let body = text.trim_start();
+    let body = body
+        .strip_prefix("<|python_tag|>")
+        .unwrap_or(body)
+        .trim_start();
+    let (calls, clean) = if body.starts_with('[') {
+        array_calls(body, at_end)
+    } else if body.starts_with('{') {
+        let mut values = serde_json::Deserializer::from_str(body).into_iter::<Value>();
+        match values.next() {
+            Some(Ok(value)) => match call_from(&value) {
+                Some(call) => (vec![call], body[values.byte_offset()..].trim().is_empty()),
+                None => (Vec::new(), false),
+            },
+            _ => (Vec::new(), false),
         }
-        object @ Value::Object(_) => vec![call_from(&object)?],
-        _ => return None,
+    } else {
+        return None;
     };
-    Some((None, calls))
+    Some(Calls {
+        content: None,
+        calls,
+        clean,
+    })
+}
+
+/// The calls of `<tool_call>` blocks, `text` starting at the first; stops at the first that
+/// does not parse. Text between and after the blocks is not part of the answer (as in vLLM's
+/// Hermes parser).
+fn hermes_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
+    let mut calls = Vec::new();
+    let mut rest = text;
+    loop {
+        let Some(open) = rest.find(CALL_OPEN) else {
+            return (calls, true);
+        };
+        let body = &rest[open + CALL_OPEN.len()..];
+        let (inner, after) = match body.find(CALL_CLOSE) {
+            Some(close) => (&body[..close], &body[close + CALL_CLOSE.len()..]),
+            None if at_end => (body, ""),
+            None => return (calls, false),
+        };
+        let parsed = serde_json::from_str::<Value>(inner.trim())
+            .ok()
+            .and_then(|v| call_from(&v));
+        match parsed {
+            Some(call) => calls.push(call),
+            None => return (calls, false),
+        }
+        rest = after;
+    }
+}
+
+/// The calls of a JSON list, `text` starting at its `[`: each item once a `,` or the `]`
+/// ends it (or the text ends, with `at_end`). Clean when the list closed with nothing after.
+fn array_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
+    let (items, closed_at) = array_items(text);
+    let mut items: Vec<&str> = items;
+    if closed_at.is_none() && at_end {
+        let tail_start = items.last().map_or(1, |last| {
+            last.as_ptr() as usize - text.as_ptr() as usize + last.len() + 1
+        });
+        if let Some(tail) = text.get(tail_start..).filter(|t| !t.trim().is_empty()) {
+            items.push(tail);
+        }
+    }
+    let mut calls = Vec::with_capacity(items.len());
+    for item in items {
+        match serde_json::from_str::<Value>(item.trim())
+            .ok()
+            .and_then(|v| call_from(&v))
+        {
+            Some(call) => calls.push(call),
+            None => return (calls, false),
+        }
+    }
+    let clean = !calls.is_empty() && closed_at.is_some_and(|end| text[end..].trim().is_empty());
+    (calls, clean)
+}
+
+/// The items of the JSON list `text` opens, each ended by a `,` or the closing `]` at the
+/// list's own depth (strings and nested values skipped), and where the list closed.
+fn array_items(text: &str) -> (Vec<&str>, Option<usize>) {
+    let mut items = Vec::new();
+    let (mut depth, mut in_string, mut escaped, mut start) = (0usize, false, false, 1);
+    for (i, b) in text.bytes().enumerate().skip(1) {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' if depth > 0 => depth -= 1,
+            b',' => {
+                if depth == 0 {
+                    items.push(&text[start..i]);
+                    start = i + 1;
+                }
+            }
+            b']' => {
+                if !text[start..i].trim().is_empty() {
+                    items.push(&text[start..i]);
+                }
+                return (items, Some(i + 1));
+            }
+            _ => {}
+        }
+    }
+    (items, None)
 }
 
 /// `{"name": ..., "arguments" | "parameters": {...} or a JSON text}`.
@@ -267,8 +433,13 @@ mod tests {
     fn qwen_hermes_output_parses() {
         // As Qwen2.5-Instruct answers with two parallel calls.
         let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>";
-        let (content, calls) = parse_tool_calls(text).unwrap();
+        let Calls {
+            content,
+            calls,
+            clean,
+        } = scan_tool_calls(text, true).unwrap();
         assert_eq!(content, None);
+        assert!(clean);
         assert_eq!(
             calls,
             vec![
@@ -287,7 +458,7 @@ mod tests {
     #[test]
     fn content_before_a_call_and_an_unclosed_call() {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}";
-        let (content, calls) = parse_tool_calls(text).unwrap();
+        let Calls { content, calls, .. } = scan_tool_calls(text, true).unwrap();
         assert_eq!(content.as_deref(), Some("Let me check."));
         assert_eq!(calls[0].name, "f");
     }
@@ -296,10 +467,10 @@ mod tests {
     fn llama_json_output_parses() {
         let text =
             "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}";
-        let (_, calls) = parse_tool_calls(text).unwrap();
+        let calls = scan_tool_calls(text, true).unwrap().calls;
         assert_eq!(calls[0].arguments, r#"{"city":"Oslo"}"#);
         let list = r#"[{"name": "a", "arguments": "{\"x\": 1}"}, {"name": "b", "arguments": {}}]"#;
-        let (_, calls) = parse_tool_calls(list).unwrap();
+        let calls = scan_tool_calls(list, true).unwrap().calls;
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, "{\"x\": 1}");
     }
@@ -313,7 +484,8 @@ mod tests {
             "[]",
             "42",
         ] {
-            assert!(parse_tool_calls(text).is_none(), "{text}");
+            let calls = scan_tool_calls(text, true);
+            assert!(calls.is_none_or(|c| c.calls.is_empty()), "{text}");
         }
     }
 
@@ -370,6 +542,109 @@ mod tests {
             }
         }
         assert!(ToolPlan::resolve(Some(vec![json!({"type": "function"})]), None, None).is_err());
+    }
+
+    fn call(name: &str, arguments: &str) -> ParsedCall {
+        ParsedCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    /// Issue 31: a `required` list of calls cut off by max_tokens came back as content with no
+    /// calls. The complete ones are calls; the cut one is dropped and the answer is not clean.
+    #[test]
+    fn a_list_cut_off_keeps_its_complete_calls() {
+        let plan = ToolPlan::resolve(
+            Some(vec![weather()]),
+            Some(ToolChoice::Mode("required".into())),
+            Some(true),
+        )
+        .unwrap();
+        let one = r#"{"name":"get_weather","arguments":{"city":"Paris"}}"#;
+        let paris = call("get_weather", r#"{"city":"Paris"}"#);
+        let cut = format!(r#"[{one},{one},{{"name":"get_weather","arguments":{{"ci"#);
+        let found = plan.calls(&cut, true).unwrap();
+        assert_eq!(found.calls, vec![paris.clone(), paris.clone()]);
+        assert!(!found.clean);
+        let closed = format!("[{one},{one}]");
+        assert!(plan.calls(&closed, true).unwrap().clean);
+        // Before the end, an item counts once a `,` or `]` closes it.
+        assert!(plan.calls(&format!("[{one}"), false).is_none());
+        assert_eq!(
+            plan.calls(&format!("[{one},"), false).unwrap().calls.len(),
+            1
+        );
+        // At the end, an unterminated item that parses counts.
+        assert_eq!(plan.calls(&format!("[{one}"), true).unwrap().calls.len(), 1);
+        // Hermes blocks: a cut last block is dropped, closed ones stay.
+        let block = format!("<tool_call>\n{one}\n</tool_call>");
+        let found = plan
+            .calls(&format!("{block}\n<tool_call>\n{{\"name\": \"get_w"), true)
+            .unwrap();
+        assert_eq!((found.calls, found.clean), (vec![paris], false));
+        assert!(plan.calls(&format!("<tool_call>\n{one}"), false).is_none());
+        // Strings with brackets and commas do not split items.
+        let tricky = r#"[{"name":"get_weather","arguments":{"city":"a,]}[\"x"}}]"#;
+        let found = plan.calls(tricky, true).unwrap();
+        assert_eq!(found.calls[0].arguments, r#"{"city":"a,]}[\"x"}"#);
+        assert!(found.clean);
+    }
+
+    /// Issue 31: `required`'s grammar bounds the number of parallel calls.
+    #[test]
+    fn required_bounds_the_parallel_calls() {
+        let ToolMode::Forced(g) = ToolPlan::resolve(
+            Some(vec![weather()]),
+            Some(ToolChoice::Mode("required".into())),
+            None,
+        )
+        .unwrap()
+        .mode
+        else {
+            panic!("required is forced");
+        };
+        let grammar::GrammarSpec::JsonSchema(schema) = g.spec else {
+            panic!("a schema");
+        };
+        assert_eq!(schema["maxItems"], json!(MAX_PARALLEL_CALLS));
+    }
+
+    /// Issue 31: bad names and parameters that are not a schema were accepted with `auto`.
+    #[test]
+    fn tools_are_checked_whatever_the_choice() {
+        let tool = |name: &str, parameters: Value| json!({"type": "function", "function": {"name": name, "parameters": parameters}});
+        let object = json!({"type": "object"});
+        for bad in [
+            tool("get weather", object.clone()),
+            tool("", object.clone()),
+            tool(&"x".repeat(65), object.clone()),
+            tool("fn.call", object.clone()),
+            tool("f", json!("not a schema")),
+            tool("f", json!({"type": 12})),
+            tool(
+                "f",
+                json!({"type": "object", "properties": {"a": {"type": "strin"}}}),
+            ),
+        ] {
+            for choice in [None, Some("auto"), Some("none")] {
+                let choice = choice.map(|c| ToolChoice::Mode(c.into()));
+                match ToolPlan::resolve(Some(vec![bad.clone()]), choice, None) {
+                    Err(GatewayError::InvalidParameter { field, .. }) => {
+                        assert_eq!(field, "tools", "{bad}")
+                    }
+                    other => panic!("{bad}: {other:?}"),
+                }
+            }
+        }
+        for good in [
+            tool(&"a-Z_9".repeat(12), object.clone()),
+            tool("f", json!({"type": "object", "not": {"required": ["a"]}})),
+            json!({"type": "function", "function": {"name": "no_parameters"}}),
+        ] {
+            ToolPlan::resolve(Some(vec![good.clone()]), None, None)
+                .unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
     }
 
     #[test]
