@@ -365,11 +365,9 @@ fn array_items(text: &str) -> (Vec<&str>, Option<usize>) {
             b'"' => in_string = true,
             b'{' | b'[' => depth += 1,
             b'}' | b']' if depth > 0 => depth -= 1,
-            b',' => {
-                if depth == 0 {
-                    items.push(&text[start..i]);
-                    start = i + 1;
-                }
+            b',' if depth == 0 => {
+                items.push(&text[start..i]);
+                start = i + 1;
             }
             b']' => {
                 if !text[start..i].trim().is_empty() {
