@@ -27,6 +27,7 @@ pub mod driver;
 pub mod error;
 pub mod goodput;
 pub mod legacy;
+pub mod levels;
 pub mod plot;
 pub mod progress;
 pub mod prompt;

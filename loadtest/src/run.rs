@@ -4,13 +4,13 @@
 use std::time::Instant;
 
 use crate::client::Client;
-use crate::config::{LoadConfig, LoadPlan, LoadShape};
+use crate::config::{LoadConfig, LoadShape};
 use crate::driver::{run_level, LevelRun};
 use crate::error::LoadError;
+use crate::levels::{level_seed, write_outputs, PlanWalk};
 use crate::progress::Progress;
 use crate::report::{LevelReport, RunReport};
 use crate::summary::LevelSummary;
-use crate::sweep::SweepSearch;
 
 /// Runs `config` against its target and returns the report, having written the JSON and the
 /// plots when asked. Every level is bounded (see [`crate::config::Bounds`]), and a sweep has
@@ -35,31 +35,11 @@ pub async fn run(config: &LoadConfig) -> Result<RunReport, LoadError> {
     warm_up(&client, config).await?;
 
     let progress = Progress::new(config.quiet);
-    let mut levels = Vec::new();
-    let sweep = match &config.plan {
-        LoadPlan::Single(shape) => {
-            levels.push(level(&client, config, *shape, 0, &progress).await?);
-            None
-        }
-        LoadPlan::Sweep {
-            rates,
-            burstiness,
-            bisect_steps,
-        } => {
-            let mut search = SweepSearch::new(rates, *bisect_steps);
-            while let Some(rate_rps) = search.next_rate() {
-                let shape = LoadShape::Open {
-                    rate_rps,
-                    burstiness: *burstiness,
-                };
-                let l = level(&client, config, shape, levels.len() as u64, &progress).await?;
-                search.record(rate_rps, l.summary.slo_attainment);
-                levels.push(l);
-            }
-            levels.sort_by(|a, b| a.summary.rate_rps().total_cmp(&b.summary.rate_rps()));
-            Some(search.result())
-        }
-    };
+    let mut walk = PlanWalk::new(&config.plan);
+    while let Some((shape, index)) = walk.next_level() {
+        walk.record(level(&client, config, shape, index, &progress).await?);
+    }
+    let (levels, sweep) = walk.finish();
     let report = RunReport {
         config: config.clone(),
         model: target.model,
@@ -67,12 +47,7 @@ pub async fn run(config: &LoadConfig) -> Result<RunReport, LoadError> {
         sweep,
         simulated: None,
     };
-    if let Some(path) = &config.json_path {
-        report.write_json(path)?;
-    }
-    if let Some(dir) = &config.plot_dir {
-        crate::plot::write_plots(&report, dir)?;
-    }
+    write_outputs(&report, config)?;
     Ok(report)
 }
 
@@ -83,11 +58,7 @@ async fn level(
     index: u64,
     progress: &Progress,
 ) -> Result<LevelReport, LoadError> {
-    // Each level draws its own prompts: with one seed for all, a later level would find the
-    // earlier one's prompts in the server's prefix cache.
-    let seed = config
-        .seed
-        .wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001));
+    let seed = level_seed(config.seed, index);
     let bar = progress.level(&shape.label(), config.bounds.duration);
     let LevelRun {
         shape,

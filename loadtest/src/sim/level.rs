@@ -11,12 +11,12 @@ use serde::Serialize;
 use super::cluster::SimCluster;
 use super::simulate::{simulate, LevelLimits, SimOutcome, SimRequest};
 use crate::arrival::Arrivals;
-use crate::config::{Bounds, LoadConfig, LoadPlan, LoadShape};
+use crate::config::{Bounds, LoadConfig, LoadShape};
 use crate::error::LoadError;
 use crate::goodput::Slo;
+use crate::levels::{level_seed, write_outputs, PlanWalk};
 use crate::report::{LevelReport, RunReport};
 use crate::summary::LevelSummary;
-use crate::sweep::SweepSearch;
 use crate::workload::WorkloadConfig;
 
 /// The requests of one open-loop level, as the load generator would send them.
@@ -126,51 +126,24 @@ pub fn simulate_run(
     config.bounds.validate()?;
     config.workload.lengths()?;
     let mut cost = SimCost::default();
-    let mut levels = Vec::new();
-    let one = |shape: LoadShape, index: u64, cost: &mut SimCost| {
-        // The seed of the real run's level `index` (see `run::level`).
-        let seed = config
-            .seed
-            .wrapping_add(index.wrapping_mul(0x1000_0000_0000_0001));
+    let mut walk = PlanWalk::new(&config.plan);
+    while let Some((shape, index)) = walk.next_level() {
         let l = simulate_level(
             cluster,
             &config.workload,
             shape,
             &config.bounds,
             &config.slo,
-            seed,
+            level_seed(config.seed, index),
             false,
         )?;
         cost.levels += 1;
         cost.requests += l.report.requests.len();
         cost.steps += l.steps;
         cost.elapsed_s += l.elapsed_s;
-        Ok::<_, LoadError>(l.report)
-    };
-    let sweep = match &config.plan {
-        LoadPlan::Single(shape) => {
-            levels.push(one(*shape, 0, &mut cost)?);
-            None
-        }
-        LoadPlan::Sweep {
-            rates,
-            burstiness,
-            bisect_steps,
-        } => {
-            let mut search = SweepSearch::new(rates, *bisect_steps);
-            while let Some(rate_rps) = search.next_rate() {
-                let shape = LoadShape::Open {
-                    rate_rps,
-                    burstiness: *burstiness,
-                };
-                let l = one(shape, levels.len() as u64, &mut cost)?;
-                search.record(rate_rps, l.summary.slo_attainment);
-                levels.push(l);
-            }
-            levels.sort_by(|a, b| a.summary.rate_rps().total_cmp(&b.summary.rate_rps()));
-            Some(search.result())
-        }
-    };
+        walk.record(l.report);
+    }
+    let (levels, sweep) = walk.finish();
     let report = RunReport {
         config: config.clone(),
         model: Some(cluster.cost.model.name.clone()),
@@ -178,11 +151,6 @@ pub fn simulate_run(
         sweep,
         simulated: Some(cluster.label()),
     };
-    if let Some(path) = &config.json_path {
-        report.write_json(path)?;
-    }
-    if let Some(dir) = &config.plot_dir {
-        crate::plot::write_plots(&report, dir)?;
-    }
+    write_outputs(&report, config)?;
     Ok((report, cost))
 }
