@@ -15,8 +15,14 @@ pub enum ClusterError {
     Timeout { op: &'static str, timeout_ms: u64 },
 
     /// etcd refused the user or password. Never carries the password.
-    #[error("authentication failed for etcd user {user}: {reason}; check the user and its password (--etcd-user, --etcd-password-file)")]
-    EtcdAuth { user: String, reason: String },
+    /// `password_source` names where the password came from (`FISSION_ETCD_PASSWORD`,
+    /// `--etcd-password`, `--etcd-password-file`).
+    #[error("authentication failed for etcd user {user}: {reason}; check the user (--etcd-user) and its password (from {password_source})")]
+    EtcdAuth {
+        user: String,
+        reason: String,
+        password_source: &'static str,
+    },
 
     /// A certificate, key or password file for etcd could not be read.
     #[error("etcd credentials: reading {path}: {source}")]

@@ -81,7 +81,11 @@ impl EtcdSecurityArgs {
                     "and --etcd-password-file are exclusive: give one",
                 ))
             }
-            (Some(password), None) => Some(password.clone()),
+            (Some(password), None) => Some(
+                password
+                    .clone()
+                    .with_source(password_source(password, std::env::var(PASSWORD_ENV).ok())),
+            ),
             (None, Some(path)) => Some(EtcdPassword::from_file(path)?),
             (None, None) => None,
         };
@@ -91,12 +95,10 @@ impl EtcdSecurityArgs {
                 user: user.clone(),
                 password,
             }),
-            (Some(_), None) => {
-                return Err(invalid(
-                    "--etcd-user",
-                    "needs --etcd-password-file (or FISSION_ETCD_PASSWORD)",
-                ))
-            }
+            (Some(_), None) => return Err(invalid(
+                "--etcd-user",
+                "needs a password: FISSION_ETCD_PASSWORD, --etcd-password-file or --etcd-password",
+            )),
             (None, Some(_)) => {
                 return Err(invalid("--etcd-password", "needs --etcd-user"));
             }
@@ -132,9 +134,22 @@ impl EtcdSecurityArgs {
     pub fn password_env(&self) -> Option<(&'static str, &str)> {
         self.etcd_password
             .as_ref()
-            .map(|p| ("FISSION_ETCD_PASSWORD", p.expose()))
+            .map(|p| (PASSWORD_ENV, p.expose()))
     }
 }
+
+/// Where a password given by value came from, `env` being `FISSION_ETCD_PASSWORD`'s value:
+/// clap reads that variable and `--etcd-password` into the same field, and an error about the
+/// password must name the one the operator set.
+fn password_source(password: &EtcdPassword, env: Option<String>) -> &'static str {
+    if env.is_some_and(|v| v == password.expose()) {
+        PASSWORD_ENV
+    } else {
+        "--etcd-password"
+    }
+}
+
+const PASSWORD_ENV: &str = "FISSION_ETCD_PASSWORD";
 
 #[cfg(test)]
 mod tests {
@@ -184,6 +199,41 @@ mod tests {
             assert!(err.contains(expected), "{flags:?}: {err}");
             assert!(!err.contains("pw"), "the password leaked: {err}");
         }
+    }
+
+    /// Issue 31: an authentication failure named `--etcd-password-file` when the password
+    /// came from `FISSION_ETCD_PASSWORD`.
+    #[test]
+    fn the_password_knows_where_it_came_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("etcd-password");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let file = file.display().to_string();
+        let source = |flags: &[&str]| {
+            let creds = args(flags).security().unwrap().credentials.unwrap();
+            creds.password.source()
+        };
+        assert_eq!(
+            source(&["--etcd-user", "u", "--etcd-password-file", &file]),
+            "--etcd-password-file"
+        );
+        assert_eq!(
+            source(&["--etcd-user", "u", "--etcd-password", "not-in-the-env"]),
+            "--etcd-password"
+        );
+        // What clap reads from the environment (this process's is left alone: other tests
+        // parse it).
+        let given = EtcdPassword::from("s3cret".to_string());
+        assert_eq!(password_source(&given, Some("s3cret".into())), PASSWORD_ENV);
+        assert_eq!(password_source(&given, None), "--etcd-password");
+        let error = ClusterError::EtcdAuth {
+            user: "fission".into(),
+            reason: "authentication failed, invalid user ID or password".into(),
+            password_source: PASSWORD_ENV,
+        }
+        .to_string();
+        assert!(error.contains("from FISSION_ETCD_PASSWORD"), "{error}");
+        assert!(!error.contains("--etcd-password-file"), "{error}");
     }
 
     #[test]

@@ -44,17 +44,34 @@ pub struct EtcdCredentials {
 }
 
 /// A password that never shows in logs or `Debug` output; [`EtcdPassword::expose`] is the one
-/// way to read it.
+/// way to read it. It knows where it came from, so that an error can send the operator to the
+/// right place.
 #[derive(Clone, PartialEq, Eq)]
-pub struct EtcdPassword(String);
+pub struct EtcdPassword {
+    secret: String,
+    source: &'static str,
+}
 
 impl EtcdPassword {
     pub fn new(password: impl Into<String>) -> Self {
-        EtcdPassword(password.into())
+        EtcdPassword {
+            secret: password.into(),
+            source: "the configured password",
+        }
     }
 
     pub fn expose(&self) -> &str {
-        &self.0
+        &self.secret
+    }
+
+    /// Where the password came from: a flag, a file or the environment.
+    pub fn source(&self) -> &'static str {
+        self.source
+    }
+
+    /// The same password, said to come from `source`.
+    pub fn with_source(self, source: &'static str) -> Self {
+        EtcdPassword { source, ..self }
     }
 
     /// The password in `path`: its contents without the trailing newline editors add.
@@ -63,7 +80,8 @@ impl EtcdPassword {
             path: path.display().to_string(),
             source,
         })?;
-        Ok(EtcdPassword(text.trim_end_matches(['\n', '\r']).to_owned()))
+        Ok(EtcdPassword::new(text.trim_end_matches(['\n', '\r']))
+            .with_source("--etcd-password-file"))
     }
 }
 
@@ -77,7 +95,7 @@ impl std::fmt::Debug for EtcdPassword {
 // password as a plain `String` that a `{:?}` would print.
 impl From<String> for EtcdPassword {
     fn from(password: String) -> Self {
-        EtcdPassword(password)
+        EtcdPassword::new(password).with_source("--etcd-password or FISSION_ETCD_PASSWORD")
     }
 }
 
@@ -233,6 +251,7 @@ async fn try_authenticate(
         _ => Err(ClusterError::EtcdAuth {
             user: credentials.user.clone(),
             reason: status.message().to_owned(),
+            password_source: credentials.password.source(),
         }),
     }
 }
