@@ -88,6 +88,19 @@ fn describe() {
         "Prefill attempts retried on another node after a node failed."
     );
     describe_counter!(
+        "fission_gateway_pair_failures_total",
+        "Failed prefill attempts (push failed, call failed, stalled, unanswered), by prefill_node and decode_node pair."
+    );
+    describe_gauge!(
+        "fission_gateway_bad_pairs",
+        Unit::Count,
+        "Prefill-to-decode pairs marked bad after consecutive failures: routed around (another prefill node, or prefill on the decode node) until their cool-off ends."
+    );
+    describe_counter!(
+        "fission_gateway_placement_timeouts_total",
+        "Placements a decode node did not answer within --max-stall-ms: the node is marked suspect and the next one is tried."
+    );
+    describe_counter!(
         "fission_gateway_no_capacity_total",
         "Requests refused because every decode node was out of KV blocks."
     );

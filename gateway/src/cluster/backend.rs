@@ -118,6 +118,10 @@ impl Backend for ClusterBackend {
             "max_local_prefill_tokens": self.config.max_local_prefill_tokens,
             "routing": self.policy.name(),
             "nodes": nodes,
+            // Prefill→decode pairs routed around for now (see `super::pairs`).
+            "bad_pairs": self.pools.pairs().bad_pairs(),
+            "pair_failures_to_mark": self.pools.pairs().config().failures_to_mark,
+            "pair_cool_off_ms": self.pools.pairs().config().cool_off.as_millis() as u64,
         })
     }
 }

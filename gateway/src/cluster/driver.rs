@@ -175,7 +175,7 @@ impl Driver {
                 local_prefill: local,
                 epoch: self.epoch,
             };
-            match place(&decodes, start).await {
+            match place(&decodes, start, self.config.max_stall).await {
                 Ok(call) => return Ok(call),
                 Err(NotPlaced::Refused(e)) => return Err(e),
                 Err(not_placed) if Instant::now() >= deadline => {
@@ -319,6 +319,7 @@ impl Driver {
                         if let Some(p) = prefill.take() {
                             p.node.suspect("stalled on a prompt");
                             let why = format!("prefill node {} sent nothing for {:?}", p.node.entry.node_id, self.config.max_stall);
+                            self.pair_failed(&p.node, call, &why);
                             if let Err(served) = self.retry_prefill(call, why).await {
                                 return served;
                             }
@@ -409,13 +410,27 @@ impl Driver {
     ) -> Result<Option<PrefillAttempt>, Served> {
         loop {
             if self.prefill_locally() {
-                self.reprefill(call, true).await?;
+                self.reprefill(call, true, "prefill_failed").await?;
                 return Ok(None);
             }
             let prefills = self.ranked(Role::Prefill);
             tracing::Span::current().record("prefill_reason", prefills.reason.as_str());
-            let Some(node) = prefills.nodes.first() else {
-                self.reprefill(call, true).await?;
+            let decode_id = call.node.entry.node_id.as_str();
+            let pairs = self.pools.pairs();
+            let Some(node) = prefills
+                .nodes
+                .iter()
+                .find(|n| !pairs.is_bad(&n.entry.node_id, decode_id))
+            else {
+                // Every ready prefill node's pushes to this decode node keep failing: prefill
+                // here rather than spend the request's attempts on them.
+                let reason = if prefills.nodes.is_empty() {
+                    "prefill_failed"
+                } else {
+                    tracing::info!(request_id = %self.request.request_id, decode_node = decode_id, "every prefill node's pair with the decode node is bad; prefilling on the decode node");
+                    "bad_pair"
+                };
+                self.reprefill(call, true, reason).await?;
                 return Ok(None);
             };
             let request = v1::PrefillRequest {
@@ -433,12 +448,14 @@ impl Driver {
             let span = tracing::Span::current();
             span.record("prefill_node", node.entry.node_id.as_str());
             let in_flight = InFlight::new(node);
-            match node
-                .prefill_client()
-                .prefill(telemetry::with_trace(request))
-                .await
-            {
-                Ok(events) => {
+            let answer = tokio::time::timeout(
+                self.config.max_stall,
+                node.prefill_client()
+                    .prefill(telemetry::with_trace(request)),
+            )
+            .await;
+            match answer {
+                Ok(Ok(events)) => {
                     return Ok(Some(PrefillAttempt {
                         node: Arc::clone(node),
                         events: events.into_inner(),
@@ -446,14 +463,29 @@ impl Driver {
                         _in_flight: in_flight,
                     }))
                 }
-                Err(s) if node_failed(&s) => {
+                Ok(Err(s)) if node_failed(&s) => {
                     node.quarantine();
+                    self.pair_failed(node, call, s.message());
                     self.prefill_attempts += 1;
                     metrics::counter!("fission_gateway_prefill_retries_total").increment(1);
                     tracing::info!(request_id = %self.request.request_id, prefill_node = %node.entry.node_id, error = %s.message(), "prefill node failed to take the prompt; trying the next");
                     // The reservation is untouched: try the next node at the same epoch.
                 }
-                Err(s) => return Err(Served::Fail(upstream(s))),
+                Ok(Err(s)) => return Err(Served::Fail(upstream(s))),
+                Err(_) => {
+                    // A hung or cut-off node holds the call open and answers nothing. The
+                    // call may still reach it later, so the next attempt goes in at a new
+                    // epoch (its reservation comes down the decode stream): a late push from
+                    // this one is then refused as stale.
+                    node.suspect("did not answer a prefill call");
+                    let why = format!(
+                        "prefill node {} did not answer the call within {:?}",
+                        node.entry.node_id, self.config.max_stall
+                    );
+                    self.pair_failed(node, call, &why);
+                    self.retry_prefill(call, why).await?;
+                    return Ok(None);
+                }
             }
         }
     }
@@ -480,6 +512,9 @@ impl Driver {
                 }
                 prefill_event::Event::Pushed(_) => {
                     if let Some(done) = prefill.take() {
+                        self.pools
+                            .pairs()
+                            .succeeded(&done.node.entry.node_id, &call.node.entry.node_id);
                         done.finish();
                     }
                     Ok(())
@@ -491,12 +526,20 @@ impl Driver {
                 let node = prefill.take().map(|p| p.node);
                 let why = format!(
                     "prefill node {} ended the call before its push",
-                    node.map(|n| n.entry.node_id.clone()).unwrap_or_default()
+                    node.as_ref()
+                        .map(|n| n.entry.node_id.clone())
+                        .unwrap_or_default()
                 );
+                if let Some(n) = &node {
+                    self.pair_failed(n, call, &why);
+                }
                 self.retry_prefill(call, why).await
             }
             Err(s) if node_failed(&s) || s.code() == tonic::Code::DataLoss => {
                 if let Some(p) = prefill.take() {
+                    // A failed push is the pair's failure above all: the node's own health
+                    // is judged apart, below.
+                    self.pair_failed(&p.node, call, s.message());
                     // The node itself is fine when it gave the prompt up because the
                     // reservation moved on (Cancelled: its lease ended on the decode node), and
                     // when its push to the decode node failed (DataLoss): that node's own stream
@@ -518,10 +561,17 @@ impl Driver {
         metrics::counter!("fission_gateway_prefill_retries_total").increment(1);
         tracing::info!(request_id = %self.request.request_id, attempt = self.prefill_attempts, %why, "prefill attempt failed; retrying at a new epoch");
         let local = self.prefill_locally();
-        self.reprefill(call, local).await
+        self.reprefill(call, local, "prefill_failed").await
     }
 
-    async fn reprefill(&mut self, call: &DecodeCall, local: bool) -> Result<(), Served> {
+    /// Moves the reservation to the next epoch, for another prefill node or (`local`) for the
+    /// decode node itself, counted under `reason`.
+    async fn reprefill(
+        &mut self,
+        call: &DecodeCall,
+        local: bool,
+        reason: &'static str,
+    ) -> Result<(), Served> {
         self.epoch += 1;
         let msg = v1::GenerateUp {
             msg: Some(generate_up::Msg::Reprefill(v1::Reprefill {
@@ -529,17 +579,34 @@ impl Driver {
                 local_prefill: local,
             })),
         };
-        if call.up.send(msg).await.is_err() {
-            return Err(Served::DecodeLost {
-                why: "closed the request's stream".into(),
-                stalled: false,
-            });
+        // Bounded like every other hop: a hung node's full stream must not hold the request.
+        match tokio::time::timeout(self.config.max_stall, call.up.send(msg)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                return Err(Served::DecodeLost {
+                    why: "closed the request's stream".into(),
+                    stalled: false,
+                })
+            }
+            Err(_) => {
+                return Err(Served::DecodeLost {
+                    why: format!("took no message for {:?}", self.config.max_stall),
+                    stalled: true,
+                })
+            }
         }
         if local {
-            metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => "prefill_failed")
+            metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => reason)
                 .increment(1);
         }
         Ok(())
+    }
+
+    /// Counts a failed prefill attempt of `prefill` into `call`'s decode node against the pair.
+    fn pair_failed(&self, prefill: &Node, call: &DecodeCall, why: &str) {
+        self.pools
+            .pairs()
+            .failed(&prefill.entry.node_id, &call.node.entry.node_id, why);
     }
 }
 

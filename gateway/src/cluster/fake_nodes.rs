@@ -27,6 +27,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::backend::{ClusterBackend, ClusterConfig};
 use super::discovery::{Role, StaticDiscovery};
+use super::pairs::PairConfig;
 use super::pool::Pools;
 use super::routing::{Candidate, Ranking, RoutingPolicy};
 use crate::request::{FinishReason, SamplingParams, StoppingParams, ValidRequest};
@@ -52,6 +53,10 @@ pub(crate) enum DecodeScript {
     /// at the gateway's next message on it, so the gateway hears of the death from the
     /// prefill node first.
     DieAtDone,
+    /// Sends its first answer (the reservation, or the queued heartbeat of a local prefill),
+    /// then nothing: no heartbeat, no token, no answer to Done. A node stopped once it had
+    /// taken the request.
+    SilentAfterStart,
 }
 
 /// How a fake prefill node serves a prompt.
@@ -68,6 +73,37 @@ pub(crate) enum PrefillScript {
     /// As `Push`, then four heartbeats a moment after `Pushed`, as a loaded node's stream may
     /// still carry when the gateway has what it needs.
     PushThenTrail,
+    /// Sends its first token, then fails the push as a prefill node that cannot reach the
+    /// decode node's KV address does (DATA_LOSS): the node itself is healthy.
+    PushFails,
+}
+
+/// A node's SIGSTOP: while stopped, every call it receives waits, unanswered, until it is
+/// continued. The connection stays up, as a stopped process's does.
+#[derive(Clone)]
+pub(crate) struct Freeze(Arc<tokio::sync::watch::Sender<bool>>);
+
+impl Default for Freeze {
+    fn default() -> Self {
+        Freeze(Arc::new(tokio::sync::watch::channel(false).0))
+    }
+}
+
+impl Freeze {
+    pub(crate) fn stop(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub(crate) fn cont(&self) {
+        self.0.send_replace(false);
+    }
+
+    /// Returns once the node runs.
+    async fn running(&self) {
+        let mut rx = self.0.subscribe();
+        // The sender lives as long as `self`: the wait cannot fail.
+        let _ = rx.wait_for(|stopped| !stopped).await;
+    }
 }
 
 /// Every call a fake node received, in order: the RPC and its main argument.
@@ -126,6 +162,7 @@ struct Waiting {
 #[derive(Clone)]
 struct FakeDecode {
     script: DecodeScript,
+    freeze: Freeze,
     calls: Calls,
     next_xfer: Arc<AtomicU64>,
     waiting: Arc<Mutex<HashMap<u64, Waiting>>>,
@@ -192,6 +229,7 @@ impl Decode for FakeDecode {
         &self,
         r: Request<Streaming<v1::GenerateUp>>,
     ) -> Result<Response<DownStream>, Status> {
+        self.freeze.running().await;
         let mut up = r.into_inner();
         let Some(v1::GenerateUp {
             msg: Some(generate_up::Msg::Start(start)),
@@ -218,6 +256,22 @@ impl Decode for FakeDecode {
         }
         let (tx, rx) = mpsc::channel(64);
         let alive = CancellationToken::new();
+        if matches!(self.script, DecodeScript::SilentAfterStart) {
+            let first = if start.local_prefill {
+                generate_down::Msg::Heartbeat(v1::Heartbeat {
+                    phase: v1::Phase::Queued as i32,
+                })
+            } else {
+                generate_down::Msg::Reserved(reserved(1, start.epoch))
+            };
+            tx.try_send(down(first)).expect("room");
+            // Holds both sides open and silent until the gateway leaves.
+            tokio::spawn(async move {
+                let _up = up;
+                tx.closed().await;
+            });
+            return Ok(Response::new(Box::pin(ReceiverStream::new(rx))));
+        }
         tokio::spawn(heartbeats(tx.clone(), alive.clone()));
         if start.local_prefill {
             self.stream(spec.num_generated, max, tx.clone(), alive);
@@ -286,9 +340,13 @@ impl Decode for FakeDecode {
         &self,
         r: Request<v1::DoneRequest>,
     ) -> Result<Response<v1::DoneResponse>, Status> {
+        self.freeze.running().await;
         let d = r.into_inner();
         self.calls
             .push("done", format!("xfer={} epoch={}", d.xfer_id, d.epoch));
+        if matches!(self.script, DecodeScript::SilentAfterStart) {
+            return std::future::pending().await;
+        }
         let w = {
             let mut waiting = self.waiting.lock().expect("no panics");
             match waiting.get(&d.xfer_id) {
@@ -329,6 +387,7 @@ fn reserved(xfer_id: u64, epoch: u64) -> v1::Reserved {
 #[derive(Clone)]
 struct FakePrefill {
     script: PrefillScript,
+    freeze: Freeze,
     calls: Calls,
 }
 
@@ -346,6 +405,7 @@ impl Prefill for FakePrefill {
         &self,
         r: Request<v1::PrefillRequest>,
     ) -> Result<Response<EventStream>, Status> {
+        self.freeze.running().await;
         let r = r.into_inner();
         let dest = r.dest.unwrap_or_default();
         let spec = r.spec.unwrap_or_default();
@@ -364,7 +424,10 @@ impl Prefill for FakePrefill {
             match script {
                 PrefillScript::Hang => return tx.closed().await,
                 PrefillScript::Fail(_) => unreachable!("answered above"),
-                PrefillScript::Push | PrefillScript::DieMidPush | PrefillScript::PushThenTrail => {}
+                PrefillScript::Push
+                | PrefillScript::DieMidPush
+                | PrefillScript::PushThenTrail
+                | PrefillScript::PushFails => {}
             }
             let first_event = prefill_event::Event::First(v1::FirstToken {
                 token: Some(first.clone()),
@@ -374,6 +437,14 @@ impl Prefill for FakePrefill {
             let _ = tx.send(event(first_event)).await;
             if matches!(script, PrefillScript::DieMidPush) {
                 let _ = tx.send(Err(Status::unavailable("connection reset"))).await;
+                return;
+            }
+            if matches!(script, PrefillScript::PushFails) {
+                let why = format!(
+                    "kv transfer to {}: connect: Invalid argument (os error 22)",
+                    dest.kv_endpoint
+                );
+                let _ = tx.send(Err(Status::data_loss(why))).await;
                 return;
             }
             let done = async {
@@ -417,6 +488,7 @@ impl Prefill for FakePrefill {
 #[derive(Clone)]
 struct FakeNodeRpc {
     role: Role,
+    freeze: Freeze,
 }
 
 type CacheEventStream = Pin<Box<dyn Stream<Item = Result<v1::CacheEventBatch, Status>> + Send>>;
@@ -424,6 +496,7 @@ type CacheEventStream = Pin<Box<dyn Stream<Item = Result<v1::CacheEventBatch, St
 #[tonic::async_trait]
 impl NodeRpc for FakeNodeRpc {
     async fn info(&self, _: Request<v1::InfoRequest>) -> Result<Response<v1::NodeInfo>, Status> {
+        self.freeze.running().await;
         Ok(Response::new(v1::NodeInfo {
             role: self.role.to_string(),
             layout: Some(kv_types::KvLayout::SMOLLM2_135M_F32.into()),
@@ -462,6 +535,8 @@ impl NodeRpc for FakeNodeRpc {
 pub(crate) struct FakeNode {
     pub(crate) endpoint: String,
     pub(crate) calls: Calls,
+    /// Stops and continues the node, as SIGSTOP and SIGCONT do.
+    pub(crate) freeze: Freeze,
     _stop: tokio_util::sync::DropGuard,
 }
 
@@ -480,42 +555,52 @@ async fn serve(router: tonic::transport::server::Router) -> (String, Cancellatio
 
 pub(crate) async fn decode(script: DecodeScript) -> FakeNode {
     let calls = Calls::default();
+    let freeze = Freeze::default();
     let router = tonic::transport::Server::builder()
         .add_service(DecodeServer::new(FakeDecode {
             script,
+            freeze: freeze.clone(),
             calls: calls.clone(),
             next_xfer: Arc::new(AtomicU64::new(0)),
             waiting: Arc::new(Mutex::new(HashMap::new())),
         }))
-        .add_service(NodeServer::new(FakeNodeRpc { role: Role::Decode }));
+        .add_service(NodeServer::new(FakeNodeRpc {
+            role: Role::Decode,
+            freeze: freeze.clone(),
+        }));
     let (endpoint, stop) = serve(router).await;
     FakeNode {
         endpoint,
         calls,
+        freeze,
         _stop: stop.drop_guard(),
     }
 }
 
 pub(crate) async fn prefill(script: PrefillScript) -> FakeNode {
     let calls = Calls::default();
+    let freeze = Freeze::default();
     let router = tonic::transport::Server::builder()
         .add_service(PrefillServer::new(FakePrefill {
             script,
+            freeze: freeze.clone(),
             calls: calls.clone(),
         }))
         .add_service(NodeServer::new(FakeNodeRpc {
             role: Role::Prefill,
+            freeze: freeze.clone(),
         }));
     let (endpoint, stop) = serve(router).await;
     FakeNode {
         endpoint,
         calls,
+        freeze,
         _stop: stop.drop_guard(),
     }
 }
 
 /// Ranks candidates in the order discovery listed them: the tests decide who is tried first.
-struct InOrder;
+pub(crate) struct InOrder;
 
 impl RoutingPolicy for InOrder {
     fn name(&self) -> &'static str {
@@ -566,10 +651,21 @@ pub(crate) async fn backend_with_policy(
     config: ClusterConfig,
     policy: Box<dyn RoutingPolicy>,
 ) -> ClusterBackend {
+    backend_with_pairs(prefills, decodes, config, policy, PairConfig::default()).await
+}
+
+/// As [`backend_with_policy`], marking prefill→decode pairs bad as `pairs` says.
+pub(crate) async fn backend_with_pairs(
+    prefills: &[&FakeNode],
+    decodes: &[&FakeNode],
+    config: ClusterConfig,
+    policy: Box<dyn RoutingPolicy>,
+    pairs: PairConfig,
+) -> ClusterBackend {
     let endpoints =
         |nodes: &[&FakeNode]| -> Vec<String> { nodes.iter().map(|n| n.endpoint.clone()).collect() };
     let discovery = StaticDiscovery::new(&endpoints(prefills), &endpoints(decodes));
-    let pools = Pools::spawn(Arc::new(discovery), identity::GrpcSecurity::Insecure);
+    let pools = Pools::spawn_with(Arc::new(discovery), identity::GrpcSecurity::Insecure, pairs);
     let ready = |role| pools.ready(role).len();
     testkit::wait_until_async("the fakes answer Info", Duration::from_secs(10), || {
         let all = ready(Role::Prefill) == prefills.len() && ready(Role::Decode) == decodes.len();

@@ -9,7 +9,12 @@ mod driver_tests;
 pub mod etcd_discovery;
 #[cfg(test)]
 mod fake_nodes;
+#[cfg(test)]
+mod first_token_tests;
 mod health;
+#[cfg(test)]
+mod pair_tests;
+pub mod pairs;
 mod placement;
 pub mod pool;
 pub mod prefix_index;

@@ -1,9 +1,13 @@
 //! Placing a request on a decode node: open its `Generate` stream and read the node's first
 //! answer. Remote prefill: the reservation. Local prefill: the first heartbeat or token. A node
 //! without room answers RESOURCE_EXHAUSTED; a dead or draining one fails the call, and is
-//! skipped for the next.
+//! skipped for the next. A live node answers at once, so one that answers nothing within the
+//! stall deadline is hung or cut off: it is marked suspect and the next one is tried. Without
+//! that deadline a request placed on a stopped node waited out the whole fault (20 s of
+//! SIGSTOP, 10 s of a cut link) before its first token.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use proto::v1::{self, generate_down, generate_up};
 use tokio::sync::mpsc;
@@ -14,6 +18,9 @@ use super::pool::{InFlight, Node};
 use super::retry::node_failed;
 use super::wire::upstream;
 use crate::error::GatewayError;
+
+/// Placements a decode node did not answer within the stall deadline.
+pub(crate) const PLACEMENT_TIMEOUTS: &str = "fission_gateway_placement_timeouts_total";
 
 /// A request's open stream on one decode node.
 pub(crate) struct DecodeCall {
@@ -64,15 +71,30 @@ impl NotPlaced {
     }
 }
 
-/// Opens `start` on the first of `decodes` that takes it.
+/// Opens `start` on the first of `decodes` that takes it, giving each `max_stall` to answer.
 pub(crate) async fn place(
     decodes: &[Arc<Node>],
     start: v1::GenerateStart,
+    max_stall: Duration,
 ) -> Result<DecodeCall, NotPlaced> {
     let mut no_room = false;
     let mut last_failure = None;
     for node in decodes {
-        match open(node, start.clone()).await {
+        let Ok(opened) = tokio::time::timeout(max_stall, open(node, start.clone())).await else {
+            // Dropping the call resets its stream: should the node wake, it frees what it
+            // reserved for it.
+            tracing::warn!(node_id = %node.entry.node_id, ?max_stall, "decode node did not answer a new request; trying the next one");
+            node.suspect("did not answer a new request");
+            metrics::counter!(PLACEMENT_TIMEOUTS).increment(1);
+            last_failure = Some(GatewayError::Unavailable {
+                reason: format!(
+                    "decode node {} did not answer within {max_stall:?}",
+                    node.entry.node_id
+                ),
+            });
+            continue;
+        };
+        match opened {
             Ok(call) => return Ok(call),
             // Before the RESOURCE_EXHAUSTED arm: a broken connection reads as one too.
             Err(s) if node_failed(&s) => {

@@ -20,6 +20,7 @@ use tonic::transport::Channel;
 
 use super::discovery::{Discovery, MemberChange, NodeEntry, NodeKey, Role};
 use super::health::{answers, Health, CHECK_INTERVAL};
+use super::pairs::{PairConfig, Pairs};
 use super::prefix_index::{CacheEvent, PrefixIndex};
 
 /// How long a node that failed a call is skipped: until discovery removes it, or it recovers.
@@ -165,12 +166,23 @@ pub struct Pools {
     dead_tx: mpsc::UnboundedSender<NodeKey>,
     /// How the gateway dials nodes: its certificate is what lets it call them.
     security: GrpcSecurity,
+    /// Failures per prefill→decode pair, and the pairs routed around for now.
+    pairs: Pairs,
 }
 
 impl Pools {
     /// Keeps the pools in step with discovery's changes, probes static members until they
     /// answer `Info`, and follows every member's prefix cache.
     pub fn spawn(discovery: Arc<dyn Discovery>, security: GrpcSecurity) -> Arc<Self> {
+        Self::spawn_with(discovery, security, PairConfig::default())
+    }
+
+    /// As [`Pools::spawn`], marking pairs bad as `pairs` says.
+    pub fn spawn_with(
+        discovery: Arc<dyn Discovery>,
+        security: GrpcSecurity,
+        pairs: PairConfig,
+    ) -> Arc<Self> {
         let (dead_tx, mut dead_rx) = mpsc::unbounded_channel();
         let pools = Arc::new(Pools {
             nodes: Mutex::new(HashMap::new()),
@@ -178,6 +190,7 @@ impl Pools {
             prefixes: Arc::new(Mutex::new(PrefixIndex::new())),
             dead_tx,
             security,
+            pairs: Pairs::new(pairs),
         });
         let mut changes = discovery.changes();
         let p = Arc::clone(&pools);
@@ -211,6 +224,7 @@ impl Pools {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .remove_node(&index_key(role, &node_id));
+                    self.pairs.forget(role, &node_id);
                 }
                 return;
             }
@@ -328,6 +342,11 @@ impl Pools {
         self.loads
             .as_ref()
             .and_then(|rx| rx.borrow().get(&node.key).copied())
+    }
+
+    /// The failure records of prefill→decode pairs.
+    pub fn pairs(&self) -> &Pairs {
+        &self.pairs
     }
 
     /// Block hashes `node` is known to hold in its prefix cache.

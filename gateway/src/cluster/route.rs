@@ -131,7 +131,7 @@ pub(crate) async fn route(
     // Each placement attempt counts (a queued request places again when room frees up).
     metrics::histogram!(crate::metrics::OVERHEAD)
         .record(driver.request.received_at.elapsed().as_secs_f64());
-    let call = place(&decodes.nodes, start)
+    let call = place(&decodes.nodes, start, config.max_stall)
         .await
         .map_err(NotPlaced::into_error)?;
     span.record("decode_node", call.node.entry.node_id.as_str());
