@@ -206,3 +206,48 @@ fn reservations_are_bounded_and_released() {
     );
     assert_eq!(decode.stats().num_blocks_used, 0);
 }
+
+/// Issue 31: a first token (the prefill node's) that the grammar refuses ended the request
+/// with a made-up `eos`; a prefill whose mask failed sampled outside the grammar. Now the
+/// decode node's activation fails with the grammar's error and frees its blocks, and the
+/// prefill engine reports the failure instead of a first token.
+#[test]
+fn a_first_token_outside_the_grammar_fails_the_request() {
+    let model = stories();
+    let r = &references()[0];
+    let mut req = greedy(7, r.input_ids.clone(), 20);
+    req.grammar = Some(grammar::GrammarSpec::Regex("[0-9]+".into()));
+    let letter = (3..512)
+        .find(|&id| {
+            let text = model.tokenizer.decode(&[id], false).unwrap();
+            !text.is_empty() && text.chars().all(char::is_alphabetic)
+        })
+        .expect("a token of letters");
+    let mut decode = engine(&model, cfg(4));
+    decode.reserve(req.clone()).expect("reserve");
+    let first = engine::sampling::SampledToken {
+        token_id: letter,
+        logprob: 0.0,
+        top_logprobs: Vec::new(),
+    };
+    match decode.activate(req.seq_id, first) {
+        Err(engine::error::EngineError::Grammar { seq_id, .. }) => assert_eq!(seq_id, req.seq_id),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(decode.stats().num_blocks_used, 0, "its blocks are free");
+    assert!(!decode.has_work());
+
+    let mut prefill = engine(&model, cfg(4));
+    req.grammar = Some(grammar::GrammarSpec::Regex(r"[^\s\S]".into()));
+    prefill.add_prefill_request(req.clone()).expect("prefill");
+    let mut events = Vec::new();
+    while prefill.has_work() {
+        events.extend(prefill.step().expect("step"));
+    }
+    assert!(events.is_empty(), "no first token: {events:?}");
+    let failed = prefill.take_failed();
+    assert!(
+        matches!(failed.as_slice(), [(id, engine::error::EngineError::Grammar { .. })] if *id == req.seq_id),
+        "{failed:?}"
+    );
+}
