@@ -178,7 +178,7 @@ pub(crate) async fn authenticate(
     client: &mut Client,
     credentials: &EtcdCredentials,
     timeout: Duration,
-    retry: crate::etcd::Backoff,
+    retry: crate::backoff::Backoff,
 ) -> Result<(), ClusterError> {
     match try_authenticate(client, credentials, timeout).await? {
         AuthOutcome::Authenticated | AuthOutcome::AuthDisabled => Ok(()),
@@ -201,7 +201,7 @@ async fn run_authenticate_task(
     mut client: Client,
     credentials: EtcdCredentials,
     timeout: Duration,
-    mut retry: crate::etcd::Backoff,
+    mut retry: crate::backoff::Backoff,
 ) {
     loop {
         tokio::time::sleep(retry.next_delay()).await;

@@ -17,6 +17,7 @@
 //! request routing: consumers decide what a member means.
 
 mod admission;
+mod backoff;
 mod discovery;
 mod error;
 mod etcd;

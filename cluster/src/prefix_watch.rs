@@ -8,8 +8,9 @@ use etcd_client::{Client, Event, GetOptions, KeyValue, WatchOptions};
 use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::error::ClusterError;
-use crate::etcd::{call, Backoff, EtcdConfig};
+use crate::etcd::{call, EtcdConfig};
 
 /// The state built from a prefix. Between a broken watch and the next get it keeps what it
 /// had: callers rely on the last known view surviving an etcd outage.

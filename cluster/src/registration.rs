@@ -10,8 +10,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep, sleep_until, Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::error::ClusterError;
-use crate::etcd::{call, Backoff, EtcdConfig};
+use crate::etcd::{call, EtcdConfig};
 use crate::record::{NodeLoad, NodeRecord};
 
 /// How a node registers itself.
