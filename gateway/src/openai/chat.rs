@@ -239,11 +239,17 @@ pub(crate) async fn chat_completions(
         request.max_completion_tokens.or(request.max_tokens),
         request.top_logprobs.filter(|_| with_logprobs),
     )?;
-    let plan = ToolPlan::resolve(
+    // Checking the tools compiles each one's parameters: CPU work, off the runtime.
+    let (tools, choice, parallel) = (
         request.tools,
         request.tool_choice,
         request.parallel_tool_calls,
-    )?;
+    );
+    let plan = tokio::task::spawn_blocking(move || ToolPlan::resolve(tools, choice, parallel))
+        .await
+        .map_err(|e| GatewayError::Internal {
+            message: format!("tool check task: {e}"),
+        })??;
     let forced = match &plan.mode {
         ToolMode::Forced(grammar) => {
             if parameters.grammar.is_some() {
