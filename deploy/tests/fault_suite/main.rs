@@ -238,6 +238,62 @@ fn a_hung_decode_node_is_detected_and_its_streams_continue_elsewhere() {
     c.assert_serves();
 }
 
+/// The slowest request's time from its start to its end.
+fn slowest(records: &[streams::Record]) -> Duration {
+    records
+        .iter()
+        .map(|r| r.end() - r.started)
+        .max()
+        .unwrap_or_default()
+}
+
+#[test]
+fn requests_arriving_at_a_stopped_decode_node_move_within_the_stall_deadline() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let stall = Duration::from_millis(1000);
+    let mut c = two_decode_cluster(dir.path(), &["--max-stall-ms", "1000"]);
+    let held = Duration::from_secs(20);
+    // Idle when it stops: no stream of its own shows the hang, only the new requests, which
+    // arrive during the fault. SIGCONT after 20 s whatever they do, as in the held-out run
+    // (where they finished after 20.04 s).
+    c.node("decode-0").signal(libc::SIGSTOP);
+    let fault = Instant::now();
+    let url = c.url.clone();
+    let records = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(held);
+            c.node("decode-0").signal(libc::SIGCONT);
+        });
+        streams::run(&url, 6, 2, REQUEST_TIMEOUT, |client, i| {
+            body(&format!("Client {client} request {i}: the little dog"), 16)
+        })
+    });
+    report(
+        "new requests at a decode node in SIGSTOP on 1P+2D",
+        &records,
+    );
+    eprintln!(
+        "the slowest request arriving during the stop took {:.2?}",
+        slowest(&records)
+    );
+    assert_all_ok(&records, "arriving during the stop");
+    for r in &records {
+        assert!(
+            r.end() - r.started <= stall + Duration::from_secs(5),
+            "a request that arrived during the stop took {:.2?} (--max-stall-ms 1000): {r:?}",
+            r.end() - r.started
+        );
+    }
+    assert!(fault.elapsed() >= held, "the scope waits for the SIGCONT");
+    assert!(c.gateway_metric("fission_gateway_placement_timeouts_total") >= 1.0);
+    wait_until("decode-0 ready again", Duration::from_secs(15), || {
+        c.ready_nodes().iter().any(|n| n == "decode-0")
+    });
+    c.assert_kv_released();
+    c.assert_serves();
+}
+
 #[test]
 fn etcd_stopped_for_30_s_refuses_no_request() {
     let _serial = serial();
