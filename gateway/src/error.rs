@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use proto::ErrorCode;
 use serde::Serialize;
 
-use crate::request::RequestId;
+use crate::request_id::RequestId;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

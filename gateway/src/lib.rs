@@ -29,6 +29,7 @@ pub mod fake;
 pub mod metrics;
 pub mod openapi;
 pub mod request;
+mod request_id;
 pub mod server;
 
 use std::future::IntoFuture;

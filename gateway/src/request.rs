@@ -1,7 +1,6 @@
 //! What the gateway hands a [`crate::Backend`] and what it gets back. Plain data: no HTTP, no
 //! engine types, so a backend can live anywhere.
 
-use std::fmt;
 use std::pin::Pin;
 use std::time::Instant;
 
@@ -9,26 +8,7 @@ use futures::Stream;
 
 use crate::error::GatewayError;
 
-/// The gateway's id for one request, unique per process (a UUID v4). Backends carry it to every
-/// node that works on the request, and it is on every log line about it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct RequestId(pub String);
-
-impl RequestId {
-    pub fn new_random() -> Self {
-        Self(uuid::Uuid::new_v4().simple().to_string())
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for RequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+pub use crate::request_id::RequestId;
 
 /// How the next token is chosen. Validated: every field is in range.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,10 +121,5 @@ mod tests {
         assert_eq!(FinishReason::Stop.as_tgi_str(), "stop_sequence");
         assert_eq!(FinishReason::Eos.as_openai_str(), "stop");
         assert_eq!(FinishReason::Length.as_openai_str(), "length");
-    }
-
-    #[test]
-    fn request_ids_are_unique() {
-        assert_ne!(RequestId::new_random(), RequestId::new_random());
     }
 }
