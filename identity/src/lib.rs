@@ -19,6 +19,7 @@ mod ca;
 mod error;
 mod grpc;
 mod role;
+mod role_verifier;
 mod tls;
 
 pub use args::TlsArgs;

@@ -134,11 +134,35 @@ impl TlsIdentity {
         &self,
         alpn: &[&[u8]],
     ) -> Result<rustls::ServerConfig, IdentityError> {
+        self.server_config(alpn, None)
+    }
+
+    /// As [`TlsIdentity::rustls_server_config`], and the client certificate must name one of
+    /// `roles`: a CA-signed peer of any other role (or none) fails the handshake.
+    pub fn rustls_server_config_for_roles(
+        &self,
+        alpn: &[&[u8]],
+        roles: &[PeerRole],
+    ) -> Result<rustls::ServerConfig, IdentityError> {
+        self.server_config(alpn, Some(roles))
+    }
+
+    fn server_config(
+        &self,
+        alpn: &[&[u8]],
+        roles: Option<&[PeerRole]>,
+    ) -> Result<rustls::ServerConfig, IdentityError> {
         let provider = Self::provider();
-        let verifier =
+        let mut verifier =
             WebPkiClientVerifier::builder_with_provider(self.roots.clone(), provider.clone())
                 .build()
                 .map_err(|e| tls_err("client verifier")(e.to_string()))?;
+        if let Some(roles) = roles {
+            verifier = Arc::new(crate::role_verifier::RoleVerifier {
+                inner: verifier,
+                roles: roles.to_vec(),
+            });
+        }
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| tls_err("server config")(e.to_string()))?

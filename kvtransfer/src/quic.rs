@@ -11,7 +11,7 @@
 //! Connections are cached per endpoint in [`QuicTransport`] and reused across transfers.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -27,11 +27,11 @@ use crate::frame::{FrameHeader, FrameLimits};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
 use crate::transport::{
-    receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
-    RefusalObserver, TransferStat,
+    receive_frame, resolve, source_for, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport,
+    ReceiveCtx, RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
-use identity::TlsIdentity;
+use identity::{PeerRole, TlsIdentity};
 
 /// Flow-control windows. The receive windows are what this side advertises to its peer; the
 /// send window caps how much unacknowledged data this side buffers per connection.
@@ -210,9 +210,11 @@ pub(crate) fn quic_server_config(
     tls: &TlsIdentity,
     transport: Arc<quinn::TransportConfig>,
 ) -> Result<quinn::ServerConfig, KvTransferError> {
-    let crypto =
-        quinn::crypto::rustls::QuicServerConfig::try_from(tls.rustls_server_config(&[ALPN])?)
-            .map_err(|e| tls_err("quic server config")(e.to_string()))?;
+    // Only prefill nodes push KV: a gateway, decode or admin certificate, CA-signed as it may
+    // be, fails the handshake (issue 31).
+    let tls = tls.rustls_server_config_for_roles(&[ALPN], &[PeerRole::Prefill])?;
+    let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
+        .map_err(|e| tls_err("quic server config")(e.to_string()))?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(transport);
     Ok(config)
@@ -357,6 +359,10 @@ async fn run_stream_task<S: KvSink>(
 /// Sends layers over QUIC, caching one connection per endpoint.
 pub struct QuicTransport {
     endpoint: quinn::Endpoint,
+    /// Endpoints bound to the unspecified address, made on first use for peers that the
+    /// configured bind address cannot reach ([`source_for`]), by address family.
+    fallback: Mutex<HashMap<IpAddr, quinn::Endpoint>>,
+    client: quinn::ClientConfig,
     config: QuicConfig,
     connections: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<quinn::Connection>>>>>,
 }
@@ -365,20 +371,46 @@ impl QuicTransport {
     /// Binds the client endpoint; call inside a tokio runtime.
     pub fn new(tls: &TlsIdentity, config: QuicConfig) -> Result<Self, KvTransferError> {
         let mut endpoint = new_endpoint(config.client_bind_addr, &config, None)?;
-        endpoint.set_default_client_config(quic_client_config(
-            tls,
-            Arc::new(config.transport_config()?),
-        )?);
+        let client = quic_client_config(tls, Arc::new(config.transport_config()?))?;
+        endpoint.set_default_client_config(client.clone());
         Ok(Self {
             endpoint,
+            fallback: Mutex::new(HashMap::new()),
+            client,
             config,
             connections: Mutex::new(HashMap::new()),
         })
     }
 
+    /// The endpoint whose socket can reach `peer`.
+    fn endpoint_for(&self, peer: SocketAddr) -> Result<quinn::Endpoint, KvTransferError> {
+        let bind = self.config.client_bind_addr;
+        let source = source_for(bind.ip(), peer.ip());
+        if source == bind.ip() {
+            return Ok(self.endpoint.clone());
+        }
+        let mut fallback = self.fallback.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(endpoint) = fallback.get(&source) {
+            return Ok(endpoint.clone());
+        }
+        tracing::info!(%bind, %peer, %source, "kv quic: the bind address cannot reach this peer; sending from the unspecified address");
+        let mut endpoint = new_endpoint(SocketAddr::new(source, 0), &self.config, None)?;
+        endpoint.set_default_client_config(self.client.clone());
+        fallback.insert(source, endpoint.clone());
+        Ok(endpoint)
+    }
+
     /// Closes every cached connection.
     pub fn close(&self) {
         self.endpoint.close(VarInt::from_u32(0), b"closed");
+        for endpoint in self
+            .fallback
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
+            endpoint.close(VarInt::from_u32(0), b"closed");
+        }
         self.connections
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -388,7 +420,7 @@ impl QuicTransport {
 
 impl Drop for QuicTransport {
     fn drop(&mut self) {
-        self.endpoint.close(VarInt::from_u32(0), b"closed");
+        self.close();
     }
 }
 
@@ -411,7 +443,7 @@ impl KvTransport for QuicTransport {
         let (addr, host) = resolve(endpoint).await?;
         let server_name = self.config.server_name.as_deref().unwrap_or(&host);
         let conn = self
-            .endpoint
+            .endpoint_for(addr)?
             .connect(addr, server_name)
             .map_err(|e| KvTransferError::Connect {
                 endpoint: endpoint.to_owned(),
@@ -561,7 +593,7 @@ mod tests {
     use crate::header::LayerHeader;
     use crate::refusal_log::RefusalLog;
     use crate::sink::DiscardSink;
-    use identity::{generate_dev_ca, PeerRole};
+    use identity::generate_dev_ca;
     use kv_types::{KvDtype, KvLayout, TransferId};
 
     #[tokio::test]

@@ -27,8 +27,8 @@ use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
 use crate::stream_io;
 use crate::transport::{
-    receive_frame, resolve, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
-    RefusalObserver, TransferStat,
+    receive_frame, resolve, source_for, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport,
+    ReceiveCtx, RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
 
@@ -258,7 +258,13 @@ impl Pool {
             reason,
         };
         let connect = async {
-            let Some(ip) = self.bind_ip.filter(|ip| !ip.is_unspecified()) else {
+            // A bind address that cannot reach the peer (loopback, for a peer elsewhere) is
+            // left out, as no bind at all.
+            let Some(ip) = self
+                .bind_ip
+                .map(|ip| source_for(ip, self.addr.ip()))
+                .filter(|ip| !ip.is_unspecified())
+            else {
                 return TcpStream::connect(self.addr).await;
             };
             let socket = if ip.is_ipv4() {

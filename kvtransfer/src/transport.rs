@@ -4,7 +4,7 @@
 //! connection; implementations write plain `async fn`.
 
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -269,6 +269,24 @@ where
 }
 
 /// Splits `host:port` into a resolved address and the host name that TLS checks.
+/// The local address a sending socket should bind to reach `peer`, given the one configured
+/// (`bind`, port 0). A node that listens on loopback (`fission up`'s default) can still be
+/// joined by nodes on other addresses, and a socket bound to 127.0.0.1 cannot reach those:
+/// connect fails with EINVAL. So a loopback or other-family address gives way to the
+/// unspecified address of the peer's family, and the kernel picks the source by its routes.
+/// Any other configured address is kept, so that on a multi-homed host pushes leave from the
+/// node's own address.
+pub(crate) fn source_for(bind: IpAddr, peer: IpAddr) -> IpAddr {
+    let same_family = bind.is_ipv4() == peer.is_ipv4();
+    if same_family && !bind.is_unspecified() && (!bind.is_loopback() || peer.is_loopback()) {
+        return bind;
+    }
+    match peer {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
 pub(crate) async fn resolve(endpoint: &str) -> Result<(SocketAddr, String), KvTransferError> {
     let invalid = |reason: String| KvTransferError::InvalidEndpoint {
         endpoint: endpoint.to_owned(),
@@ -292,6 +310,24 @@ pub(crate) async fn resolve(endpoint: &str) -> Result<(SocketAddr, String), KvTr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn source_for_gives_up_a_bind_address_that_cannot_reach_the_peer() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        // Loopback reaches loopback only; elsewhere the kernel picks (issue 31, EINVAL).
+        assert_eq!(
+            source_for(ip("127.0.0.1"), ip("127.0.0.1")),
+            ip("127.0.0.1")
+        );
+        assert_eq!(source_for(ip("127.0.0.1"), ip("10.213.0.2")), ip("0.0.0.0"));
+        assert_eq!(source_for(ip("::1"), ip("fd00::2")), ip("::"));
+        // The other family: its unspecified address.
+        assert_eq!(source_for(ip("127.0.0.1"), ip("::1")), ip("::"));
+        assert_eq!(source_for(ip("10.0.0.5"), ip("fd00::2")), ip("::"));
+        // A node's own address on a multi-homed host is kept.
+        assert_eq!(source_for(ip("10.0.0.5"), ip("10.0.0.9")), ip("10.0.0.5"));
+        assert_eq!(source_for(ip("0.0.0.0"), ip("10.0.0.9")), ip("0.0.0.0"));
+    }
 
     #[tokio::test]
     async fn resolve_splits_host_and_port() {

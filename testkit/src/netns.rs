@@ -41,6 +41,22 @@ fn ip(args: &[&str]) -> Result<(), String> {
     }
 }
 
+fn ns_path(ns: &str) -> String {
+    format!("/var/run/netns/{ns}")
+}
+
+/// Moves the calling thread onto the network namespace at `path`.
+fn enter_path(path: &str) -> Result<(), String> {
+    let ns = std::fs::File::open(path).map_err(|e| format!("{path}: {e}"))?;
+    // SAFETY: setns on a namespace file descriptor we own; it changes only this thread.
+    let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("setns {path}: {}", std::io::Error::last_os_error()))
+    }
+}
+
 impl Lab {
     /// A lab with one host per name, at 10.233.0.2, .3, ... in order. `Err` says why
     /// namespaces cannot be made here (not root, no iproute2, no permission).
@@ -100,15 +116,54 @@ impl Lab {
     /// Moves the calling thread (and the threads it starts from now on) onto `host`: its
     /// sockets, a test's HTTP clients included, then reach the lab's addresses.
     pub fn enter(&self, host: &str) -> Result<(), String> {
-        let path = format!("/var/run/netns/{}", self.host(host).ns);
-        let ns = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
-        // SAFETY: setns on a namespace file descriptor we own; it changes only this thread.
-        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(format!("setns {path}: {}", std::io::Error::last_os_error()))
-        }
+        enter_path(&ns_path(&self.host(host).ns))
+    }
+
+    /// Makes `to`'s loopback `port` reachable on `from`'s loopback at the same port: a thread
+    /// accepts on `from` and dials on `to`, copying bytes both ways, until the process exits.
+    /// For a service that listens on loopback only (`fission up`'s etcd) and a client on
+    /// another host that must reach it by the address it was given. No packet leaves the two
+    /// namespaces: a socket stays in the namespace that made it, whichever thread uses it.
+    pub fn forward_loopback(&self, from: &str, to: &str, port: u16) -> Result<(), String> {
+        let (from_ns, to_ns) = (ns_path(&self.host(from).ns), ns_path(&self.host(to).ns));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let listener = enter_path(&from_ns).and_then(|()| {
+                std::net::TcpListener::bind(("127.0.0.1", port))
+                    .map_err(|e| format!("bind 127.0.0.1:{port} on {from_ns}: {e}"))
+            });
+            // Dials from here on leave from `to`; the listener stays on `from`.
+            let listener = listener.and_then(|l| enter_path(&to_ns).map(|()| l));
+            let listener = match listener {
+                Ok(l) => {
+                    let _ = tx.send(Ok(()));
+                    l
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            for client in listener.incoming().flatten() {
+                let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                    continue;
+                };
+                for (mut a, mut b) in [
+                    (client.try_clone(), server.try_clone()),
+                    (server.try_clone(), client.try_clone()),
+                ]
+                .into_iter()
+                .filter_map(|(a, b)| a.ok().zip(b.ok()))
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut a, &mut b);
+                        let _ = b.shutdown(std::net::Shutdown::Write);
+                    });
+                }
+            }
+        });
+        rx.recv()
+            .map_err(|_| "the forwarding thread ended".to_string())?
     }
 
     /// Cuts `host`'s link at the bridge (a pulled cable: its packets vanish, nothing is reset).
@@ -151,7 +206,14 @@ impl Drop for Lab {
             // Whatever still runs in it dies with it, and its interfaces go.
             if let Ok(out) = Command::new("ip").args(["netns", "pids", &ns]).output() {
                 for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-                    if let Ok(pid) = pid.parse::<i32>() {
+                    // Not this process, which is listed once a thread of it entered a host.
+                    if let Ok(pid) = pid.parse::<i32>().map_err(drop).and_then(|p| {
+                        if p as u32 == std::process::id() {
+                            Err(())
+                        } else {
+                            Ok(p)
+                        }
+                    }) {
                         // SAFETY: signalling a pid that `ip netns pids` listed in our namespace.
                         unsafe { libc::kill(pid, libc::SIGKILL) };
                     }
