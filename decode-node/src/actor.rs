@@ -221,10 +221,10 @@ impl EngineTask for Task {
                 let _ = reply.send(result);
             }
             Command::Cancel { seq_id } => {
+                // Not counted here: the session that sends Cancel counts a client that left
+                // (it also cancels after failures and reprefills, which are no cancellation).
                 self.poisoned.remove(&seq_id);
-                if self.engine.cancel(seq_id) {
-                    metrics::counter!("fission_decode_cancelled_total").increment(1);
-                }
+                self.engine.cancel(seq_id);
                 self.streams.remove(&seq_id);
                 if let Some(s) = self.spans.remove(&seq_id) {
                     s.end("cancelled");
@@ -369,13 +369,13 @@ impl Task {
                             s.end(f.as_str());
                         }
                     } else if !delivered {
-                        // The receiver is gone: the client left. Free its blocks now.
+                        // The receiver is gone: its session ended (and counted a client
+                        // that left). Free its blocks now.
                         self.engine.cancel(seq_id);
                         self.streams.remove(&seq_id);
                         if let Some(s) = self.spans.remove(&seq_id) {
                             s.end("cancelled");
                         }
-                        metrics::counter!("fission_decode_cancelled_total").increment(1);
                     }
                 }
                 self.end_failed();

@@ -11,7 +11,7 @@ pub const ERRORS: ErrorCounter = ErrorCounter::new("fission_decode_errors_total"
 pub fn describe() {
     describe_counter!(
         "fission_decode_cancelled_total",
-        "Sequences and reservations cancelled (client gone, Cancel RPC)."
+        "Requests whose client left (the gateway closed the Generate stream) before their last token, once each."
     );
     describe_counter!(
         ERRORS.name(),

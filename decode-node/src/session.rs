@@ -207,6 +207,8 @@ impl Session {
         match end {
             End::Finished => {}
             End::Left => {
+                // The one place a cancellation is counted: the engine thread also sees the
+                // sequence go (a Cancel, or a stream nobody reads) but cannot tell why.
                 metrics::counter!("fission_decode_cancelled_total").increment(1);
             }
             End::Failed(f) => {
