@@ -5,12 +5,16 @@
 //! silence for `max_stall` means a hung or dead node; while a decode node generates, a token is
 //! due every step, so a gap beyond `max_stall` (or 8 times the request's own time per output
 //! token, when that is longer) is a stall too. A stalled node is marked suspect: it takes no new
-//! work until a health check passes.
+//! work until a health check passes. The deadline holds before the first token as after it:
+//! a decode node must answer a placement ([`super::placement`]) and a prefill node a prefill
+//! call within `max_stall`, so a request that arrives while a node is stopped or cut off
+//! moves on instead of waiting out the fault.
 //!
 //! - A prefill attempt that fails or stalls is retried into the same reservation at the next
 //!   epoch (Reprefill) on another prefill node; after `MAX_PREFILL_ATTEMPTS`, the decode node
 //!   prefills the prompt itself. Stale frames, Done and Renew of the old attempt are refused by
-//!   the decode node.
+//!   the decode node. Every failed attempt counts against its prefill→decode pair
+//!   ([`super::pairs`]); a pair that keeps failing is routed around for a while.
 //! - A decode node that fails or stalls mid-stream loses the request: it is placed again, on
 //!   another decode node, with the prompt plus every token already streamed as its prompt
 //!   (`num_generated` of them). A request's random draws depend only on its seed and the

@@ -282,6 +282,29 @@ mod tests {
     }
 
     #[test]
+    fn failures_and_bad_pairs_render_on_metrics() {
+        let recorder = telemetry::prometheus_builder()
+            .expect("static buckets")
+            .build_recorder();
+        let handle = recorder.handle();
+        ::metrics::with_local_recorder(&recorder, || {
+            let p = pairs(Duration::from_secs(60));
+            for _ in 0..3 {
+                p.failed("prefill-0", "decode-1", "push failed");
+            }
+            p.failed("prefill-1", "decode-1", "push failed");
+        });
+        let text = handle.render();
+        for line in [
+            r#"fission_gateway_pair_failures_total{prefill_node="prefill-0",decode_node="decode-1"} 3"#,
+            r#"fission_gateway_pair_failures_total{prefill_node="prefill-1",decode_node="decode-1"} 1"#,
+            "fission_gateway_bad_pairs 1",
+        ] {
+            assert!(text.contains(line), "{line}:\n{text}");
+        }
+    }
+
+    #[test]
     fn a_node_that_leaves_takes_its_pairs_with_it() {
         let p = pairs(Duration::from_secs(60));
         for (prefill, decode) in [("p0", "d0"), ("p1", "d0"), ("p0", "d1")] {
