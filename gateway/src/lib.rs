@@ -13,6 +13,7 @@ mod json;
 mod openai;
 pub mod queue;
 mod sequences;
+mod service_routes;
 mod sse;
 mod state;
 mod structured;

@@ -16,11 +16,11 @@ use utoipa::OpenApi;
         crate::tgi::generate_stream,
         crate::openai::completions::completions,
         crate::openai::chat::chat_completions,
-        crate::server::models,
-        crate::server::info,
-        crate::server::health,
-        crate::server::tokenize,
-        crate::server::metrics,
+        crate::service_routes::models,
+        crate::service_routes::info,
+        crate::service_routes::health,
+        crate::service_routes::tokenize,
+        crate::service_routes::metrics,
     )
 )]
 struct ApiDoc;
