@@ -1,9 +1,10 @@
 //! The KV transfers this node is waiting for, by id: each one's engine sequence (what the KV
 //! sink writes into) and its session (where Done and Renew go). Transfer ids are this node's to
-//! hand out and are not sequence ids.
+//! hand out and are not sequence ids. They are random 64-bit numbers, not a count: only the
+//! gateway and the prefill node it sends learn a reservation's id, so no other cluster member
+//! can name the next request's reservation (issue 31).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use engine::ids::SeqId;
@@ -21,14 +22,21 @@ struct Entry {
 #[derive(Clone, Default)]
 pub(crate) struct Transfers {
     open: Arc<Mutex<HashMap<TransferId, Entry>>>,
-    next: Arc<AtomicU64>,
 }
 
 impl Transfers {
     /// A fresh transfer id for `seq_id`, whose session hears of Done and Renew on `events`.
     pub(crate) fn open(&self, seq_id: SeqId, events: mpsc::Sender<SessionEvent>) -> TransferId {
-        let id = TransferId(self.next.fetch_add(1, Ordering::Relaxed) + 1);
-        self.lock().insert(id, Entry { seq_id, events });
+        let mut open = self.lock();
+        // rand's thread generator is a CSPRNG seeded from the OS. Zero is left out (proto's
+        // default, "no transfer"), and so is an id in use, however unlikely.
+        let id = loop {
+            let id = TransferId(rand::random::<u64>());
+            if id.0 != 0 && !open.contains_key(&id) {
+                break id;
+            }
+        };
+        open.insert(id, Entry { seq_id, events });
         id
     }
 
@@ -64,6 +72,8 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(t.seq(a), Some(SeqId(7)));
         assert!(t.session(a).is_some());
+        // Not a count: neither follows from the other.
+        assert!(a.0.abs_diff(b.0) > 1 << 20, "{a} and {b}");
         t.close(a);
         assert_eq!(t.seq(a), None);
         assert!(t.session(a).is_none());

@@ -69,6 +69,8 @@ pub enum KvTransferError {
     // ---- receiver-side admission ----------------------------------------------------------
     #[error("xfer {xfer_id} is not registered on this node")]
     UnknownTransfer { xfer_id: TransferId },
+    #[error("xfer {xfer_id} epoch {epoch}: the reservation is bound to another prefill node")]
+    WrongPeer { xfer_id: TransferId, epoch: u64 },
     #[error(
         "xfer {xfer_id}: frame epoch {epoch} is ahead of the registered epoch {registered_epoch}"
     )]
@@ -184,6 +186,7 @@ impl KvTransferError {
     pub fn verdict(&self) -> Verdict {
         match self {
             Self::UnknownTransfer { .. } => Verdict::UnknownTransfer,
+            Self::WrongPeer { .. } => Verdict::WrongPeer,
             Self::TransferClosed { .. } => Verdict::TransferClosed,
             Self::EpochAhead { .. } => Verdict::EpochAhead,
             Self::BlockIdsMismatch { .. } => Verdict::BlockIdsMismatch,
@@ -214,6 +217,7 @@ impl KvTransferError {
             Self::LayoutMismatch { .. } => "layout_mismatch",
             Self::ChecksumMismatch { .. } => "checksum_mismatch",
             Self::UnknownTransfer { .. } => "unknown_transfer",
+            Self::WrongPeer { .. } => "wrong_peer",
             Self::EpochAhead { .. } => "epoch_ahead",
             Self::EpochNotNewer { .. } => "epoch_not_newer",
             Self::BlockIdsMismatch { .. } => "block_ids_mismatch",

@@ -92,7 +92,7 @@ pub use header::LayerHeader;
 pub use kv_types::{KvDtype, KvLayout, TransferId, MAX_DIM};
 pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows, ALPN};
 pub use registry::{
-    Admission, Ignored, LayerClaim, Outcome, RegistryConfig, RegistryStats, Reservation,
+    Admission, Ignored, LayerClaim, Outcome, PeerKey, RegistryConfig, RegistryStats, Reservation,
     TransferProgress, TransferRegistry, TransferStatus,
 };
 pub use sink::{DiscardSink, KvSink, MemorySink};

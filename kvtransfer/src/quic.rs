@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use quinn::{IdleTimeout, MtuDiscoveryConfig, VarInt, WriteError};
+use rustls::pki_types::CertificateDer;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -24,7 +25,7 @@ use tracing::Instrument;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
-use crate::registry::TransferRegistry;
+use crate::registry::{PeerKey, TransferRegistry};
 use crate::sink::KvSink;
 use crate::transport::{
     receive_frame, resolve, source_for, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport,
@@ -312,6 +313,12 @@ async fn run_connection_task<S: KvSink>(
             return;
         }
     };
+    // The verifier admitted only a CA-signed prefill certificate; its DER names the peer that
+    // reservations bind to.
+    let peer_key: Option<PeerKey> = conn
+        .peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .and_then(|chain| chain.first().map(|c| Arc::from(c.as_ref())));
     tracing::debug!(%peer, "kv quic connection accepted");
     let mut streams = JoinSet::new();
     loop {
@@ -328,7 +335,13 @@ async fn run_connection_task<S: KvSink>(
                 }
             },
         };
-        streams.spawn(run_stream_task(send, recv, ctx.clone(), peer.clone()));
+        streams.spawn(run_stream_task(
+            send,
+            recv,
+            ctx.clone(),
+            peer.clone(),
+            peer_key.clone(),
+        ));
         while streams.try_join_next().is_some() {}
     }
     streams.shutdown().await;
@@ -339,18 +352,26 @@ async fn run_stream_task<S: KvSink>(
     mut recv: quinn::RecvStream,
     ctx: Arc<ReceiveCtx<S>>,
     peer: String,
+    peer_key: Option<PeerKey>,
 ) {
     let mut scratch = Vec::new();
-    let verdict =
-        match receive_frame(&mut recv, &ctx, &mut scratch, EarlyRefusal::Abandon, &peer).await {
-            Handled::Eof => return,
-            Handled::Answer(v) => v,
-            Handled::Refused(v) | Handled::Fatal(v) => {
-                // Ignore the error: the sender may already have reset its half.
-                let _ = recv.stop(VarInt::from_u32(v as u32));
-                v
-            }
-        };
+    let received = receive_frame(
+        &mut recv,
+        &ctx,
+        &mut scratch,
+        EarlyRefusal::Abandon,
+        &peer,
+        peer_key.as_ref(),
+    );
+    let verdict = match received.await {
+        Handled::Eof => return,
+        Handled::Answer(v) => v,
+        Handled::Refused(v) | Handled::Fatal(v) => {
+            // Ignore the error: the sender may already have reset its half.
+            let _ = recv.stop(VarInt::from_u32(v as u32));
+            v
+        }
+    };
     if send.write_all(&verdict.encode()).await.is_ok() {
         let _ = send.finish();
     }

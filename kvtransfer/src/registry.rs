@@ -32,6 +32,12 @@ mod status;
 pub use claim::LayerClaim;
 pub use status::{Admission, Ignored, Outcome, RegistryStats, TransferProgress, TransferStatus};
 
+/// Who sent a frame, as its connection authenticated it: the DER of the peer's certificate
+/// (QUIC's mutual TLS). A reservation is bound to the first peer whose frame it admits at an
+/// epoch, and refuses every other one (issue 31); a connection without an identity (TCP, which
+/// runs only under `--insecure`) binds nothing.
+pub type PeerKey = Arc<[u8]>;
+
 /// What the decode node reserved for one transfer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
@@ -138,6 +144,8 @@ struct Entry {
     layers_received: u32,
     payload_bytes: u64,
     stale_frames: u64,
+    /// The peer this epoch's frames come from, once one was admitted.
+    peer: Option<PeerKey>,
     progress_tx: watch::Sender<u32>,
     /// Sink writes hold it shared; deregistration takes it exclusively to wait them out.
     fence: Arc<RwLock<()>>,
@@ -272,6 +280,7 @@ impl TransferRegistry {
                 layers_received: 0,
                 payload_bytes: 0,
                 stale_frames: 0,
+                peer: None,
                 progress_tx,
                 fence: Arc::new(RwLock::new(())),
             },
@@ -363,14 +372,28 @@ impl TransferRegistry {
 
     /// Checks a decoded header against its reservation, before its payload is read.
     pub fn admit(&self, frame: &FrameHeader) -> Result<Admission, KvTransferError> {
-        let res = self.admit_inner(frame);
+        self.admit_from(frame, None)
+    }
+
+    /// As [`TransferRegistry::admit`], for a frame from the authenticated `peer`: the first
+    /// peer admitted at an epoch is the only one admitted after it, at that epoch.
+    pub fn admit_from(
+        &self,
+        frame: &FrameHeader,
+        peer: Option<&PeerKey>,
+    ) -> Result<Admission, KvTransferError> {
+        let res = self.admit_inner(frame, peer);
         if res.is_err() {
             bump(&self.shared.counters.rejected);
         }
         res
     }
 
-    fn admit_inner(&self, frame: &FrameHeader) -> Result<Admission, KvTransferError> {
+    fn admit_inner(
+        &self,
+        frame: &FrameHeader,
+        peer: Option<&PeerKey>,
+    ) -> Result<Admission, KvTransferError> {
         let h = &frame.header;
         let (xfer_id, layer) = (h.xfer_id, h.layer);
         let mut st = self.lock();
@@ -420,6 +443,20 @@ impl TransferRegistry {
                 given: h.block_ids.len(),
                 reserved: e.block_ids.len(),
             });
+        }
+        // Checked once the frame is otherwise one this reservation expects, so that a peer
+        // sending garbage binds nothing.
+        if let Some(peer) = peer {
+            match &e.peer {
+                Some(bound) if bound != peer => {
+                    return Err(KvTransferError::WrongPeer {
+                        xfer_id,
+                        epoch: h.epoch,
+                    })
+                }
+                Some(_) => {}
+                None => e.peer = Some(peer.clone()),
+            }
         }
         let num_layers = e.num_layers;
         let slot = e

@@ -142,7 +142,7 @@ async fn run_connection_task<S: KvSink>(
     loop {
         let handled = tokio::select! {
             _ = shutdown.cancelled() => break,
-            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Discard, &peer) => handled,
+            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Discard, &peer, None) => handled,
         };
         let (verdict, keep_going) = match handled {
             Handled::Eof => break,

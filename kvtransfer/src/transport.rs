@@ -17,7 +17,7 @@ use tracing::Instrument;
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
 use crate::header::LayerHeader;
-use crate::registry::{Admission, TransferRegistry};
+use crate::registry::{Admission, PeerKey, TransferRegistry};
 use crate::sink::KvSink;
 use crate::stream_io;
 use crate::verdict::Verdict;
@@ -190,6 +190,7 @@ pub(crate) async fn receive_frame<R, S>(
     scratch: &mut Vec<u8>,
     early: EarlyRefusal,
     peer: &str,
+    peer_key: Option<&PeerKey>,
 ) -> Handled
 where
     R: AsyncRead + Unpin,
@@ -219,7 +220,7 @@ where
         telemetry::set_parent(&span, telemetry::context_from_traceparent(tp));
     }
     async {
-        let (claim, verdict) = match ctx.registry.admit(&frame) {
+        let (claim, verdict) = match ctx.registry.admit_from(&frame, peer_key) {
             Ok(Admission::Accept(claim)) => (Some(claim), Verdict::Accepted),
             Ok(Admission::Ignore(why)) => {
                 tracing::debug!(?why, "kv frame ignored");

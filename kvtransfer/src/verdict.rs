@@ -31,10 +31,12 @@ pub enum Verdict {
     Malformed = 11,
     SinkFailed = 12,
     ShuttingDown = 13,
+    /// The reservation takes frames from another prefill node.
+    WrongPeer = 14,
 }
 
 impl Verdict {
-    const ALL: [Verdict; 14] = [
+    const ALL: [Verdict; 15] = [
         Self::Accepted,
         Self::StaleEpoch,
         Self::TransferClosed,
@@ -49,6 +51,7 @@ impl Verdict {
         Self::Malformed,
         Self::SinkFailed,
         Self::ShuttingDown,
+        Self::WrongPeer,
     ];
 
     pub fn from_code(code: u64) -> Option<Self> {
@@ -71,6 +74,7 @@ impl Verdict {
             Self::Malformed => "malformed",
             Self::SinkFailed => "sink_failed",
             Self::ShuttingDown => "shutting_down",
+            Self::WrongPeer => "wrong_peer",
         }
     }
 
