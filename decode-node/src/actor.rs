@@ -153,6 +153,9 @@ struct Task {
     batch: Option<BatchSpan>,
     /// Sequences with a failed layer import: their activation must fail.
     poisoned: HashMap<SeqId, KvTransferError>,
+    /// Reservations by sequence, with the blocks each will hold at its longest (prompt plus
+    /// `max_new_tokens`): admission counts them with the engine's sequences.
+    committed: HashMap<SeqId, usize>,
 }
 
 /// `FISSION_DEBUG_STEP_DELAY_MS`: slows every step so tests can act mid-generation on a tiny
@@ -178,7 +181,7 @@ impl EngineTask for Task {
     fn handle(&mut self, c: Command) {
         match c {
             Command::Reserve { req, reply } => {
-                let _ = reply.send(self.engine.reserve(req));
+                let _ = reply.send(self.reserve(req));
             }
             Command::Import {
                 xfer_id,
@@ -262,7 +265,34 @@ impl Task {
             spans: HashMap::new(),
             batch: None,
             poisoned: HashMap::new(),
+            committed: HashMap::new(),
         }
+    }
+
+    /// Reserves `req`'s prompt blocks only when the pool also holds every admitted request at
+    /// its longest: a node that admitted by prompt alone ran out of blocks as its sequences
+    /// grew and preempted them in a storm (594 preemptions for 200 requests on 128 blocks).
+    /// `OutOfBlocks` (busy) keeps the request in the gateway's queue until room comes back.
+    /// An idle node takes any request the engine takes.
+    fn reserve(&mut self, req: Request) -> Result<Vec<BlockId>, EngineError> {
+        let seq_id = req.seq_id;
+        let block_size = self.engine.scheduler().allocator().block_size().max(1);
+        let need = (req.prompt_ids.len() + req.remaining_new_tokens()).div_ceil(block_size);
+        // Reservations the engine no longer holds (activated, released) are no longer ours
+        // to count: the engine's sequences count the activated ones.
+        self.committed.retain(|id, _| self.engine.is_reserved(*id));
+        let committed =
+            self.engine.scheduler().num_committed_blocks() + self.committed.values().sum::<usize>();
+        let total = self.engine.stats().num_blocks_total;
+        if committed > 0 && committed + need > total {
+            return Err(EngineError::OutOfBlocks {
+                needed: need,
+                free: total.saturating_sub(committed),
+            });
+        }
+        let blocks = self.engine.reserve(req)?;
+        self.committed.insert(seq_id, need);
+        Ok(blocks)
     }
 
     fn import(

@@ -15,6 +15,7 @@
 //! generated `max_new_tokens` (and merely awaits [`Scheduler::finish`]) is preempted first.
 
 mod batch;
+mod commitment;
 mod config;
 mod prefilled;
 #[cfg(test)]
