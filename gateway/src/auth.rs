@@ -25,7 +25,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::{ApiShape, GatewayError};
 use crate::metrics::AUTH_FAILURES_TOTAL;
-use crate::state::AppState;
 
 /// The header that carries a key when `Authorization` does not.
 pub const API_KEY_HEADER: &str = "x-api-key";
@@ -298,12 +297,13 @@ impl AuthConfig {
 }
 
 /// The middleware: a request without a valid key gets a 401 before anything else reads it.
+/// It holds the [`AuthConfig`] alone (its key store is shared, so a reload reaches it), not
+/// the app's state: who may call is decided before anything of the app is touched.
 pub(crate) async fn require_api_key(
-    State(state): State<AppState>,
+    State(auth): State<AuthConfig>,
     request: Request,
     next: Next,
 ) -> Response {
-    let auth = &state.config().auth;
     if !auth.keys.is_required() || auth.is_public(request.uri().path()) {
         return next.run(request).await;
     }
@@ -474,7 +474,7 @@ mod tests {
         let mut config = GatewayConfig::new("stories260K", STORIES_TOKENIZER);
         config.auth = auth;
         let handle = PrometheusBuilder::new().build_recorder().handle();
-        crate::app(AppState::new(config, fake, handle).unwrap())
+        crate::app(crate::AppState::new(config, fake, handle).unwrap())
     }
 
     fn keyed(public_health: bool) -> AuthConfig {

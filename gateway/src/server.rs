@@ -55,7 +55,7 @@ pub fn app(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(state.config().max_body_bytes))
         // Outermost: a request without a key is refused before anything reads its body.
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            state.config().auth.clone(),
             auth::require_api_key,
         ))
         .with_state(state)
