@@ -287,6 +287,15 @@ fn requests_arriving_at_a_stopped_decode_node_move_within_the_stall_deadline() {
     }
     assert!(fault.elapsed() >= held, "the scope waits for the SIGCONT");
     assert!(c.gateway_metric("fission_gateway_placement_timeouts_total") >= 1.0);
+    // The fault was the node's, not a prefill/decode pair's.
+    let info = c.info();
+    assert_eq!(
+        info["backend"]["bad_pairs"].as_array().map(Vec::len),
+        Some(0),
+        "{info}"
+    );
+    let metrics = testkit::fission::http_get(&c.gateway_metrics).unwrap_or_default();
+    assert!(metrics.contains("fission_gateway_bad_pairs 0"), "{metrics}");
     wait_until("decode-0 ready again", Duration::from_secs(15), || {
         c.ready_nodes().iter().any(|n| n == "decode-0")
     });

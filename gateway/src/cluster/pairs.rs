@@ -79,10 +79,14 @@ pub struct Pairs {
 
 impl Pairs {
     pub fn new(config: PairConfig) -> Self {
-        Pairs {
+        let pairs = Pairs {
             config,
             pairs: Arc::default(),
-        }
+        };
+        // On /metrics from the start: a gauge that appears only once a pair fails cannot
+        // be told from a gateway that does not count pairs.
+        pairs.publish();
+        pairs
     }
 
     pub fn config(&self) -> PairConfig {
