@@ -7,6 +7,10 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 
+mod arch;
+
+pub use arch::{Activation, ArchSpec, Architecture, NormStyle};
+
 /// The subset of a transformers config.json that the Llama family uses.
 #[derive(Debug, Clone, Deserialize)]
 pub struct LlamaConfig {
@@ -52,6 +56,15 @@ pub struct LlamaConfig {
     pub torch_dtype: Option<String>,
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Read only to refuse: Phi-3's partial rotary is not yet supported.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// Read only to refuse: Gemma 2's soft-capping is not yet supported.
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Read only to refuse: Gemma's soft-capping is not yet supported.
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
 }
 
 fn default_max_pos() -> usize {
@@ -94,28 +107,11 @@ pub enum RopeScaling {
     },
 }
 
-/// Which member of the Llama family; they differ only in details resolved here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Architecture {
-    Llama,
-    Mistral,
-    Qwen2,
-}
-
-impl Architecture {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Architecture::Llama => "llama",
-            Architecture::Mistral => "mistral",
-            Architecture::Qwen2 => "qwen2",
-        }
-    }
-}
-
 /// Everything the model needs, with every default applied.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
-    pub architecture: Architecture,
+    /// What the architecture changes in the layer; both forward paths read it.
+    pub arch: ArchSpec,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -129,7 +125,6 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
-    pub attention_bias: bool,
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -149,16 +144,12 @@ impl LlamaConfig {
             .cloned()
             .or_else(|| self.model_type.clone())
             .unwrap_or_default();
-        match name.as_str() {
-            "LlamaForCausalLM" | "llama" => Ok(Architecture::Llama),
-            "MistralForCausalLM" | "mistral" => Ok(Architecture::Mistral),
-            "Qwen2ForCausalLM" | "qwen2" => Ok(Architecture::Qwen2),
-            _ => Err(EngineError::UnsupportedArchitecture { architecture: name }),
-        }
+        Architecture::from_name(&name)
     }
 
-    pub fn resolve(&self) -> Result<ModelConfig> {
-        let architecture = self.architecture()?;
+    /// Refuses what [`ArchSpec`] cannot yet describe, naming the field and its value, rather
+    /// than serving a model that silently differs from its reference.
+    fn refuse_unsupported(&self) -> Result<()> {
         if let Some(act) = &self.hidden_act {
             if act != "silu" {
                 return Err(EngineError::InvalidConfig {
@@ -166,6 +157,29 @@ impl LlamaConfig {
                 });
             }
         }
+        if let Some(f) = self.partial_rotary_factor.filter(|&f| f != 1.0) {
+            return Err(EngineError::InvalidConfig {
+                reason: format!("partial_rotary_factor {f} is not supported (only 1.0)"),
+            });
+        }
+        for (field, v) in [
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ] {
+            if let Some(v) = v {
+                return Err(EngineError::InvalidConfig {
+                    reason: format!(
+                        "{field} {v} is not supported (soft-capping is not yet implemented)"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub fn resolve(&self) -> Result<ModelConfig> {
+        let architecture = self.architecture()?;
+        self.refuse_unsupported()?;
         if self.num_attention_heads == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
             return Err(EngineError::InvalidConfig {
                 reason: "num_attention_heads, hidden_size and num_hidden_layers must be > 0".into(),
@@ -200,19 +214,17 @@ impl LlamaConfig {
             None => params,
         };
         let rope_scaling = resolve_rope_scaling(&scaling_src, self.max_position_embeddings)?;
+        // Qwen's configs carry a sliding_window that applies only when use_sliding_window says.
         let sliding = match (architecture, self.use_sliding_window) {
-            (Architecture::Qwen2, Some(false)) | (Architecture::Qwen2, None) => None,
+            (Architecture::Qwen2 | Architecture::Qwen3, Some(false) | None) => None,
             _ => self.sliding_window,
         };
         let max_context = match sliding {
             Some(w) if w > 0 && w < self.max_position_embeddings => w,
             _ => self.max_position_embeddings,
         };
-        let attention_bias = self
-            .attention_bias
-            .unwrap_or(architecture == Architecture::Qwen2);
         Ok(ModelConfig {
-            architecture,
+            arch: ArchSpec::resolve(architecture, self.attention_bias),
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
@@ -224,7 +236,6 @@ impl LlamaConfig {
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
-            attention_bias,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             bos_token_id: self.bos_token_id.as_ref().and_then(first_id),
             eos_token_ids: self.eos_token_id.as_ref().map(ids).unwrap_or_default(),
@@ -323,8 +334,47 @@ mod tests {
             r#"{{"architectures": ["Qwen2ForCausalLM"], {BASE}, "sliding_window": 16, "use_sliding_window": false}}"#
         ));
         let r = c.resolve().expect("resolves");
-        assert!(r.attention_bias);
+        assert!(r.arch.qkv_bias);
+        assert!(!r.arch.qk_norm);
         assert_eq!(r.max_context, 4096);
+    }
+
+    #[test]
+    fn qwen3_has_qk_norm_and_no_bias_and_its_own_head_dim() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Qwen3ForCausalLM"], {BASE}, "head_dim": 32,
+            "sliding_window": null, "use_sliding_window": false}}"#
+        ));
+        let r = c.resolve().expect("resolves");
+        assert_eq!(r.arch.architecture, Architecture::Qwen3);
+        assert!(r.arch.qk_norm);
+        assert!(!r.arch.qkv_bias);
+        assert_eq!(r.head_dim, 32);
+    }
+
+    #[test]
+    fn features_not_yet_described_are_refused_by_name() {
+        for (extra, field) in [
+            (
+                r#""partial_rotary_factor": 0.75"#,
+                "partial_rotary_factor 0.75",
+            ),
+            (
+                r#""final_logit_softcapping": 30.0"#,
+                "final_logit_softcapping 30",
+            ),
+            (
+                r#""attn_logit_softcapping": 50.0"#,
+                "attn_logit_softcapping 50",
+            ),
+            (r#""hidden_act": "gelu_pytorch_tanh""#, "gelu_pytorch_tanh"),
+        ] {
+            let c = parse(&format!(
+                r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, {extra}}}"#
+            ));
+            let err = c.resolve().expect_err("refused").to_string();
+            assert!(err.contains(field), "{err}");
+        }
     }
 
     #[test]
@@ -340,8 +390,11 @@ mod tests {
         let c = parse(&format!(
             r#"{{"architectures": ["GPT2LMHeadModel"], {BASE}}}"#
         ));
-        let err = c.resolve().expect_err("gpt2 is not llama");
-        assert!(err.to_string().contains("GPT2LMHeadModel"), "{err}");
+        let err = c.resolve().expect_err("gpt2 is not llama").to_string();
+        assert!(err.contains("GPT2LMHeadModel"), "{err}");
+        for name in Architecture::SUPPORTED {
+            assert!(err.contains(name), "{err} does not list {name}");
+        }
     }
 
     #[test]

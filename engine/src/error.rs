@@ -10,7 +10,10 @@ use crate::ids::{BlockId, SeqId};
 pub enum EngineError {
     #[error("model file missing: {path}")]
     MissingFile { path: PathBuf },
-    #[error("unsupported architecture {architecture:?}: supported are LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")]
+    #[error(
+        "unsupported architecture {architecture:?}: supported are {}",
+        crate::config::Architecture::SUPPORTED.join(", ")
+    )]
     UnsupportedArchitecture { architecture: String },
     #[error(
         "unsupported rope_scaling type {rope_type:?}: supported are llama3, linear and default"

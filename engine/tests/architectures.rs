@@ -1,6 +1,8 @@
 //! Every Llama-family variant the engine supports, checked against transformers on a tiny random
 //! model: head_dim override, llama3 and linear rope scaling, Qwen2's biases with an untied
-//! lm_head, Mistral, transformers 5 `rope_parameters`, and one KV head shared by 8 query heads.
+//! lm_head, Mistral, transformers 5 `rope_parameters`, one KV head shared by 8 query heads, and
+//! Qwen3's per-head q/k norms. Each runs on the host path (the top-level tests) and on the
+//! tensor path (`tensor_path::*`, what `FISSION_TENSOR_FORWARD=1` selects).
 //!
 //! The references are `tests/reference/arch_refs.json`, made by `tests/reference/make_refs.py`.
 //! No weights are committed: each model is regenerated here from the spec recorded beside its
@@ -121,13 +123,32 @@ fn argmax(row: &[f32]) -> u32 {
         .expect("non-empty logits")
 }
 
+/// Which forward pass a check runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Host,
+    Tensor,
+}
+
 /// Greedy tokens alone and batched with chunked prefill, and first-position logits, all equal
-/// to transformers'.
-fn check_variant(name: &str) {
+/// to transformers', on `path`.
+fn check_variant(name: &str, path: Path) {
     let refs = arch_refs();
     let v = variant(name);
     let dir = materialize(&v);
-    let model = load(dir.path(), None);
+    let model = match path {
+        Path::Host => load(dir.path(), None),
+        Path::Tensor => load(dir.path(), None).with_tensor_path(),
+    };
+    let engine::model::Model::Llama(llama) = &*model.model else {
+        panic!("{name} loads as a Llama");
+    };
+    assert_eq!(
+        llama.runs_host_path(),
+        path == Path::Host,
+        "{name}: not on the {path:?} path"
+    );
+    let name = &format!("{name} ({path:?} path)");
     for (i, r) in v.references.iter().enumerate() {
         assert_eq!(r.output_ids.len(), refs.max_new_tokens);
         let mut e = engine(&model, small(EngineConfig::default()));
@@ -178,9 +199,17 @@ macro_rules! variant_tests {
         $(
             #[test]
             fn $name() {
-                check_variant(stringify!($name));
+                check_variant(stringify!($name), Path::Host);
             }
         )*
+        mod tensor_path {
+            $(
+                #[test]
+                fn $name() {
+                    super::check_variant(stringify!($name), super::Path::Tensor);
+                }
+            )*
+        }
         const TESTED_VARIANTS: &[&str] = &[$(stringify!($name)),*];
     };
 }
@@ -194,6 +223,7 @@ variant_tests!(
     rope_parameters,
     gqa_kv1,
     rope_parameters_llama3,
+    qwen3,
 );
 
 #[test]
@@ -269,6 +299,14 @@ fn unsupported_architecture_is_named() {
     std::fs::write(&path, cfg.to_string()).expect("write config");
     let err = load_error(dir.path());
     assert!(err.contains("GPT2LMHeadModel"), "{err}");
+    for supported in [
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ] {
+        assert!(err.contains(supported), "{err} does not name {supported}");
+    }
 }
 
 #[test]

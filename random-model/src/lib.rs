@@ -22,6 +22,11 @@ pub const RMS_NORM_EPS: f64 = 1e-5;
 /// different logits.
 pub const BIAS_STD: f32 = 0.5;
 
+/// Standard deviation of Qwen3's per-head q/k norm weights around 1: wider than the layer
+/// norms' so that the per-head scaling visibly shapes attention, and a model that skips it
+/// greedily picks different tokens.
+pub const QK_NORM_STD: f32 = 0.3;
+
 /// Which transformers class the config names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -31,6 +36,9 @@ pub enum Architecture {
     Mistral,
     #[serde(rename = "Qwen2ForCausalLM")]
     Qwen2,
+    /// Dense Qwen3: per-head RMSNorm on q and k, biases only if `attention_bias` says.
+    #[serde(rename = "Qwen3ForCausalLM")]
+    Qwen3,
 }
 
 impl Architecture {
@@ -39,6 +47,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -47,6 +56,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
     }
 }
@@ -114,7 +124,7 @@ pub struct ModelSpec {
     pub rope_scaling: Option<Value>,
     #[serde(default)]
     pub rope_layout: RopeLayout,
-    /// q/k/v biases. Qwen2 always has them and Mistral never; only Llama's config says so.
+    /// q/k/v biases. Qwen2 always has them and Mistral never; Llama's and Qwen3's configs say.
     pub attention_bias: bool,
     /// When false the model gets its own random `lm_head.weight`.
     pub tie_word_embeddings: bool,
@@ -220,7 +230,7 @@ impl ModelSpec {
                 !self.attention_bias,
                 "MistralForCausalLM has no attention biases: attention_bias must be false"
             ),
-            Architecture::Llama => {}
+            Architecture::Llama | Architecture::Qwen3 => {}
         }
         if let Some(w) = self.sliding_window {
             ensure!(
@@ -307,6 +317,12 @@ pub fn config_json(spec: &ModelSpec) -> Value {
             obj.insert("sliding_window".into(), json!(spec.sliding_window));
         }
         Architecture::Qwen2 => {
+            obj.insert("use_sliding_window".into(), json!(false));
+            obj.insert("sliding_window".into(), Value::Null);
+            obj.insert("max_window_layers".into(), json!(spec.layers));
+        }
+        Architecture::Qwen3 => {
+            obj.insert("attention_bias".into(), json!(spec.attention_bias));
             obj.insert("use_sliding_window".into(), json!(false));
             obj.insert("sliding_window".into(), Value::Null);
             obj.insert("max_window_layers".into(), json!(spec.layers));
@@ -470,6 +486,17 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
             1.0,
             std,
         )?;
+        if spec.architecture == Architecture::Qwen3 {
+            // Drawn last in the layer, so the other architectures' streams are unchanged.
+            for name in ["q_norm", "k_norm"] {
+                w.put(
+                    format!("{p}.self_attn.{name}.weight"),
+                    &[spec.head_dim],
+                    1.0,
+                    QK_NORM_STD,
+                )?;
+            }
+        }
     }
     w.put("model.norm.weight".into(), &[hid], 1.0, std)?;
     if !spec.tie_word_embeddings {
@@ -626,6 +653,26 @@ mod tests {
         assert_eq!(cfg["architectures"][0], "Qwen2ForCausalLM");
         assert_eq!(cfg["use_sliding_window"], false);
         assert!(cfg.get("attention_bias").is_none(), "qwen2 configs omit it");
+    }
+
+    #[test]
+    fn qwen3_has_per_head_qk_norms_and_says_its_bias() {
+        let spec = ModelSpec {
+            architecture: Architecture::Qwen3,
+            head_dim: 32,
+            ..small(1)
+        };
+        let t = tensors(write(&spec).path());
+        assert_eq!(t["model.layers.1.self_attn.q_norm.weight"].dims(), &[32]);
+        assert_eq!(t["model.layers.0.self_attn.k_norm.weight"].dims(), &[32]);
+        assert!(!t.contains_key("model.layers.0.self_attn.q_proj.bias"));
+        let cfg = config_json(&spec);
+        assert_eq!(cfg["model_type"], "qwen3");
+        assert_eq!(cfg["attention_bias"], false);
+        assert_eq!(cfg["use_sliding_window"], false);
+        // A plain Llama of the same seed has no q/k norms.
+        let t = tensors(write(&small(1)).path());
+        assert!(!t.contains_key("model.layers.0.self_attn.q_norm.weight"));
     }
 
     #[test]

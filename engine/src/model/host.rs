@@ -17,6 +17,7 @@ use super::llama::{Layer, Llama, RmsNorm};
 use super::op_timing::{timed, Op};
 use super::ops::{self, with_slice, AttnDims};
 use super::rope::RopeTables;
+use crate::config::Activation;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
 
@@ -66,6 +67,9 @@ impl Llama {
         for (i, layer) in self.layers.iter().enumerate() {
             rms_norm_rows(&layer.input_norm, &x, t, &mut h)?;
             timed(Op::Qkv, || layer.qkv.forward_host(&h, t, &mut qkv, false))?;
+            if let Some(norm) = &layer.qk_norm {
+                timed(Op::Norm, || norm.forward_host(&mut qkv, t, dims));
+            }
             let at = LayerAt {
                 index: i,
                 batch,
@@ -138,7 +142,9 @@ impl Llama {
         timed(Op::GateUp, || {
             layer.gate_up.forward_host(h, n, gate_up, false)
         })?;
-        timed(Op::Silu, || silu_mul_rows(gate_up, n, f, act));
+        match self.cfg.arch.activation {
+            Activation::Silu => timed(Op::Silu, || silu_mul_rows(gate_up, n, f, act)),
+        }
         timed(Op::Down, || layer.down.forward_host(act, n, x, true))
     }
 

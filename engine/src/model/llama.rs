@@ -1,4 +1,6 @@
-//! The Llama family forward pass (Llama, Mistral, Qwen2), over a paged KV cache.
+//! The Llama family forward pass (Llama, Mistral, Qwen2, Qwen3), over a paged KV cache: the
+//! tensor path, and the weights both paths share. What differs between architectures is read
+//! from the config's [`ArchSpec`](crate::config::ArchSpec), never from its name.
 //!
 //! Weights are immutable and the KV cache lives outside them, so one `Llama` can be shared.
 //! Q/K/V and gate/up projections are fused at load time to halve the matmul launches per layer.
@@ -10,8 +12,9 @@ use super::batch::ForwardBatch;
 use super::linear::Linear;
 use super::op_timing::{timed, Op};
 use super::ops::{self, AttnDims};
+use super::qk_norm::QkNorm;
 use super::rope::Rope;
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig, NormStyle};
 use crate::error::Result;
 use crate::kv::cache::KvCache;
 use crate::quantize::Quantize;
@@ -25,16 +28,19 @@ pub(super) struct RmsNorm {
 }
 
 impl RmsNorm {
-    fn load(vb: VarBuilder, size: usize, eps: f64) -> Result<Self> {
-        let weight = vb.get(size, "weight")?;
+    /// `size` weights under `vb`, applied as the architecture's [`NormStyle`] says.
+    pub(super) fn load(vb: VarBuilder, size: usize, cfg: &ModelConfig) -> Result<Self> {
+        let weight = match cfg.arch.norm {
+            NormStyle::Weight => vb.get(size, "weight")?,
+        };
         Ok(RmsNorm {
             host: weight.to_dtype(DType::F32)?.to_vec1::<f32>()?,
             weight,
-            eps: eps as f32,
+            eps: cfg.rms_norm_eps as f32,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
     }
 }
@@ -43,6 +49,8 @@ impl RmsNorm {
 pub(super) struct Layer {
     pub(super) input_norm: RmsNorm,
     pub(super) qkv: Linear,
+    /// Per-head norms on q and k, when the architecture has them.
+    pub(super) qk_norm: Option<QkNorm>,
     pub(super) o_proj: Linear,
     pub(super) post_norm: RmsNorm,
     pub(super) gate_up: Linear,
@@ -69,7 +77,7 @@ impl Layer {
             ],
             0,
         )?;
-        let bias = if cfg.attention_bias {
+        let bias = if cfg.arch.qkv_bias {
             Some(Tensor::cat(
                 &[
                     q.get(h * d, "bias")?,
@@ -91,14 +99,15 @@ impl Layer {
             0,
         )?;
         Ok(Layer {
-            input_norm: RmsNorm::load(vb.pp("input_layernorm"), hid, cfg.rms_norm_eps)?,
+            input_norm: RmsNorm::load(vb.pp("input_layernorm"), hid, cfg)?,
             qkv: Linear::quantized(weight, bias, quantize)?,
+            qk_norm: QkNorm::load(&att, cfg)?,
             o_proj: Linear::quantized(
                 att.pp("o_proj").get((hid, h * d), "weight")?,
                 None,
                 quantize,
             )?,
-            post_norm: RmsNorm::load(vb.pp("post_attention_layernorm"), hid, cfg.rms_norm_eps)?,
+            post_norm: RmsNorm::load(vb.pp("post_attention_layernorm"), hid, cfg)?,
             gate_up: Linear::quantized(gate_up, None, quantize)?,
             down: Linear::quantized(mlp.pp("down_proj").get((hid, f), "weight")?, None, quantize)?,
         })
@@ -144,7 +153,7 @@ impl Llama {
             cfg: cfg.clone(),
             embed: candle_nn::Embedding::new(embed_w, cfg.hidden_size),
             layers,
-            norm: RmsNorm::load(vb.pp("model.norm"), cfg.hidden_size, cfg.rms_norm_eps)?,
+            norm: RmsNorm::load(vb.pp("model.norm"), cfg.hidden_size, cfg)?,
             lm_head: Linear::quantized(lm_head, None, quantize)?,
             rope: Rope::new(cfg),
             dtype: vb.dtype(),
@@ -161,6 +170,21 @@ impl Llama {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Whether steps run on the host path ([`forward_host`](Self::forward_host)) rather than
+    /// the tensor path.
+    pub fn runs_host_path(&self) -> bool {
+        self.host
+    }
+
+    /// This model on the tensor path, as `FISSION_TENSOR_FORWARD=1` loads it: lets one
+    /// process check both paths against the same reference.
+    pub fn with_tensor_path(&self) -> Self {
+        Llama {
+            host: false,
+            ..self.clone()
+        }
     }
 
     pub fn device(&self) -> &Device {
@@ -195,11 +219,16 @@ impl Llama {
         let layout = *cache.shape();
         for (i, layer) in self.layers.iter().enumerate() {
             let h = layer.input_norm.forward(&x)?;
-            let qkv = layer.qkv.forward(&h)?;
+            let mut qkv = layer.qkv.forward(&h)?;
+            if let Some(norm) = &layer.qk_norm {
+                qkv = norm.forward(&qkv, dims)?;
+            }
             let attn = ops::attention(&qkv, batch, &rope, &layout, cache.layer_mut(i), dims)?;
             x = (x + layer.o_proj.forward(&attn)?)?;
             let h = layer.post_norm.forward(&x)?;
-            let act = ops::silu_mul(&layer.gate_up.forward(&h)?)?;
+            let act = match self.cfg.arch.activation {
+                Activation::Silu => ops::silu_mul(&layer.gate_up.forward(&h)?)?,
+            };
             x = (x + layer.down.forward(&act)?)?;
             on_layer(i, cache)?;
         }

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Architecture, ModelConfig, RopeScaling};
+use crate::config::{ArchSpec, ModelConfig, RopeScaling};
 use crate::cost::{causal_pairs, CostModel, StepWork};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
@@ -58,7 +58,7 @@ impl MockModel {
         let shape = &spec.cost.model;
         let head_dim = ((shape.head_dim as f64 * spec.kv_scale).round() as usize).max(1);
         let cfg = ModelConfig {
-            architecture: Architecture::Llama,
+            arch: ArchSpec::llama(),
             vocab_size: tokenizer_cfg.vocab_size,
             hidden_size: shape.hidden_size,
             intermediate_size: shape.intermediate_size,
@@ -70,7 +70,6 @@ impl MockModel {
             rms_norm_eps: tokenizer_cfg.rms_norm_eps,
             rope_theta: tokenizer_cfg.rope_theta,
             rope_scaling: RopeScaling::None,
-            attention_bias: false,
             tie_word_embeddings: shape.tie_word_embeddings,
             bos_token_id: tokenizer_cfg.bos_token_id,
             eos_token_ids: tokenizer_cfg.eos_token_ids.clone(),
@@ -222,7 +221,7 @@ mod tests {
 
     fn spec_cfg() -> ModelConfig {
         ModelConfig {
-            architecture: Architecture::Llama,
+            arch: ArchSpec::llama(),
             vocab_size: 512,
             hidden_size: 64,
             intermediate_size: 128,
@@ -234,7 +233,6 @@ mod tests {
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
             rope_scaling: RopeScaling::None,
-            attention_bias: false,
             tie_word_embeddings: true,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],

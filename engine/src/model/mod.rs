@@ -7,6 +7,7 @@ pub mod llama;
 pub mod mock;
 pub mod op_timing;
 mod ops;
+mod qk_norm;
 pub mod rope;
 
 use std::sync::Arc;
@@ -159,6 +160,19 @@ impl LoadedModel {
 
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    /// The same model on the tensor path (what `FISSION_TENSOR_FORWARD=1` loads), sharing
+    /// the tokenizer; a mock stays as it is.
+    pub fn with_tensor_path(&self) -> Self {
+        let model = match &*self.model {
+            Model::Llama(m) => Arc::new(Model::Llama(m.with_tensor_path())),
+            Model::Mock(_) => self.model.clone(),
+        };
+        LoadedModel {
+            model,
+            ..self.clone()
+        }
     }
 }
 

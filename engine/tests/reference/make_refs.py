@@ -16,6 +16,11 @@ Run from the repository root:
 
     cargo build --release -p deploy
     .peers/venv/bin/python engine/tests/reference/make_refs.py
+
+`--only NAME` (repeatable) recomputes the named variants and keeps every other variant's entry
+as the existing file has it, byte for byte: a new variant does not re-derive the old ones on
+another CPU or library version. A variant computed under versions other than the file's header
+records its own `transformers_version` and `torch_version`.
 """
 
 import argparse
@@ -151,6 +156,17 @@ VARIANTS = [
         },
         seed=108,
     ),
+    variant(
+        "qwen3",
+        "Qwen3 (dense): per-head RMSNorm on q and k (weights 1 + N(0, 0.3)) before rope, no "
+        "q/k/v biases, head_dim 32 apart from hidden / heads, own lm_head, theta 1e6",
+        architecture="Qwen3ForCausalLM",
+        head_dim=32,
+        layers=3,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        seed=113,
+    ),
 ]
 
 
@@ -214,7 +230,18 @@ def main():
     ap.add_argument("--fission", default=str(root / "target/release/fission"))
     ap.add_argument("--tokenizer-from", default=str(shared / "models/stories260K"))
     ap.add_argument("--out", default=str(Path(__file__).with_name("arch_refs.json")))
+    ap.add_argument("--only", action="append", default=[],
+                    help="recompute only this variant (repeatable); keep the others as --out has them")
     args = ap.parse_args()
+    names = [v["name"] for v in VARIANTS]
+    for name in args.only:
+        if name not in names:
+            sys.exit(f"--only {name}: no such variant (have {', '.join(names)})")
+    kept, header = {}, {}
+    if args.only:
+        old = json.loads(Path(args.out).read_text())
+        kept = {v["name"]: v for v in old["variants"] if v["name"] not in args.only}
+        header = {k: old[k] for k in ["transformers_version", "torch_version"]}
     if not Path(args.fission).is_file():
         sys.exit(f"{args.fission} not found: run `cargo build --release -p deploy` first")
     torch.manual_seed(0)
@@ -223,6 +250,11 @@ def main():
     variants = []
     with tempfile.TemporaryDirectory() as tmp:
         for v in VARIANTS:
+            if args.only and v["name"] not in args.only:
+                if v["name"] in kept:
+                    variants.append(kept[v["name"]])
+                    continue
+                sys.exit(f"{v['name']} is not in {args.out}: add it with --only {v['name']}")
             model_dir = Path(tmp) / v["name"]
             write_model(args.fission, v["spec"], model_dir, args.tokenizer_from)
             model = load(model_dir, v["spec"])
@@ -232,7 +264,12 @@ def main():
                     sys.exit(f"{v['name']} prompt {i}: near-tie (top-2 gap {r['min_top2_gap']:.2e}); "
                              "change its seed")
                 assert all(math.isfinite(t["logit"]) for t in r["first_position_top5"])
-            variants.append({**v, "fingerprint": fingerprint(model_dir), "references": refs})
+            entry = {**v, "fingerprint": fingerprint(model_dir), "references": refs}
+            versions = {"transformers_version": transformers.__version__,
+                        "torch_version": torch.__version__}
+            if header and versions != header:
+                entry.update(versions)
+            variants.append(entry)
             print(f"{v['name']}: {[r['output_ids'][:6] for r in refs]} "
                   f"min gap {min(r['min_top2_gap'] for r in refs):.3f}", file=sys.stderr)
 
@@ -241,8 +278,8 @@ def main():
                  "engine/tests/architectures.rs. Greedy (argmax) decoding without stop tokens, "
                  "float32, eager attention, CPU. output_ids are the new tokens only; "
                  "first_position_top5 are raw logits at the last prompt position.",
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
+        "transformers_version": header.get("transformers_version", transformers.__version__),
+        "torch_version": header.get("torch_version", torch.__version__),
         "max_new_tokens": MAX_NEW_TOKENS,
         "variants": variants,
     }
