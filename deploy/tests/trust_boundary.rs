@@ -2,7 +2,8 @@
 //! gives every process a certificate for its role, and each node method answers only the
 //! roles the policy names. A client with no certificate or a self-signed one is refused in the
 //! TLS handshake; a CA-signed certificate of the wrong role is refused per call; the
-//! gateway's own calls (a whole generation) succeed; the admin certificate drains a node.
+//! gateway's own calls (a whole generation) succeed; the admin certificate drains a node. The
+//! decode node's KV port completes the QUIC handshake for a prefill certificate only.
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
@@ -11,6 +12,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use identity::{generate_dev_ca, GrpcSecurity, PeerRole, TlsFiles, TlsIdentity};
+use kvtransfer::{
+    KvConnection, KvDtype, KvLayout, KvTransferError, KvTransport, LayerHeader, QuicConfig,
+    QuicTransport, TransferId, Verdict,
+};
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
@@ -130,6 +135,30 @@ async fn assert_refused_in_handshake(channel: Result<Channel, String>, role: &st
     }
 }
 
+/// One layer of an unregistered transfer, pushed to `endpoint` as `identity`.
+async fn push_one_layer(identity: &TlsIdentity, endpoint: &str) -> Result<(), KvTransferError> {
+    let transport = QuicTransport::new(identity, QuicConfig::default())?;
+    let header = LayerHeader {
+        xfer_id: TransferId(0x0bad_cafe),
+        epoch: 1,
+        layer: 0,
+        layout: KvLayout {
+            dtype: KvDtype::F32,
+            num_layers: 2,
+            block_size: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+        },
+        block_ids: vec![0u32].into(),
+        traceparent: None,
+    };
+    let payload = vec![0u8; header.expected_payload_bytes()? as usize];
+    let conn = transport.connect(endpoint).await?;
+    conn.send_layer(header, tonic::codegen::Bytes::from(payload))
+        .await
+        .map(drop)
+}
+
 #[test]
 fn every_node_method_refuses_peers_outside_the_cluster_and_roles_outside_its_policy() {
     let mut config = UpConfig::new(FISSION, 1, 1);
@@ -235,6 +264,57 @@ fn every_node_method_refuses_peers_outside_the_cluster_and_roles_outside_its_pol
         2,
         "no refused Drain drained a node"
     );
+
+    // The decode node's KV port completes the handshake for a prefill certificate only.
+    rt.block_on(async {
+        let addr = &up.grpc.iter().find(|(n, _)| n == "decode-0").unwrap().1;
+        let gateway = GrpcSecurity::Mtls {
+            identity: signed[3].1.clone(),
+            server_name: None,
+        };
+        let channel = connect(&gateway, addr).await.unwrap();
+        let kv_endpoint = NodeClient::new(channel)
+            .info(InfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .kv_endpoint;
+        let refused_frames = || {
+            testkit::fission::metric_sum(up.metrics_url("decode-0"), "fission_decode_errors_total")
+        };
+        let before = refused_frames();
+        for (peer, identity) in &signed {
+            let result = push_one_layer(identity, &kv_endpoint).await;
+            match peer {
+                // Through the handshake: refused for naming no reservation, nothing else.
+                PeerRole::Prefill => assert!(
+                    matches!(
+                        result,
+                        Err(KvTransferError::Rejected {
+                            verdict: Verdict::UnknownTransfer,
+                            ..
+                        })
+                    ),
+                    "{peer}: {result:?}"
+                ),
+                // Refused by the server's certificate check: the connection closes (TLS 1.3
+                // lets the client finish first, so the first write or read may be what fails).
+                _ => assert!(
+                    matches!(
+                        result,
+                        Err(KvTransferError::Connection { .. } | KvTransferError::Stream { .. })
+                    ),
+                    "{peer} on the KV port: {result:?}"
+                ),
+            }
+        }
+        // The decode node read one frame, the prefill node's: the others sent none it took.
+        assert_eq!(
+            refused_frames() - before,
+            1.0,
+            "KV frames the decode node refused"
+        );
+    });
 
     // The operator's admin certificate drains a node through `fission nodes drain`.
     let drained = std::process::Command::new(FISSION)
