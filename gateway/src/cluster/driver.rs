@@ -32,12 +32,12 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Streaming;
 
-use super::backend::ClusterConfig;
+use super::config::ClusterConfig;
 use super::discovery::Role;
-use super::placement::{place, DecodeCall, NotPlaced};
+use super::placement::{drain_to_end, place, DecodeCall, NotPlaced};
 use super::pool::{InFlight, Node, Pools};
+use super::rank::{rank, Ranked};
 use super::retry::{node_failed, MAX_PREFILL_ATTEMPTS};
-use super::route::{rank, Ranked};
 use super::routing::RoutingPolicy;
 use super::wire::{generated, spec, upstream};
 use crate::error::GatewayError;
@@ -81,23 +81,6 @@ impl PrefillAttempt {
     fn finish(self) {
         drain_to_end(self.events);
     }
-}
-
-/// How long a finished call's stream may take to end before it is reset.
-const STREAM_END_WAIT: Duration = Duration::from_secs(5);
-
-/// Reads a finished call's stream to its end on a task of its own. Dropping the stream
-/// instead resets it, and a loaded node's last frames (its trailers, a heartbeat) then reach
-/// a stream h2 has forgotten (it remembers 50 resets for a second): h2 counts each such frame,
-/// and at 1,024 over the connection's life failed every request on it with GOAWAY
-/// ENHANCE_YOUR_CALM (two requests of 15,000 in the fault suite's etcd outage).
-pub(crate) fn drain_to_end<T: Send + 'static>(mut stream: Streaming<T>) {
-    tokio::spawn(async move {
-        let _ = tokio::time::timeout(STREAM_END_WAIT, async {
-            while let Ok(Some(_)) = stream.message().await {}
-        })
-        .await;
-    });
 }
 
 pub(crate) struct Driver {

@@ -4,10 +4,10 @@
 use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
-use crate::cluster::backend::ClusterConfig;
 use crate::cluster::fake_nodes::{
     self, complete, drain, request, DecodeScript, PrefillScript, TEST_STALL,
 };
+use crate::cluster::ClusterConfig;
 use crate::request::FinishReason;
 
 fn ready_of(backend: &crate::cluster::ClusterBackend, role: &str) -> Vec<bool> {

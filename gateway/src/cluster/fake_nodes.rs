@@ -25,7 +25,8 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::backend::{ClusterBackend, ClusterConfig};
+use super::backend::ClusterBackend;
+use super::config::ClusterConfig;
 use super::discovery::{Role, StaticDiscovery};
 use super::pairs::PairConfig;
 use super::pool::Pools;

@@ -2,6 +2,7 @@
 //! the backend.
 
 pub mod backend;
+mod config;
 pub mod discovery;
 mod driver;
 #[cfg(test)]
@@ -18,12 +19,14 @@ pub mod pairs;
 mod placement;
 pub mod pool;
 pub mod prefix_index;
+mod rank;
 mod retry;
 mod route;
 pub mod routing;
 mod wire;
 
-pub use backend::{ClusterBackend, ClusterConfig};
+pub use backend::ClusterBackend;
+pub use config::ClusterConfig;
 pub use discovery::{Discovery, NodeEntry, Role, StaticDiscovery};
 pub use etcd_discovery::EtcdMembers;
 pub use pool::Pools;

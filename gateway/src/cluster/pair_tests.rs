@@ -5,12 +5,12 @@
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::cluster::backend::ClusterConfig;
 use crate::cluster::fake_nodes::{
     self, complete, drain, request, DecodeScript, FakeNode, InOrder, PrefillScript, TEST_STALL,
 };
 use crate::cluster::pairs::PairConfig;
 use crate::cluster::ClusterBackend;
+use crate::cluster::ClusterConfig;
 
 async fn backend(
     prefills: &[&FakeNode],

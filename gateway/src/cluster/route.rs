@@ -8,62 +8,16 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use super::backend::ClusterConfig;
+use super::config::ClusterConfig;
 use super::discovery::Role;
 use super::driver::Driver;
 use super::placement::{place, NotPlaced};
-use super::pool::{Node, Pools};
-use super::routing::{Candidate, RoutingPolicy};
+use super::pool::Pools;
+use super::rank::rank;
+use super::routing::RoutingPolicy;
 use super::wire::spec;
 use crate::error::GatewayError;
 use crate::request::{TokenStream, ValidRequest};
-
-/// Ready nodes of one role in the order the policy ranks them, and why.
-pub(crate) struct Ranked {
-    pub(crate) nodes: Vec<Arc<Node>>,
-    pub(crate) reason: String,
-}
-
-pub(crate) fn rank(
-    pools: &Pools,
-    policy: &dyn RoutingPolicy,
-    role: Role,
-    prompt_ids: &[u32],
-    block_size: usize,
-    hashes: &[u64],
-) -> Ranked {
-    let nodes = pools.ready(role);
-    let candidates: Vec<Candidate> = nodes
-        .iter()
-        .map(|n| {
-            let load = pools.load(n);
-            let total = n.total_blocks();
-            Candidate {
-                node_id: n.entry.node_id.clone(),
-                // Without published load (static clusters) a node counts as empty: in-flight
-                // counts still spread the work.
-                free_blocks: load.map_or(total, |l| l.free_blocks),
-                total_blocks: total,
-                running_sequences: load.map_or(0, |l| l.running_sequences),
-                queued_prefill_tokens: load.map_or(0, |l| l.queued_prefill_tokens),
-                in_flight: n.in_flight() as u64,
-                cached_prefix_blocks: pools.overlap_blocks(n, hashes),
-            }
-        })
-        .collect();
-    let ranking = match role {
-        Role::Decode => policy.rank_decode(prompt_ids.len(), block_size, &candidates),
-        Role::Prefill => policy.rank_prefill(prompt_ids.len(), block_size, &candidates),
-    };
-    Ranked {
-        nodes: ranking
-            .order
-            .iter()
-            .map(|&i| Arc::clone(&nodes[i]))
-            .collect(),
-        reason: ranking.reason,
-    }
-}
 
 /// Routes `r`: places it on a decode node (holding room there: a reservation, or its place in
 /// the node's queue) and starts the driver that serves it from there. Resolves once the
