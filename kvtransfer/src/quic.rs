@@ -377,13 +377,18 @@ async fn run_stream_task<S: KvSink>(
     }
 }
 
+/// Endpoints bound to the unspecified address, made on first use for peers that the
+/// configured bind address cannot reach ([`source_for`]), by address family.
+struct Fallback {
+    endpoints: Mutex<HashMap<IpAddr, quinn::Endpoint>>,
+    client: quinn::ClientConfig,
+}
+
 /// Sends layers over QUIC, caching one connection per endpoint.
 pub struct QuicTransport {
     endpoint: quinn::Endpoint,
-    /// Endpoints bound to the unspecified address, made on first use for peers that the
-    /// configured bind address cannot reach ([`source_for`]), by address family.
-    fallback: Mutex<HashMap<IpAddr, quinn::Endpoint>>,
-    client: quinn::ClientConfig,
+    /// Boxed: a transport sits in enums beside the TCP one.
+    fallback: Box<Fallback>,
     config: QuicConfig,
     connections: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<quinn::Connection>>>>>,
 }
@@ -396,8 +401,10 @@ impl QuicTransport {
         endpoint.set_default_client_config(client.clone());
         Ok(Self {
             endpoint,
-            fallback: Mutex::new(HashMap::new()),
-            client,
+            fallback: Box::new(Fallback {
+                endpoints: Mutex::new(HashMap::new()),
+                client,
+            }),
             config,
             connections: Mutex::new(HashMap::new()),
         })
@@ -410,13 +417,17 @@ impl QuicTransport {
         if source == bind.ip() {
             return Ok(self.endpoint.clone());
         }
-        let mut fallback = self.fallback.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut fallback = self
+            .fallback
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if let Some(endpoint) = fallback.get(&source) {
             return Ok(endpoint.clone());
         }
         tracing::info!(%bind, %peer, %source, "kv quic: the bind address cannot reach this peer; sending from the unspecified address");
         let mut endpoint = new_endpoint(SocketAddr::new(source, 0), &self.config, None)?;
-        endpoint.set_default_client_config(self.client.clone());
+        endpoint.set_default_client_config(self.fallback.client.clone());
         fallback.insert(source, endpoint.clone());
         Ok(endpoint)
     }
@@ -426,6 +437,7 @@ impl QuicTransport {
         self.endpoint.close(VarInt::from_u32(0), b"closed");
         for endpoint in self
             .fallback
+            .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .values()
