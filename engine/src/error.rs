@@ -10,11 +10,13 @@ use crate::ids::{BlockId, SeqId};
 pub enum EngineError {
     #[error("model file missing: {path}")]
     MissingFile { path: PathBuf },
-    #[error(
-        "unsupported architecture {architecture:?}: supported are {}",
-        crate::config::Architecture::SUPPORTED.join(", ")
-    )]
-    UnsupportedArchitecture { architecture: String },
+    /// `supported` is the list the config module knows, given by it so that this module
+    /// depends on no model types.
+    #[error("unsupported architecture {architecture:?}: supported are {}", supported.join(", "))]
+    UnsupportedArchitecture {
+        architecture: String,
+        supported: &'static [&'static str],
+    },
     #[error(
         "unsupported rope_scaling type {rope_type:?}: supported are llama3, linear and default"
     )]

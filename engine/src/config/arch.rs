@@ -45,6 +45,7 @@ impl Architecture {
             "Qwen3ForCausalLM" | "qwen3" => Ok(Architecture::Qwen3),
             _ => Err(EngineError::UnsupportedArchitecture {
                 architecture: name.to_string(),
+                supported: Architecture::SUPPORTED,
             }),
         }
     }

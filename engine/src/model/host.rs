@@ -13,7 +13,8 @@ use candle_core::{DType, Device, Tensor};
 use kernels::{CacheShape, KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
-use super::llama::{Layer, Llama, RmsNorm};
+use super::llama::{Layer, Llama};
+use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
 use super::ops::{self, with_slice, AttnDims};
 use super::rope::RopeTables;

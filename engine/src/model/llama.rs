@@ -10,40 +10,15 @@ use candle_nn::VarBuilder;
 
 use super::batch::ForwardBatch;
 use super::linear::Linear;
+use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
 use super::ops::{self, AttnDims};
 use super::qk_norm::QkNorm;
 use super::rope::Rope;
-use crate::config::{Activation, ModelConfig, NormStyle};
+use crate::config::{Activation, ModelConfig};
 use crate::error::Result;
 use crate::kv::cache::KvCache;
 use crate::quantize::Quantize;
-
-#[derive(Debug, Clone)]
-pub(super) struct RmsNorm {
-    pub(super) weight: Tensor,
-    /// The weight in f32, for the host path whatever the checkpoint's dtype.
-    pub(super) host: Vec<f32>,
-    pub(super) eps: f32,
-}
-
-impl RmsNorm {
-    /// `size` weights under `vb`, applied as the architecture's [`NormStyle`] says.
-    pub(super) fn load(vb: VarBuilder, size: usize, cfg: &ModelConfig) -> Result<Self> {
-        let weight = match cfg.arch.norm {
-            NormStyle::Weight => vb.get(size, "weight")?,
-        };
-        Ok(RmsNorm {
-            host: weight.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-            weight,
-            eps: cfg.rms_norm_eps as f32,
-        })
-    }
-
-    pub(super) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
-    }
-}
 
 #[derive(Debug, Clone)]
 pub(super) struct Layer {

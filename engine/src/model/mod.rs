@@ -5,6 +5,7 @@ mod host;
 mod linear;
 pub mod llama;
 pub mod mock;
+mod norm;
 pub mod op_timing;
 mod ops;
 mod qk_norm;

@@ -6,7 +6,7 @@
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
 
-use super::llama::RmsNorm;
+use super::norm::RmsNorm;
 use super::ops::{self, AttnDims};
 use crate::config::ModelConfig;
 use crate::error::Result;
