@@ -114,12 +114,12 @@ fn a_node_whose_etcd_is_gone_backs_off_says_so_and_registers_when_it_returns() {
     let metrics = node.metrics.clone();
     let health_url = metrics.replace("/metrics", "/health");
     let health = || http_get(&health_url).unwrap_or_default();
-    let failures = || metric(&metrics, "fission_node_etcd_registration_failures_total");
+    let failures = || metric(&metrics, "fission_decode_etcd_registration_failures_total");
 
     wait_until("the node serves /health", Duration::from_secs(60), || {
         health().contains(r#""etcd":"unregistered""#)
     });
-    assert_eq!(metric(&metrics, "fission_node_etcd_registered"), 0.0);
+    assert_eq!(metric(&metrics, "fission_decode_etcd_registered"), 0.0);
     // The attempts back off: from the first failure to the seventh the waits double from
     // 0.1 s (0.1 + 0.2 + ... + 3.2 = 6.3 s). A node that retried every second at most would
     // get there in under 4 s.
@@ -143,6 +143,6 @@ fn a_node_whose_etcd_is_gone_backs_off_says_so_and_registers_when_it_returns() {
         Duration::from_secs(30),
         || health().contains(r#""etcd":"registered""#),
     );
-    assert_eq!(metric(&metrics, "fission_node_etcd_registered"), 1.0);
+    assert_eq!(metric(&metrics, "fission_decode_etcd_registered"), 1.0);
     drop(node);
 }

@@ -305,9 +305,14 @@ mod tests {
             String::new(),
             crate::kv::KvBackend::Tcp,
         );
-        let m = Membership::join(&args, record, load_rx.clone(), EtcdStatus::new(false))
-            .await
-            .unwrap();
+        let m = Membership::join(
+            &args,
+            record,
+            load_rx.clone(),
+            EtcdStatus::new("decode", false),
+        )
+        .await
+        .unwrap();
         let t = tracker.clone();
         let drained = tokio::spawn(async move { m.drain(load_rx, &t).await });
         tokio::task::yield_now().await;

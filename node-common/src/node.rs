@@ -131,7 +131,7 @@ where
     let work = WorkTracker::default();
     let data_plane_stop = CancellationToken::new();
     // /metrics outlives `shutdown`: a draining node is still observed.
-    let etcd_status = EtcdStatus::new(!args.cluster.etcd.is_empty());
+    let etcd_status = EtcdStatus::new(role.as_str(), !args.cluster.etcd.is_empty());
     let metrics_task = tokio::spawn(crate::metrics_http::serve(
         listeners.metrics,
         metrics,
