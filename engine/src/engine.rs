@@ -65,7 +65,9 @@ impl Default for EngineConfig {
             max_batch_prefill_tokens: 4096,
             max_batch_total_tokens: None,
             max_num_seqs: 256,
-            max_prefill_chunk_tokens: 4096,
+            // What the node flags have always served (`--max-prefill-chunk-tokens`), which
+            // read this default.
+            max_prefill_chunk_tokens: 2048,
             enable_prefix_caching: true,
             reservation_fraction: 0.5,
             max_input_tokens: None,
