@@ -71,11 +71,9 @@
 //! [`KvTransferError::error_type`] names them for the error table.
 
 mod accept;
-pub mod bench;
 mod error;
 pub mod frame;
 mod header;
-pub mod loopback;
 mod quic;
 #[cfg(test)]
 mod refusal_log;
@@ -85,12 +83,16 @@ mod stream_io;
 mod tcp;
 mod transport;
 mod verdict;
+mod version;
 
 pub use error::KvTransferError;
 pub use frame::{decode_frame, FrameHeader, FrameLimits};
 pub use header::LayerHeader;
 pub use kv_types::{KvDtype, KvLayout, TransferId, MAX_DIM};
-pub use quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport, QuicWindows, ALPN};
+pub use quic::{
+    new_endpoint, quic_client_config, quic_server_config, QuicConfig, QuicConnection, QuicServer,
+    QuicTransport, QuicWindows, ALPN,
+};
 pub use registry::{
     Admission, Ignored, LayerClaim, Outcome, PeerKey, RegistryConfig, RegistryStats, Reservation,
     TransferProgress, TransferRegistry, TransferStatus,

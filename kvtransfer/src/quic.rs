@@ -160,7 +160,9 @@ impl QuicConfig {
     }
 }
 
-pub(crate) fn new_endpoint(
+/// A quinn endpoint bound as the KV transport binds its own (socket buffers, MTU); public for
+/// baselines that time quinn alone on the same sockets (`kv-bench`'s raw QUIC row).
+pub fn new_endpoint(
     addr: SocketAddr,
     config: &QuicConfig,
     server: Option<quinn::ServerConfig>,
@@ -207,7 +209,7 @@ fn tls_err(what: &'static str) -> impl FnOnce(String) -> KvTransferError {
 }
 
 /// The server side of mutual TLS with the cluster CA ([`identity`]), for QUIC.
-pub(crate) fn quic_server_config(
+pub fn quic_server_config(
     tls: &TlsIdentity,
     transport: Arc<quinn::TransportConfig>,
 ) -> Result<quinn::ServerConfig, KvTransferError> {
@@ -222,7 +224,7 @@ pub(crate) fn quic_server_config(
 }
 
 /// The client side of mutual TLS with the cluster CA, for QUIC.
-pub(crate) fn quic_client_config(
+pub fn quic_client_config(
     tls: &TlsIdentity,
     transport: Arc<quinn::TransportConfig>,
 ) -> Result<quinn::ClientConfig, KvTransferError> {

@@ -61,7 +61,7 @@ pub struct EngineBenchArgs {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(args) => engine_bench(args),
-        BenchCommand::Kvtransfer(args) => kv_bench(args),
+        BenchCommand::Kvtransfer(args) => kvtransfer_bench(args),
         BenchCommand::Limits(args) => super::bench_limits::run(args),
     }
 }
@@ -260,8 +260,8 @@ fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn kv_bench(args: KvBenchArgs) -> anyhow::Result<()> {
-    let cfg = kvtransfer::bench::BenchConfig {
+fn kvtransfer_bench(args: KvBenchArgs) -> anyhow::Result<()> {
+    let cfg = kv_bench::BenchConfig {
         prompt_tokens: args.tokens,
         repetitions: args.repeats.max(1),
         ..Default::default()
@@ -270,7 +270,7 @@ fn kv_bench(args: KvBenchArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let report = rt.block_on(kvtransfer::bench::run_bench(cfg))?;
+    let report = rt.block_on(kv_bench::run_bench(cfg))?;
     println!("{report}");
     Ok(())
 }

@@ -9,8 +9,8 @@ use std::fmt::Write as _;
 use bytes::{Bytes, BytesMut};
 use engine::engine::LayerDone;
 use engine::model::LoadedModel;
-use kvtransfer::bench::{run_bench, BenchBackend, BenchConfig};
-use kvtransfer::loopback::LoopbackLink;
+use kv_bench::{run_bench, BenchBackend, BenchConfig};
+use kv_bench::LoopbackLink;
 use kvtransfer::{KvDtype, KvLayout, QuicConfig, TcpConfig};
 use tokio::sync::mpsc::UnboundedSender;
 

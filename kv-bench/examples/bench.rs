@@ -1,6 +1,6 @@
 //! Loopback KV transfer benchmark for the SmolLM2-135M shape.
 //!
-//!     cargo run --release -p kvtransfer --example bench -- [--reps N] [--warmup N]
+//!     cargo run --release -p kv-bench --example bench -- [--reps N] [--warmup N]
 //!         [--tokens 128,1024,4096] [--tcp-conns N] [--fairness]
 //!         [--os-socket-buffers] [--windows STREAM,CONN,SEND (MiB)]...
 //!
@@ -8,7 +8,7 @@
 //! `--os-socket-buffers`, QUIC with the OS-default UDP socket buffers instead of 4 MiB.
 
 use anyhow::{bail, Context, Result};
-use kvtransfer::bench::{run_bench, BenchBackend, BenchConfig};
+use kv_bench::{run_bench, BenchBackend, BenchConfig};
 use kvtransfer::{QuicConfig, QuicWindows};
 
 fn main() -> Result<()> {

@@ -10,18 +10,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use identity::{generate_dev_ca, PeerRole, TlsIdentity};
 use kv_types::{KvLayout, TransferId};
+use kvtransfer::{
+    DiscardSink, KvConnection, KvServer, KvTransferError, KvTransport, LayerHeader, QuicConfig,
+    QuicConnection, QuicServer, QuicTransport, Reservation, TcpConfig, TcpConnection, TcpServer,
+    TcpTransport, TransferRegistry,
+};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-
-use crate::bench::serve;
-use crate::error::KvTransferError;
-use crate::header::LayerHeader;
-use crate::quic::{QuicConfig, QuicServer, QuicTransport};
-use crate::registry::{Reservation, TransferRegistry};
-use crate::sink::DiscardSink;
-use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
-use crate::transport::{KvConnection, KvServer, KvTransport};
 
 /// A connected transport and its receiver.
 pub struct LoopbackLink {
@@ -34,8 +30,8 @@ pub struct LoopbackLink {
 }
 
 enum LinkConn {
-    Tcp(crate::tcp::TcpConnection),
-    Quic(crate::quic::QuicConnection, Arc<QuicTransport>),
+    Tcp(TcpConnection),
+    Quic(QuicConnection, Arc<QuicTransport>),
 }
 
 impl LoopbackLink {
@@ -104,6 +100,19 @@ impl LoopbackLink {
         }
         self.shutdown.cancel();
         let _ = self.server.await;
+    }
+}
+
+/// Runs a receiver into a discarding sink until `shutdown`; the loopback link's and the
+/// bench's servers.
+pub(crate) async fn serve<T: KvServer>(
+    server: T,
+    registry: TransferRegistry,
+    sink: Arc<DiscardSink>,
+    shutdown: CancellationToken,
+) {
+    if let Err(e) = server.serve(registry, sink, shutdown).await {
+        tracing::error!(error = %e, "loopback kv server failed");
     }
 }
 

@@ -5,31 +5,26 @@
 //! machine disturbs them alike. The receiver's sink drops payloads, so the numbers are the
 //! transport's; the raw baseline likewise reads into a fresh buffer and drops it.
 
-use kv_types::TransferId;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
+use identity::{generate_dev_ca, PeerRole, TlsIdentity};
+use kv_types::{KvLayout, TransferId};
+use kvtransfer::{
+    new_endpoint, quic_client_config, quic_server_config, DiscardSink, KvConnection, KvServer,
+    KvTransferError, KvTransport, LayerHeader, QuicConfig, QuicConnection, QuicServer,
+    QuicTransport, QuicWindows, TcpConfig, TcpConnection, TcpServer, TcpTransport,
+    TransferRegistry,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::KvTransferError;
-use kv_types::KvLayout;
-
-use crate::header::LayerHeader;
-use crate::loopback::streamed_transfer;
-use crate::quic::{new_endpoint, QuicConfig, QuicServer, QuicTransport, QuicWindows};
-use crate::quic::{quic_client_config, quic_server_config};
-use crate::registry::TransferRegistry;
-use crate::sink::DiscardSink;
-use crate::stream_io::io_error;
-use crate::tcp::{TcpConfig, TcpServer, TcpTransport};
-use crate::transport::{KvConnection, KvServer, KvTransport};
-use identity::{generate_dev_ca, PeerRole, TlsIdentity};
+use crate::loopback::{serve, streamed_transfer};
 
 #[derive(Clone, Debug)]
 pub enum BenchBackend {
@@ -179,8 +174,8 @@ impl fmt::Display for BenchReport {
 /// One backend, set up and connected.
 enum Runner {
     Raw(TcpStream),
-    Tcp(crate::tcp::TcpConnection),
-    Quic(crate::quic::QuicConnection, Arc<QuicTransport>),
+    Tcp(TcpConnection),
+    Quic(QuicConnection, Arc<QuicTransport>),
     RawQuic(quinn::Connection, quinn::Endpoint),
 }
 
@@ -403,6 +398,15 @@ async fn run_with_servers(
     })
 }
 
+/// An I/O failure of the raw TCP baseline, as the crate's transports report theirs.
+fn io_error(peer: &str, what: &'static str, source: std::io::Error) -> KvTransferError {
+    KvTransferError::Io {
+        endpoint: peer.to_owned(),
+        what,
+        source,
+    }
+}
+
 /// CPU time this process has used, every thread's, user and system (the scheduler's own
 /// count, to the nanosecond; getrusage may count in ticks).
 fn process_cpu_time() -> Duration {
@@ -415,17 +419,6 @@ fn process_cpu_time() -> Duration {
         return Duration::ZERO;
     }
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
-}
-
-pub(crate) async fn serve<T: KvServer>(
-    server: T,
-    registry: TransferRegistry,
-    sink: Arc<DiscardSink>,
-    shutdown: CancellationToken,
-) {
-    if let Err(e) = server.serve(registry, sink, shutdown).await {
-        tracing::error!(error = %e, "bench kv server failed");
-    }
 }
 
 /// Registers a reservation, sends every layer at once, and times it until the last verdict.
