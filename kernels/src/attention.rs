@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 
+use crate::capped::{paged_attention_with, AttnOptions};
 use crate::layout::check_len;
 use crate::narrow::{Ahead, STEP_KEYS};
 use crate::pool;
@@ -69,18 +70,12 @@ pub fn paged_attention<T: KvElem>(
     seqs: &[SeqAttn<'_>],
     scale: f32,
 ) -> Result<(), KernelError> {
-    let args = AttentionArgs {
-        layout,
-        k_cache,
-        v_cache,
-        q,
-        num_heads,
-        seqs,
+    let opts = AttnOptions {
         scale,
+        window: None,
+        softcap: None,
     };
-    args.validate(out.len())?;
-    args.run(Isa::detect(), out);
-    Ok(())
+    paged_attention_with(layout, k_cache, v_cache, q, out, num_heads, seqs, opts)
 }
 
 /// The read-only arguments of one attention call, shared by the kernel and the reference.
@@ -112,14 +107,9 @@ impl<T: KvElem> AttentionArgs<'_, T> {
         )
     }
 
-    /// Runs validated attention on `isa`, which must be one this CPU supports.
-    pub(crate) fn run(&self, isa: Isa, out: &mut [T]) {
-        self.run_planned_for(isa, pool::threads(), out);
-    }
-
-    /// [`Self::run`], with split-K planned as if for `threads` cores (tests pin it so that
-    /// the same work items come out on any machine).
-    pub(crate) fn run_planned_for(&self, isa: Isa, threads: usize, out: &mut [T]) {
+    /// Runs validated attention on `isa` (one this CPU supports) with a sliding `window`, split-K
+    /// planned for `threads` cores (tests pin it so the same work items come out anywhere).
+    pub(crate) fn run_tiles(&self, isa: Isa, threads: usize, window: Option<usize>, out: &mut [T]) {
         let layout = *self.layout;
         let inputs = AttnInputs {
             layout,
@@ -131,7 +121,7 @@ impl<T: KvElem> AttentionArgs<'_, T> {
             scale_log2: self.scale * std::f32::consts::LOG2_E,
         };
         let (group, d) = (inputs.group, layout.head_dim);
-        let tiles = plan_tiles(layout.num_kv_heads, group, self.seqs, threads);
+        let tiles = plan_tiles(layout.num_kv_heads, group, self.seqs, threads, window);
         let plan = split::plan(tiles, group, d, threads);
         let mut partials = vec![0.0f32; plan.partial_len];
         {
@@ -278,18 +268,28 @@ fn validate_seq(
 /// a tile per head read a `head_dim` slice of every row and left the rest of each row to
 /// another tile, later, from memory again. Fewer sequences keep a tile per head, so that every
 /// core still has work.
+///
+/// With a sliding `window`, only the rows whose window reaches key 0 are cut that way; every
+/// later row is a one-row tile whose keys start at its window.
 fn plan_tiles<'a>(
     num_kv_heads: usize,
     group: usize,
     seqs: &[SeqAttn<'a>],
     threads: usize,
+    window: Option<usize>,
 ) -> Vec<Tile<'a>> {
     let rows_per_tile = (TILE_QUERY_VECTORS / group).max(1);
     let many = seqs.len() >= MERGE_MIN_TILES_PER_THREAD * threads.max(1);
     let mut tiles = Vec::new();
     for s in seqs {
-        for row_begin in (0..s.q_len).step_by(rows_per_tile) {
-            let row_end = (row_begin + rows_per_tile).min(s.q_len);
+        let first_pos = s.context_len - s.q_len;
+        // Row i sits at first_pos + i and sees back to key 0 while first_pos + i < window.
+        let whole = window.map_or(s.q_len, |w| s.q_len.min(w.saturating_sub(first_pos)));
+        let runs = (0..whole)
+            .step_by(rows_per_tile)
+            .map(|b| (b, (b + rows_per_tile).min(whole), 0))
+            .chain((whole..s.q_len).map(|i| (i, i + 1, first_pos + i + 1 - window.unwrap_or(0))));
+        for (row_begin, row_end, keys_from) in runs {
             let tile = Tile {
                 block_table: s.block_table,
                 context_len: s.context_len,
@@ -299,7 +299,7 @@ fn plan_tiles<'a>(
                 kv_heads: 1,
                 row_begin,
                 row_end,
-                keys_from: 0,
+                keys_from,
                 keys_to: s.context_len,
                 partial: None,
             };
@@ -456,7 +456,7 @@ mod tests {
             args.validate(out.len()).expect("valid batch");
             // Plan split-K for four cores whatever this machine has, so every machine tests
             // the same work items.
-            args.run_planned_for(isa, 4, &mut out);
+            args.run_tiles(isa, 4, None, &mut out);
             out.iter().map(|x| x.to_f32()).collect()
         }
 
@@ -506,7 +506,7 @@ mod tests {
         for (group, head_dim) in [(1, 64), (3, 64), (2, 40), (4, 72)] {
             let seed = (group * 100 + head_dim) as u64;
             let f32s = Batch::<f32>::with_kv_heads(seed, 3, group, head_dim, 16, &shapes);
-            let tiles = plan_tiles(3, group, &f32s.seq_attn(), 4);
+            let tiles = plan_tiles(3, group, &f32s.seq_attn(), 4, None);
             assert!(tiles.iter().any(|t| t.kv_heads == 3), "group {group}");
             let plan = split::plan(tiles, group, head_dim, 4);
             assert!(plan.merges.iter().any(|m| m.tile.kv_heads == 3));
@@ -516,7 +516,7 @@ mod tests {
         }
         // Fewer sequences than that keep a tile per kv head.
         let few = Batch::<f32>::with_kv_heads(1, 3, 3, 64, 16, &shapes[..8]);
-        assert!(plan_tiles(3, 3, &few.seq_attn(), 4)
+        assert!(plan_tiles(3, 3, &few.seq_attn(), 4, None)
             .iter()
             .all(|t| t.kv_heads == 1));
         few.check(1e-5);

@@ -10,6 +10,7 @@
 
 mod activation;
 mod attention;
+mod capped;
 mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -41,6 +42,7 @@ mod wide;
 
 pub use activation::{rms_norm, silu_mul};
 pub use attention::{paged_attention, SeqAttn, MAX_CONTEXT_LEN};
+pub use capped::{paged_attention_with, AttnOptions};
 pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;

@@ -38,7 +38,8 @@ pub(crate) fn plan<'a>(
     head_dim: usize,
     threads: usize,
 ) -> SplitPlan<'a> {
-    let work = |t: &Tile<'_>| t.key_end() * t.vectors(group);
+    // A sliding window's tile starts at `keys_from`: its work and its parts begin there.
+    let work = |t: &Tile<'_>| (t.key_end() - t.keys_from) * t.vectors(group);
     let total: usize = tiles.iter().map(work).sum();
     let fair_share = total.div_ceil(2 * threads.max(1)).max(1);
     let mut plan = SplitPlan {
@@ -47,7 +48,7 @@ pub(crate) fn plan<'a>(
         partial_len: 0,
     };
     for tile in tiles {
-        let keys = tile.key_end();
+        let keys = tile.key_end() - tile.keys_from;
         let parts = work(&tile)
             .div_ceil(fair_share)
             .min(keys / SPLIT_MIN_KEYS)
@@ -60,10 +61,10 @@ pub(crate) fn plan<'a>(
         let slot_len = tile.vectors(group) * (head_dim + 2);
         let first_slot = plan.partial_len;
         let mut parts = 0;
-        for keys_from in (0..keys).step_by(part_keys) {
+        for keys_from in (tile.keys_from..tile.key_end()).step_by(part_keys) {
             plan.items.push(Tile {
                 keys_from,
-                keys_to: (keys_from + part_keys).min(keys),
+                keys_to: (keys_from + part_keys).min(tile.key_end()),
                 partial: Some(plan.partial_len),
                 ..tile
             });
