@@ -112,6 +112,12 @@ impl TlsIdentity {
         PeerRole::from_cert_der(self.cert_chain.first()?)
     }
 
+    /// The DER of this process's own certificate, the one its peers see: a decode node tells
+    /// the prefill node the gateway chose by its hash (`NodeInfo.kv_identity`).
+    pub fn cert_der(&self) -> Option<&[u8]> {
+        self.cert_chain.first().map(|c| c.as_ref())
+    }
+
     pub(crate) fn ca_pem(&self) -> &str {
         &self.pem.ca
     }

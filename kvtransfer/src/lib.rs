@@ -94,8 +94,9 @@ pub use quic::{
     QuicTransport, QuicWindows, ALPN,
 };
 pub use registry::{
-    Admission, Ignored, LayerClaim, Outcome, PeerKey, RegistryConfig, RegistryStats, Reservation,
-    TransferProgress, TransferRegistry, TransferStatus,
+    peer_fingerprint, Admission, Ignored, LayerClaim, Outcome, PeerFingerprint, PeerKey,
+    RegistryConfig, RegistryStats, Reservation, TransferProgress, TransferRegistry,
+    TransferStatus,
 };
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};

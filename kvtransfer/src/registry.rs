@@ -27,15 +27,18 @@ use crate::frame::FrameHeader;
 use kv_types::KvLayout;
 
 mod claim;
+mod peer;
 mod status;
 
 pub use claim::LayerClaim;
+pub use peer::{peer_fingerprint, PeerFingerprint};
 pub use status::{Admission, Ignored, Outcome, RegistryStats, TransferProgress, TransferStatus};
 
 /// Who sent a frame, as its connection authenticated it: the DER of the peer's certificate
-/// (QUIC's mutual TLS). A reservation is bound to the first peer whose frame it admits at an
-/// epoch, and refuses every other one (issue 31); a connection without an identity (TCP, which
-/// runs only under `--insecure`) binds nothing.
+/// (QUIC's mutual TLS). A reservation is bound to the peer the gateway chose for its epoch, or
+/// without a choice to the first peer whose frame it admits there, and refuses every other one
+/// (issue 31, [`peer`]); a connection without an identity (TCP, which runs only under
+/// `--insecure`) binds nothing.
 pub type PeerKey = Arc<[u8]>;
 
 /// What the decode node reserved for one transfer.
@@ -146,6 +149,8 @@ struct Entry {
     stale_frames: u64,
     /// The peer this epoch's frames come from, once one was admitted.
     peer: Option<PeerKey>,
+    /// The fingerprint of the peer the gateway chose for this epoch: no other is admitted.
+    chosen: Option<PeerFingerprint>,
     progress_tx: watch::Sender<u32>,
     /// Sink writes hold it shared; deregistration takes it exclusively to wait them out.
     fence: Arc<RwLock<()>>,
@@ -217,6 +222,16 @@ impl TransferRegistry {
     /// registration's in-flight writes are waited out first, and its frames are then ignored as
     /// stale.
     pub async fn register(&self, r: Reservation) -> Result<(), KvTransferError> {
+        self.register_from(r, None).await
+    }
+
+    /// As [`TransferRegistry::register`], taking frames at the new epoch only from the peer
+    /// whose certificate has the fingerprint `chosen`, when given.
+    pub async fn register_from(
+        &self,
+        r: Reservation,
+        chosen: Option<PeerFingerprint>,
+    ) -> Result<(), KvTransferError> {
         let invalid = |reason: String| KvTransferError::InvalidReservation {
             xfer_id: r.xfer_id,
             reason,
@@ -281,6 +296,7 @@ impl TransferRegistry {
                 payload_bytes: 0,
                 stale_frames: 0,
                 peer: None,
+                chosen,
                 progress_tx,
                 fence: Arc::new(RwLock::new(())),
             },
@@ -447,16 +463,7 @@ impl TransferRegistry {
         // Checked once the frame is otherwise one this reservation expects, so that a peer
         // sending garbage binds nothing.
         if let Some(peer) = peer {
-            match &e.peer {
-                Some(bound) if bound != peer => {
-                    return Err(KvTransferError::WrongPeer {
-                        xfer_id,
-                        epoch: h.epoch,
-                    })
-                }
-                Some(_) => {}
-                None => e.peer = Some(peer.clone()),
-            }
+            e.check_peer(xfer_id, h.epoch, peer)?;
         }
         let num_layers = e.num_layers;
         let slot = e
