@@ -1,0 +1,168 @@
+//! llama.cpp's tensor names (`token_embd`, `blk.N.attn_q`, ..., `output_norm`, `output`)
+//! mapped to transformers', each tensor dequantised, with llama.cpp's q/k row permutation
+//! undone so the engine's rope (rotate-half) applies to them as to the original checkpoint.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::Arch;
+use crate::error::{GgufError, Result};
+use crate::file::{GgufFile, MetadataExt};
+
+/// transformers' name for a llama.cpp tensor name; `None` for tensors the engine does not use.
+pub fn hf_name(gguf: &str) -> Option<String> {
+    let whole = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(n) = whole {
+        return Some(n.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (part, suffix) = rest.rsplit_once('.')?;
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_norm" => "post_attention_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// Undoes `convert_hf_to_gguf.py`'s `LlamaModel.permute` on `[heads * head_dim, ...]` rows:
+/// it stored each head's rows as `(head_dim / 2, 2)` where transformers has `(2, head_dim / 2)`.
+fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let rows = dims[0];
+    if heads == 0 || rows % (heads * 2) != 0 {
+        return Err(GgufError::BadTensor {
+            name: "q/k projection".into(),
+            reason: format!("{rows} rows do not split into {heads} heads of even size"),
+        });
+    }
+    let half = rows / heads / 2;
+    let mut split = vec![heads, half, 2];
+    split.extend_from_slice(&dims[1..]);
+    Ok(t.reshape(split)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)?)
+}
+
+/// Every tensor the engine uses, under transformers' names, dequantised and converted to
+/// `dtype` on `device`: what a `VarBuilder` over a safetensors checkpoint would hold.
+pub fn load_tensors(
+    file: &GgufFile,
+    dtype: DType,
+    device: &Device,
+) -> Result<HashMap<String, Tensor>> {
+    let arch = crate::config::arch(file)?;
+    let m = file.metadata();
+    let k = |s: &str| format!("{}.{s}", arch.gguf_name());
+    let heads = m.usize(&k("attention.head_count"))?;
+    let kv_heads = m
+        .opt_u64(&k("attention.head_count_kv"))?
+        .map(|v| v as usize)
+        .unwrap_or(heads);
+    let mut reader = file.reader()?;
+    let mut out = HashMap::new();
+    for entry in file.tensors() {
+        let Some(name) = hf_name(&entry.name) else {
+            continue;
+        };
+        let mut t = file.tensor_f32(&mut reader, &entry.name)?;
+        if arch == Arch::Llama && arch.permutes_qk() {
+            if entry.name.ends_with(".attn_q.weight") || entry.name.ends_with(".attn_q.bias") {
+                t = unpermute(&t, heads)?;
+            } else if entry.name.ends_with(".attn_k.weight") || entry.name.ends_with(".attn_k.bias")
+            {
+                t = unpermute(&t, kv_heads)?;
+            }
+        }
+        out.insert(name, t.to_dtype(dtype)?.to_device(device)?);
+    }
+    Ok(out)
+}
+
+/// How many tensors of each type the file holds, for logs and the model's identity.
+pub fn type_counts(file: &GgufFile) -> Vec<(&'static str, usize)> {
+    let mut counts: HashMap<crate::GgmlType, usize> = HashMap::new();
+    for t in file.tensors() {
+        *counts.entry(t.ggml_type).or_default() += 1;
+    }
+    let mut v: Vec<_> = counts.into_iter().collect();
+    v.sort();
+    v.into_iter().map(|(t, n)| (t.name(), n)).collect()
+}
+
+/// The type of the projections (the most common type among `blk.*` 2-D weights): what the
+/// file is "in", as llama.cpp's file type names it (Q4_K_M files mix Q4_K and Q6_K).
+pub fn weight_type(file: &GgufFile) -> &'static str {
+    let mut counts: HashMap<crate::GgmlType, usize> = HashMap::new();
+    for t in file
+        .tensors()
+        .iter()
+        .filter(|t| t.name.starts_with("blk.") && t.dims.len() == 2)
+    {
+        *counts.entry(t.ggml_type).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .max_by_key(|&(t, n)| (n, std::cmp::Reverse(t)))
+        .map(|(t, _)| t.name())
+        .unwrap_or("none")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_transformers() {
+        assert_eq!(
+            hf_name("blk.3.attn_q.weight").as_deref(),
+            Some("model.layers.3.self_attn.q_proj.weight")
+        );
+        assert_eq!(
+            hf_name("blk.0.attn_k.bias").as_deref(),
+            Some("model.layers.0.self_attn.k_proj.bias")
+        );
+        assert_eq!(
+            hf_name("blk.12.ffn_norm.weight").as_deref(),
+            Some("model.layers.12.post_attention_layernorm.weight")
+        );
+        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(hf_name("rope_freqs.weight"), None);
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+    }
+
+    #[test]
+    fn unpermute_inverts_the_converters_permute() -> Result<()> {
+        // convert_hf_to_gguf.py: w.reshape(heads, 2, rows/heads/2, in).swapaxes(1, 2).reshape(w.shape)
+        let (heads, head_dim, cols) = (2, 4, 3);
+        let w = Tensor::arange(0f32, (heads * head_dim * cols) as f32, &Device::Cpu)?
+            .reshape((heads * head_dim, cols))?;
+        let permuted = w
+            .reshape((heads, 2, head_dim / 2, cols))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((heads * head_dim, cols))?;
+        let back = unpermute(&permuted, heads)?;
+        assert_eq!(back.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
+        assert_ne!(permuted.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
+        Ok(())
+    }
+}
