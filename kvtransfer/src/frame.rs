@@ -40,7 +40,7 @@ use kv_types::{KvDtype, KvLayout, TransferId};
 use crate::header::LayerHeader;
 
 pub const MAGIC: [u8; 4] = *b"FSKV";
-pub const VERSION: u16 = 1;
+pub use crate::version::VERSION;
 /// Magic, version and header length: enough to know how much header follows.
 pub const PREFIX_LEN: usize = 10;
 /// Header bytes before the block ids.

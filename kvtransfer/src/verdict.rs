@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::frame::VERSION;
+use crate::version::VERSION;
 
 /// Length of the receiver's answer to one frame.
 pub const ACK_LEN: usize = 4;
