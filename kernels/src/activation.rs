@@ -8,7 +8,7 @@
 
 use crate::simd::{exp2, Isa, Portable, Simd, LANES};
 #[cfg(target_arch = "x86_64")]
-use crate::simd::{Avx2Fma, Avx512};
+use crate::simd_x86::{Avx2Fma, Avx512};
 
 /// `out[i] = silu(gate[i]) * up[i]`, with `silu(x) = x / (1 + e^-x)`; the three lengths must
 /// match.

@@ -15,7 +15,8 @@ use crate::narrow::{Ahead, STEP_KEYS};
 use crate::pool;
 use crate::simd::Isa;
 use crate::split;
-use crate::tile::{attend_tile, AttnInputs, Outputs, Scratch, SharedOut, Tile};
+use crate::tile::{AttnInputs, Outputs, Scratch, SharedOut, Tile};
+use crate::tile_dispatch::attend_tile;
 use crate::{CacheShape, KernelError, KvElem};
 
 thread_local! {

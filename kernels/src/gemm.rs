@@ -30,7 +30,7 @@ use crate::pool;
 use crate::q8_simd::QIsa;
 use crate::simd::{prefetch_l2, Isa, Portable, Simd, LANES};
 #[cfg(target_arch = "x86_64")]
-use crate::simd::{Avx2Fma, Avx512};
+use crate::simd_x86::{Avx2Fma, Avx512};
 
 /// Inputs per block, at most (blocks are cut evenly): `KC * PANEL * NP` f32 of panels (36 KiB
 /// on AVX2, 108 KiB on AVX-512) stay in L1 and L2 while the row tiles pass. Every block loads

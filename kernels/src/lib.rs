@@ -20,6 +20,7 @@ mod gemm;
 #[cfg(any(feature = "cuda", test))]
 mod gpu_plan;
 mod huge;
+mod kernel_isa;
 mod layout;
 mod narrow;
 mod packed;
@@ -32,12 +33,14 @@ mod q8_gemm;
 mod q8_simd;
 #[cfg(target_arch = "x86_64")]
 mod q8_simd_x86;
+mod q8_tile;
 pub mod reference;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
 mod split;
 mod tile;
+mod tile_dispatch;
 mod wide;
 
 pub use activation::{rms_norm, silu_mul};
@@ -47,10 +50,11 @@ pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;
 pub use gemm::{packed_matmul, packed_matmul_add};
+pub use kernel_isa::kernel_isa;
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
 pub use packed::{PackedWeight, WeightDtype, PANEL};
 pub use peak::fma_peak_gflops;
 pub use pool::{parallel_for, pool_threads};
 pub use q8::Q8_BLOCK;
-pub use simd::{avx2_allowed, kernel_isa};
+pub use simd::avx2_allowed;

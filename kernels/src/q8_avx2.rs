@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use crate::q8::{GROUPS, GROUP_INPUTS, Q8_BLOCK};
-use crate::q8_gemm::{QTile, TileKernel};
+use crate::q8_tile::{QTile, TileKernel};
 use crate::simd::LANES;
 
 /// Rows per tile.

@@ -3,7 +3,8 @@
 //! The crate is compiled for baseline x86-64, so wide instructions may only run inside
 //! functions marked `#[target_feature]`. The kernels are written once as `#[inline(always)]`
 //! generic code over [`Simd`], a vector of [`LANES`] f32 with a dozen operations; each ISA's
-//! `#[target_feature]` wrapper (in `tile.rs`) instantiates them with its own implementation, and
+//! `#[target_feature]` wrapper (in `tile_dispatch.rs`, `gemm.rs`, `activation.rs`) instantiates
+//! them with its own implementation (x86's are in `simd_x86.rs`, which builds on this file), and
 //! [`Isa::detect`] picks the wrapper once per process.
 //!
 //! Why explicit vectors rather than plain loops over `[f32; 16]`: LLVM's auto-vectorizer turned
@@ -15,9 +16,6 @@
 //! for its features, which is what makes its safe methods sound.
 
 use std::sync::OnceLock;
-
-#[cfg(target_arch = "x86_64")]
-pub(crate) use crate::simd_x86::{Avx2Fma, Avx512};
 
 /// Lanes in one vector: 16 f32 is one AVX-512 register (two AVX2 registers).
 pub(crate) const LANES: usize = 16;
@@ -61,23 +59,6 @@ impl IsaCap {
             _ => IsaCap::Avx512,
         }
     }
-}
-
-/// The instruction sets the kernels picked in this process, for benchmark records: the f32
-/// kernels' and the int8 GEMM's, e.g. `avx512 (int8: vnni)`.
-pub fn kernel_isa() -> String {
-    let f32_isa = match Isa::detect() {
-        Isa::Avx512 => "avx512",
-        Isa::Avx2Fma => "avx2",
-        Isa::Portable => "portable",
-    };
-    let q8 = match crate::q8_simd::QIsa::detect() {
-        crate::q8_simd::QIsa::Vnni => "vnni",
-        crate::q8_simd::QIsa::Avx512Bw => "avx512bw",
-        crate::q8_simd::QIsa::Avx2 => "avx2",
-        crate::q8_simd::QIsa::Portable => "portable",
-    };
-    format!("{f32_isa} (int8: {q8})")
 }
 
 /// Whether code outside the kernels may run AVX2 paths: the CPU has AVX2 and FMA and

@@ -6,24 +6,25 @@
 //! gathered beyond the one chunk being worked on (the wide path stages it at a fixed stride,
 //! the narrow path reads f32 rows in place and converts only bf16/f16).
 //!
-//! Two layouts of the same online-softmax algorithm sit behind [`attend_tile`]:
-//! [`crate::wide`] puts query rows across SIMD lanes, which needs no horizontal reductions and
-//! wins once a tile has a few lanes' worth of rows (prefill); [`crate::narrow`] keeps each
-//! query row whole and reduces dot products, which wins for the handful of rows of a decode
-//! step.
+//! This file holds what both paths share (the work item, the inputs, the scratch buffers and
+//! where results go) and imports neither: `tile_dispatch.rs` sits above them and picks one per
+//! tile ([`Tile::is_wide`]).
 
 use std::marker::PhantomData;
 
-use crate::narrow::Ahead;
-#[cfg(target_arch = "x86_64")]
-use crate::simd::{Avx2Fma, Avx512};
-use crate::simd::{Isa, Portable, Simd, LANES};
-use crate::wide::{STAGE_STRIDE, WIDE_MAX_HEAD_DIM};
-use crate::{CacheShape, KvElem};
+use crate::simd::LANES;
+use crate::CacheShape;
 
 /// A score no key can have, standing in for minus infinity. Being finite, it keeps
 /// `score - max` finite for masked keys and for rows that have seen no key yet.
 pub(crate) const MASKED: f32 = -1.0e30;
+
+/// Widest head the wide path stages; wider heads take the narrow path.
+pub(crate) const WIDE_MAX_HEAD_DIM: usize = 256;
+
+/// Row stride of the wide path's staged K and V rows: room for the widest head, plus 16 floats
+/// so the rows of a chunk do not all fall into the same L1 sets.
+pub(crate) const STAGE_STRIDE: usize = WIDE_MAX_HEAD_DIM + 16;
 
 /// Below this many query vectors (rows times group heads) a tile takes the narrow path:
 /// the wide path pays for a full vector of lanes per key whether or not it fills them.
@@ -241,86 +242,6 @@ impl<'a, T> SharedOut<'a, T> {
         );
         // SAFETY: in bounds by the assert; exclusive by the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
-    }
-}
-
-/// Computes one tile and writes its rows of `out`.
-///
-/// # Safety
-/// No other thread may be writing this tile's part of the outputs (its rows and its kv
-/// head's columns of `out`, or its partial slot), and `isa` must be supported by this CPU
-/// ([`Isa::detect`] or one it lists).
-pub(crate) unsafe fn attend_tile<T: KvElem>(
-    isa: Isa,
-    inp: &AttnInputs<'_, T>,
-    tile: &Tile<'_>,
-    scratch: &mut Scratch,
-    out: &Outputs<'_, T>,
-    next: &mut Ahead,
-) {
-    match isa {
-        // SAFETY: the caller promises the CPU has these features.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512(inp, tile, scratch, out, next) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2Fma => unsafe { attend_avx2(inp, tile, scratch, out, next) },
-        _ => attend(Portable, inp, tile, scratch, out, next),
-    }
-}
-
-/// # Safety
-/// The CPU must support AVX-512F, AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_avx512<T: KvElem>(
-    inp: &AttnInputs<'_, T>,
-    tile: &Tile<'_>,
-    scratch: &mut Scratch,
-    out: &Outputs<'_, T>,
-    next: &mut Ahead,
-) {
-    // SAFETY: this function's own contract.
-    let simd = unsafe { Avx512::new_unchecked() };
-    attend(simd, inp, tile, scratch, out, next);
-}
-
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2<T: KvElem>(
-    inp: &AttnInputs<'_, T>,
-    tile: &Tile<'_>,
-    scratch: &mut Scratch,
-    out: &Outputs<'_, T>,
-    next: &mut Ahead,
-) {
-    // SAFETY: this function's own contract.
-    let simd = unsafe { Avx2Fma::new_unchecked() };
-    attend(simd, inp, tile, scratch, out, next);
-}
-
-/// The ISA-generic body; always inlined into the `#[target_feature]` wrappers above.
-#[inline(always)]
-fn attend<T: KvElem, S: Simd>(
-    simd: S,
-    inp: &AttnInputs<'_, T>,
-    tile: &Tile<'_>,
-    scratch: &mut Scratch,
-    out: &Outputs<'_, T>,
-    next: &mut Ahead,
-) {
-    if tile.is_wide(inp.group, inp.layout.head_dim) {
-        // A prefill tile runs long enough that the next item's first keys arrive in time.
-        next.issue(inp, usize::MAX);
-        match (S::WIDE_CHUNK, S::KEYS) {
-            (16, 16) => crate::wide::attend_wide::<T, S, 16, 16>(simd, inp, tile, scratch, out),
-            (24, 6) => crate::wide::attend_wide::<T, S, 24, 6>(simd, inp, tile, scratch, out),
-            _ => crate::wide::attend_wide::<T, S, 4, 4>(simd, inp, tile, scratch, out),
-        }
-    } else {
-        crate::narrow::attend_narrow(simd, inp, tile, scratch, out, next);
     }
 }
 

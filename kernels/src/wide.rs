@@ -17,15 +17,11 @@
 //! mask.
 
 use crate::simd::{exp2, Simd, LANES};
-use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED};
+use crate::tile::{
+    chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED, STAGE_STRIDE,
+    WIDE_MAX_HEAD_DIM,
+};
 use crate::KvElem;
-
-/// Widest head the wide path stages; wider heads take the narrow path.
-pub(crate) const WIDE_MAX_HEAD_DIM: usize = 256;
-
-/// Row stride of the staged K and V rows: room for the widest head, plus 16 floats so the
-/// rows of a chunk do not all fall into the same L1 sets.
-pub(crate) const STAGE_STRIDE: usize = WIDE_MAX_HEAD_DIM + 16;
 
 /// A chunk's staged rows, one fixed-stride row per key.
 type Staged<const KC: usize> = [[f32; STAGE_STRIDE]; KC];
