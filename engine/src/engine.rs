@@ -54,6 +54,9 @@ pub struct EngineConfig {
     /// use (what lets many mock nodes share a machine), but each block's first use then pays
     /// page faults inside a step: 2% of a decode step at batch 64 on a fresh engine.
     pub prefault_kv: bool,
+    /// Admit a prompt or a recompute only while the blocks hold every running sequence at its
+    /// longest (prompt plus `max_new_tokens`): [`Scheduler::set_reserve_output`].
+    pub reserve_output: bool,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +76,7 @@ impl Default for EngineConfig {
             max_input_tokens: None,
             max_total_tokens: None,
             prefault_kv: false,
+            reserve_output: true,
         }
     }
 }
@@ -249,8 +253,9 @@ impl Engine {
             max_prefill_chunk_tokens: cfg.max_prefill_chunk_tokens,
             enable_prefix_caching: cfg.enable_prefix_caching,
         };
-        let scheduler =
+        let mut scheduler =
             Scheduler::try_new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size))?;
+        scheduler.set_reserve_output(cfg.reserve_output);
         tracing::info!(
             num_blocks,
             block_size = cfg.block_size,

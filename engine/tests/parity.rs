@@ -185,6 +185,8 @@ fn preemption_and_recompute_keep_reference_tokens() {
         EngineConfig {
             num_kv_blocks: Some(16),
             block_size: 4,
+            // Admission by what fits now, so that growth preempts.
+            reserve_output: false,
             ..Default::default()
         },
     );

@@ -1,6 +1,9 @@
 //! How many blocks the tracked sequences will hold at their longest: what a node that admits
 //! more work must leave room for, so that growing sequences do not preempt each other.
 
+use std::collections::HashSet;
+
+use super::sequence::Sequence;
 use super::Scheduler;
 
 impl Scheduler {
@@ -13,12 +16,42 @@ impl Scheduler {
         let block_size = self.allocator.block_size();
         self.seqs
             .values()
-            .map(|seq| {
-                let at_longest = (seq.prompt_ids.len() + seq.max_new_tokens).div_ceil(block_size);
-                at_longest.max(seq.block_table.len())
-            })
+            .map(|seq| at_longest(seq, block_size))
             .sum()
     }
+
+    /// What admission must leave room for before it takes a waiting sequence: the running
+    /// sequences at their longest, plus the blocks held by no sequence of this scheduler (a
+    /// decode node's reservations, whose own growth its admission counts). `None` while
+    /// nothing runs: an idle scheduler admits whatever fits now, so a sequence never waits on
+    /// blocks nobody here will free.
+    pub(super) fn running_commitment(&self) -> Option<usize> {
+        if !self.reserve_output || self.running.is_empty() {
+            return None;
+        }
+        let block_size = self.allocator.block_size();
+        let mut held = HashSet::new();
+        let mut committed = 0;
+        for seq in self.running.values().map(|id| &self.seqs[id]) {
+            committed += at_longest(seq, block_size);
+            held.extend(seq.block_table.iter().copied());
+        }
+        Some(committed + self.allocator.num_used().saturating_sub(held.len()))
+    }
+
+    /// `seq` fits at its longest beside `committed` blocks (see
+    /// [`running_commitment`](Self::running_commitment)); always when that is `None`.
+    pub(super) fn fits_at_longest(&self, seq: &Sequence, committed: Option<usize>) -> bool {
+        committed.is_none_or(|committed| {
+            committed + at_longest(seq, self.allocator.block_size()) <= self.allocator.num_total()
+        })
+    }
+}
+
+/// Blocks `seq` holds with its prompt and every output, or holds now where that is more.
+pub(super) fn at_longest(seq: &Sequence, block_size: usize) -> usize {
+    let longest = (seq.prompt_ids.len() + seq.max_new_tokens).div_ceil(block_size);
+    longest.max(seq.block_table.len())
 }
 
 #[cfg(test)]

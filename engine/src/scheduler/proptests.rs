@@ -33,7 +33,8 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config() -> impl Strategy<Value = (SchedulerConfig, usize, usize)> {
+/// Budgets, block size, number of blocks, and whether admission reserves room for outputs.
+fn config() -> impl Strategy<Value = (SchedulerConfig, usize, usize, bool)> {
     (
         1usize..12,
         4usize..40,
@@ -42,9 +43,10 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, usize, usize)> {
         any::<bool>(),
         1usize..5,
         2usize..12,
+        any::<bool>(),
     )
         .prop_map(
-            |(prefill, total, seqs, chunk, caching, block_size, num_blocks)| {
+            |(prefill, total, seqs, chunk, caching, block_size, num_blocks, reserve)| {
                 let cfg = SchedulerConfig {
                     max_batch_prefill_tokens: prefill,
                     max_batch_total_tokens: total,
@@ -52,7 +54,7 @@ fn config() -> impl Strategy<Value = (SchedulerConfig, usize, usize)> {
                     max_prefill_chunk_tokens: chunk,
                     enable_prefix_caching: caching,
                 };
-                (cfg, block_size, num_blocks)
+                (cfg, block_size, num_blocks, reserve)
             },
         )
 }
@@ -226,9 +228,15 @@ impl Harness {
     }
 }
 
-fn run_ops(cfg: SchedulerConfig, block_size: usize, num_blocks: usize, ops: Vec<Op>) -> Coverage {
+fn run_ops(
+    (cfg, block_size, num_blocks, reserve_output): (SchedulerConfig, usize, usize, bool),
+    ops: Vec<Op>,
+) -> Coverage {
+    let mut scheduler =
+        Scheduler::try_new(cfg, BlockAllocator::new(num_blocks, block_size)).unwrap();
+    scheduler.set_reserve_output(reserve_output);
     let mut harness = Harness {
-        scheduler: Scheduler::try_new(cfg, BlockAllocator::new(num_blocks, block_size)).unwrap(),
+        scheduler,
         tokens: BTreeMap::new(),
         next_id: 0,
         coverage: Coverage::default(),
@@ -293,6 +301,10 @@ fn run_ops(cfg: SchedulerConfig, block_size: usize, num_blocks: usize, ops: Vec<
         harness.scheduler.num_waiting() + harness.scheduler.num_running(),
         0
     );
+    // Admission that holds room for every running sequence at its longest never preempts.
+    if reserve_output {
+        assert_eq!(harness.coverage.num_preempted, 0, "{:?}", harness.coverage);
+    }
     harness.coverage.prefix_hit_blocks = alloc.prefix_stats().0;
     harness.coverage
 }
@@ -302,10 +314,10 @@ proptest! {
 
     #[test]
     fn random_interleavings_keep_invariants_and_finish(
-        (cfg, block_size, num_blocks) in config(),
+        cfg in config(),
         ops in proptest::collection::vec(op(), 0..80),
     ) {
-        run_ops(cfg, block_size, num_blocks, ops);
+        run_ops(cfg, ops);
     }
 }
 
@@ -320,11 +332,11 @@ fn random_interleavings_reach_every_path() {
     let strategy = (config(), proptest::collection::vec(op(), 0..80));
     let mut total = Coverage::default();
     for _ in 0..200 {
-        let ((cfg, block_size, num_blocks), ops) = strategy
+        let (cfg, ops) = strategy
             .new_tree(&mut runner)
             .expect("strategies always generate")
             .current();
-        let coverage = run_ops(cfg, block_size, num_blocks, ops);
+        let coverage = run_ops(cfg, ops);
         total.num_preempted += coverage.num_preempted;
         total.num_mid_step_cancels += coverage.num_mid_step_cancels;
         total.num_chunked_items += coverage.num_chunked_items;
@@ -360,5 +372,5 @@ fn small_caches_preempt() {
             finish_done: true,
         });
     }
-    assert!(run_ops(cfg, 2, 8, ops).num_preempted > 0);
+    assert!(run_ops((cfg, 2, 8, false), ops).num_preempted > 0);
 }
