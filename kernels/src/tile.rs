@@ -233,6 +233,9 @@ impl<'a, T> SharedOut<'a, T> {
     ///
     /// # Safety
     /// No other reference into this range may be live while the returned one is.
+    // `inline`: the kernels call it once per output row from another module, where LLVM left
+    // it out of line (it was inlined while the kernels' dispatch sat in this file).
+    #[inline]
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn range_mut(&self, start: usize, len: usize) -> &mut [T] {
         assert!(
