@@ -9,7 +9,7 @@ use crate::error::{EngineError, Result};
 
 mod arch;
 
-pub use arch::{Activation, ArchSpec, Architecture, NormStyle};
+pub use arch::{Activation, ArchDefaults, ArchSpec, Architecture, NormStyle};
 
 /// The subset of a transformers config.json that the Llama family uses.
 #[derive(Debug, Clone, Deserialize)]
@@ -35,9 +35,10 @@ pub struct LlamaConfig {
     pub rope_theta: Option<f64>,
     #[serde(default)]
     pub rope_scaling: Option<RopeScalingConfig>,
-    /// transformers 5 moved `rope_theta` and the scaling type here.
+    /// transformers 5 moved `rope_theta` and the scaling type here (Gemma 3: one object per
+    /// layer type).
     #[serde(default)]
-    pub rope_parameters: Option<RopeScalingConfig>,
+    pub rope_parameters: Option<RopeParameters>,
     #[serde(default)]
     pub attention_bias: Option<bool>,
     #[serde(default)]
@@ -48,10 +49,28 @@ pub struct LlamaConfig {
     pub eos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act`.
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
     #[serde(default)]
     pub sliding_window: Option<usize>,
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
+    /// Qwen2/Qwen3 with `use_sliding_window`: layers from this one on slide.
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// `"sliding_attention"` or `"full_attention"` per layer (transformers 5).
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// Gemma 3's older spelling of `layer_types`: every n-th layer is global.
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    /// Gemma 3's rope base of its sliding layers.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma's attention scale is this to the power -0.5.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
     #[serde(default)]
     pub torch_dtype: Option<String>,
     #[serde(default)]
@@ -59,12 +78,32 @@ pub struct LlamaConfig {
     /// Read only to refuse: Phi-3's partial rotary is not yet supported.
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
-    /// Read only to refuse: Gemma 2's soft-capping is not yet supported.
-    #[serde(default)]
-    pub attn_logit_softcapping: Option<f64>,
-    /// Read only to refuse: Gemma's soft-capping is not yet supported.
-    #[serde(default)]
-    pub final_logit_softcapping: Option<f64>,
+    /// Absent: the architecture's default; `null`: none (Gemma 2 defaults to 50).
+    #[serde(default, deserialize_with = "present")]
+    pub attn_logit_softcapping: Option<Option<f64>>,
+    /// As `attn_logit_softcapping` (Gemma 2 defaults to 30).
+    #[serde(default, deserialize_with = "present")]
+    pub final_logit_softcapping: Option<Option<f64>>,
+}
+
+/// A field that is there, null or not: `Some(None)` for an explicit null, where a missing one
+/// stays `None` (serde's default).
+fn present<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
+}
+
+/// `rope_parameters`: one object, or Gemma 3's one per layer type.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RopeParameters {
+    PerLayerType {
+        full_attention: RopeScalingConfig,
+        #[serde(default)]
+        sliding_attention: Option<RopeScalingConfig>,
+    },
+    Flat(RopeScalingConfig),
 }
 
 fn default_max_pos() -> usize {
@@ -119,12 +158,23 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-    /// The longest context served: max_position_embeddings, or the sliding window when it is
-    /// smaller, since full attention beyond the window would not match the reference.
+    /// The longest context served: max_position_embeddings.
     pub max_context: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
+    /// The sliding layers' rope base when it is not `rope_theta` (Gemma 3); their rope is
+    /// unscaled.
+    pub local_rope_theta: Option<f64>,
+    /// Multiplies q·k: 1/sqrt(head_dim), or `query_pre_attn_scalar`^-0.5 (Gemma).
+    pub attn_scale: f32,
+    /// Attention-logit soft-capping (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Final-logit soft-capping: `cap * tanh(logit / cap)` (Gemma 2).
+    pub final_softcap: Option<f32>,
+    /// Each layer's sliding window (its queries see their last `w` keys), `None` for a full
+    /// attention layer.
+    pub layer_windows: Vec<Option<usize>>,
     pub tie_word_embeddings: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -150,36 +200,79 @@ impl LlamaConfig {
     /// Refuses what [`ArchSpec`] cannot yet describe, naming the field and its value, rather
     /// than serving a model that silently differs from its reference.
     fn refuse_unsupported(&self) -> Result<()> {
-        if let Some(act) = &self.hidden_act {
-            if act != "silu" {
-                return Err(EngineError::InvalidConfig {
-                    reason: format!("hidden_act {act:?} is not supported (only silu)"),
-                });
-            }
-        }
         if let Some(f) = self.partial_rotary_factor.filter(|&f| f != 1.0) {
             return Err(EngineError::InvalidConfig {
                 reason: format!("partial_rotary_factor {f} is not supported (only 1.0)"),
             });
         }
-        for (field, v) in [
-            ("attn_logit_softcapping", self.attn_logit_softcapping),
-            ("final_logit_softcapping", self.final_logit_softcapping),
-        ] {
-            if let Some(v) = v {
+        Ok(())
+    }
+
+    /// Each layer's window: `layer_types` when config.json has them, else the architecture's
+    /// pattern (Gemma), else every layer slides when there is a window (Mistral).
+    fn layer_windows(
+        &self,
+        arch: Architecture,
+        defaults: &ArchDefaults,
+    ) -> Result<Vec<Option<usize>>> {
+        let n = self.num_hidden_layers;
+        let window = match arch {
+            // Qwen's configs carry a sliding_window that applies only when use_sliding_window
+            // says, and then from max_window_layers on.
+            Architecture::Qwen2 | Architecture::Qwen3 => {
+                if self.use_sliding_window != Some(true) {
+                    return Ok(vec![None; n]);
+                }
+                let from = self.max_window_layers.unwrap_or(28);
+                let w = self.sliding_window.or(Some(4096));
+                return Ok((0..n).map(|i| if i >= from { w } else { None }).collect());
+            }
+            _ => self.sliding_window.or(defaults.sliding_window),
+        };
+        let Some(window) = window.filter(|&w| w > 0) else {
+            return Ok(vec![None; n]);
+        };
+        if let Some(types) = &self.layer_types {
+            if types.len() != n {
                 return Err(EngineError::InvalidConfig {
-                    reason: format!(
-                        "{field} {v} is not supported (soft-capping is not yet implemented)"
-                    ),
+                    reason: format!("layer_types has {} entries for {n} layers", types.len()),
                 });
             }
+            return types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sliding_attention" => Ok(Some(window)),
+                    "full_attention" => Ok(None),
+                    other => Err(EngineError::InvalidConfig {
+                        reason: format!(
+                            "layer type {other:?} is not supported (only sliding_attention and \
+                             full_attention)"
+                        ),
+                    }),
+                })
+                .collect();
         }
-        Ok(())
+        let pattern = self
+            .sliding_window_pattern
+            .or(defaults.sliding_window_pattern);
+        Ok((0..n)
+            .map(|i| match pattern {
+                Some(p) if p > 0 && (i + 1) % p == 0 => None,
+                _ => Some(window),
+            })
+            .collect())
     }
 
     pub fn resolve(&self) -> Result<ModelConfig> {
         let architecture = self.architecture()?;
         self.refuse_unsupported()?;
+        let defaults = architecture.defaults();
+        let activation = self
+            .hidden_activation
+            .as_deref()
+            .or(self.hidden_act.as_deref())
+            .map(Activation::from_name)
+            .transpose()?;
         if self.num_attention_heads == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
             return Err(EngineError::InvalidConfig {
                 reason: "num_attention_heads, hidden_size and num_hidden_layers must be > 0".into(),
@@ -202,29 +295,70 @@ impl LlamaConfig {
                 reason: format!("head_dim must be even and > 0, given {head_dim}"),
             });
         }
-        let params = self.rope_parameters.clone().unwrap_or_default();
+        let (params, local_params) = match self.rope_parameters.clone() {
+            Some(RopeParameters::PerLayerType {
+                full_attention,
+                sliding_attention,
+            }) => (full_attention, sliding_attention),
+            Some(RopeParameters::Flat(p)) => (p, None),
+            None => (RopeScalingConfig::default(), None),
+        };
         let rope_theta = self
             .rope_theta
             .or(params.rope_theta)
             .or(self.rope_scaling.as_ref().and_then(|s| s.rope_theta))
-            .unwrap_or(10_000.0);
+            .unwrap_or(defaults.rope_theta);
+        let local_rope_theta = defaults.local_rope_theta.map(|d| {
+            self.rope_local_base_freq
+                .or(local_params.as_ref().and_then(|p| p.rope_theta))
+                .unwrap_or(d)
+        });
+        if let Some(t) = local_params.as_ref().and_then(|p| p.rope_type.as_deref()) {
+            if t != "default" {
+                return Err(EngineError::UnsupportedRopeScaling {
+                    rope_type: format!("{t} (sliding layers)"),
+                });
+            }
+        }
         // transformers 5 puts the scaling type in rope_parameters; older configs in rope_scaling.
         let scaling_src = match &self.rope_scaling {
             Some(s) => s.clone(),
             None => params,
         };
         let rope_scaling = resolve_rope_scaling(&scaling_src, self.max_position_embeddings)?;
-        // Qwen's configs carry a sliding_window that applies only when use_sliding_window says.
-        let sliding = match (architecture, self.use_sliding_window) {
-            (Architecture::Qwen2 | Architecture::Qwen3, Some(false) | None) => None,
-            _ => self.sliding_window,
+        let attn_scale = match self
+            .query_pre_attn_scalar
+            .or(defaults.query_pre_attn_scalar)
+        {
+            Some(s) if s > 0.0 => s.powf(-0.5) as f32,
+            Some(s) => {
+                return Err(EngineError::InvalidConfig {
+                    reason: format!("query_pre_attn_scalar must be > 0, given {s}"),
+                })
+            }
+            None => 1.0 / (head_dim as f32).sqrt(),
         };
-        let max_context = match sliding {
-            Some(w) if w > 0 && w < self.max_position_embeddings => w,
-            _ => self.max_position_embeddings,
+        let cap = |field: &str, given: Option<Option<f64>>, default: Option<f64>| match given
+            .unwrap_or(default)
+        {
+            Some(c) if !(c.is_finite() && c > 0.0) => Err(EngineError::InvalidConfig {
+                reason: format!("{field} must be > 0, given {c}"),
+            }),
+            c => Ok(c.map(|c| c as f32)),
         };
+        let attn_softcap = cap(
+            "attn_logit_softcapping",
+            self.attn_logit_softcapping,
+            defaults.attn_logit_softcapping,
+        )?;
+        let final_softcap = cap(
+            "final_logit_softcapping",
+            self.final_logit_softcapping,
+            defaults.final_logit_softcapping,
+        )?;
+        let layer_windows = self.layer_windows(architecture, &defaults)?;
         Ok(ModelConfig {
-            arch: ArchSpec::resolve(architecture, self.attention_bias),
+            arch: ArchSpec::resolve(architecture, self.attention_bias, activation),
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
@@ -232,10 +366,15 @@ impl LlamaConfig {
             num_heads: self.num_attention_heads,
             num_kv_heads,
             head_dim,
-            max_context,
+            max_context: self.max_position_embeddings,
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
+            local_rope_theta,
+            attn_scale,
+            attn_softcap,
+            final_softcap,
+            layer_windows,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             bos_token_id: self.bos_token_id.as_ref().and_then(first_id),
             eos_token_ids: self.eos_token_id.as_ref().map(ids).unwrap_or_default(),
@@ -359,15 +498,11 @@ mod tests {
                 r#""partial_rotary_factor": 0.75"#,
                 "partial_rotary_factor 0.75",
             ),
+            (r#""hidden_act": "gelu""#, "\"gelu\""),
             (
-                r#""final_logit_softcapping": 30.0"#,
-                "final_logit_softcapping 30",
+                r#""layer_types": ["full_attention", "chunked_attention"], "sliding_window": 8"#,
+                "chunked_attention",
             ),
-            (
-                r#""attn_logit_softcapping": 50.0"#,
-                "attn_logit_softcapping 50",
-            ),
-            (r#""hidden_act": "gelu_pytorch_tanh""#, "gelu_pytorch_tanh"),
         ] {
             let c = parse(&format!(
                 r#"{{"architectures": ["LlamaForCausalLM"], {BASE}, {extra}}}"#
@@ -378,11 +513,73 @@ mod tests {
     }
 
     #[test]
-    fn mistral_sliding_window_caps_context() {
+    fn mistral_sliding_window_applies_to_every_layer_and_not_the_context() {
         let c = parse(&format!(
             r#"{{"architectures": ["MistralForCausalLM"], {BASE}, "sliding_window": 1024, "max_position_embeddings": 32768}}"#
         ));
-        assert_eq!(c.resolve().expect("resolves").max_context, 1024);
+        let r = c.resolve().expect("resolves");
+        assert_eq!(r.max_context, 32768);
+        assert_eq!(r.layer_windows, vec![Some(1024); 2]);
+    }
+
+    /// BASE with `n` layers.
+    fn layers(n: usize) -> String {
+        BASE.replace(
+            r#""num_hidden_layers": 2"#,
+            &format!(r#""num_hidden_layers": {n}"#),
+        )
+    }
+
+    #[test]
+    fn gemma2_defaults_alternate_windows_and_cap() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Gemma2ForCausalLM"], {}, "head_dim": 16,
+            "hidden_activation": "gelu_pytorch_tanh"}}"#,
+            layers(4)
+        ));
+        let r = c.resolve().expect("resolves");
+        assert_eq!(r.arch.norm, NormStyle::OnePlusWeight);
+        assert_eq!(r.arch.activation, Activation::GeluTanh);
+        assert!(r.arch.sandwich_norms && r.arch.embed_scale && !r.arch.qk_norm);
+        assert_eq!(r.layer_windows, vec![Some(4096), None, Some(4096), None]);
+        assert_eq!((r.attn_softcap, r.final_softcap), (Some(50.0), Some(30.0)));
+        assert_eq!(r.attn_scale, 1.0 / 16.0);
+        assert_eq!((r.rope_theta, r.local_rope_theta), (10_000.0, None));
+        // An explicit null turns a default cap off.
+        let c = parse(&format!(
+            r#"{{"architectures": ["Gemma2ForCausalLM"], {BASE}, "attn_logit_softcapping": null,
+            "final_logit_softcapping": 15.0, "query_pre_attn_scalar": 64}}"#
+        ));
+        let r = c.resolve().expect("resolves");
+        assert_eq!((r.attn_softcap, r.final_softcap), (None, Some(15.0)));
+        assert_eq!(r.attn_scale, 0.125);
+    }
+
+    #[test]
+    fn gemma3_reads_its_pattern_layer_types_and_local_rope() {
+        let c = parse(&format!(
+            r#"{{"architectures": ["Gemma3ForCausalLM"], {}, "sliding_window": 512,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 20000.0}}"#,
+            layers(7)
+        ));
+        let r = c.resolve().expect("resolves");
+        assert!(r.arch.qk_norm);
+        let mut want = vec![Some(512); 7];
+        want[5] = None;
+        assert_eq!(r.layer_windows, want);
+        assert_eq!((r.rope_theta, r.local_rope_theta), (1e6, Some(20_000.0)));
+        assert_eq!((r.attn_softcap, r.final_softcap), (None, None));
+        // transformers 5: layer_types and rope_parameters per layer type.
+        let c = parse(&format!(
+            r#"{{"architectures": ["Gemma3ForCausalLM"], {BASE}, "sliding_window": 8,
+            "layer_types": ["full_attention", "sliding_attention"],
+            "rope_parameters": {{"full_attention": {{"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+              "sliding_attention": {{"rope_type": "default", "rope_theta": 10000.0}}}}}}"#
+        ));
+        let r = c.resolve().expect("resolves");
+        assert_eq!(r.layer_windows, vec![None, Some(8)]);
+        assert_eq!(r.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!((r.rope_theta, r.local_rope_theta), (1e6, Some(10_000.0)));
     }
 
     #[test]

@@ -1,8 +1,12 @@
 //! Every Llama-family variant the engine supports, checked against transformers on a tiny random
 //! model: head_dim override, llama3 and linear rope scaling, Qwen2's biases with an untied
-//! lm_head, Mistral, transformers 5 `rope_parameters`, one KV head shared by 8 query heads, and
-//! Qwen3's per-head q/k norms. Each runs on the host path (the top-level tests) and on the
-//! tensor path (`tensor_path::*`, what `FISSION_TENSOR_FORWARD=1` selects).
+//! lm_head, Mistral, transformers 5 `rope_parameters`, one KV head shared by 8 query heads,
+//! Qwen3's per-head q/k norms, Mistral with a 7-token sliding window, Gemma 2 (soft-capping,
+//! alternating windows) and Gemma 3 (q/k norms, local rope base, windowed layer pattern). Each
+//! runs on the host path (the top-level tests) and on the tensor path (`tensor_path::*`, what
+//! `FISSION_TENSOR_FORWARD=1` selects). The windowed variants' prompts and continuations run
+//! well past their windows, prefilled whole, alone, and in 16-token chunks into 4-token blocks
+//! beside the other prompts.
 //!
 //! The references are `tests/reference/arch_refs.json`, made by `tests/reference/make_refs.py`.
 //! No weights are committed: each model is regenerated here from the spec recorded beside its
@@ -34,6 +38,9 @@ struct ArchRefs {
 #[derive(Debug, Deserialize)]
 struct Variant {
     name: String,
+    /// Tokens per reference when not the file's `max_new_tokens` (the windowed variants).
+    #[serde(default)]
+    max_new_tokens: Option<usize>,
     spec: ModelSpec,
     fingerprint: String,
     references: Vec<ArchReference>,
@@ -150,7 +157,10 @@ fn check_variant(name: &str, path: Path) {
     );
     let name = &format!("{name} ({path:?} path)");
     for (i, r) in v.references.iter().enumerate() {
-        assert_eq!(r.output_ids.len(), refs.max_new_tokens);
+        assert_eq!(
+            r.output_ids.len(),
+            v.max_new_tokens.unwrap_or(refs.max_new_tokens)
+        );
         let mut e = engine(&model, small(EngineConfig::default()));
         let out = e
             .generate(vec![greedy(0, r.input_ids.clone(), r.output_ids.len())])
@@ -224,7 +234,32 @@ variant_tests!(
     gqa_kv1,
     rope_parameters_llama3,
     qwen3,
+    mistral_window,
+    gemma2,
+    gemma3,
 );
+
+/// The window is what makes the windowed references: the same Mistral weights with its
+/// `sliding_window` removed from config.json generate other tokens.
+#[test]
+fn without_its_window_mistral_window_generates_otherwise() {
+    let v = variant("mistral_window");
+    let dir = materialize(&v);
+    let path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    cfg["sliding_window"] = serde_json::Value::Null;
+    std::fs::write(&path, cfg.to_string()).expect("write config");
+    let model = load(dir.path(), None);
+    let differ = v.references.iter().any(|r| {
+        let mut e = engine(&model, small(EngineConfig::default()));
+        let out = e
+            .generate(vec![greedy(0, r.input_ids.clone(), r.output_ids.len())])
+            .expect("generates");
+        out[0].output_ids != r.output_ids
+    });
+    assert!(differ, "full attention gives the windowed references");
+}
 
 #[test]
 fn every_reference_variant_has_a_test() {
@@ -304,6 +339,8 @@ fn unsupported_architecture_is_named() {
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
     ] {
         assert!(err.contains(supported), "{err} does not name {supported}");
     }

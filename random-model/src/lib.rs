@@ -39,6 +39,14 @@ pub enum Architecture {
     /// Dense Qwen3: per-head RMSNorm on q and k, biases only if `attention_bias` says.
     #[serde(rename = "Qwen3ForCausalLM")]
     Qwen3,
+    /// Gemma 2: `(1 + w)` norms, four norms a layer, tanh-GELU, scaled embeddings,
+    /// soft-capping, sliding layers alternating with global ones.
+    #[serde(rename = "Gemma2ForCausalLM")]
+    Gemma2,
+    /// Gemma 3 text: Gemma 2's layer with q/k norms, a local rope base for its sliding layers
+    /// and `sliding_window_pattern`.
+    #[serde(rename = "Gemma3ForCausalLM")]
+    Gemma3,
 }
 
 impl Architecture {
@@ -48,6 +56,8 @@ impl Architecture {
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Gemma2 => "Gemma2ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -57,7 +67,13 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3_text",
         }
+    }
+
+    fn is_gemma(self) -> bool {
+        matches!(self, Architecture::Gemma2 | Architecture::Gemma3)
     }
 }
 
@@ -128,9 +144,24 @@ pub struct ModelSpec {
     pub attention_bias: bool,
     /// When false the model gets its own random `lm_head.weight`.
     pub tie_word_embeddings: bool,
-    /// Mistral only; `None` means full attention.
+    /// Mistral (every layer) and Gemma (its sliding layers); `None` means full attention.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Gemma: the attention scale is this to the power -0.5.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<u64>,
+    /// Gemma: attention-logit soft-capping (written as null when `None`).
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma: final-logit soft-capping (written as null when `None`).
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 3: every n-th layer is global (config.json's `sliding_window_pattern`).
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    /// Gemma 3: the sliding layers' rope base.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
     pub dtype: WeightDtype,
     /// Standard deviation of embedding and projection weights. Norm weights are
     /// `1 + N(0, init_std)`.
@@ -191,6 +222,11 @@ impl ModelSpec {
             attention_bias: false,
             tie_word_embeddings: true,
             sliding_window: None,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            sliding_window_pattern: None,
+            rope_local_base_freq: None,
             dtype: WeightDtype::F32,
             init_std: 0.02,
             seed: 0,
@@ -231,11 +267,62 @@ impl ModelSpec {
                 "MistralForCausalLM has no attention biases: attention_bias must be false"
             ),
             Architecture::Llama | Architecture::Qwen3 => {}
+            Architecture::Gemma2 | Architecture::Gemma3 => {
+                ensure!(
+                    !self.attention_bias,
+                    "Gemma has no attention biases: attention_bias must be false"
+                );
+                ensure!(
+                    self.hidden.is_multiple_of(self.heads),
+                    "Gemma's config needs hidden {} to be a multiple of heads {}",
+                    self.hidden,
+                    self.heads
+                );
+                ensure!(
+                    self.sliding_window.is_some() && self.query_pre_attn_scalar.is_some(),
+                    "Gemma specs give sliding_window and query_pre_attn_scalar"
+                );
+            }
         }
         if let Some(w) = self.sliding_window {
             ensure!(
-                self.architecture == Architecture::Mistral,
-                "sliding_window {w} is only written for MistralForCausalLM"
+                matches!(
+                    self.architecture,
+                    Architecture::Mistral | Architecture::Gemma2 | Architecture::Gemma3
+                ),
+                "sliding_window {w} is only written for Mistral and Gemma"
+            );
+        }
+        let gemma_only = [
+            (
+                "query_pre_attn_scalar",
+                self.query_pre_attn_scalar.is_some(),
+            ),
+            (
+                "attn_logit_softcapping",
+                self.attn_logit_softcapping.is_some(),
+            ),
+            (
+                "final_logit_softcapping",
+                self.final_logit_softcapping.is_some(),
+            ),
+        ];
+        for (field, given) in gemma_only {
+            ensure!(
+                !given || self.architecture.is_gemma(),
+                "{field} is only written for Gemma"
+            );
+        }
+        for (field, given) in [
+            (
+                "sliding_window_pattern",
+                self.sliding_window_pattern.is_some(),
+            ),
+            ("rope_local_base_freq", self.rope_local_base_freq.is_some()),
+        ] {
+            ensure!(
+                !given || self.architecture == Architecture::Gemma3,
+                "{field} is only written for Gemma3ForCausalLM"
             );
         }
         if let Some(s) = &self.rope_scaling {
@@ -327,6 +414,31 @@ pub fn config_json(spec: &ModelSpec) -> Value {
             obj.insert("sliding_window".into(), Value::Null);
             obj.insert("max_window_layers".into(), json!(spec.layers));
         }
+        Architecture::Gemma2 | Architecture::Gemma3 => {
+            obj.remove("hidden_act");
+            obj.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            obj.insert("attention_bias".into(), json!(false));
+            obj.insert("sliding_window".into(), json!(spec.sliding_window));
+            obj.insert(
+                "query_pre_attn_scalar".into(),
+                json!(spec.query_pre_attn_scalar),
+            );
+            // Written even when null: Gemma 2 caps at 50 and 30 when they are missing.
+            obj.insert(
+                "attn_logit_softcapping".into(),
+                json!(spec.attn_logit_softcapping),
+            );
+            obj.insert(
+                "final_logit_softcapping".into(),
+                json!(spec.final_logit_softcapping),
+            );
+            if let Some(p) = spec.sliding_window_pattern {
+                obj.insert("sliding_window_pattern".into(), json!(p));
+            }
+            if let Some(f) = spec.rope_local_base_freq {
+                obj.insert("rope_local_base_freq".into(), json!(f));
+            }
+        }
     }
     cfg
 }
@@ -415,6 +527,9 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
         0.0,
         std,
     )?;
+    // Gemma's norms scale by `1 + w`: their weights centre on 0, the others' on 1.
+    let gemma = spec.architecture.is_gemma();
+    let norm_mean = if gemma { 0.0 } else { 1.0 };
     for i in 0..spec.layers {
         let p = format!("model.layers.{i}");
         w.put(
@@ -479,26 +594,40 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
                 BIAS_STD,
             )?;
         }
-        w.put(format!("{p}.input_layernorm.weight"), &[hid], 1.0, std)?;
+        w.put(
+            format!("{p}.input_layernorm.weight"),
+            &[hid],
+            norm_mean,
+            std,
+        )?;
         w.put(
             format!("{p}.post_attention_layernorm.weight"),
             &[hid],
-            1.0,
+            norm_mean,
             std,
         )?;
-        if spec.architecture == Architecture::Qwen3 {
+        if gemma {
+            // Drawn after the layer's Llama tensors, as Qwen3's q/k norms are.
+            for name in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                w.put(format!("{p}.{name}.weight"), &[hid], norm_mean, std)?;
+            }
+        }
+        if matches!(
+            spec.architecture,
+            Architecture::Qwen3 | Architecture::Gemma3
+        ) {
             // Drawn last in the layer, so the other architectures' streams are unchanged.
             for name in ["q_norm", "k_norm"] {
                 w.put(
                     format!("{p}.self_attn.{name}.weight"),
                     &[spec.head_dim],
-                    1.0,
+                    norm_mean,
                     QK_NORM_STD,
                 )?;
             }
         }
     }
-    w.put("model.norm.weight".into(), &[hid], 1.0, std)?;
+    w.put("model.norm.weight".into(), &[hid], norm_mean, std)?;
     if !spec.tie_word_embeddings {
         w.put("lm_head.weight".into(), &[spec.vocab, hid], 0.0, std)?;
     }
@@ -673,6 +802,45 @@ mod tests {
         // A plain Llama of the same seed has no q/k norms.
         let t = tensors(write(&small(1)).path());
         assert!(!t.contains_key("model.layers.0.self_attn.q_norm.weight"));
+    }
+
+    #[test]
+    fn gemma_has_four_norms_a_layer_and_says_its_caps() {
+        let gemma2 = ModelSpec {
+            architecture: Architecture::Gemma2,
+            head_dim: 32,
+            sliding_window: Some(8),
+            query_pre_attn_scalar: Some(24),
+            attn_logit_softcapping: Some(1.0),
+            ..small(1)
+        };
+        let t = tensors(write(&gemma2).path());
+        for name in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+            assert_eq!(t[&format!("model.layers.1.{name}.weight")].dims(), &[64]);
+        }
+        assert!(!t.contains_key("model.layers.0.self_attn.q_norm.weight"));
+        let cfg = config_json(&gemma2);
+        assert_eq!(cfg["model_type"], "gemma2");
+        assert_eq!(cfg["hidden_activation"], "gelu_pytorch_tanh");
+        assert!(cfg.get("hidden_act").is_none());
+        assert_eq!(cfg["final_logit_softcapping"], Value::Null);
+        assert_eq!(cfg["attn_logit_softcapping"], 1.0);
+        let gemma3 = ModelSpec {
+            architecture: Architecture::Gemma3,
+            sliding_window_pattern: Some(3),
+            rope_local_base_freq: Some(10_000.0),
+            ..gemma2.clone()
+        };
+        let t = tensors(write(&gemma3).path());
+        assert_eq!(t["model.layers.0.self_attn.k_norm.weight"].dims(), &[32]);
+        assert_eq!(config_json(&gemma3)["sliding_window_pattern"], 3);
+        let err = ModelSpec {
+            rope_local_base_freq: Some(1.0),
+            ..gemma2
+        }
+        .validate()
+        .expect_err("gemma 2 has no local base");
+        assert!(err.to_string().contains("rope_local_base_freq"), "{err}");
     }
 
     #[test]

@@ -3,18 +3,29 @@
 //! (`model/llama.rs`) both read it, and neither names an architecture: a new one is a new row in
 //! [`ArchSpec::resolve`], plus an op where it needs one the layer lacks.
 //!
-//! Supported: Llama, Mistral (a `sliding_window` caps the served context rather than being
-//! applied per layer), Qwen2 (q/k/v biases) and Qwen3 dense (per-head q/k RMSNorm, no biases by
-//! default).
+//! Supported: Llama, Mistral (its `sliding_window` applied to every layer), Qwen2 (q/k/v
+//! biases; `use_sliding_window` windows the layers from `max_window_layers` on), Qwen3 dense
+//! (per-head q/k RMSNorm, no biases by default), Gemma 2 and Gemma 3 text: embeddings scaled
+//! by sqrt(hidden), `(1 + w)` norms, a norm after attention and after the MLP as well as before
+//! each ([`ArchSpec::sandwich_norms`]), tanh-GELU gating, `query_pre_attn_scalar`,
+//! attention-logit and final-logit soft-capping, sliding-window layers interleaved with
+//! global ones (`layer_types`, else Gemma 2's alternation or Gemma 3's
+//! `sliding_window_pattern`), and Gemma 3's q/k norms and local RoPE base
+//! (`rope_local_base_freq`). The per-layer numbers (window, scale, caps, rope bases) are in
+//! [`ModelConfig`](crate::config::ModelConfig), resolved in `config.rs`.
+//!
+//! A sliding window is honoured in attention only: every layer still keeps every block of a
+//! sequence, and a prefill node pushes them all. What remains: free (or never allocate) the
+//! blocks wholly before a sliding layer's window, per group of layers with the same window, and
+//! push only the window's blocks for those layers; the prefix cache and migration must then
+//! know which layers hold which blocks, and the KV layout check must carry the windows.
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
-//! `config.rs`): any `hidden_act` but SiLU (Gemma's tanh GELU), `(1 + w)` norms, the extra
-//! post-attention and post-MLP norms, embedding scaling, `query_pre_attn_scalar`, attention
-//! and final-logit soft-capping, per-layer sliding windows and rope bases (`layer_types`),
-//! fused `qkv_proj`/`gate_up_proj` checkpoint tensors with `partial_rotary_factor` and LongRoPE
-//! (Phi-3), and mixtures of experts (Mixtral, Qwen3-MoE). Each has its place here: a variant of
-//! [`NormStyle`] or [`Activation`], or a field of `ArchSpec`, so that matching on it
-//! exhaustively in both paths forces both to handle it.
+//! `config.rs`): any other `hidden_act`, fused `qkv_proj`/`gate_up_proj` checkpoint tensors
+//! with `partial_rotary_factor` and LongRoPE (Phi-3), and mixtures of experts (Mixtral,
+//! Qwen3-MoE). Each has its place here: a variant of [`NormStyle`] or [`Activation`], or a
+//! field of `ArchSpec`, so that matching on it exhaustively in both paths forces both to
+//! handle it.
 
 use crate::error::{EngineError, Result};
 
@@ -25,6 +36,8 @@ pub enum Architecture {
     Mistral,
     Qwen2,
     Qwen3,
+    Gemma2,
+    Gemma3,
 }
 
 impl Architecture {
@@ -34,6 +47,8 @@ impl Architecture {
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
     ];
 
     /// From config.json's `architectures[0]`, or its `model_type` when that is missing.
@@ -43,6 +58,8 @@ impl Architecture {
             "MistralForCausalLM" | "mistral" => Ok(Architecture::Mistral),
             "Qwen2ForCausalLM" | "qwen2" => Ok(Architecture::Qwen2),
             "Qwen3ForCausalLM" | "qwen3" => Ok(Architecture::Qwen3),
+            "Gemma2ForCausalLM" | "gemma2" => Ok(Architecture::Gemma2),
+            "Gemma3ForCausalLM" | "gemma3_text" => Ok(Architecture::Gemma3),
             _ => Err(EngineError::UnsupportedArchitecture {
                 architecture: name.to_string(),
                 supported: Architecture::SUPPORTED,
@@ -56,22 +73,95 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3_text",
+        }
+    }
+
+    /// The defaults transformers' config class applies for what config.json leaves out.
+    pub fn defaults(self) -> ArchDefaults {
+        let none = ArchDefaults {
+            rope_theta: 10_000.0,
+            local_rope_theta: None,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            sliding_window: None,
+            sliding_window_pattern: None,
+        };
+        match self {
+            Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => none,
+            Architecture::Qwen3 => none,
+            // Gemma2Config: layers alternate sliding, full, sliding, ...
+            Architecture::Gemma2 => ArchDefaults {
+                query_pre_attn_scalar: Some(256.0),
+                attn_logit_softcapping: Some(50.0),
+                final_logit_softcapping: Some(30.0),
+                sliding_window: Some(4096),
+                sliding_window_pattern: Some(2),
+                ..none
+            },
+            // Gemma3TextConfig: five sliding layers, then a full one; global rope base 1e6,
+            // local 1e4.
+            Architecture::Gemma3 => ArchDefaults {
+                rope_theta: 1_000_000.0,
+                local_rope_theta: Some(10_000.0),
+                query_pre_attn_scalar: Some(256.0),
+                sliding_window: Some(4096),
+                sliding_window_pattern: Some(6),
+                ..none
+            },
         }
     }
 }
 
-/// How a norm applies its weight. Gemma's `x * (1 + w)` will be a second variant.
+/// What an architecture's transformers config class assumes when config.json is silent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ArchDefaults {
+    pub rope_theta: f64,
+    /// The sliding layers' own rope base, when the architecture has one (Gemma 3).
+    pub local_rope_theta: Option<f64>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub sliding_window: Option<usize>,
+    /// Layer `i` slides unless `(i + 1)` is a multiple of this; `None`: every layer slides when
+    /// there is a window.
+    pub sliding_window_pattern: Option<usize>,
+}
+
+/// How a norm applies its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NormStyle {
     /// `x / rms(x) * w`.
     Weight,
+    /// `x / rms(x) * (1 + w)`, the `1 + w` in f32 (Gemma).
+    OnePlusWeight,
 }
 
-/// The MLP's gate activation. Gemma's tanh-approximated GELU will be a second variant.
+/// The MLP's gate activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     /// `silu(gate) * up`.
     Silu,
+    /// `gelu_tanh(gate) * up`: torch's `gelu(approximate="tanh")`, transformers'
+    /// `gelu_pytorch_tanh` (Gemma's GeGLU).
+    GeluTanh,
+}
+
+impl Activation {
+    /// From config.json's `hidden_act` / `hidden_activation`.
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "silu" | "swish" => Ok(Activation::Silu),
+            "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
+            other => Err(EngineError::InvalidConfig {
+                reason: format!(
+                    "hidden_act {other:?} is not supported (only silu and gelu_pytorch_tanh)"
+                ),
+            }),
+        }
+    }
 }
 
 /// What the architecture changes in the decoder layer, with every default applied.
@@ -87,28 +177,65 @@ pub struct ArchSpec {
     /// Every RMSNorm's weight: the layer's two, the q/k norms and the final one.
     pub norm: NormStyle,
     pub activation: Activation,
+    /// Gemma's four norms a layer: `input_layernorm` before attention,
+    /// `post_attention_layernorm` on attention's output before its residual add,
+    /// `pre_feedforward_layernorm` before the MLP and `post_feedforward_layernorm` on its
+    /// output. Without them, `post_attention_layernorm` is the norm before the MLP (Llama).
+    pub sandwich_norms: bool,
+    /// The embeddings are multiplied by sqrt(hidden), rounded to the embedding dtype (Gemma).
+    pub embed_scale: bool,
 }
 
 impl ArchSpec {
-    /// The spec of `architecture`; `attention_bias` is config.json's, when it says.
-    pub fn resolve(architecture: Architecture, attention_bias: Option<bool>) -> Self {
-        let (default_bias, qk_norm) = match architecture {
-            Architecture::Llama | Architecture::Mistral => (false, false),
-            // Qwen2's config never says: its attention always has biases.
-            Architecture::Qwen2 => (true, false),
-            Architecture::Qwen3 => (false, true),
-        };
-        ArchSpec {
+    /// The spec of `architecture`; `attention_bias` and `activation` are config.json's, when
+    /// it says.
+    pub fn resolve(
+        architecture: Architecture,
+        attention_bias: Option<bool>,
+        activation: Option<Activation>,
+    ) -> Self {
+        let llama = ArchSpec {
             architecture,
-            qkv_bias: attention_bias.unwrap_or(default_bias),
-            qk_norm,
+            qkv_bias: false,
+            qk_norm: false,
             norm: NormStyle::Weight,
             activation: Activation::Silu,
+            sandwich_norms: false,
+            embed_scale: false,
+        };
+        let gemma = ArchSpec {
+            norm: NormStyle::OnePlusWeight,
+            activation: Activation::GeluTanh,
+            sandwich_norms: true,
+            embed_scale: true,
+            ..llama
+        };
+        let spec = match architecture {
+            Architecture::Llama | Architecture::Mistral => llama,
+            // Qwen2's config never says: its attention always has biases.
+            Architecture::Qwen2 => ArchSpec {
+                qkv_bias: true,
+                ..llama
+            },
+            Architecture::Qwen3 => ArchSpec {
+                qk_norm: true,
+                ..llama
+            },
+            Architecture::Gemma2 => gemma,
+            Architecture::Gemma3 => ArchSpec {
+                qk_norm: true,
+                ..gemma
+            },
+        };
+        ArchSpec {
+            qkv_bias: attention_bias.unwrap_or(spec.qkv_bias),
+            activation: activation.unwrap_or(spec.activation),
+            ..spec
         }
     }
 
     /// Plain Llama: what the mock model and cost profiles describe.
     pub fn llama() -> Self {
-        Self::resolve(Architecture::Llama, None)
+        Self::resolve(Architecture::Llama, None, None)
     }
 }

@@ -10,14 +10,13 @@
 //! take the tensor path in `llama.rs`.
 
 use candle_core::{DType, Device, Tensor};
-use kernels::{CacheShape, KvElem, SeqAttn};
+use kernels::{KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
 use super::llama::{Layer, Llama};
 use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
-use super::ops::{self, with_slice, AttnDims};
-use super::rope::RopeTables;
+use super::ops::{self, with_slice, AttnDims, LayerAttn};
 use crate::config::Activation;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
@@ -38,20 +37,21 @@ impl Llama {
         let (t, hid) = (batch.num_tokens(), cfg.hidden_size);
         let mut x = vec![0f32; t * hid];
         let table = self.embed.embeddings();
+        let scale = cfg.arch.embed_scale.then_some(hid);
         match table.dtype() {
             DType::F32 => {
-                with_slice::<f32, _>(table, |t| gather_rows(t, &batch.token_ids, &mut x))??
+                with_slice::<f32, _>(table, |t| gather_rows(t, &batch.token_ids, &mut x, scale))??
             }
-            DType::BF16 => {
-                with_slice::<half::bf16, _>(table, |t| gather_rows(t, &batch.token_ids, &mut x))??
-            }
+            DType::BF16 => with_slice::<half::bf16, _>(table, |t| {
+                gather_rows(t, &batch.token_ids, &mut x, scale)
+            })??,
             other => {
                 return Err(EngineError::UnsupportedDtype {
                     dtype: format!("{other:?}"),
                 })
             }
         }
-        let rope = self.rope.tables(&batch.positions);
+        let ropes = self.rope_tables(&batch.positions);
         let dims = AttnDims {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
@@ -63,6 +63,8 @@ impl Llama {
         let mut qkv = vec![0f32; t * (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim];
         let mut gate_up = vec![0f32; t * 2 * f];
         let mut act = vec![0f32; t * f];
+        // Sandwich norms need the projections' output apart from the residual.
+        let mut o = vec![0f32; if cfg.arch.sandwich_norms { t * hid } else { 0 }];
         let mut out_rows = None;
         let last_layer = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -73,15 +75,19 @@ impl Llama {
             }
             let at = LayerAt {
                 index: i,
-                batch,
-                rope: &rope,
-                layout: &layout,
-                dims,
+                attn: LayerAttn {
+                    batch,
+                    rope: ropes.for_layer(layer),
+                    layout: &layout,
+                    dims,
+                    opts: layer.attn,
+                },
             };
             let mlp = MlpBuffers {
                 h: &mut h,
                 gate_up: &mut gate_up,
                 act: &mut act,
+                o: &mut o,
             };
             if i == last_layer {
                 // The last layer, in full only for the rows whose logits are wanted: every
@@ -114,6 +120,7 @@ impl Llama {
         timed(Op::LmHead, || {
             self.lm_head.forward_host(&normed, rows, &mut logits, false)
         })?;
+        ops::softcap_logits(&mut logits, cfg.final_softcap);
         Ok(Tensor::from_vec(
             logits,
             (rows, cfg.vocab_size),
@@ -122,7 +129,8 @@ impl Llama {
     }
 
     /// The layer after its attention, for `n` rows of `x` in place: the output projection with
-    /// its residual, the post-attention norm and the MLP with its residual.
+    /// its residual, the norm before the MLP and the MLP with its residual (and, with sandwich
+    /// norms, the norms on the projection's and the MLP's outputs before their residual adds).
     fn mlp_half(
         &self,
         layer: &Layer,
@@ -132,21 +140,41 @@ impl Llama {
         bufs: MlpBuffers<'_>,
     ) -> Result<()> {
         let (hid, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
-        let MlpBuffers { h, gate_up, act } = bufs;
+        let MlpBuffers { h, gate_up, act, o } = bufs;
         let (h, gate_up, act) = (
             &mut h[..n * hid],
             &mut gate_up[..n * 2 * f],
             &mut act[..n * f],
         );
-        timed(Op::OProj, || layer.o_proj.forward_host(attn, n, x, true))?;
+        match &layer.post_attn_norm {
+            None => timed(Op::OProj, || layer.o_proj.forward_host(attn, n, x, true))?,
+            Some(norm) => {
+                let o = &mut o[..n * hid];
+                timed(Op::OProj, || layer.o_proj.forward_host(attn, n, o, false))?;
+                rms_norm_rows(norm, o, n, h)?;
+                add_rows(x, h);
+            }
+        }
         rms_norm_rows(&layer.post_norm, x, n, h)?;
         timed(Op::GateUp, || {
             layer.gate_up.forward_host(h, n, gate_up, false)
         })?;
         match self.cfg.arch.activation {
             Activation::Silu => timed(Op::Silu, || silu_mul_rows(gate_up, n, f, act)),
+            Activation::GeluTanh => timed(Op::Silu, || {
+                ops::gate_mul_rows(gate_up, n, f, Activation::GeluTanh, act)
+            }),
         }
-        timed(Op::Down, || layer.down.forward_host(act, n, x, true))
+        match &layer.post_ffn_norm {
+            None => timed(Op::Down, || layer.down.forward_host(act, n, x, true)),
+            Some(norm) => {
+                let o = &mut o[..n * hid];
+                timed(Op::Down, || layer.down.forward_host(act, n, o, false))?;
+                rms_norm_rows(norm, o, n, h)?;
+                add_rows(x, h);
+                Ok(())
+            }
+        }
     }
 
     /// Whether [`forward_host`](Self::forward_host) can run this model.
@@ -183,20 +211,26 @@ fn silu_mul_rows(gate_up: &[f32], t: usize, f: usize, out: &mut [f32]) {
     ops::for_rows(out, t, f, 8, &body);
 }
 
+/// `x += y`, element by element.
+fn add_rows(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
 /// The step's MLP buffers, sized for all its rows, lent to [`Llama::mlp_half`].
 struct MlpBuffers<'a> {
     h: &'a mut [f32],
     gate_up: &'a mut [f32],
     act: &'a mut [f32],
+    /// A projection's output before its norm and residual add (empty without sandwich norms).
+    o: &'a mut [f32],
 }
 
 /// A layer's place in the step: its index and what its attention needs.
 struct LayerAt<'a> {
     index: usize,
-    batch: &'a ForwardBatch,
-    rope: &'a RopeTables,
-    layout: &'a CacheShape,
-    dims: AttnDims,
+    attn: LayerAttn<'a>,
 }
 
 /// A layer's attention over the cache's dtype, widened to f32: every row's K and V written,
@@ -224,17 +258,18 @@ fn attend_rows<T: KvElem>(
     k: &mut [T],
     v: &mut [T],
 ) -> Result<Vec<T>> {
+    let at = &at.attn;
     let Some(seqs) = wanted else {
-        return ops::attention_rows(qkv, at.batch, at.rope, at.layout, k, v, at.dims);
+        return ops::attention_rows(qkv, at, k, v);
     };
-    let q = ops::rope_and_cache(qkv, at.batch, at.rope, at.layout, k, v, at.dims)?;
+    let q = ops::rope_and_cache(qkv, at, k, v)?;
     let width = at.dims.num_heads * at.dims.head_dim;
     let mut rows = Vec::with_capacity(seqs.len() * width);
     for &r in &at.batch.logits_rows {
         let r = r as usize;
         rows.extend_from_slice(&q[r * width..(r + 1) * width]);
     }
-    ops::attend(&rows, seqs, at.layout, k, v, at.dims)
+    ops::attend(&rows, seqs, at, k, v)
 }
 
 /// Each logits row as a sequence of one query row: it sees the keys up to its own position,
@@ -275,8 +310,14 @@ fn gather_logits_rows(x: &[f32], hid: usize, rows: &[u32]) -> Vec<f32> {
     out
 }
 
-/// Copies the embedding rows of `ids` into `x`, widened to f32.
-fn gather_rows<T: KvElem>(table: &[T], ids: &[u32], x: &mut [f32]) -> Result<()> {
+/// Copies the embedding rows of `ids` into `x`, widened to f32, and scaled by sqrt(`scale`)
+/// in the table's dtype when the architecture scales its embeddings.
+fn gather_rows<T: KvElem>(
+    table: &[T],
+    ids: &[u32],
+    x: &mut [f32],
+    scale: Option<usize>,
+) -> Result<()> {
     let hid = x.len() / ids.len().max(1);
     for (row, &id) in x.chunks_mut(hid.max(1)).zip(ids) {
         let id = id as usize;
@@ -289,6 +330,9 @@ fn gather_rows<T: KvElem>(table: &[T], ids: &[u32], x: &mut [f32]) -> Result<()>
         for (d, s) in row.iter_mut().zip(src) {
             *d = s.to_f32();
         }
+    }
+    if let Some(hidden) = scale {
+        ops::scale_embeddings::<T>(x, hidden);
     }
     Ok(())
 }

@@ -12,10 +12,10 @@ use super::batch::ForwardBatch;
 use super::linear::Linear;
 use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
-use super::ops::{self, AttnDims};
+use super::ops::{self, AttnDims, LayerAttn};
 use super::qk_norm::QkNorm;
-use super::rope::Rope;
-use crate::config::{Activation, ModelConfig};
+use super::rope::{Rope, RopeTables};
+use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::kv::cache::KvCache;
 use crate::quantize::Quantize;
@@ -27,13 +27,24 @@ pub(super) struct Layer {
     /// Per-head norms on q and k, when the architecture has them.
     pub(super) qk_norm: Option<QkNorm>,
     pub(super) o_proj: Linear,
+    /// The norm on attention's output, before its residual add (Gemma's
+    /// `post_attention_layernorm`), when the architecture has sandwich norms.
+    pub(super) post_attn_norm: Option<RmsNorm>,
+    /// The norm before the MLP: Llama's `post_attention_layernorm`, Gemma's
+    /// `pre_feedforward_layernorm`.
     pub(super) post_norm: RmsNorm,
     pub(super) gate_up: Linear,
     pub(super) down: Linear,
+    /// The norm on the MLP's output (Gemma's `post_feedforward_layernorm`).
+    pub(super) post_ffn_norm: Option<RmsNorm>,
+    /// The layer's attention scale, sliding window and soft-cap.
+    pub(super) attn: kernels::AttnOptions,
+    /// Whether the layer rotates with the model's local rope (Gemma 3's sliding layers).
+    pub(super) local_rope: bool,
 }
 
 impl Layer {
-    fn load(vb: VarBuilder, cfg: &ModelConfig, quantize: Quantize) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &ModelConfig, quantize: Quantize, index: usize) -> Result<Self> {
         let (h, hkv, d, hid) = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -73,8 +84,19 @@ impl Layer {
             ],
             0,
         )?;
+        let norm = |name: &str| RmsNorm::load(vb.pp(name), hid, cfg);
+        let (post_attn_norm, post_norm, post_ffn_norm) = if cfg.arch.sandwich_norms {
+            (
+                Some(norm("post_attention_layernorm")?),
+                norm("pre_feedforward_layernorm")?,
+                Some(norm("post_feedforward_layernorm")?),
+            )
+        } else {
+            (None, norm("post_attention_layernorm")?, None)
+        };
+        let window = cfg.layer_windows.get(index).copied().flatten();
         Ok(Layer {
-            input_norm: RmsNorm::load(vb.pp("input_layernorm"), hid, cfg)?,
+            input_norm: norm("input_layernorm")?,
             qkv: Linear::quantized(weight, bias, quantize)?,
             qk_norm: QkNorm::load(&att, cfg)?,
             o_proj: Linear::quantized(
@@ -82,9 +104,17 @@ impl Layer {
                 None,
                 quantize,
             )?,
-            post_norm: RmsNorm::load(vb.pp("post_attention_layernorm"), hid, cfg)?,
+            post_attn_norm,
+            post_norm,
             gate_up: Linear::quantized(gate_up, None, quantize)?,
             down: Linear::quantized(mlp.pp("down_proj").get((hid, f), "weight")?, None, quantize)?,
+            post_ffn_norm,
+            attn: kernels::AttnOptions {
+                scale: cfg.attn_scale,
+                window,
+                softcap: cfg.attn_softcap,
+            },
+            local_rope: window.is_some() && cfg.local_rope_theta.is_some(),
         })
     }
 }
@@ -98,6 +128,8 @@ pub struct Llama {
     pub(super) norm: RmsNorm,
     pub(super) lm_head: Linear,
     pub(super) rope: Rope,
+    /// The sliding layers' rope, when they have their own (Gemma 3).
+    pub(super) local_rope: Option<Rope>,
     pub(super) dtype: DType,
     pub(super) device: Device,
     /// f32 or bf16 weights on the CPU, every projection packed: [`Llama::forward_host`] runs it.
@@ -122,7 +154,7 @@ impl Llama {
                 .get((cfg.vocab_size, cfg.hidden_size), "weight")?
         };
         let layers = (0..cfg.num_layers)
-            .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg, quantize))
+            .map(|i| Layer::load(vb.pp(format!("model.layers.{i}")), cfg, quantize, i))
             .collect::<Result<Vec<_>>>()?;
         let mut model = Llama {
             cfg: cfg.clone(),
@@ -131,6 +163,7 @@ impl Llama {
             norm: RmsNorm::load(vb.pp("model.norm"), cfg.hidden_size, cfg)?,
             lm_head: Linear::quantized(lm_head, None, quantize)?,
             rope: Rope::new(cfg),
+            local_rope: Rope::local(cfg),
             dtype: vb.dtype(),
             device: vb.device().clone(),
             host: false,
@@ -185,7 +218,13 @@ impl Llama {
         let t = batch.num_tokens();
         let ids = Tensor::from_slice(&batch.token_ids, t, &self.device)?;
         let mut x = self.embed.forward(&ids)?;
-        let rope = self.rope.tables(&batch.positions);
+        if self.cfg.arch.embed_scale {
+            // transformers multiplies by sqrt(hidden) rounded to the embedding dtype.
+            let scale = Tensor::new(&[(self.cfg.hidden_size as f64).sqrt() as f32], &self.device)?
+                .to_dtype(x.dtype())?;
+            x = x.broadcast_mul(&scale)?;
+        }
+        let ropes = self.rope_tables(&batch.positions);
         let dims = AttnDims {
             num_heads: self.cfg.num_heads,
             num_kv_heads: self.cfg.num_kv_heads,
@@ -198,13 +237,26 @@ impl Llama {
             if let Some(norm) = &layer.qk_norm {
                 qkv = norm.forward(&qkv, dims)?;
             }
-            let attn = ops::attention(&qkv, batch, &rope, &layout, cache.layer_mut(i), dims)?;
-            x = (x + layer.o_proj.forward(&attn)?)?;
-            let h = layer.post_norm.forward(&x)?;
-            let act = match self.cfg.arch.activation {
-                Activation::Silu => ops::silu_mul(&layer.gate_up.forward(&h)?)?,
+            let at = LayerAttn {
+                batch,
+                rope: ropes.for_layer(layer),
+                layout: &layout,
+                dims,
+                opts: layer.attn,
             };
-            x = (x + layer.down.forward(&act)?)?;
+            let attn = ops::attention(&qkv, &at, cache.layer_mut(i))?;
+            let mut o = layer.o_proj.forward(&attn)?;
+            if let Some(norm) = &layer.post_attn_norm {
+                o = norm.forward(&o)?;
+            }
+            x = (x + o)?;
+            let h = layer.post_norm.forward(&x)?;
+            let act = ops::gate_mul(&layer.gate_up.forward(&h)?, self.cfg.arch.activation)?;
+            let mut d = layer.down.forward(&act)?;
+            if let Some(norm) = &layer.post_ffn_norm {
+                d = norm.forward(&d)?;
+            }
+            x = (x + d)?;
             on_layer(i, cache)?;
         }
         if batch.logits_rows.is_empty() {
@@ -216,7 +268,36 @@ impl Llama {
         }
         let rows = Tensor::from_slice(&batch.logits_rows, batch.logits_rows.len(), &self.device)?;
         let last = self.norm.forward(&x.index_select(&rows, 0)?)?;
-        let logits = self.lm_head.forward(&last)?;
-        Ok(logits.to_dtype(DType::F32)?.contiguous()?)
+        let logits = self.lm_head.forward(&last)?.to_dtype(DType::F32)?;
+        if self.cfg.final_softcap.is_none() {
+            return Ok(logits.contiguous()?);
+        }
+        let shape = logits.shape().clone();
+        let mut flat = logits.flatten_all()?.to_vec1::<f32>()?;
+        ops::softcap_logits(&mut flat, self.cfg.final_softcap);
+        Ok(Tensor::from_vec(flat, shape, &self.device)?)
+    }
+
+    /// The step's rope tables: the model's, and the sliding layers' own when they have one.
+    pub(super) fn rope_tables(&self, positions: &[u32]) -> StepRopes {
+        StepRopes {
+            global: self.rope.tables(positions),
+            local: self.local_rope.as_ref().map(|r| r.tables(positions)),
+        }
+    }
+}
+
+/// One step's rope tables, for every layer to pick its own.
+pub(super) struct StepRopes {
+    global: RopeTables,
+    local: Option<RopeTables>,
+}
+
+impl StepRopes {
+    pub(super) fn for_layer(&self, layer: &Layer) -> &RopeTables {
+        match (&self.local, layer.local_rope) {
+            (Some(local), true) => local,
+            _ => &self.global,
+        }
     }
 }

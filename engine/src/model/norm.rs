@@ -18,12 +18,16 @@ pub(super) struct RmsNorm {
 impl RmsNorm {
     /// `size` weights under `vb`, applied as the architecture's [`NormStyle`] says.
     pub(super) fn load(vb: VarBuilder, size: usize, cfg: &ModelConfig) -> Result<Self> {
-        let weight = match cfg.arch.norm {
-            NormStyle::Weight => vb.get(size, "weight")?,
+        let raw = vb.get(size, "weight")?;
+        // The scale in f32, as transformers computes Gemma's `1 + w`; the tensor path rounds it
+        // to the load dtype.
+        let scale = match cfg.arch.norm {
+            NormStyle::Weight => raw.to_dtype(DType::F32)?,
+            NormStyle::OnePlusWeight => (raw.to_dtype(DType::F32)? + 1.0)?,
         };
         Ok(RmsNorm {
-            host: weight.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-            weight,
+            host: scale.to_vec1::<f32>()?,
+            weight: scale.to_dtype(raw.dtype())?,
             eps: cfg.rms_norm_eps as f32,
         })
     }

@@ -2,10 +2,11 @@
 //! of tensor ops: rope + KV write + paged attention, and SiLU-gated multiply.
 
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
-use kernels::{CacheShape, KvElem, SeqAttn};
+use kernels::{AttnOptions, CacheShape, KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
 use super::rope::RopeTables;
+use crate::config::Activation;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::LayerKvMut;
 
@@ -41,37 +42,34 @@ pub(crate) struct AttnDims {
 }
 
 /// Splits fused QKV rows, applies rope to Q and K, writes K and V into the paged cache and
-/// attends. `qkv`: `[T, (H + 2 * Hkv) * D]`. Returns `[T, H * D]`.
-pub(crate) fn attention(
-    qkv: &Tensor,
-    batch: &ForwardBatch,
-    rope: &RopeTables,
-    layout: &CacheShape,
-    kv: LayerKvMut<'_>,
-    dims: AttnDims,
-) -> Result<Tensor> {
+/// attends as the layer's `opts` say. `qkv`: `[T, (H + 2 * Hkv) * D]`. Returns `[T, H * D]`.
+pub(crate) fn attention(qkv: &Tensor, at: &LayerAttn<'_>, kv: LayerKvMut<'_>) -> Result<Tensor> {
     match kv {
-        LayerKvMut::F32(k, v) => attention_typed::<f32>(qkv, batch, rope, layout, k, v, dims),
-        LayerKvMut::Bf16(k, v) => {
-            attention_typed::<half::bf16>(qkv, batch, rope, layout, k, v, dims)
-        }
-        LayerKvMut::F16(k, v) => attention_typed::<half::f16>(qkv, batch, rope, layout, k, v, dims),
+        LayerKvMut::F32(k, v) => attention_typed::<f32>(qkv, at, k, v),
+        LayerKvMut::Bf16(k, v) => attention_typed::<half::bf16>(qkv, at, k, v),
+        LayerKvMut::F16(k, v) => attention_typed::<half::f16>(qkv, at, k, v),
     }
+}
+
+/// What one layer's attention reads besides its rows and the cache: the step, the layer's rope
+/// tables, the cache layout, and its scale, window and soft-cap.
+pub(crate) struct LayerAttn<'a> {
+    pub batch: &'a ForwardBatch,
+    pub rope: &'a RopeTables,
+    pub layout: &'a CacheShape,
+    pub dims: AttnDims,
+    pub opts: AttnOptions,
 }
 
 fn attention_typed<T: KvElem + WithDType>(
     qkv: &Tensor,
-    batch: &ForwardBatch,
-    rope: &RopeTables,
-    layout: &CacheShape,
+    at: &LayerAttn<'_>,
     k_cache: &mut [T],
     v_cache: &mut [T],
-    dims: AttnDims,
 ) -> Result<Tensor> {
+    let (batch, dims) = (at.batch, at.dims);
     let t = batch.num_tokens();
-    let out = with_slice::<T, _>(qkv, |src| {
-        attention_rows(src, batch, rope, layout, k_cache, v_cache, dims)
-    })??;
+    let out = with_slice::<T, _>(qkv, |src| attention_rows(src, at, k_cache, v_cache))??;
     Ok(Tensor::from_vec(
         out,
         (t, dims.num_heads * dims.head_dim),
@@ -82,14 +80,12 @@ fn attention_typed<T: KvElem + WithDType>(
 /// [`attention`] on raw rows: `qkv` is `[T, (H + 2 * Hkv) * D]`, the result `[T, H * D]`.
 pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
     src: &[S],
-    batch: &ForwardBatch,
-    rope: &RopeTables,
-    layout: &CacheShape,
+    at: &LayerAttn<'_>,
     k_cache: &mut [T],
     v_cache: &mut [T],
-    dims: AttnDims,
 ) -> Result<Vec<T>> {
-    let q = rope_and_cache(src, batch, rope, layout, k_cache, v_cache, dims)?;
+    let batch = at.batch;
+    let q = rope_and_cache(src, at, k_cache, v_cache)?;
     let seqs: Vec<SeqAttn<'_>> = batch
         .seqs
         .iter()
@@ -100,20 +96,18 @@ pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
             block_table: &s.block_table,
         })
         .collect();
-    attend(&q, &seqs, layout, k_cache, v_cache, dims)
+    attend(&q, &seqs, at, k_cache, v_cache)
 }
 
 /// The first half of [`attention_rows`]: splits the fused rows, applies rope to Q and K, and
 /// writes every row's K and V into the cache. Returns Q, `[T, H * D]`.
 pub(crate) fn rope_and_cache<S: KvElem, T: KvElem>(
     src: &[S],
-    batch: &ForwardBatch,
-    rope: &RopeTables,
-    layout: &CacheShape,
+    at: &LayerAttn<'_>,
     k_cache: &mut [T],
     v_cache: &mut [T],
-    dims: AttnDims,
 ) -> Result<Vec<T>> {
+    let (batch, rope, layout, dims) = (at.batch, at.rope, at.layout, at.dims);
     let AttnDims {
         num_heads: h,
         num_kv_heads: hkv,
@@ -167,19 +161,17 @@ pub(crate) fn rope_and_cache<S: KvElem, T: KvElem>(
 }
 
 /// The second half of [`attention_rows`]: the query rows `q` (`[rows, H * D]`) of `seqs`
-/// against the cache. Returns `[rows, H * D]`.
+/// against the cache, with the layer's scale, window and soft-cap. Returns `[rows, H * D]`.
 pub(crate) fn attend<T: KvElem>(
     q: &[T],
     seqs: &[SeqAttn<'_>],
-    layout: &CacheShape,
+    at: &LayerAttn<'_>,
     k_cache: &[T],
     v_cache: &[T],
-    dims: AttnDims,
 ) -> Result<Vec<T>> {
-    let (h, d) = (dims.num_heads, dims.head_dim);
+    let h = at.dims.num_heads;
     let mut out = vec![T::default(); q.len()];
-    let scale = 1.0 / (d as f32).sqrt();
-    kernels::paged_attention(layout, k_cache, v_cache, q, &mut out, h, seqs, scale)?;
+    kernels::paged_attention_with(at.layout, k_cache, v_cache, q, &mut out, h, seqs, at.opts)?;
     Ok(out)
 }
 
@@ -229,37 +221,79 @@ fn rope_head<S: KvElem, T: KvElem>(
     }
 }
 
-/// `silu(gate) * up` over fused `[T, 2F]` rows (gate first), giving `[T, F]`.
-pub(crate) fn silu_mul(gate_up: &Tensor) -> Result<Tensor> {
+/// `act(gate) * up` over fused `[T, 2F]` rows (gate first), giving `[T, F]`.
+pub(crate) fn gate_mul(gate_up: &Tensor, act: Activation) -> Result<Tensor> {
     let (t, two_f) = gate_up.dims2()?;
     let f = two_f / 2;
     match gate_up.dtype() {
-        DType::F32 => silu_mul_typed::<f32>(gate_up, t, f),
-        DType::BF16 => silu_mul_typed::<half::bf16>(gate_up, t, f),
-        DType::F16 => silu_mul_typed::<half::f16>(gate_up, t, f),
+        DType::F32 => gate_mul_typed::<f32>(gate_up, t, f, act),
+        DType::BF16 => gate_mul_typed::<half::bf16>(gate_up, t, f, act),
+        DType::F16 => gate_mul_typed::<half::f16>(gate_up, t, f, act),
         other => Err(EngineError::UnsupportedDtype {
             dtype: format!("{other:?}"),
         }),
     }
 }
 
-fn silu_mul_typed<T: KvElem + WithDType>(gate_up: &Tensor, t: usize, f: usize) -> Result<Tensor> {
+fn gate_mul_typed<T: KvElem + WithDType>(
+    gate_up: &Tensor,
+    t: usize,
+    f: usize,
+    act: Activation,
+) -> Result<Tensor> {
     let mut out = vec![T::default(); t * f];
-    with_slice::<T, _>(gate_up, |src| silu_mul_rows(src, t, f, &mut out))?;
+    with_slice::<T, _>(gate_up, |src| gate_mul_rows(src, t, f, act, &mut out))?;
     Ok(Tensor::from_vec(out, (t, f), &Device::Cpu)?)
 }
 
-/// [`silu_mul`] on raw rows: `src` is `[T, 2F]`, `out` `[T, F]`.
-pub(crate) fn silu_mul_rows<T: KvElem>(src: &[T], t: usize, f: usize, out: &mut [T]) {
+/// [`gate_mul`] on raw rows: `src` is `[T, 2F]`, `out` `[T, F]`.
+pub(crate) fn gate_mul_rows<T: KvElem>(
+    src: &[T],
+    t: usize,
+    f: usize,
+    act: Activation,
+    out: &mut [T],
+) {
     let body = |row: usize, o: &mut [T]| {
         let s = &src[row * 2 * f..(row + 1) * 2 * f];
         let (g, u) = s.split_at(f);
         for i in 0..f {
             let gv = g[i].to_f32();
-            o[i] = T::from_f32(gv / (1.0 + (-gv).exp()) * u[i].to_f32());
+            let a = match act {
+                Activation::Silu => gv / (1.0 + (-gv).exp()),
+                Activation::GeluTanh => gelu_tanh(gv),
+            };
+            o[i] = T::from_f32(a * u[i].to_f32());
         }
     };
     for_rows(out, t, f, 8, &body);
+}
+
+/// torch's `gelu(x, approximate="tanh")` in f32, as its CPU kernel writes it.
+#[inline]
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    const KAPPA: f32 = 0.044715;
+    let inner = BETA * (x + KAPPA * (x * x * x));
+    0.5 * x * (1.0 + inner.tanh())
+}
+
+/// Final-logit soft-capping, `cap * tanh(logit / cap)`, in place (Gemma 2); both paths.
+pub(crate) fn softcap_logits(logits: &mut [f32], cap: Option<f32>) {
+    if let Some(cap) = cap {
+        for l in logits {
+            *l = (*l / cap).tanh() * cap;
+        }
+    }
+}
+
+/// Embedding rows times sqrt(hidden), the scale and each product rounded to the embedding
+/// dtype `T`, as transformers' Gemma embedding does; `x` holds the rows widened to f32.
+pub(crate) fn scale_embeddings<T: KvElem>(x: &mut [f32], hidden: usize) {
+    let scale = T::from_f32((hidden as f64).sqrt() as f32).to_f32();
+    for v in x {
+        *v = T::from_f32(*v * scale).to_f32();
+    }
 }
 
 /// Runs `body(row, out_row)` over the `t` rows of `out` (`width` wide), across the kernel

@@ -11,13 +11,23 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> Self {
-        let dim = cfg.head_dim;
-        let base = cfg.rope_theta as f32;
+        Self::with_base(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling)
+    }
+
+    /// The sliding layers' own rope, unscaled, when the model has one (Gemma 3's
+    /// `rope_local_base_freq`).
+    pub fn local(cfg: &ModelConfig) -> Option<Self> {
+        cfg.local_rope_theta
+            .map(|theta| Self::with_base(cfg.head_dim, theta, &RopeScaling::None))
+    }
+
+    fn with_base(dim: usize, theta: f64, scaling: &RopeScaling) -> Self {
+        let base = theta as f32;
         let mut inv_freq: Vec<f32> = (0..dim)
             .step_by(2)
             .map(|i| 1.0 / base.powf(i as f32 / dim as f32))
             .collect();
-        match cfg.rope_scaling {
+        match *scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => {
                 for f in &mut inv_freq {

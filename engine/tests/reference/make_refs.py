@@ -2,19 +2,21 @@
 """Writes arch_refs.json: what transformers computes for tiny random models of each Llama-family
 variant the engine supports. engine/tests/architectures.rs checks the engine against it.
 
-Each variant is a testkit ModelSpec. Its model is written by `fission make-random-model
---spec-json`, which is testkit's writer, the same code the Rust test calls, so the test regenerates
-bit-identical weights from the spec recorded here. The recorded fingerprint (FNV-1a 64 over
+Each variant is a random-model ModelSpec. Its model is written by random-model's `write_model`
+example (the writer `fission make-random-model --spec-json` calls, and the same code the Rust test
+calls), so the test regenerates bit-identical weights from the spec recorded here. The recorded fingerprint (FNV-1a 64 over
 config.json then model.safetensors) tells the test when the writer has drifted from the references.
 No weights are committed.
 
 For each of two fixed prompts (id lists, so no tokenizer is involved) the file records the greedy
-continuation (16 tokens, no stop token) and the top-5 logits at the last prompt position. transformers
+continuation (16 tokens, no stop token) and the top-5 logits at the last prompt position. Variants
+with sliding windows get a third prompt and 24 tokens each (`max_new_tokens` in their entry), their
+windows of 7-10 tokens well inside every prompt plus its continuation. transformers
 runs in float32 with eager attention, recomputing the full sequence at every step.
 
 Run from the repository root:
 
-    cargo build --release -p deploy
+    cargo build --release -p random-model --example write_model
     .peers/venv/bin/python engine/tests/reference/make_refs.py
 
 `--only NAME` (repeatable) recomputes the named variants and keeps every other variant's entry
@@ -38,6 +40,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 MAX_NEW_TOKENS = 16
+# Sliding-window variants: more tokens past the window, and a third prompt.
+LONG_NEW_TOKENS = 24
 # Steps whose top-1 and top-2 logits are closer than this are near-ties: float noise between two
 # correct implementations could flip them, so the references refuse them (pick another seed).
 MIN_TOP2_GAP = 1e-3
@@ -48,6 +52,7 @@ PROMPTS = [
     [1, 5, 9, 13, 100, 200, 300, 400, 17, 33],
     [1] + [(37 * k + 11) % 500 + 3 for k in range(1, 80)],
 ]
+LONG_PROMPTS = PROMPTS + [[1] + [(53 * k + 7) % 505 + 3 for k in range(1, 31)]]
 
 # Weights of std 0.1 on hidden 64..128 keep activations near unit scale, so attention is far from
 # uniform and rope, bias or norm mistakes move the logits well beyond the test's 1e-4 tolerance.
@@ -67,18 +72,26 @@ BASE = {
     "attention_bias": False,
     "tie_word_embeddings": True,
     "sliding_window": None,
+    "query_pre_attn_scalar": None,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "sliding_window_pattern": None,
+    "rope_local_base_freq": None,
     "dtype": "float32",
     "init_std": 0.1,
     "seed": 0,
 }
 
 
-def variant(name, description, **changes):
+def variant(name, description, long=False, **changes):
     spec = dict(BASE)
     for key in changes:
         assert key in spec, f"unknown spec field {key}"
     spec.update(changes)
-    return {"name": name, "description": description, "spec": spec}
+    v = {"name": name, "description": description, "spec": spec}
+    if long:
+        v["max_new_tokens"] = LONG_NEW_TOKENS
+    return v
 
 
 VARIANTS = [
@@ -167,6 +180,53 @@ VARIANTS = [
         rope_theta=1000000.0,
         seed=113,
     ),
+    variant(
+        "mistral_window",
+        "Mistral with sliding_window 7: every layer's queries see their last 7 keys, and every "
+        "prompt and continuation goes past it",
+        long=True,
+        architecture="MistralForCausalLM",
+        sliding_window=7,
+        init_std=0.25,
+        seed=123,
+    ),
+    variant(
+        "gemma2",
+        "Gemma 2: sqrt(hidden)-scaled embeddings, (1 + w) norms before and after attention and "
+        "MLP, tanh-GELU, query_pre_attn_scalar 24 (not head_dim 32), attention soft-cap 2 and "
+        "final soft-cap 5 (small, so they shape the result), layers sliding (window 8), full, "
+        "sliding; own lm_head (tied, the scaled embeddings of random weights make every step "
+        "repeat the last token)",
+        long=True,
+        architecture="Gemma2ForCausalLM",
+        tie_word_embeddings=False,
+        head_dim=32,
+        layers=3,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        init_std=0.25,
+        seed=131,
+    ),
+    variant(
+        "gemma3",
+        "Gemma 3 text: Gemma 2's layer with (1 + w) q/k norms, no soft-caps, "
+        "sliding_window_pattern 3 (sliding, sliding, full, sliding; window 10), global rope base "
+        "1e6 and local 1e4, one KV head, query_pre_attn_scalar 32, own lm_head",
+        long=True,
+        architecture="Gemma3ForCausalLM",
+        tie_word_embeddings=False,
+        layers=4,
+        kv_heads=1,
+        sliding_window=10,
+        sliding_window_pattern=3,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        query_pre_attn_scalar=32,
+        init_std=0.25,
+        seed=122,
+    ),
 ]
 
 
@@ -179,14 +239,10 @@ def fingerprint(model_dir):
     return f"{h:016x}"
 
 
-def write_model(fission, spec, out, tokenizer_from):
+def write_model(writer, spec, out, tokenizer_from):
     spec_path = out.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
-    subprocess.run(
-        [fission, "make-random-model", "--spec-json", str(spec_path), "--out", str(out),
-         "--tokenizer-from", str(tokenizer_from)],
-        check=True,
-    )
+    subprocess.run([writer, str(spec_path), str(out), str(tokenizer_from)], check=True)
 
 
 def load(model_dir, spec):
@@ -203,10 +259,10 @@ def load(model_dir, spec):
 
 
 @torch.no_grad()
-def reference(model, input_ids):
+def reference(model, input_ids, max_new_tokens):
     ids = list(input_ids)
     out, top5, gaps = [], None, []
-    for step in range(MAX_NEW_TOKENS):
+    for step in range(max_new_tokens):
         logits = model(torch.tensor([ids])).logits[0, -1].float()
         values, indices = torch.topk(logits, 5)
         gaps.append(float(values[0] - values[1]))
@@ -227,7 +283,7 @@ def main():
     root = Path(__file__).resolve().parents[3]
     shared = Path(os.environ.get("FISSION_SHARED_DIR", root.parent / "shared"))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fission", default=str(root / "target/release/fission"))
+    ap.add_argument("--writer", default=str(root / "target/release/examples/write_model"))
     ap.add_argument("--tokenizer-from", default=str(shared / "models/stories260K"))
     ap.add_argument("--out", default=str(Path(__file__).with_name("arch_refs.json")))
     ap.add_argument("--only", action="append", default=[],
@@ -242,8 +298,9 @@ def main():
         old = json.loads(Path(args.out).read_text())
         kept = {v["name"]: v for v in old["variants"] if v["name"] not in args.only}
         header = {k: old[k] for k in ["transformers_version", "torch_version"]}
-    if not Path(args.fission).is_file():
-        sys.exit(f"{args.fission} not found: run `cargo build --release -p deploy` first")
+    if not Path(args.writer).is_file():
+        sys.exit(f"{args.writer} not found: run "
+                 "`cargo build --release -p random-model --example write_model` first")
     torch.manual_seed(0)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
@@ -256,9 +313,11 @@ def main():
                     continue
                 sys.exit(f"{v['name']} is not in {args.out}: add it with --only {v['name']}")
             model_dir = Path(tmp) / v["name"]
-            write_model(args.fission, v["spec"], model_dir, args.tokenizer_from)
+            write_model(args.writer, v["spec"], model_dir, args.tokenizer_from)
             model = load(model_dir, v["spec"])
-            refs = [reference(model, p) for p in PROMPTS]
+            prompts = LONG_PROMPTS if "max_new_tokens" in v else PROMPTS
+            new_tokens = v.get("max_new_tokens", MAX_NEW_TOKENS)
+            refs = [reference(model, p, new_tokens) for p in prompts]
             for i, r in enumerate(refs):
                 if r["min_top2_gap"] < MIN_TOP2_GAP:
                     sys.exit(f"{v['name']} prompt {i}: near-tie (top-2 gap {r['min_top2_gap']:.2e}); "
