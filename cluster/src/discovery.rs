@@ -40,12 +40,10 @@ pub enum ClusterChange {
     },
 }
 
-/// What to follow.
+/// What to follow: every node of the cluster, both roles.
 #[derive(Debug, Clone)]
 pub struct DiscoveryConfig {
     pub etcd: EtcdConfig,
-    /// Follow one role only; `None` follows both.
-    pub role: Option<Role>,
     /// The model every member must serve, when the follower knows it (a gateway with the
     /// weights); otherwise the model most registered nodes serve. See [`crate::admission`].
     pub expected_fingerprint: Option<String>,
@@ -55,7 +53,6 @@ impl DiscoveryConfig {
     pub fn new(etcd: EtcdConfig) -> Self {
         DiscoveryConfig {
             etcd,
-            role: None,
             expected_fingerprint: None,
         }
     }
@@ -88,7 +85,7 @@ impl EtcdDiscovery {
         let (refused_tx, refused_rx) = watch::channel(Arc::new(Vec::new()));
         let published = Arc::new(Mutex::new(Published::default()));
         let cancel = CancellationToken::new();
-        let prefix = nodes_prefix(&config.etcd.cluster, config.role);
+        let prefix = nodes_prefix(&config.etcd.cluster);
         let follower = MemberFollower {
             registered: BTreeMap::new(),
             admission: Admission::new(config.expected_fingerprint),

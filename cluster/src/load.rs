@@ -124,7 +124,7 @@ pub async fn list_nodes(etcd: &EtcdConfig) -> Result<Vec<NodeStatus>, ClusterErr
         "get",
         timeout,
         client.get(
-            nodes_prefix(&etcd.cluster, None),
+            nodes_prefix(&etcd.cluster),
             Some(GetOptions::new().with_prefix()),
         ),
     )

@@ -86,11 +86,9 @@ pub(crate) fn cluster_prefix(cluster: &str) -> String {
     format!("/fission/{cluster}/")
 }
 
-pub(crate) fn nodes_prefix(cluster: &str, role: Option<Role>) -> String {
-    match role {
-        Some(role) => format!("/fission/{cluster}/nodes/{role}/"),
-        None => format!("/fission/{cluster}/nodes/"),
-    }
+/// Every node's record, both roles.
+pub(crate) fn nodes_prefix(cluster: &str) -> String {
+    format!("/fission/{cluster}/nodes/")
 }
 
 pub(crate) fn node_key(cluster: &str, role: Role, node_id: &str) -> String {
@@ -142,7 +140,7 @@ mod tests {
             load_key("c1", Role::Decode, "n2"),
             "/fission/c1/load/decode/n2"
         );
-        assert_eq!(nodes_prefix("c1", None), "/fission/c1/nodes/");
+        assert_eq!(nodes_prefix("c1"), "/fission/c1/nodes/");
         assert_eq!(
             key_identity(b"/fission/c/load/decode/d-1"),
             Some((Role::Decode, "d-1".to_string()))
