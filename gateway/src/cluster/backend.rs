@@ -81,7 +81,7 @@ impl Backend for ClusterBackend {
                     "endpoint": n.entry.grpc_endpoint,
                     "ready": n.is_ready(),
                     "draining": n.entry.draining,
-                    "registered": n.entry.registered,
+                    "registered": n.registered,
                     "in_flight": n.in_flight(),
                     "max_context": n.info().map(|i| i.max_context),
                     "cached_blocks": self.pools.cached_blocks(n),

@@ -1,26 +1,24 @@
 //! Membership from etcd: the `cluster` crate follows the registered nodes, decides which are
-//! members (same model, KV layout and transport) and streams their changes; this adapter maps
-//! each change to the pools' [`MemberChange`], publishes the membership's gauges, and follows
-//! the nodes' published load.
+//! members (same model, KV layout and transport) and streams their changes, which the pools
+//! read as they are; this adds the membership's gauges and the nodes' published load.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use cluster::{
     ClusterChange, ClusterError, DiscoveryConfig, EtcdConfig, EtcdDiscovery, LoadWatch, Loads,
-    NodeRecord, Refusal,
+    Refusal,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::discovery::{Discovery, MemberChange, NodeEntry, Role};
+use super::discovery::{Discovery, Role};
 
 pub struct EtcdMembers {
-    discovery: Arc<EtcdDiscovery>,
+    discovery: EtcdDiscovery,
     loads: watch::Receiver<Loads>,
     _load: LoadWatch,
-    /// Stops the subscribers' forwarding tasks when the discovery is dropped.
-    cancel: CancellationToken,
+    /// Stops the gauges' task when the discovery is dropped.
     _cancel_guard: DropGuard,
 }
 
@@ -34,7 +32,7 @@ impl EtcdMembers {
     ) -> Result<EtcdMembers, ClusterError> {
         let mut config = DiscoveryConfig::new(etcd.clone());
         config.expected_fingerprint = expected_fingerprint;
-        let discovery = Arc::new(EtcdDiscovery::start(config).await?);
+        let discovery = EtcdDiscovery::start(config).await?;
         let load = LoadWatch::start(etcd).await?;
         let cancel = CancellationToken::new();
         tokio::spawn(count_nodes(
@@ -46,56 +44,22 @@ impl EtcdMembers {
             discovery,
             loads: load.loads(),
             _load: load,
-            _cancel_guard: cancel.clone().drop_guard(),
-            cancel,
+            _cancel_guard: cancel.drop_guard(),
         })
     }
 }
 
 impl Discovery for EtcdMembers {
-    fn changes(&self) -> mpsc::UnboundedReceiver<MemberChange> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut upstream = self.discovery.subscribe();
-        let cancel = self.cancel.clone();
-        tokio::spawn(async move {
-            loop {
-                let change = tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = tx.closed() => return,
-                    change = upstream.recv() => change,
-                };
-                let Some(change) = change else { return };
-                if tx.send(member_change(change)).is_err() {
-                    return;
-                }
-            }
-        });
-        rx
+    fn changes(&self) -> mpsc::UnboundedReceiver<ClusterChange> {
+        self.discovery.subscribe()
+    }
+
+    fn registered(&self) -> bool {
+        true
     }
 
     fn loads(&self) -> Option<watch::Receiver<Loads>> {
         Some(self.loads.clone())
-    }
-}
-
-fn member_change(change: ClusterChange) -> MemberChange {
-    match change {
-        ClusterChange::Add(r) => MemberChange::Add(entry(&r)),
-        ClusterChange::Update(r) => MemberChange::Update(entry(&r)),
-        ClusterChange::Remove { role, node_id } => MemberChange::Remove { role, node_id },
-        ClusterChange::Lost { role, node_id } => MemberChange::Lost { role, node_id },
-    }
-}
-
-fn entry(r: &NodeRecord) -> NodeEntry {
-    NodeEntry {
-        node_id: r.node_id.clone(),
-        role: r.role,
-        grpc_endpoint: r.grpc_endpoint.clone(),
-        draining: r.draining,
-        registered: true,
-        block_size: r.kv_layout.block_size,
-        total_kv_blocks: r.total_kv_blocks,
     }
 }
 
@@ -138,52 +102,5 @@ async fn count_nodes(
             changed = members.changed() => if changed.is_err() { return },
             changed = refused.changed() => if changed.is_err() { return },
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use kv_types::{KvDtype, KvLayout};
-
-    use super::*;
-
-    #[test]
-    fn changes_map_one_to_one_with_the_record_capacity() {
-        let r = NodeRecord {
-            node_id: "d".into(),
-            role: Role::Decode,
-            version: "0".into(),
-            grpc_endpoint: "127.0.0.1:1".into(),
-            kv_endpoint: "127.0.0.1:2".into(),
-            model_id: "m".into(),
-            model_fingerprint: "f".into(),
-            kv_layout: KvLayout {
-                dtype: KvDtype::F32,
-                num_layers: 2,
-                block_size: 16,
-                num_kv_heads: 2,
-                head_dim: 8,
-            },
-            total_kv_blocks: 10,
-            kv_transport: "tcp".into(),
-            draining: true,
-        };
-        match member_change(ClusterChange::Update(r)) {
-            MemberChange::Update(e) => {
-                assert_eq!((e.block_size, e.total_kv_blocks), (16, 10));
-                assert!(e.draining && e.registered);
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-        assert_eq!(
-            member_change(ClusterChange::Remove {
-                role: Role::Prefill,
-                node_id: "p".into()
-            }),
-            MemberChange::Remove {
-                role: Role::Prefill,
-                node_id: "p".into()
-            }
-        );
     }
 }

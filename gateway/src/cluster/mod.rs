@@ -27,7 +27,7 @@ mod wire;
 
 pub use backend::ClusterBackend;
 pub use config::ClusterConfig;
-pub use discovery::{Discovery, NodeEntry, Role, StaticDiscovery};
+pub use discovery::{Discovery, Role, StaticDiscovery};
 pub use etcd_discovery::EtcdMembers;
 pub use pool::Pools;
 pub use routing::{policy, PolicyKind, RoutingPolicy};

@@ -1,4 +1,4 @@
-//! Live node pools, kept by applying discovery's [`MemberChange`] stream: a gRPC client per
+//! Live node pools, kept by applying discovery's [`ClusterChange`] stream: a gRPC client per
 //! member, readiness, in-flight counts, published load and each node's prefix cache (followed
 //! over its `CacheEvents` stream).
 
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use cluster::{Loads, NodeLoad};
+use cluster::{ClusterChange, Loads, NodeLoad, NodeRecord};
 use futures::StreamExt;
 use identity::GrpcSecurity;
 use proto::v1::decode_client::DecodeClient;
@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 
-use super::discovery::{Discovery, MemberChange, NodeEntry, NodeKey, Role};
+use super::discovery::{Discovery, NodeKey, Role};
 use super::health::{answers, Health, CHECK_INTERVAL};
 use super::pairs::{PairConfig, Pairs};
 use super::prefix_index::{CacheEvent, PrefixIndex};
@@ -46,7 +46,10 @@ struct NodeState {
 
 /// One member with its client and load.
 pub struct Node {
-    pub entry: NodeEntry,
+    pub entry: NodeRecord,
+    /// A registered node serves from the moment it appears; a static one once it answers
+    /// `Info` (see [`Discovery::registered`]).
+    pub registered: bool,
     pub channel: Channel,
     state: Arc<NodeState>,
     /// The node's key in the published loads and its name in the prefix index
@@ -69,7 +72,7 @@ impl Node {
         if quarantined || self.state.health.is_suspect() {
             return false;
         }
-        self.entry.registered || self.info().is_some()
+        self.registered || self.info().is_some()
     }
 
     /// Takes the node out of routing until it answers a health check: it stalled or lost its
@@ -112,8 +115,8 @@ impl Node {
 
     /// Tokens per KV block, from the registration or the `Info` answer.
     pub fn block_size(&self) -> usize {
-        if self.entry.block_size > 0 {
-            return self.entry.block_size as usize;
+        if self.entry.kv_layout.block_size > 0 {
+            return self.entry.kv_layout.block_size as usize;
         }
         self.info()
             .and_then(|i| i.layout.map(|l| l.block_size as usize))
@@ -160,6 +163,8 @@ impl Drop for InFlight {
 pub struct Pools {
     nodes: Mutex<HashMap<NodeKey, Arc<Node>>>,
     loads: Option<watch::Receiver<Loads>>,
+    /// Whether discovery's members registered themselves ([`Discovery::registered`]).
+    registered: bool,
     prefixes: Arc<Mutex<PrefixIndex>>,
     /// Nodes whose registration ended without a drain and that then failed a health check:
     /// the pool's loop removes them.
@@ -187,6 +192,7 @@ impl Pools {
         let pools = Arc::new(Pools {
             nodes: Mutex::new(HashMap::new()),
             loads: discovery.loads(),
+            registered: discovery.registered(),
             prefixes: Arc::new(Mutex::new(PrefixIndex::new())),
             dead_tx,
             security,
@@ -204,7 +210,7 @@ impl Pools {
                         None => return,
                     },
                     Some((role, node_id)) = dead_rx.recv() => {
-                        MemberChange::Remove { role, node_id }
+                        ClusterChange::Remove { role, node_id }
                     }
                 };
                 p.apply(change);
@@ -213,10 +219,10 @@ impl Pools {
         pools
     }
 
-    fn apply(&self, change: MemberChange) {
+    fn apply(&self, change: ClusterChange) {
         let mut nodes = self.nodes.lock().unwrap_or_else(PoisonError::into_inner);
         let m = match change {
-            MemberChange::Remove { role, node_id } => {
+            ClusterChange::Remove { role, node_id } => {
                 if let Some(n) = nodes.remove(&(role, node_id.clone())) {
                     tracing::info!(%node_id, role = role.as_str(), "node left the pool");
                     n.state.follower.cancel();
@@ -228,7 +234,7 @@ impl Pools {
                 }
                 return;
             }
-            MemberChange::Lost { role, node_id } => {
+            ClusterChange::Lost { role, node_id } => {
                 // A lease expired without a drain: the node died, or etcd lost it (an outage
                 // ends every lease at once). Keep routing to it while it answers.
                 if let Some(n) = nodes.get(&(role, node_id.clone())) {
@@ -244,7 +250,7 @@ impl Pools {
                 }
                 return;
             }
-            MemberChange::Add(m) | MemberChange::Update(m) => m,
+            ClusterChange::Add(m) | ClusterChange::Update(m) => m,
         };
         let old = nodes.get(&m.key()).cloned();
         if let Some(o) = &old {
@@ -298,7 +304,7 @@ impl Pools {
         };
         match &old {
             None => {
-                tracing::info!(node_id = %m.node_id, role = m.role.as_str(), endpoint = %m.grpc_endpoint, registered = m.registered, "node joined the pool")
+                tracing::info!(node_id = %m.node_id, role = m.role.as_str(), endpoint = %m.grpc_endpoint, registered = self.registered, "node joined the pool")
             }
             Some(o) if m.draining && !o.entry.draining => {
                 tracing::info!(node_id = %m.node_id, role = m.role.as_str(), "node is draining")
@@ -311,6 +317,7 @@ impl Pools {
                 key: m.key(),
                 index_key: index_key(m.role, &m.node_id),
                 entry: m,
+                registered: self.registered,
                 channel,
                 state,
             }),
@@ -369,7 +376,7 @@ impl Pools {
 /// Asks a member for its `Info` until it answers (a static member is routable from then on;
 /// every member's context bounds the gateway's limits) or it leaves the pool. Each probe runs under a timeout: a node whose listener is bound but whose
 /// server is not up yet must not hold the probe forever.
-async fn probe_until_answered(entry: NodeEntry, channel: Channel, state: Arc<NodeState>) {
+async fn probe_until_answered(entry: NodeRecord, channel: Channel, state: Arc<NodeState>) {
     loop {
         let mut client = NodeClient::new(channel.clone());
         let call = client.info(InfoRequest {});
