@@ -45,6 +45,8 @@ pub fn launch(cli: GatewayCli) -> Result<(), telemetry::ProcessError<GatewayErro
     )
 }
 
+/// The gateway's flags. Their defaults are read from [`GatewayConfig::default`] and
+/// [`ClusterConfig::default`], the one source of each (a test below holds them together).
 #[derive(Args, Debug, Clone)]
 pub struct GatewayArgs {
     /// Model directory holding tokenizer.json (and tokenizer_config.json, generation_config.json).
@@ -88,35 +90,35 @@ pub struct GatewayArgs {
     )]
     pub decode_nodes: Vec<String>,
     /// Prompts shorter than this are prefilled on the decode node (conditional disaggregation).
-    #[arg(long, env = "MAX_LOCAL_PREFILL_TOKENS", default_value_t = 0)]
+    #[arg(long, env = "MAX_LOCAL_PREFILL_TOKENS", default_value_t = ClusterConfig::default().max_local_prefill_tokens)]
     pub max_local_prefill_tokens: usize,
-    #[arg(long, env = "MAX_INPUT_TOKENS", default_value_t = 4095)]
+    #[arg(long, env = "MAX_INPUT_TOKENS", default_value_t = GatewayConfig::default().max_input_tokens)]
     pub max_input_tokens: usize,
-    #[arg(long, env = "MAX_TOTAL_TOKENS", default_value_t = 4096)]
+    #[arg(long, env = "MAX_TOTAL_TOKENS", default_value_t = GatewayConfig::default().max_total_tokens)]
     pub max_total_tokens: usize,
     /// Requests placed on the nodes at once; more wait in the admission queue.
-    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
+    #[arg(long, env = "MAX_CONCURRENT_REQUESTS", default_value_t = GatewayConfig::default().max_concurrent_requests)]
     pub max_concurrent_requests: usize,
     /// Requests that may wait in the admission queue; one more gets 429 at once.
-    #[arg(long, env = "FISSION_MAX_WAITING_REQUESTS", default_value_t = 1024)]
+    #[arg(long, env = "FISSION_MAX_WAITING_REQUESTS", default_value_t = GatewayConfig::default().max_waiting_requests)]
     pub max_waiting_requests: usize,
     /// Prompt tokens the waiting requests may hold together; a request over it gets 429.
-    #[arg(long, env = "FISSION_MAX_QUEUED_TOKENS", default_value_t = 4 << 20)]
+    #[arg(long, env = "FISSION_MAX_QUEUED_TOKENS", default_value_t = GatewayConfig::default().max_queued_tokens)]
     pub max_queued_tokens: u64,
     /// The longest a request waits in the queue for room before it gets 429.
-    #[arg(long, env = "FISSION_MAX_QUEUE_WAIT_MS", default_value_t = 60_000)]
+    #[arg(long, env = "FISSION_MAX_QUEUE_WAIT_MS", default_value_t = GatewayConfig::default().max_queue_wait_ms)]
     pub max_queue_wait_ms: u64,
     /// A request's node that sends nothing (and, while generating, no token) for this long is
     /// suspect: it takes no new work and the request moves on. Slower requests get more: up to
     /// 8 times their own time per output token.
-    #[arg(long, env = "FISSION_MAX_STALL_MS", default_value_t = 3_000)]
+    #[arg(long, env = "FISSION_MAX_STALL_MS", default_value_t = ClusterConfig::default().max_stall.as_millis() as u64)]
     pub max_stall_ms: u64,
     /// How many times one request may move to another decode node mid-stream.
-    #[arg(long, env = "FISSION_MIGRATION_LIMIT", default_value_t = 2)]
+    #[arg(long, env = "FISSION_MIGRATION_LIMIT", default_value_t = ClusterConfig::default().migration_limit)]
     pub migration_limit: usize,
-    #[arg(long, env = "MAX_NEW_TOKENS", default_value_t = 256)]
+    #[arg(long, env = "MAX_NEW_TOKENS", default_value_t = GatewayConfig::default().max_new_tokens_default)]
     pub max_new_tokens_default: usize,
-    #[arg(long, env = "FISSION_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
+    #[arg(long, env = "FISSION_REQUEST_TIMEOUT_MS", default_value_t = GatewayConfig::default().request_timeout_ms)]
     pub request_timeout_ms: u64,
     // The HTTP edge: API keys and body size (see `crate::auth`, `crate::body_limit`).
     /// An API key clients must send (`Authorization: Bearer KEY` or `x-api-key: KEY`);
@@ -136,7 +138,7 @@ pub struct GatewayArgs {
     #[arg(long, env = "FISSION_PUBLIC_METRICS")]
     pub public_metrics: bool,
     /// Request bodies larger than this get 413.
-    #[arg(long, env = "FISSION_MAX_BODY_BYTES", default_value_t = crate::config::DEFAULT_MAX_BODY_BYTES)]
+    #[arg(long, env = "FISSION_MAX_BODY_BYTES", default_value_t = GatewayConfig::default().max_body_bytes)]
     pub max_body_bytes: usize,
     /// The gateway's certificate for mutual TLS with the nodes (role gateway).
     #[command(flatten)]
@@ -200,20 +202,7 @@ pub async fn run_cluster(
         .map_err(|e| GatewayError::Config {
             message: e.to_string(),
         })?;
-    let mut config = GatewayConfig::new(model_id, cli.model_dir.join("tokenizer.json"));
-    let tc = cli.model_dir.join("tokenizer_config.json");
-    config.tokenizer_config_path = tc.is_file().then_some(tc);
-    config.served_model_names = cli.served_model_names.clone();
-    config.max_input_tokens = cli.max_input_tokens;
-    config.max_total_tokens = cli.max_total_tokens;
-    config.max_concurrent_requests = cli.max_concurrent_requests;
-    config.max_waiting_requests = cli.max_waiting_requests;
-    config.max_queued_tokens = cli.max_queued_tokens;
-    config.max_queue_wait_ms = cli.max_queue_wait_ms;
-    config.max_new_tokens_default = cli.max_new_tokens_default;
-    config.request_timeout_ms = cli.request_timeout_ms;
-    config.eos_token_ids = stop_ids(&cli.model_dir);
-    config.max_body_bytes = cli.max_body_bytes;
+    let mut config = gateway_config(&cli, model_id);
     config.auth = auth;
     let discovery: Arc<dyn Discovery> = if cli.etcd.is_empty() {
         Arc::new(StaticDiscovery::new(&cli.prefill_nodes, &cli.decode_nodes))
@@ -241,14 +230,37 @@ pub async fn run_cluster(
     let pools = Pools::spawn(discovery, security);
     let backend = Arc::new(ClusterBackend::new(
         pools,
-        ClusterConfig {
-            max_local_prefill_tokens: cli.max_local_prefill_tokens,
-            max_stall: std::time::Duration::from_millis(cli.max_stall_ms.max(1)),
-            migration_limit: cli.migration_limit,
-        },
+        cluster_config(&cli),
         policy(cli.routing),
     ));
     crate::run(config, listener, backend, shutdown).await
+}
+
+/// The gateway's settings from its flags and the model directory, the API keys aside.
+fn gateway_config(cli: &GatewayArgs, model_id: String) -> GatewayConfig {
+    let mut config = GatewayConfig::new(model_id, cli.model_dir.join("tokenizer.json"));
+    let tc = cli.model_dir.join("tokenizer_config.json");
+    config.tokenizer_config_path = tc.is_file().then_some(tc);
+    config.served_model_names = cli.served_model_names.clone();
+    config.max_input_tokens = cli.max_input_tokens;
+    config.max_total_tokens = cli.max_total_tokens;
+    config.max_concurrent_requests = cli.max_concurrent_requests;
+    config.max_waiting_requests = cli.max_waiting_requests;
+    config.max_queued_tokens = cli.max_queued_tokens;
+    config.max_queue_wait_ms = cli.max_queue_wait_ms;
+    config.max_new_tokens_default = cli.max_new_tokens_default;
+    config.request_timeout_ms = cli.request_timeout_ms;
+    config.eos_token_ids = stop_ids(&cli.model_dir);
+    config.max_body_bytes = cli.max_body_bytes;
+    config
+}
+
+fn cluster_config(cli: &GatewayArgs) -> ClusterConfig {
+    ClusterConfig {
+        max_local_prefill_tokens: cli.max_local_prefill_tokens,
+        max_stall: std::time::Duration::from_millis(cli.max_stall_ms.max(1)),
+        migration_limit: cli.migration_limit,
+    }
 }
 
 /// The API keys from flags, with the key file's reloaded on SIGHUP until `shutdown`.
@@ -270,4 +282,48 @@ fn auth_config(
         public_health: cli.public_health,
         public_metrics: cli.public_metrics,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        args: GatewayArgs,
+    }
+
+    #[test]
+    fn the_flags_default_to_the_configs_defaults() {
+        let args = Flags::try_parse_from(["gateway", "--model-dir", "m", "--decode-nodes", "d:1"])
+            .unwrap()
+            .args;
+        let limits = |c: &GatewayConfig| {
+            (
+                (
+                    c.max_input_tokens,
+                    c.max_total_tokens,
+                    c.max_new_tokens_default,
+                ),
+                (c.max_concurrent_requests, c.max_waiting_requests),
+                (
+                    c.max_queued_tokens,
+                    c.max_queue_wait_ms,
+                    c.request_timeout_ms,
+                ),
+                c.max_body_bytes,
+            )
+        };
+        let flags = gateway_config(&args, "m".into());
+        assert_eq!(limits(&flags), limits(&GatewayConfig::default()));
+        let cluster =
+            |c: &ClusterConfig| (c.max_local_prefill_tokens, c.max_stall, c.migration_limit);
+        assert_eq!(
+            cluster(&cluster_config(&args)),
+            cluster(&ClusterConfig::default())
+        );
+    }
 }

@@ -5,11 +5,9 @@ use std::path::PathBuf;
 use crate::auth::AuthConfig;
 use crate::error::GatewayError;
 
-/// 2 MiB: a prompt of hundreds of thousands of tokens, in JSON.
-pub const DEFAULT_MAX_BODY_BYTES: usize = 2 << 20;
-
-/// Everything the gateway needs to know before it serves. The binary fills it from flags; tests
-/// start from [`GatewayConfig::new`] and override fields.
+/// Everything the gateway needs to know before it serves. The binary fills it from flags, whose
+/// defaults are [`GatewayConfig::default`]'s; tests start from [`GatewayConfig::new`] and
+/// override fields.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
     /// The model's name, reported by `/info` and `/v1/models` and echoed in OpenAI responses.
@@ -52,16 +50,18 @@ pub struct GatewayConfig {
     pub auth: AuthConfig,
 }
 
-impl GatewayConfig {
-    /// A config with the default limits.
-    pub fn new(model_id: impl Into<String>, tokenizer_path: impl Into<PathBuf>) -> Self {
+impl Default for GatewayConfig {
+    /// The limits the gateway serves with unless told otherwise: the one source of its flags'
+    /// defaults (`crate::cli`), which a test there holds to. The input and total limits are
+    /// TGI's (`--max-input-tokens 4095`, `--max-total-tokens 4096`).
+    fn default() -> Self {
         Self {
-            model_id: model_id.into(),
+            model_id: "model".into(),
             served_model_names: Vec::new(),
-            tokenizer_path: tokenizer_path.into(),
+            tokenizer_path: "tokenizer.json".into(),
             tokenizer_config_path: None,
-            max_input_tokens: 1024,
-            max_total_tokens: 2048,
+            max_input_tokens: 4095,
+            max_total_tokens: 4096,
             max_new_tokens_default: 256,
             max_concurrent_requests: 128,
             max_waiting_requests: 1024,
@@ -72,8 +72,20 @@ impl GatewayConfig {
             request_timeout_ms: 300_000,
             shutdown_grace_ms: 30_000,
             eos_token_ids: Vec::new(),
-            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            // 2 MiB: a prompt of hundreds of thousands of tokens, in JSON.
+            max_body_bytes: 2 << 20,
             auth: AuthConfig::default(),
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// A config for this model with the default limits.
+    pub fn new(model_id: impl Into<String>, tokenizer_path: impl Into<PathBuf>) -> Self {
+        Self {
+            model_id: model_id.into(),
+            tokenizer_path: tokenizer_path.into(),
+            ..Self::default()
         }
     }
 
@@ -136,6 +148,7 @@ mod tests {
         config.max_total_tokens = config.max_input_tokens;
         let message = config.validate().unwrap_err().to_string();
         assert!(message.contains("max_total_tokens"), "{message}");
-        assert!(message.contains("1024"), "{message}");
+        let given = config.max_input_tokens.to_string();
+        assert!(message.contains(&given), "{message}");
     }
 }
