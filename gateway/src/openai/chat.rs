@@ -6,14 +6,14 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+use super::stream::{stream_choices, ChunkHeader};
 use super::tool_stream::{tool_calls_json, tool_sse_response, ChunkIds};
 use super::tools::{template_tool_calls, ToolChoice, ToolMode, ToolPlan};
-use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage};
+use super::{invalid, start_all, CommonFields, Usage};
 use crate::chat_template::ChatMessage;
 use crate::error::{GatewayError, OpenAiError};
 use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
-use crate::sse::json_event;
 use crate::state::{unix_now, AppState};
 use crate::validation::{FieldNames, Prompt, Validator};
 
@@ -124,18 +124,7 @@ struct OutputMessage {
     tool_calls: Option<serde_json::Value>,
 }
 
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-struct ChatChunk {
-    id: String,
-    object: &'static str,
-    created: u64,
-    model: String,
-    system_fingerprint: String,
-    choices: Vec<ChunkChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<Usage>,
-}
-
+/// A streamed chunk's choice (the chunk around it: [`ChunkHeader`]).
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ChunkChoice {
     index: u32,
@@ -289,10 +278,13 @@ pub(crate) async fn chat_completions(
     )
     .await?;
 
-    let id = format!("chatcmpl-{}", groups[0].request_id);
-    let model = state.config().model_id.clone();
-    let fingerprint = state.system_fingerprint();
-    let created = unix_now();
+    let header = ChunkHeader {
+        id: format!("chatcmpl-{}", groups[0].request_id),
+        object: "chat.completion.chunk",
+        created: unix_now(),
+        model: state.config().model_id.clone(),
+        system_fingerprint: state.system_fingerprint(),
+    };
     let validator = Arc::clone(state.validator());
 
     if request.common.stream() && plan.parses_calls() {
@@ -301,10 +293,7 @@ pub(crate) async fn chat_completions(
         let request_id = group.request_id.to_string();
         let tokens = group.streams.into_iter().next().expect("n is 1");
         let ids = ChunkIds {
-            id,
-            model,
-            created,
-            system_fingerprint: fingerprint,
+            header,
             include_usage: request.common.include_usage(),
             sends_done: request.common.sends_done(),
         };
@@ -312,48 +301,23 @@ pub(crate) async fn chat_completions(
         return Ok(sse.into_response());
     }
     if request.common.stream() {
-        let (tokens, choices, prompt_tokens) = merge_choices(groups);
-        let chat_chunk = move |choices: Vec<ChunkChoice>, usage: Option<Usage>| ChatChunk {
-            id: id.clone(),
-            object: "chat.completion.chunk",
-            created,
-            model: model.clone(),
-            system_fingerprint: fingerprint.clone(),
-            choices,
-            usage,
-        };
-        let usage_chunk = {
-            let chat_chunk = chat_chunk.clone();
-            move |usage| json_event(&chat_chunk(Vec::new(), Some(usage)))
-        };
-        let chunk = move |choice: usize, token: &GeneratedToken| {
+        let sse = stream_choices(groups, header, &request.common, move |choice, token| {
             let logprobs = with_logprobs.then(|| {
                 let mut logprobs = Logprobs::default();
                 logprobs.push(&validator, token);
                 logprobs
             });
-            json_event(&chat_chunk(
-                vec![ChunkChoice {
-                    index: choice as u32,
-                    delta: Delta {
-                        role: "assistant",
-                        content: token.text.clone(),
-                        tool_calls: None,
-                    },
-                    logprobs,
-                    finish_reason: token.finish_reason.map(|r| r.as_openai_str()),
-                }],
-                None,
-            ))
-        };
-        let sse = sse_response(
-            tokens,
-            choices,
-            prompt_tokens,
-            &request.common,
-            chunk,
-            usage_chunk,
-        );
+            ChunkChoice {
+                index: choice as u32,
+                delta: Delta {
+                    role: "assistant",
+                    content: token.text.clone(),
+                    tool_calls: None,
+                },
+                logprobs,
+                finish_reason: token.finish_reason.map(|r| r.as_openai_str()),
+            }
+        });
         return Ok(sse.into_response());
     }
 
@@ -412,11 +376,11 @@ pub(crate) async fn chat_completions(
         }
     }
     Ok(axum::Json(ChatCompletion {
-        id,
+        id: header.id,
         object: "chat.completion",
-        created,
-        model,
-        system_fingerprint: fingerprint,
+        created: header.created,
+        model: header.model,
+        system_fingerprint: header.system_fingerprint,
         choices,
         usage: Usage::new(prompt_tokens, completion_tokens),
     })

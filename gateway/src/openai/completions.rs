@@ -7,12 +7,12 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use super::{invalid, merge_choices, sse_response, start_all, CommonFields, Usage, MAX_N};
+use super::stream::{stream_choices, ChunkHeader};
+use super::{invalid, start_all, CommonFields, Usage, MAX_N};
 use crate::error::{GatewayError, OpenAiError};
 use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
 use crate::sequences::best_first;
-use crate::sse::json_event;
 use crate::state::{unix_now, AppState};
 use crate::validation::{FieldNames, Prompt, Validator};
 
@@ -125,7 +125,7 @@ impl CompletionRequest {
     }
 }
 
-/// Both the response and each streamed chunk.
+/// The response; each streamed chunk has its shape too (see [`ChunkHeader`]).
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Completion {
     id: String,
@@ -231,55 +231,33 @@ pub(crate) async fn completions(
     )
     .await?;
 
-    let id = format!("cmpl-{}", groups[0].request_id);
-    let model = state.config().model_id.clone();
-    let fingerprint = state.system_fingerprint();
-    let created = unix_now();
+    let header = ChunkHeader {
+        id: format!("cmpl-{}", groups[0].request_id),
+        object: "text_completion",
+        created: unix_now(),
+        model: state.config().model_id.clone(),
+        system_fingerprint: state.system_fingerprint(),
+    };
     let with_logprobs = request.logprobs.is_some();
     let validator = Arc::clone(state.validator());
-    let completion = move |choices: Vec<Choice>, usage: Option<Usage>| Completion {
-        id: id.clone(),
-        object: "text_completion",
-        created,
-        model: model.clone(),
-        system_fingerprint: fingerprint.clone(),
-        choices,
-        usage,
-    };
 
     if request.common.stream() {
-        let (tokens, choices, prompt_tokens) = merge_choices(groups);
-        let usage_chunk = {
-            let completion = completion.clone();
-            move |usage| json_event(&completion(Vec::new(), Some(usage)))
-        };
         // Each choice's text so far, for `text_offset`.
-        let mut offsets = vec![0; choices];
-        let chunk = move |choice: usize, token: &GeneratedToken| {
+        let mut offsets = vec![0; groups.iter().map(|g| g.streams.len()).sum()];
+        let sse = stream_choices(groups, header, &request.common, move |choice, token| {
             let logprobs = with_logprobs.then(|| {
                 let mut logprobs = Logprobs::default();
                 logprobs.push(&validator, token, offsets[choice]);
                 logprobs
             });
             offsets[choice] += token.text.len();
-            json_event(&completion(
-                vec![Choice {
-                    index: choice as u32,
-                    text: token.text.clone(),
-                    logprobs,
-                    finish_reason: token.finish_reason.map(|r| r.as_openai_str()),
-                }],
-                None,
-            ))
-        };
-        let sse = sse_response(
-            tokens,
-            choices,
-            prompt_tokens,
-            &request.common,
-            chunk,
-            usage_chunk,
-        );
+            Choice {
+                index: choice as u32,
+                text: token.text.clone(),
+                logprobs,
+                finish_reason: token.finish_reason.map(|r| r.as_openai_str()),
+            }
+        });
         return Ok(sse.into_response());
     }
 
@@ -313,6 +291,14 @@ pub(crate) async fn completions(
             });
         }
     }
-    let usage = Usage::new(prompt_tokens, completion_tokens);
-    Ok(axum::Json(completion(choices, Some(usage))).into_response())
+    Ok(axum::Json(Completion {
+        id: header.id,
+        object: header.object,
+        created: header.created,
+        model: header.model,
+        system_fingerprint: header.system_fingerprint,
+        choices,
+        usage: Some(Usage::new(prompt_tokens, completion_tokens)),
+    })
+    .into_response())
 }

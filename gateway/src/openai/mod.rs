@@ -3,19 +3,13 @@
 
 pub(crate) mod chat;
 pub(crate) mod completions;
+mod stream;
 mod tool_stream;
 pub(crate) mod tools;
 
-use std::convert::Infallible;
-
-use axum::response::sse::{Event, KeepAlive, Sse};
-use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use futures::stream::BoxStream;
-
 use crate::error::GatewayError;
-use crate::request::GeneratedToken;
 use crate::sequences::Sequences;
 use crate::state::AppState;
 use crate::structured::ResponseFormat;
@@ -180,66 +174,6 @@ impl Usage {
     }
 }
 
-/// Every choice's tokens as they come, each tagged with its choice's index.
-pub(crate) type ChoiceTokens = BoxStream<'static, (usize, Result<GeneratedToken, GatewayError>)>;
-
-/// The SSE response of a streaming request with `choices` choices, whose tokens `tokens`
-/// yields tagged with their choice's index: `chunk` gives each token's event (with
-/// `finish_reason` on a choice's last); after every choice's last, `usage_chunk` gives a final
-/// chunk with `choices: []` and the usage when `include_usage`, then `data: [DONE]` (see
-/// [`CommonFields::sends_done`]). A failed
-/// stream ends with the error event instead, and no `[DONE]`; the other choices are dropped,
-/// which cancels them upstream.
-pub(crate) fn sse_response<C, U>(
-    tokens: ChoiceTokens,
-    choices: usize,
-    prompt_tokens: usize,
-    common: &CommonFields,
-    mut chunk: C,
-    usage_chunk: U,
-) -> Sse<impl Stream<Item = Result<Event, Infallible>>>
-where
-    C: FnMut(usize, &GeneratedToken) -> Event + Send + 'static,
-    U: Fn(Usage) -> Event + Send + 'static,
-{
-    let include_usage = common.include_usage();
-    let sends_done = common.sends_done();
-    let mut completion_tokens = 0;
-    let mut finished = 0;
-    let mut failed = false;
-    let events = tokens
-        .map(move |(choice, item)| {
-            if failed {
-                return None;
-            }
-            Some(match item {
-                Ok(token) => {
-                    completion_tokens += 1;
-                    let mut events = vec![chunk(choice, &token)];
-                    if token.finish_reason.is_some() {
-                        finished += 1;
-                    }
-                    if token.finish_reason.is_some() && finished == choices {
-                        if include_usage {
-                            events.push(usage_chunk(Usage::new(prompt_tokens, completion_tokens)));
-                        }
-                        if sends_done {
-                            events.push(Event::default().data("[DONE]"));
-                        }
-                    }
-                    events
-                }
-                Err(error) => {
-                    failed = true;
-                    vec![error.to_openai_sse_event()]
-                }
-            })
-        })
-        .take_while(|events| futures::future::ready(events.is_some()))
-        .flat_map(|events| futures::stream::iter(events.unwrap_or_default().into_iter().map(Ok)));
-    Sse::new(events).keep_alive(KeepAlive::default())
-}
-
 /// Starts `count` sequences of each prompt; the response's choice `i * count + j` is prompt
 /// `i`'s sequence `j`. All prompts are validated before any starts.
 pub(crate) async fn start_all(
@@ -262,20 +196,4 @@ pub(crate) async fn start_all(
         .into_iter()
         .map(|request| Sequences::start(state, request, count));
     futures::future::try_join_all(started).await
-}
-
-/// The choices of every group as one stream, tagged with their index in the response, and
-/// the prompts' tokens together.
-pub(crate) fn merge_choices(groups: Vec<Sequences>) -> (ChoiceTokens, usize, usize) {
-    let per_group = groups.first().map_or(1, |g| g.streams.len());
-    let choices = groups.len() * per_group;
-    let prompt_tokens = groups.iter().map(|g| g.prompt_ids.len()).sum();
-    let merged = futures::stream::select_all(groups.into_iter().enumerate().map(|(i, group)| {
-        group
-            .merged()
-            .map(move |(j, item)| (i * per_group + j, item))
-            .boxed()
-    }))
-    .boxed();
-    (merged, choices, prompt_tokens)
 }

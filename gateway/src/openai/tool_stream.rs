@@ -15,12 +15,12 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
+use super::stream::ChunkHeader;
 use super::tools::{ParsedCall, ToolPlan, CALL_OPEN};
 use super::Usage;
 use crate::error::GatewayError;
 use crate::request::{FinishReason, GeneratedToken};
 use crate::sequences::TokenItems;
-use crate::sse::json_event;
 
 /// Where the output stands.
 enum Phase {
@@ -32,42 +32,23 @@ enum Phase {
     Held(String),
 }
 
-/// The chunks' fixed fields.
+/// The chunks' fixed fields, and how the stream ends.
 pub(crate) struct ChunkIds {
-    pub id: String,
-    pub model: String,
-    pub created: u64,
-    pub system_fingerprint: String,
+    pub header: ChunkHeader,
     pub include_usage: bool,
     /// Whether the stream ends with `data: [DONE]` (see `CommonFields::sends_done`).
     pub sends_done: bool,
 }
 
 impl ChunkIds {
-    /// A `chat.completion.chunk` with these choices, and the usage when given.
-    fn envelope(&self, choices: Value, usage: Option<Usage>) -> Event {
-        let mut chunk = json!({
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.system_fingerprint,
-            "choices": choices,
-        });
-        if let Some(usage) = usage {
-            chunk["usage"] = json!(usage);
-        }
-        json_event(&chunk)
-    }
-
     fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Event {
         let choice =
             json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason});
-        self.envelope(json!([choice]), None)
+        self.header.event(vec![choice], None)
     }
 
     fn usage(&self, usage: Usage) -> Event {
-        self.envelope(json!([]), Some(usage))
+        self.header.event(Vec::<Value>::new(), Some(usage))
     }
 }
 
