@@ -10,6 +10,7 @@ pub mod detokenize;
 pub mod engine;
 pub mod error;
 pub mod generation;
+pub mod gguf_weights;
 pub mod ids;
 pub mod kv;
 pub mod loader;

@@ -1,5 +1,7 @@
 //! Finds a model's files: in a local directory, or in the Hugging Face hub cache, downloading
-//! through hf-hub only when the files are not cached and offline mode is off.
+//! through hf-hub only when the files are not cached and offline mode is off. A local `.gguf`
+//! file resolves to the model directory the `gguf` crate writes for it in the cache (its
+//! config, tokenizer and chat template as JSON, `model.gguf` linking to the file).
 //!
 //! This is the one place in the engine that may touch the network, and only at load time.
 
@@ -38,6 +40,11 @@ impl ModelSource {
     /// A short id for the model, used in APIs and logs.
     pub fn model_id(&self) -> String {
         match self {
+            // A GGUF file is named by its stem, as the directory written for it is.
+            ModelSource::Local(p) if gguf::is_gguf(p) => p
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string()),
             ModelSource::Local(p) => p
                 .canonicalize()
                 .unwrap_or_else(|_| p.clone())
@@ -65,9 +72,18 @@ const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 impl ModelFiles {
     pub fn resolve(source: &ModelSource) -> Result<Self> {
         match source {
+            ModelSource::Local(file) if gguf::is_gguf(file) => Self::from_gguf(file),
             ModelSource::Local(dir) => Self::from_dir(dir),
             ModelSource::Hub { repo_id, revision } => Self::from_hub(repo_id, revision),
         }
+    }
+
+    /// The model directory written for the GGUF file at `file` (under
+    /// `gguf::default_cache_root`), resolved.
+    pub fn from_gguf(file: &Path) -> Result<Self> {
+        let dir = gguf::materialize(file, &gguf::default_cache_root())
+            .map_err(|e| crate::gguf_weights::gguf_error(file, e))?;
+        Self::from_dir(&dir)
     }
 
     pub fn from_dir(dir: &Path) -> Result<Self> {
@@ -89,6 +105,8 @@ impl ModelFiles {
         let tokenizer = required("tokenizer.json")?;
         let weights = if dir.join(WEIGHTS).is_file() {
             vec![dir.join(WEIGHTS)]
+        } else if dir.join(gguf::WEIGHTS_LINK).is_file() {
+            vec![dir.join(gguf::WEIGHTS_LINK)]
         } else if dir.join(WEIGHTS_INDEX).is_file() {
             shard_names(&dir.join(WEIGHTS_INDEX))?
                 .into_iter()

@@ -156,7 +156,9 @@ impl MetadataExt for Metadata {
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(Value::F32(x)) => Ok(Some(f64::from(*x))),
+            // The shortest decimal that reads back as the same f32 (1e-5, not
+            // 9.999999747378752e-6): the value the checkpoint's config.json had.
+            Some(Value::F32(x)) => Ok(Some(x.to_string().parse().unwrap_or(f64::from(*x)))),
             Some(Value::F64(x)) => Ok(Some(*x)),
             Some(v) => Err(bad(key, "a float", v)),
         }

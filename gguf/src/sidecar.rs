@@ -21,7 +21,7 @@ use crate::error::{GgufError, Result};
 use crate::file::GgufFile;
 
 /// Bumped when the files written here change, so old directories are not reused.
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
 /// Bytes of tensor data sampled at each end of the file for its identity.
 const SAMPLE: u64 = 64 * 1024;
 /// The link to the GGUF file in the directory, which the engine's resolver looks for.

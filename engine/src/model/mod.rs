@@ -189,6 +189,9 @@ fn load_weights(
     quantize: Quantize,
     device: &Device,
 ) -> Result<Llama> {
+    if let Some(gguf) = crate::gguf_weights::gguf_file(files) {
+        return crate::gguf_weights::load_llama(gguf, cfg, dtype, quantize, device);
+    }
     for p in &files.weights {
         if !p.is_file() {
             return Err(EngineError::MissingFile { path: p.clone() });
