@@ -5,8 +5,8 @@
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
 
-use loadtest::sim::cost::CostModel;
-use loadtest::sim::node_probe::{NodeEndpoint, NodeProbe};
+use simulator::cost::CostModel;
+use simulator::node_probe::{NodeEndpoint, NodeProbe};
 use testkit::fission::{stories_dir, Up, UpConfig};
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");

@@ -2,7 +2,8 @@
 //! throughput and goodput under SLOs (see the library's doc). The old subcommands, `ttft`,
 //! `closed-loop` and `open-loop`, still print what the scenario scripts parse. `simulate`
 //! runs the same levels against a simulated cluster, plans P:D splits and calibrates cost
-//! profiles (`simulate_cli`, with the default `sim` feature).
+//! profiles (`simulate_cli` over the `simulator` crate, with the default `sim` feature). The
+//! load generator itself is the `loadgen` crate.
 
 #[cfg(feature = "sim")]
 mod simulate_cli;
@@ -12,11 +13,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use loadtest::config::parse_duration;
-use loadtest::legacy::Legacy;
-use loadtest::prompt::PromptStyle;
-use loadtest::sweep::SweepSpec;
-use loadtest::{
+use loadgen::config::parse_duration;
+use loadgen::legacy::Legacy;
+use loadgen::prompt::PromptStyle;
+use loadgen::sweep::SweepSpec;
+use loadgen::{
     Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target, WorkloadConfig, WorkloadKind,
 };
 
@@ -319,7 +320,7 @@ async fn main() -> anyhow::Result<()> {
         plot_dir: a.plot,
         quiet: a.quiet,
     };
-    let report = loadtest::run(&config)
+    let report = loadgen::run(&config)
         .await
         .with_context(|| format!("load test against {}", config.target.endpoint()))?;
     print!("{}", report.markdown());

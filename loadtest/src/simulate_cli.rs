@@ -1,4 +1,4 @@
-//! `fission-loadtest simulate`: the binary's flags for the simulator (`loadtest::sim`), and
+//! `fission-loadtest simulate`: the binary's flags for the simulator (the `simulator` crate), and
 //! the glue from them to the library. A module of the binary, not of the library.
 
 use std::path::PathBuf;
@@ -6,16 +6,15 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use gateway::cluster::PolicyKind;
-use loadtest::config::parse_duration;
-use loadtest::sim::calibrate::{self, MeasureGrid};
-use loadtest::sim::cluster::SharedHost;
-use loadtest::sim::cost::{Link, NodeSpec};
-use loadtest::sim::link_probe::{LinkProbe, LinkTransport};
-use loadtest::sim::node_probe::{NodeEndpoint, NodeProbe};
-use loadtest::sim::{plan, CostModel, PlanConfig, SimCluster, Topology};
-use loadtest::sweep::SweepSpec;
-use loadtest::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target};
+use loadgen::config::parse_duration;
+use loadgen::sweep::SweepSpec;
+use loadgen::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target};
+use simulator::calibrate::{self, MeasureGrid};
+use simulator::cluster::SharedHost;
+use simulator::cost::{Link, NodeSpec};
+use simulator::link_probe::{LinkProbe, LinkTransport};
+use simulator::node_probe::{NodeEndpoint, NodeProbe};
+use simulator::{plan, CostModel, PlanConfig, PolicyKind, SimCluster, Topology};
 
 use crate::WorkloadArgs;
 
@@ -296,7 +295,7 @@ fn simulate(a: SimRunArgs, first_extra_id: usize, vocab: usize) -> anyhow::Resul
         plot_dir: c.plot.clone(),
         quiet: true,
     };
-    let (report, cost) = loadtest::sim::simulate_run(&cluster, &config)?;
+    let (report, cost) = simulator::simulate_run(&cluster, &config)?;
     print!("{}", report.markdown());
     eprintln!(
         "simulated {} level(s), {} requests, {} steps in {:.2} s",

@@ -7,7 +7,7 @@
 //!   takes `b / tok_s` over `64 * b` context tokens on average, the contexts running from 33
 //!   to 96), plus `decode_single_tok_s` (one sequence, 32 + 128 tokens: 96 on average). That
 //!   benchmark grows the context with the batch, so the fit cannot tell the two terms apart
-//!   and keeps whichever explains the times (see [`super::fit`]);
+//!   and keeps whichever explains the times (see [`crate::fit`]);
 //! - the engine itself, run here ([`measure`]): each prompt length prefilled alone, and each
 //!   (batch, context) pair's decode steps timed one by one (median), so batch and context
 //!   vary independently.
@@ -24,9 +24,9 @@ use engine::loader::{ModelFiles, ModelSource};
 use engine::model::LoadedModel;
 use serde::{Deserialize, Serialize};
 
-use super::cost::{CostModel, Link, ModelShape, NodeSpec, StepCost, StepWork};
-use super::fit::{decode_samples, fit_cost, prefill_samples, Fit};
-use crate::error::LoadError;
+use crate::cost::{CostModel, Link, ModelShape, NodeSpec, StepCost, StepWork};
+use crate::fit::{decode_samples, fit_cost, prefill_samples, Fit};
+use loadgen::error::LoadError;
 
 /// Measured step times.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -417,7 +417,9 @@ pub fn calibrate(
         decode_step_cores: None,
         sources,
     };
-    profile.validate(name)?;
+    profile
+        .validate(name)
+        .map_err(|e| LoadError::External(Box::new(e)))?;
     Ok(Calibration {
         profile,
         prefill_fit,

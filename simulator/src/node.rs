@@ -6,9 +6,9 @@
 use engine::ids::{BlockId, SeqId};
 use engine::kv::allocator::BlockAllocator;
 use engine::scheduler::{Batch, NewSequence, Scheduler};
-use gateway::cluster::routing::Candidate;
+use routing_policy::Candidate;
 
-use super::cluster::SimCluster;
+use crate::cluster::SimCluster;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NodeRole {

@@ -9,14 +9,14 @@ use std::fmt::Write as _;
 use bytes::{Bytes, BytesMut};
 use engine::engine::LayerDone;
 use engine::model::LoadedModel;
-use kv_bench::{run_bench, BenchBackend, BenchConfig};
 use kv_bench::LoopbackLink;
+use kv_bench::{run_bench, BenchBackend, BenchConfig};
 use kvtransfer::{KvDtype, KvLayout, QuicConfig, TcpConfig};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::calibrate::{median, time_prefill};
-use super::cost::{Link, ModelShape};
-use crate::error::LoadError;
+use crate::calibrate::{median, time_prefill};
+use crate::cost::{Link, ModelShape};
+use loadgen::error::LoadError;
 
 /// Which of the nodes' KV transports to measure (`fission up --kv-transport`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

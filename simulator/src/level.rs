@@ -1,6 +1,6 @@
 //! Simulated load levels and sweeps, reported exactly as the load generator reports real
-//! ones: the same arrival schedules ([`crate::arrival`]), the same requests
-//! ([`crate::workload`]), the same per-level seeds, summaries, sweep search, Markdown, JSON
+//! ones: the same arrival schedules ([`loadgen::arrival`]), the same requests
+//! ([`loadgen::workload`]), the same per-level seeds, summaries, sweep search, Markdown, JSON
 //! and plots. A simulation with the seed of a real run serves the requests that run sent, at
 //! the times it sent them.
 
@@ -8,16 +8,16 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::cluster::SimCluster;
-use super::simulate::{simulate, LevelLimits, SimOutcome, SimRequest};
-use crate::arrival::Arrivals;
-use crate::config::{Bounds, LoadConfig, LoadShape};
-use crate::error::LoadError;
-use crate::goodput::Slo;
-use crate::levels::{level_seed, write_outputs, PlanWalk};
-use crate::report::{LevelReport, RunReport};
-use crate::summary::LevelSummary;
-use crate::workload::WorkloadConfig;
+use crate::cluster::SimCluster;
+use crate::simulate::{simulate, LevelLimits, SimOutcome, SimRequest};
+use loadgen::arrival::Arrivals;
+use loadgen::config::{Bounds, LoadConfig, LoadShape};
+use loadgen::error::LoadError;
+use loadgen::goodput::Slo;
+use loadgen::levels::{level_seed, write_outputs, PlanWalk};
+use loadgen::report::{LevelReport, RunReport};
+use loadgen::summary::LevelSummary;
+use loadgen::workload::WorkloadConfig;
 
 /// The requests of one open-loop level, as the load generator would send them.
 pub fn level_requests(

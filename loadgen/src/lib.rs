@@ -7,18 +7,17 @@
 //! `/v1/chat/completions` and TGI's `/generate_stream`, so the same workload runs against
 //! Fission's gateway, llama.cpp's `llama-server` or vLLM. The load generator knows nothing of
 //! Fission's internals and must not: a result it prints is what any client of the server
-//! would see. Only the simulator (`sim`, behind the default `sim` feature) depends on other
-//! crates of the workspace, `engine` (its scheduler) and `gateway` (its routing policies), so
-//! that a simulated cluster schedules and routes exactly as the real one does; nothing outside
-//! `sim` may use them.
+//! would see: it depends on no other crate of the workspace. The simulator (the `simulator`
+//! crate, `fission-loadtest simulate`) builds on this one with the engine's scheduler and the
+//! gateway's routing policies.
 //!
 //! A run ([`run::run`]) is one load level or a rate sweep ([`sweep`]); a level sends
 //! requests drawn from a [`workload`] on an open-loop [`arrival`] schedule or from a closed
 //! loop of clients ([`driver`]); each request is timed by the [`client`] into a
 //! [`record::RequestRecord`]; [`summary`] and [`goodput`] reduce a level's records; [`report`]
 //! writes Markdown and JSON and [`plot`] SVG plots. Every level is bounded in time and in
-//! requests, and traffic goes only to the given URL. `sim` runs the same levels, sweeps and
-//! reports against a simulated cluster, and plans P:D splits.
+//! requests, and traffic goes only to the given URL. The simulator runs the same levels,
+//! sweeps and reports against a simulated cluster, and plans P:D splits.
 
 pub mod arrival;
 pub mod client;
@@ -34,8 +33,6 @@ pub mod prompt;
 pub mod record;
 pub mod report;
 pub mod run;
-#[cfg(feature = "sim")]
-pub mod sim;
 pub mod stats;
 pub mod summary;
 pub mod sweep;

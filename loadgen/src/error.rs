@@ -25,19 +25,16 @@ pub enum LoadError {
     },
     #[error("serializing the report: {0}")]
     Json(#[from] serde_json::Error),
-    #[cfg(feature = "sim")]
+    /// A failure of a tool built on this crate, as that tool words it (the simulator's cost
+    /// profiles).
     #[error(transparent)]
-    CostProfile(#[from] engine::error::EngineError),
+    External(Box<dyn std::error::Error + Send + Sync>),
     #[error("plotting {path}: {message}")]
     Plot { path: PathBuf, message: String },
 }
 
 impl LoadError {
-    pub(crate) fn invalid(
-        field: &'static str,
-        reason: impl Into<String>,
-        given: impl ToString,
-    ) -> Self {
+    pub fn invalid(field: &'static str, reason: impl Into<String>, given: impl ToString) -> Self {
         Self::InvalidSetting {
             field,
             reason: reason.into(),

@@ -4,11 +4,11 @@
 //! It reuses rather than re-implements: each simulated node owns the engine's real
 //! [`engine::scheduler::Scheduler`] (block accounting, chunked prefill, preemption, prefix
 //! cache), driven through `schedule()` and `commit()` as the engine's step loop drives it; the
-//! gateway's real routing policy ([`gateway::cluster::routing`]) ranks the nodes. Only the
-//! model is replaced: a [`cost::CostModel`] turns each planned batch into a duration and each
+//! gateway's real routing policy ([`routing_policy`], the crate the gateway ranks with) ranks
+//! the nodes. Only the model is replaced: a [`cost::CostModel`] turns each planned batch into a duration and each
 //! prompt's KV into a transfer time. The load is the load generator's own: the same workloads,
 //! arrival schedules, seeds, summaries, goodput, sweep, reports and plots, so a simulated level
-//! reads like a measured one.
+//! reads like a measured one ([`loadgen`]).
 //!
 //! - [`cost`]: the KV link's timing, and the cost model with its JSON format and built-in
 //!   profiles (`h100-llama8b`), re-exported from [`engine::cost`] where the mock engine shares
@@ -18,6 +18,9 @@
 //!   engine's steps;
 //! - [`cluster`]: what is simulated; [`node`], [`events`] and [`simulate`]: the event loop;
 //! - [`level`]: levels and sweeps as reports; [`plan`]: the P:D planner.
+//!
+//! The simulator is tooling: nothing that serves depends on it. The link it calibrates on is
+//! [`kv_bench`]'s.
 //!
 //! Same seed, same result: the loop is single-threaded, events at equal times keep their push
 //! order, and nothing reads a real clock except to report how long simulating took.
@@ -40,3 +43,4 @@ pub use cluster::{GatewaySettings, NodeSettings, SimCluster, Topology};
 pub use cost::CostModel;
 pub use level::{simulate_level, simulate_run};
 pub use plan::{plan, PlanConfig, PlanReport};
+pub use routing_policy::PolicyKind;

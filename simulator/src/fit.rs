@@ -13,8 +13,8 @@
 
 use serde::Serialize;
 
-use super::cost::{Linear3, LinearCost};
-use crate::error::LoadError;
+use crate::cost::{Linear3, LinearCost};
+use loadgen::error::LoadError;
 
 /// One measurement: the step took `t_s` for work `(x, y)`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

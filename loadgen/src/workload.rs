@@ -211,7 +211,7 @@ pub struct WorkloadSampler {
 
 /// What one request is made of, before any text: its lengths and its prompt as segments of
 /// seeded tokens. [`WorkloadSampler::next_request`] renders it as text for a server; the
-/// simulator (`crate::sim`) turns the same segments into token ids, so a simulated run
+/// simulator (the `simulator` crate) turns the same segments into token ids, so a simulated run
 /// serves the very lengths and shared prefixes a real run with the same seed sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestPlan {

@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 use engine::ids::SeqId;
 use engine::model::LoadedModel;
 
-use super::calibrate::{median, time_decode_steps, time_prefill};
-use super::cost::{CostModel, StepCost};
-use crate::client::Client;
-use crate::config::{Api, Target};
-use crate::error::LoadError;
-use crate::prompt::exact_prompt;
-use crate::workload::RequestSpec;
+use crate::calibrate::{median, time_decode_steps, time_prefill};
+use crate::cost::{CostModel, StepCost};
+use loadgen::client::Client;
+use loadgen::config::{Api, Target};
+use loadgen::error::LoadError;
+use loadgen::prompt::exact_prompt;
+use loadgen::workload::RequestSpec;
 
 /// A running cluster: its gateway, and the metrics of the node whose steps are read.
 #[derive(Debug, Clone)]

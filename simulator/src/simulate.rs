@@ -25,15 +25,15 @@ use std::collections::VecDeque;
 
 use engine::ids::{BlockId, SeqId};
 use engine::scheduler::NewSequence;
-use gateway::cluster::routing::{policy, RoutingPolicy};
+use routing_policy::{policy, RoutingPolicy};
 
-use super::cluster::{Demand, SimCluster, Topology};
-use super::cost::{kv_arrival_s, StepWork};
-use super::events::{Event, EventQueue};
-use super::node::{NodeRole, SimNode};
-use crate::goodput::{Slo, ATTAINMENT_TARGET};
-use crate::record::{ErrorKind, RequestRecord};
-use crate::workload::RequestPlan;
+use crate::cluster::{Demand, SimCluster, Topology};
+use crate::cost::{kv_arrival_s, StepWork};
+use crate::events::{Event, EventQueue};
+use crate::node::{NodeRole, SimNode};
+use loadgen::goodput::{Slo, ATTAINMENT_TARGET};
+use loadgen::record::{ErrorKind, RequestRecord};
+use loadgen::workload::RequestPlan;
 
 /// The token every simulated step samples. Its value does not matter: generated blocks are
 /// hashed after the prompt's, so they stay unique per request.
@@ -110,7 +110,7 @@ struct Share {
     work_left_s: f64,
     rate: f64,
     since_s: f64,
-    /// What the step asks of the host ([`super::cluster::SharedHost::demand`]).
+    /// What the step asks of the host ([`crate::cluster::SharedHost::demand`]).
     demand: Demand,
 }
 

@@ -3,18 +3,18 @@
 
 use std::time::Duration;
 
-use gateway::cluster::PolicyKind;
+use routing_policy::PolicyKind;
 
-use super::cluster::{SimCluster, Topology};
-use super::cost::{kv_arrival_s, CostModel, Linear3, Link, NodeSpec};
-use super::level::simulate_level;
-use super::plan::{plan, PlanConfig};
-use super::simulate::{simulate, LevelLimits, SimRequest};
-use crate::config::{Bounds, LoadShape};
-use crate::goodput::Slo;
-use crate::prompt::PromptStyle;
-use crate::record::RequestRecord;
-use crate::workload::{RequestPlan, WorkloadConfig, WorkloadKind};
+use crate::cluster::{SimCluster, Topology};
+use crate::cost::{kv_arrival_s, CostModel, Linear3, Link, NodeSpec};
+use crate::level::simulate_level;
+use crate::plan::{plan, PlanConfig};
+use crate::simulate::{simulate, LevelLimits, SimRequest};
+use loadgen::config::{Bounds, LoadShape};
+use loadgen::goodput::Slo;
+use loadgen::prompt::PromptStyle;
+use loadgen::record::RequestRecord;
+use loadgen::workload::{RequestPlan, WorkloadConfig, WorkloadKind};
 
 fn cost(prefill: Linear3, decode: Linear3) -> CostModel {
     CostModel {
@@ -30,7 +30,7 @@ fn cost(prefill: Linear3, decode: Linear3) -> CostModel {
             kv_blocks: 4096,
             block_size: 16,
         },
-        ..super::cost::tests::linear(prefill, decode)
+        ..crate::cost::tests::linear(prefill, decode)
     }
 }
 
@@ -316,7 +316,7 @@ fn shared_prefixes_hit_the_prefill_nodes_cache() {
     );
 }
 
-fn plan_for(m: CostModel, w: WorkloadConfig) -> super::plan::PlanReport {
+fn plan_for(m: CostModel, w: WorkloadConfig) -> crate::plan::PlanReport {
     let config = PlanConfig {
         profile: m.name.clone(),
         cost: m,
@@ -382,7 +382,7 @@ fn the_planner_gives_a_prefill_heavy_workload_more_prefill_nodes() {
 fn nodes_sharing_a_hosts_cores_slow_each_other_only_while_both_compute() {
     let m = standard();
     let mut c = cluster(Topology::Colocated { nodes: 2 }, m.clone());
-    c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, None));
+    c.node.shared_host = Some(crate::cluster::SharedHost::new(2.0, 2.0, None));
     let input = 256;
     let w = m.prefill_s(input);
     // Alone on the host: the profile's time.
@@ -424,7 +424,7 @@ fn a_decode_step_asks_the_shared_host_for_the_cores_calibration_measured() {
         (Some(0.0), 1.0),
         (Some(9.0), 2.0),
     ] {
-        c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, decode_cores));
+        c.node.shared_host = Some(crate::cluster::SharedHost::new(2.0, 2.0, decode_cores));
         let out = run(&c, &reqs);
         let ttft = out[1].ttft_s.expect("a first token");
         assert!(
@@ -435,7 +435,7 @@ fn a_decode_step_asks_the_shared_host_for_the_cores_calibration_measured() {
     }
     // Two decode steps share the host's read bandwidth, whatever cores they take: two
     // requests in lockstep, one per node, take twice one's time.
-    c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, Some(1.0)));
+    c.node.shared_host = Some(crate::cluster::SharedHost::new(2.0, 2.0, Some(1.0)));
     let alone = run(&c, &[req(0, 16, 50, 0.0)])[0].e2e_s;
     let both = run(&c, &[req(0, 16, 50, 0.0), req(1, 16, 50, 0.0)]);
     for r in &both {
@@ -460,7 +460,7 @@ fn a_push_lengthens_its_prefill_step_by_the_profiles_price_per_byte() {
     let alone = &run(&c, &[req(0, input, 1, 0.0)])[0];
     assert!(close(alone.ttft_s.expect("a first token"), with_push));
     // On a shared host too, where it then stretches like the rest of the step.
-    c.node.shared_host = Some(super::cluster::SharedHost::new(2.0, 2.0, None));
+    c.node.shared_host = Some(crate::cluster::SharedHost::new(2.0, 2.0, None));
     let shared = &run(&c, &[req(0, input, 1, 0.0)])[0];
     assert!(close(shared.ttft_s.unwrap(), with_push));
     // Colocated nodes push nothing.

@@ -16,13 +16,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::cluster::{GatewaySettings, NodeSettings, SimCluster, Topology};
-use super::cost::{CostModel, StepWork};
-use super::level::simulate_level;
-use crate::config::{Bounds, LoadShape};
-use crate::error::LoadError;
-use crate::goodput::{Slo, ATTAINMENT_TARGET};
-use crate::workload::WorkloadConfig;
+use crate::cluster::{GatewaySettings, NodeSettings, SimCluster, Topology};
+use crate::cost::{CostModel, StepWork};
+use crate::level::simulate_level;
+use loadgen::config::{Bounds, LoadShape};
+use loadgen::error::LoadError;
+use loadgen::goodput::{Slo, ATTAINMENT_TARGET};
+use loadgen::workload::WorkloadConfig;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PlanConfig {
@@ -339,7 +339,7 @@ impl PlanReport {
         let disagg = |r: &PlanRow| r.disaggregated_rps;
         let coloc = |r: &PlanRow| r.colocated_rps;
         let per_gpu = dir.join("plan_goodput_per_gpu.svg");
-        crate::plot::gpu_plot(
+        loadgen::plot::gpu_plot(
             &per_gpu,
             "Goodput per GPU: best P:D against colocated",
             "goodput per GPU (req/s)",
@@ -349,7 +349,7 @@ impl PlanReport {
             ],
         )?;
         let total = dir.join("plan_goodput.svg");
-        crate::plot::gpu_plot(
+        loadgen::plot::gpu_plot(
             &total,
             "Goodput: best P:D against colocated",
             "goodput (req/s)",

@@ -6,10 +6,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use engine::scheduler::SchedulerConfig;
-use gateway::cluster::PolicyKind;
+use routing_policy::PolicyKind;
 use serde::Serialize;
 
-use super::cost::CostModel;
+use crate::cost::CostModel;
 
 /// The nodes of the cluster, one GPU each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
