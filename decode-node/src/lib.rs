@@ -10,6 +10,7 @@ mod actor;
 mod metrics;
 mod service;
 mod session;
+mod session_event;
 mod sink;
 mod spans;
 mod transfers;

@@ -22,7 +22,8 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::Span;
 
 use crate::metrics::ERRORS;
-use crate::session::{Session, SessionCtx, SessionEvent};
+use crate::session::{Session, SessionCtx};
+use crate::session_event::SessionEvent;
 
 /// How long a new Generate stream may take to send its GenerateStart.
 const START_TIMEOUT: Duration = Duration::from_secs(5);

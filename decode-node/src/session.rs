@@ -6,7 +6,9 @@
 //! again, so a long prompt queued behind others keeps its blocks, and a dead or hung prefill
 //! node loses them within one lease. A Reprefill moves the reservation to a newer epoch (the
 //! gateway retries with another prefill node, or here): KV frames, Done and Renew of older
-//! epochs are refused from then on. Done activates the sequence and tokens flow.
+//! epochs are refused from then on. Done activates the sequence and tokens flow. The gateway
+//! names the prefill node it chose for each epoch (a Bind before its Prefill call, or with the
+//! Reprefill): the reservation then takes KV frames from that node's certificate only.
 //!
 //! Local prefill: the engine queues the prompt and tokens flow once it runs.
 //!
@@ -20,32 +22,21 @@ use std::time::Duration;
 use engine::engine::Request;
 use engine::ids::SeqId;
 use kv_types::{KvLayout, TransferId};
-use kvtransfer::{Reservation, TransferRegistry};
+use kvtransfer::{PeerFingerprint, Reservation, TransferRegistry};
 use node_common::convert;
 use node_common::failure::Failure;
 use node_common::membership::WorkGuard;
 use proto::v1::{self, generate_down, generate_up};
 use proto::ErrorCode;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::Streaming;
 use tracing::{Instrument, Span};
 
 use crate::actor::{EngineHandle, TokenMsg};
 use crate::metrics::ERRORS;
+use crate::session_event::SessionEvent;
 use crate::transfers::Transfers;
-
-/// What a session's RPC handlers (Done, Renew) ask of it.
-pub(crate) enum SessionEvent {
-    Renew {
-        epoch: u64,
-        reply: oneshot::Sender<Result<u32, Failure>>,
-    },
-    Done {
-        done: v1::DoneRequest,
-        reply: oneshot::Sender<Result<(), Failure>>,
-    },
-}
 
 /// What every session of a node shares.
 pub(crate) struct SessionCtx {
@@ -121,7 +112,8 @@ impl Session {
         let (events_tx, events_rx) = mpsc::channel(8);
         self.events = events_rx;
         let xfer_id = self.ctx.transfers.open(self.request.seq_id, events_tx);
-        self.register(xfer_id, epoch, block_ids.clone()).await?;
+        self.register(xfer_id, epoch, block_ids.clone(), None)
+            .await?;
         self.send_reserved(xfer_id, epoch, block_ids.clone()).await;
         let stage = Stage::Reserved {
             xfer_id,
@@ -138,15 +130,19 @@ impl Session {
         xfer_id: TransferId,
         epoch: u64,
         block_ids: Vec<u32>,
+        chosen: Option<PeerFingerprint>,
     ) -> Result<(), Failure> {
         self.ctx
             .registry
-            .register(Reservation {
-                xfer_id,
-                epoch,
-                block_ids: block_ids.into(),
-                layout: self.ctx.layout,
-            })
+            .register_from(
+                Reservation {
+                    xfer_id,
+                    epoch,
+                    block_ids: block_ids.into(),
+                    layout: self.ctx.layout,
+                },
+                chosen,
+            )
             .await
             .map_err(|e| Failure::new(ErrorCode::Internal, e.to_string()))
     }
@@ -276,10 +272,15 @@ impl Session {
                         }
                         last_sent = Instant::now();
                     }
+                    Ok(Some(v1::GenerateUp { msg: Some(generate_up::Msg::Bind(b)) })) => {
+                        if let Err(f) = self.bind(stage, &b) {
+                            return End::Failed(f);
+                        }
+                    }
                     Ok(Some(_)) => {
                         return End::Failed(Failure::new(
                             ErrorCode::Validation,
-                            "a Generate stream takes one GenerateStart, then Reprefill only",
+                            "a Generate stream takes one GenerateStart, then Reprefill and Bind only",
                         ))
                     }
                     // The gateway closed its side or is gone: the request is over.
@@ -467,7 +468,8 @@ impl Session {
         // Same blocks, newer epoch: the registry waits out the old attempt's writes and
         // ignores its frames from now on.
         let block_ids = block_ids.clone();
-        self.register(xfer_id, r.epoch, block_ids.clone()).await?;
+        self.register(xfer_id, r.epoch, block_ids.clone(), chosen(&r.prefill)?)
+            .await?;
         self.send_reserved(xfer_id, r.epoch, block_ids.clone())
             .await;
         *stage = Stage::Reserved {
@@ -478,6 +480,44 @@ impl Session {
         };
         Ok(())
     }
+}
+
+impl Session {
+    /// The gateway chose the prefill node for the reservation's epoch: frames from any other
+    /// peer are refused from now on. A binding the registry refuses (another peer's frames
+    /// came first) leaves the chosen node's push to fail, which the gateway retries at a new
+    /// epoch; a binding for an epoch that is over is moot.
+    fn bind(&self, stage: &Stage, b: &v1::Bind) -> Result<(), Failure> {
+        let Some(fingerprint) = chosen(&b.prefill)? else {
+            return Ok(());
+        };
+        let Stage::Reserved { xfer_id, epoch, .. } = *stage else {
+            return Ok(());
+        };
+        if b.epoch != epoch {
+            return Ok(());
+        }
+        if let Err(e) = self.ctx.registry.bind(xfer_id, epoch, fingerprint) {
+            tracing::warn!(request_id = %self.request_id, %xfer_id, epoch, error = %e, "kv reservation not bound to the chosen prefill node");
+        }
+        Ok(())
+    }
+}
+
+/// The prefill node the gateway named (`NodeInfo.kv_identity`); empty names none.
+fn chosen(prefill: &[u8]) -> Result<Option<PeerFingerprint>, Failure> {
+    if prefill.is_empty() {
+        return Ok(None);
+    }
+    PeerFingerprint::try_from(prefill).map(Some).map_err(|_| {
+        Failure::new(
+            ErrorCode::Validation,
+            format!(
+                "a prefill node's kv_identity is a 32-byte SHA-256, not {} bytes",
+                prefill.len()
+            ),
+        )
+    })
 }
 
 fn down(msg: generate_down::Msg) -> v1::GenerateDown {

@@ -11,7 +11,7 @@ use engine::ids::SeqId;
 use kv_types::TransferId;
 use tokio::sync::mpsc;
 
-use crate::session::SessionEvent;
+use crate::session_event::SessionEvent;
 
 struct Entry {
     seq_id: SeqId,

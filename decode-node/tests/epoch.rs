@@ -27,6 +27,7 @@ async fn a_stale_epoch_is_refused_and_the_new_one_activates() {
         msg: Some(generate_up::Msg::Reprefill(Reprefill {
             epoch: 2,
             local_prefill: false,
+            prefill: Vec::new(),
         })),
     })
     .await

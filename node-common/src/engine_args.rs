@@ -179,6 +179,8 @@ impl EngineArgs {
                 total_kv_blocks: engine.stats().num_blocks_total as u32,
                 kv_endpoint: String::new(),
                 max_context,
+                // The role sets it when it has a KV identity (prefill-node's `build`).
+                kv_identity: Vec::new(),
             };
             Ok(StartedEngine { engine, info })
         })

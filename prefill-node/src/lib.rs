@@ -80,6 +80,12 @@ fn build(
     push_after_prefill: bool,
 ) -> Result<RoleService, NodeError> {
     crate::metrics::describe();
+    // The certificate this node pushes KV with, by which a decode node admits its frames into
+    // the reservations the gateway gives it (issue 31).
+    let mut info = s.info;
+    if let Some(der) = s.kv_identity.as_ref().and_then(|i| i.cert_der()) {
+        info.kv_identity = kvtransfer::peer_fingerprint(der).to_vec();
+    }
     // Pushes leave from the node's own address, not every interface.
     let transport = match &s.kv_identity {
         Some(identity) => push::Transport::Quic(QuicTransport::new(
@@ -105,7 +111,7 @@ fn build(
         transport: Arc::new(transport),
         clients: push::DecodeClients::new(s.grpc.clone()),
         layout: s.layout,
-        info: s.info.clone(),
+        info: info.clone(),
         next_seq: AtomicU64::new(1),
         work: s.work,
         drain: s.drain,
@@ -114,7 +120,7 @@ fn build(
     };
     Ok(RoleService {
         routes: tonic::service::Routes::new(PrefillServer::new(service)),
-        info: s.info,
+        info,
         kv_endpoint: String::new(),
         data_plane: Vec::new(),
     })

@@ -94,7 +94,19 @@ pub(crate) struct Driver {
     pub(crate) epoch: u64,
     pub(crate) migrations: usize,
     pub(crate) prefill_attempts: usize,
+    /// The prefill node chosen with the last Reprefill, to fill the reservation it brings.
+    pub(crate) next_prefill: Option<Arc<Node>>,
+    /// The `kv_identity` the reservation's current epoch is bound to on the decode node
+    /// (empty: none, and the first prefill certificate to push binds it).
+    pub(crate) bound: Vec<u8>,
     pub(crate) out: Out,
+}
+
+/// The prefill node's `kv_identity`: the hash of the certificate it pushes KV with, by which
+/// the decode node refuses frames from any other node. Empty while its Info is unknown, and
+/// without TLS.
+fn kv_identity(node: &Node) -> Vec<u8> {
+    node.info().map(|i| i.kv_identity).unwrap_or_default()
 }
 
 impl Driver {
@@ -141,6 +153,9 @@ impl Driver {
             };
             metrics::counter!("fission_gateway_migrations_total", "reason" => reason).increment(1);
             self.epoch += 1;
+            // A new reservation, bound to no prefill node yet.
+            self.next_prefill = None;
+            self.bound.clear();
             call = match self.replace().await {
                 Ok(call) => call,
                 Err(e) => {
@@ -400,26 +415,22 @@ impl Driver {
                 self.reprefill(call, true, "prefill_failed").await?;
                 return Ok(None);
             }
-            let prefills = self.ranked(Role::Prefill);
-            tracing::Span::current().record("prefill_reason", prefills.reason.as_str());
-            let decode_id = call.node.entry.node_id.as_str();
-            let pairs = self.pools.pairs();
-            let Some(node) = prefills
-                .nodes
-                .iter()
-                .find(|n| !pairs.is_bad(&n.entry.node_id, decode_id))
-            else {
-                // Every ready prefill node's pushes to this decode node keep failing: prefill
-                // here rather than spend the request's attempts on them.
-                let reason = if prefills.nodes.is_empty() {
-                    "prefill_failed"
-                } else {
-                    tracing::info!(request_id = %self.request.request_id, decode_node = decode_id, "every prefill node's pair with the decode node is bad; prefilling on the decode node");
-                    "bad_pair"
-                };
-                self.reprefill(call, true, reason).await?;
-                return Ok(None);
+            let node = match self.next_prefill.take() {
+                Some(node) => node,
+                None => match self.choose_prefill(call) {
+                    Ok(node) => node,
+                    Err(reason) => {
+                        self.reprefill(call, true, reason).await?;
+                        return Ok(None);
+                    }
+                },
             };
+            let node = &node;
+            let identity = kv_identity(node);
+            if !identity.is_empty() && identity != self.bound {
+                self.bind(call, reserved.epoch, identity.clone()).await?;
+                self.bound = identity;
+            }
             let request = v1::PrefillRequest {
                 spec: Some(spec(&self.request, &self.emitted)),
                 dest: Some(v1::KvDestination {
@@ -475,6 +486,46 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// The best ready prefill node whose pair with `call`'s decode node is not bad; `Err` with
+    /// the reason to prefill on the decode node instead.
+    fn choose_prefill(&self, call: &DecodeCall) -> Result<Arc<Node>, &'static str> {
+        let prefills = self.ranked(Role::Prefill);
+        tracing::Span::current().record("prefill_reason", prefills.reason.as_str());
+        let decode_id = call.node.entry.node_id.as_str();
+        let pairs = self.pools.pairs();
+        match prefills
+            .nodes
+            .iter()
+            .find(|n| !pairs.is_bad(&n.entry.node_id, decode_id))
+        {
+            Some(node) => Ok(Arc::clone(node)),
+            // Every ready prefill node's pushes to this decode node keep failing: prefill
+            // here rather than spend the request's attempts on them.
+            None if prefills.nodes.is_empty() => Err("prefill_failed"),
+            None => {
+                tracing::info!(request_id = %self.request.request_id, decode_node = decode_id, "every prefill node's pair with the decode node is bad; prefilling on the decode node");
+                Err("bad_pair")
+            }
+        }
+    }
+
+    /// Tells the decode node that `identity` fills the reservation at `epoch`, before the
+    /// Prefill call: its frames are the only ones admitted.
+    async fn bind(
+        &self,
+        call: &DecodeCall,
+        epoch: u64,
+        identity: Vec<u8>,
+    ) -> Result<(), Served> {
+        let msg = v1::GenerateUp {
+            msg: Some(generate_up::Msg::Bind(v1::Bind {
+                epoch,
+                prefill: identity,
+            })),
+        };
+        self.send_up(call, msg).await
     }
 
     async fn on_prefill_event(
@@ -551,6 +602,22 @@ impl Driver {
         self.reprefill(call, local, "prefill_failed").await
     }
 
+    /// Sends `msg` up the decode stream, bounded like every other hop: a hung node's full
+    /// stream must not hold the request.
+    async fn send_up(&self, call: &DecodeCall, msg: v1::GenerateUp) -> Result<(), Served> {
+        match tokio::time::timeout(self.config.max_stall, call.up.send(msg)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(Served::DecodeLost {
+                why: "closed the request's stream".into(),
+                stalled: false,
+            }),
+            Err(_) => Err(Served::DecodeLost {
+                why: format!("took no message for {:?}", self.config.max_stall),
+                stalled: true,
+            }),
+        }
+    }
+
     /// Moves the reservation to the next epoch, for another prefill node or (`local`) for the
     /// decode node itself, counted under `reason`.
     async fn reprefill(
@@ -560,28 +627,25 @@ impl Driver {
         reason: &'static str,
     ) -> Result<(), Served> {
         self.epoch += 1;
+        // The next prefill node is chosen now, so that the reservation is bound to it from
+        // the moment it moves to the new epoch: a node of an older epoch, which knows the
+        // transfer id, cannot race it to the first frame.
+        self.next_prefill = None;
+        self.bound.clear();
+        if !local {
+            if let Ok(node) = self.choose_prefill(call) {
+                self.bound = kv_identity(&node);
+                self.next_prefill = Some(node);
+            }
+        }
         let msg = v1::GenerateUp {
             msg: Some(generate_up::Msg::Reprefill(v1::Reprefill {
                 epoch: self.epoch,
                 local_prefill: local,
+                prefill: self.bound.clone(),
             })),
         };
-        // Bounded like every other hop: a hung node's full stream must not hold the request.
-        match tokio::time::timeout(self.config.max_stall, call.up.send(msg)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => {
-                return Err(Served::DecodeLost {
-                    why: "closed the request's stream".into(),
-                    stalled: false,
-                })
-            }
-            Err(_) => {
-                return Err(Served::DecodeLost {
-                    why: format!("took no message for {:?}", self.config.max_stall),
-                    stalled: true,
-                })
-            }
-        }
+        self.send_up(call, msg).await?;
         if local {
             metrics::counter!("fission_gateway_route_total", "mode" => "colocated", "reason" => reason)
                 .increment(1);

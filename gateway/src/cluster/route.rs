@@ -47,6 +47,8 @@ pub(crate) async fn route(
         epoch: 1,
         migrations: 0,
         prefill_attempts: 0,
+        next_prefill: None,
+        bound: Vec::new(),
         out,
     };
     let span = tracing::Span::current();
