@@ -48,8 +48,13 @@ impl GgufFile {
         };
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
-        let mut r = BufReader::new(file);
-        let (header, content) = read_header(&mut r, len)?;
+        Self::from_reader(path, &mut BufReader::new(file), len)
+    }
+
+    /// The file that `r` reads, `file_len` bytes long; `path` names it (tensors are read
+    /// through [`reader`](Self::reader) from that path, or from any reader over the same bytes).
+    pub fn from_reader<R: Read + Seek>(path: &Path, r: &mut R, file_len: u64) -> Result<Self> {
+        let (header, content) = read_header(r, file_len)?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             header,
@@ -78,7 +83,7 @@ impl GgufFile {
     }
 
     /// One tensor, dequantised to f32, in transformers' `[out, in]` order.
-    pub fn tensor_f32(&self, reader: &mut BufReader<File>, name: &str) -> Result<Tensor> {
+    pub fn tensor_f32<R: Read + Seek>(&self, reader: &mut R, name: &str) -> Result<Tensor> {
         if self.tensor_entry(name).is_none() {
             return Err(GgufError::BadTensor {
                 name: name.to_string(),

@@ -11,18 +11,21 @@
 //!
 //! The targets drive the real code through its public API: the gateway's axum [`gateway::app`]
 //! over its [`gateway::fake::FakeBackend`], with the shared stories260K tokenizer and real
-//! models' chat templates (`fixtures/`), and `kvtransfer`'s frame decoder. It must not reach
+//! models' chat templates (`fixtures/`), `kvtransfer`'s frame decoder, and the `gguf` crate's
+//! model file reader. It must not reach
 //! into a crate's internals: a target that needs more than the public API asks for a small
 //! public entry point in that crate.
 
 mod chat_template;
 mod gateway_fixture;
+mod gguf_file;
 mod http;
 mod kv_frame;
 mod response;
 mod tokenizer;
 
 pub use chat_template::chat_template;
+pub use gguf_file::gguf;
 pub use http::{chat_request, completions_request, generate_request};
 pub use kv_frame::kv_frame;
 pub use tokenizer::tokenizer;
@@ -39,4 +42,5 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("chat_template", chat_template),
     ("tokenizer", tokenizer),
     ("kv_frame", kv_frame),
+    ("gguf", gguf),
 ];

@@ -87,4 +87,5 @@ replay_tests!(
     chat_template,
     tokenizer,
     kv_frame,
+    gguf,
 );
