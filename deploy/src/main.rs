@@ -1,7 +1,7 @@
 //! `fission`: the command-line entry point. Subcommands live in `cmd/`, one file each.
 
 mod cmd;
-mod default_model;
+use node_common::default_model;
 
 use clap::{Parser, Subcommand};
 

@@ -11,9 +11,12 @@ use engine::quantize::Quantize;
 
 use crate::error::NodeError;
 
+/// Every default but the input and total limits is [`EngineConfig::default`]'s, the one source
+/// (held to it by a test below).
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// A model directory, or a hub repo id (`org/name[@revision]`).
+    /// A model directory, a hub repo id (`org/name[@revision]`), or `stories260K`, the
+    /// embedded default model.
     #[arg(long, env = "FISSION_MODEL")]
     pub model: String,
     /// f32 (CPU default), bf16 or f16.
@@ -23,25 +26,27 @@ pub struct EngineArgs {
     /// Q8_0), quantised at load from the f32 or bf16 checkpoint.
     #[arg(long, env = "FISSION_QUANTIZE", default_value = "none")]
     pub quantize: Quantize,
-    #[arg(long, env = "FISSION_BLOCK_SIZE", default_value_t = 16)]
+    #[arg(long, env = "FISSION_BLOCK_SIZE", default_value_t = EngineConfig::default().block_size)]
     pub block_size: usize,
     /// KV blocks; by default a fraction of available memory (`--kv-memory-fraction`).
     #[arg(long, env = "FISSION_NUM_KV_BLOCKS")]
     pub num_kv_blocks: Option<usize>,
-    #[arg(long, env = "FISSION_KV_MEMORY_FRACTION", default_value_t = 0.2)]
+    #[arg(long, env = "FISSION_KV_MEMORY_FRACTION", default_value_t = EngineConfig::default().kv_memory_fraction)]
     pub kv_memory_fraction: f64,
-    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS", default_value_t = 4096)]
+    #[arg(long, env = "MAX_BATCH_PREFILL_TOKENS", default_value_t = EngineConfig::default().max_batch_prefill_tokens)]
     pub max_batch_prefill_tokens: usize,
     #[arg(long, env = "MAX_BATCH_TOTAL_TOKENS")]
     pub max_batch_total_tokens: Option<usize>,
+    /// TGI's limits, as the gateway's (`gateway::GatewayConfig::default`, which deploy's
+    /// tests hold these to); the engine's own default is the model's context.
     #[arg(long, env = "MAX_INPUT_TOKENS", default_value_t = 4095)]
     pub max_input_tokens: usize,
     #[arg(long, env = "MAX_TOTAL_TOKENS", default_value_t = 4096)]
     pub max_total_tokens: usize,
-    #[arg(long, env = "FISSION_MAX_NUM_SEQS", default_value_t = 256)]
+    #[arg(long, env = "FISSION_MAX_NUM_SEQS", default_value_t = EngineConfig::default().max_num_seqs)]
     pub max_num_seqs: usize,
     /// Chunked prefill: the most prompt tokens of one sequence per step.
-    #[arg(long, env = "FISSION_MAX_PREFILL_CHUNK_TOKENS", default_value_t = 2048)]
+    #[arg(long, env = "FISSION_MAX_PREFILL_CHUNK_TOKENS", default_value_t = EngineConfig::default().max_prefill_chunk_tokens)]
     pub max_prefill_chunk_tokens: usize,
     #[arg(long, env = "FISSION_DISABLE_PREFIX_CACHING")]
     pub disable_prefix_caching: bool,
@@ -84,16 +89,23 @@ impl EngineArgs {
         }
     }
 
+    /// Where `--model` points: the embedded default model by its name (see
+    /// [`crate::default_model`]), else a directory or a hub id. Every binary that runs a node
+    /// loads through here, so they all read `--model` alike.
+    pub fn model_source(&self) -> Result<ModelSource, NodeError> {
+        Ok(ModelSource::parse(&crate::default_model::resolve(
+            &self.model,
+        )?))
+    }
+
     pub fn load_model(&self) -> Result<LoadedModel, NodeError> {
+        let source = self.model_source()?;
         if let Some(spec) = self.mock_spec()? {
-            return Ok(LoadedModel::load_mock(
-                &ModelSource::parse(&self.model),
-                &spec,
-            )?);
+            return Ok(LoadedModel::load_mock(&source, &spec)?);
         }
         let dtype = self.dtype.as_deref().map(parse_dtype).transpose()?;
         Ok(LoadedModel::load_quantized(
-            &ModelSource::parse(&self.model),
+            &source,
             dtype,
             self.quantize,
             &candle_core::Device::Cpu,
@@ -186,5 +198,50 @@ impl EngineArgs {
         })
         .await
         .map_err(|e| NodeError::Config(format!("model loading panicked: {e}")))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn parse(flags: &[&str]) -> EngineArgs {
+        Flags::try_parse_from(std::iter::once("node").chain(flags.iter().copied()))
+            .unwrap()
+            .engine
+    }
+
+    #[test]
+    fn the_flags_default_to_the_engine_configs_defaults() {
+        let args = parse(&["--model", "m"]);
+        let mut expected = EngineConfig::default();
+        // The one pair the flags set on their own: TGI's limits, not the model's context.
+        expected.max_input_tokens = Some(args.max_input_tokens);
+        expected.max_total_tokens = Some(args.max_total_tokens);
+        assert_eq!(
+            format!("{:?}", args.engine_config()),
+            format!("{expected:?}")
+        );
+    }
+
+    /// What `fission-prefill`, `fission-decode` and `fission node` all load through.
+    #[test]
+    fn the_embedded_model_loads_by_its_name() {
+        let model = parse(&["--model", crate::default_model::NAME])
+            .load_model()
+            .unwrap();
+        assert_eq!(model.model_id, crate::default_model::NAME);
+        assert!(model
+            .files
+            .config
+            .starts_with(crate::default_model::resolve(crate::default_model::NAME).unwrap()));
     }
 }

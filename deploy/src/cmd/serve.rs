@@ -77,35 +77,23 @@ fn require_etcd(etcd: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--model stories260K` names the embedded default model (see [`crate::default_model`]).
-fn embedded_model(model: &mut String) -> anyhow::Result<()> {
-    *model = crate::default_model::resolve(model)?;
-    Ok(())
-}
-
+/// Every role resolves `--model` itself (`stories260K` is the embedded default model; see
+/// [`node_common::default_model`]), as its own binary does.
 pub fn run_node(cmd: NodeCommand) -> anyhow::Result<()> {
     match cmd {
-        NodeCommand::Prefill(mut cli) => {
-            embedded_model(&mut cli.config.node.engine.model)?;
-            launch::<PrefillNode>(cli)?
-        }
-        NodeCommand::Decode(mut cli) => {
-            embedded_model(&mut cli.config.node.engine.model)?;
-            launch::<DecodeNode>(cli)?
-        }
+        NodeCommand::Prefill(cli) => launch::<PrefillNode>(cli)?,
+        NodeCommand::Decode(cli) => launch::<DecodeNode>(cli)?,
         NodeCommand::Start(s) => {
             let argv = with_free_ports(s.role, s.rest);
             match s.role {
                 NodeRole::Prefill => {
-                    let mut cli = Flags::<PrefillConfig>::parse_from(argv).node;
+                    let cli = Flags::<PrefillConfig>::parse_from(argv).node;
                     require_etcd(&cli.config.node.cluster.etcd)?;
-                    embedded_model(&mut cli.config.node.engine.model)?;
                     launch::<PrefillNode>(cli)?
                 }
                 NodeRole::Decode => {
-                    let mut cli = Flags::<DecodeConfig>::parse_from(argv).node;
+                    let cli = Flags::<DecodeConfig>::parse_from(argv).node;
                     require_etcd(&cli.config.node.cluster.etcd)?;
-                    embedded_model(&mut cli.config.node.engine.model)?;
                     launch::<DecodeNode>(cli)?
                 }
             }
@@ -147,4 +135,40 @@ fn gateway_model(spec: &str) -> anyhow::Result<(PathBuf, Option<String>)> {
         .context("config.json has a parent directory")?
         .to_path_buf();
     Ok((dir, Some(source.model_id())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Parser)]
+    struct Gateway {
+        #[command(flatten)]
+        cli: gateway::cli::GatewayCli,
+    }
+
+    /// The nodes' `--max-input-tokens` and `--max-total-tokens` default to the gateway's
+    /// limits ([`gateway::GatewayConfig::default`]), which its flags read.
+    #[test]
+    fn nodes_and_gateway_default_to_the_same_token_limits() {
+        let node = Flags::<PrefillConfig>::try_parse_from(["fission-prefill", "--model", "m"])
+            .unwrap()
+            .node
+            .config
+            .node
+            .engine;
+        let gateway = gateway::GatewayConfig::default();
+        assert_eq!(
+            (node.max_input_tokens, node.max_total_tokens),
+            (gateway.max_input_tokens, gateway.max_total_tokens)
+        );
+        let flags = Gateway::try_parse_from(["fission-gateway", "--model-dir", "m", "--etcd", "e"])
+            .unwrap()
+            .cli
+            .args;
+        assert_eq!(
+            (flags.max_input_tokens, flags.max_total_tokens),
+            (gateway.max_input_tokens, gateway.max_total_tokens)
+        );
+    }
 }

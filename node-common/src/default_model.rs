@@ -1,13 +1,18 @@
 //! The embedded default model: stories260K (MIT; `deploy/default-model/stories260K/SOURCE.md`),
-//! compiled into the `fission` binary so that `fission up` serves out of the box, offline.
+//! compiled into every binary that runs a node (`fission`, `fission-prefill`, `fission-decode`),
+//! so that `--model stories260K` serves out of the box, offline, whichever starts the node.
+//! [`resolve`] is the one place a model spec meets it: the nodes' [`EngineArgs`] loads through
+//! it, and `fission`'s other commands call it too.
 //!
 //! Every service takes a model directory, so the files are written to a cache directory named
 //! by their content hash the first time they are needed, and that directory is what the
 //! processes get.
+//!
+//! [`EngineArgs`]: crate::engine_args::EngineArgs
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+use crate::error::NodeError;
 
 /// What `--model` names the embedded model by; also its model id in the APIs.
 pub const NAME: &str = "stories260K";
@@ -16,7 +21,7 @@ macro_rules! embedded {
     ($($file:literal),* $(,)?) => {
         &[$(($file, include_bytes!(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/default-model/stories260K/",
+            "/../deploy/default-model/stories260K/",
             $file
         )) as &[u8])),*]
     };
@@ -35,7 +40,7 @@ const FILES: &[(&str, &[u8])] = embedded!(
 
 /// `spec` as a model a service can load: the embedded model's directory when `spec` names it
 /// and no local path of that name exists, else `spec` unchanged (a directory or a hub id).
-pub fn resolve(spec: &str) -> anyhow::Result<String> {
+pub fn resolve(spec: &str) -> Result<String, NodeError> {
     if spec != NAME || Path::new(spec).exists() {
         return Ok(spec.to_string());
     }
@@ -68,19 +73,21 @@ fn content_hash() -> u64 {
 /// Writes the files under `root/<hash>/stories260K` unless they are there, and returns that
 /// directory. Several processes may race here: each writes its own temporary directory and
 /// renames it into place, and a loser finds the winner's complete copy.
-fn materialize(root: &Path) -> anyhow::Result<PathBuf> {
+fn materialize(root: &Path) -> Result<PathBuf, NodeError> {
     let parent = root.join(format!("{:016x}", content_hash()));
     let dir = parent.join(NAME);
     if dir.join("model.safetensors").exists() {
         return Ok(dir);
     }
-    std::fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
+    let io = |what: String| move |source| NodeError::Io { what, source };
+    std::fs::create_dir_all(&parent).map_err(io(format!("creating {}", parent.display())))?;
     let tmp = tempfile::Builder::new()
         .prefix(".stories260K-")
-        .tempdir_in(&parent)?;
+        .tempdir_in(&parent)
+        .map_err(io(format!("a temporary directory in {}", parent.display())))?;
     for (name, bytes) in FILES {
         std::fs::write(tmp.path().join(name), bytes)
-            .with_context(|| format!("writing {name} to {}", tmp.path().display()))?;
+            .map_err(io(format!("writing {name} to {}", tmp.path().display())))?;
     }
     match std::fs::rename(tmp.path(), &dir) {
         Ok(()) => {
@@ -88,7 +95,7 @@ fn materialize(root: &Path) -> anyhow::Result<PathBuf> {
             let _ = tmp.keep();
         }
         Err(_) if dir.join("model.safetensors").exists() => {}
-        Err(e) => return Err(e).with_context(|| format!("creating {}", dir.display())),
+        Err(e) => return Err(io(format!("creating {}", dir.display()))(e)),
     }
     Ok(dir)
 }
