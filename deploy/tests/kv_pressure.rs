@@ -13,7 +13,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,13 +23,17 @@ use testkit::fission::{Up, UpConfig};
 const REQUESTS: usize = 200;
 const MAX_NEW_TOKENS: usize = 32;
 /// The decode node's step, slowed (a test failpoint) so that streams last as on a real model.
-const STEP_MS: u64 = 50;
+const STEP_MS: u64 = 100;
 
 fn fission() -> PathBuf {
     std::env::var_os("FISSION_KV_PRESSURE_BIN")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_fission")))
 }
+
+/// Tokens whose chunk had no text (counting only chunks with text would read each as a
+/// missed step).
+static EMPTY_TOKENS: AtomicUsize = AtomicUsize::new(0);
 
 /// One stream: when each token came, or why it failed.
 async fn stream(http: reqwest::Client, url: String, i: usize) -> Result<Vec<Instant>, String> {
@@ -75,6 +79,9 @@ async fn stream(http: reqwest::Client, url: String, i: usize) -> Result<Vec<Inst
                 // character has none yet); the usage chunk has no choice.
                 if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
                     times.push(Instant::now());
+                    if v["choices"][0]["text"].as_str().is_none_or(str::is_empty) {
+                        EMPTY_TOKENS.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
         }
@@ -168,12 +175,25 @@ fn a_node_short_of_blocks_queues_requests_rather_than_preempting_them() {
         .iter()
         .filter(|s| s.0 > Duration::from_secs(1))
         .count();
+    // The first gap is the join: the prefill node's token, then the decode node's first
+    // step after the KV arrived (it waits for the step in flight to end).
+    let longest = |join: bool| {
+        stills
+            .iter()
+            .find(|s| (s.2 == 1) == join)
+            .map_or(Duration::ZERO, |s| s.0)
+    };
     println!(
-        "kv pressure: {REQUESTS} requests in {elapsed:.2?}: {preemptions} preemptions ({:.2} per request), at most {most_running} running on the node, longest stand-still {max_gap:.2?}, TPOT p99 {tpot_p99:.2?}, {over_1s} stand-stills over 1 s; {tokens} tokens, {capacity} blocks",
-        preemptions / REQUESTS as f64
+        "kv pressure: {REQUESTS} requests in {elapsed:.2?}: {preemptions} preemptions ({:.2} per request), at most {most_running} running on the node, longest stand-still {max_gap:.2?}, TPOT p99 {tpot_p99:.2?}, {over_1s} stand-stills over 1 s; {tokens} tokens ({} without text), {capacity} blocks",
+        preemptions / REQUESTS as f64,
+        EMPTY_TOKENS.load(Ordering::Relaxed),
     );
-    // (stand-still, stream, the token it ended at).
-    println!("longest stand-stills: {:?}", &stills[..stills.len().min(8)]);
+    println!(
+        "longest stand-stills: at the join {:.2?}, after it {:.2?}; (gap, stream, token): {:?}",
+        longest(true),
+        longest(false),
+        &stills[..stills.len().min(8)]
+    );
     testkit::wait_until(
         "the decode node's KV gauges back to 0",
         Duration::from_secs(30),
