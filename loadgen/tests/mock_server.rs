@@ -15,9 +15,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use loadtest::config::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Target};
-use loadtest::prompt::PromptStyle;
-use loadtest::{Slo, WorkloadConfig};
+use loadgen::config::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Target};
+use loadgen::prompt::PromptStyle;
+use loadgen::{Slo, WorkloadConfig};
 use serde_json::{json, Value};
 
 const TTFT: Duration = Duration::from_millis(60);
@@ -193,7 +193,7 @@ async fn each_api_is_measured_against_known_delays() {
         let mock = Mock::default();
         let addr = start(mock.clone()).await;
         let plan = LoadPlan::Single(LoadShape::Closed { concurrency: 2 });
-        let report = loadtest::run(&config(addr, api, plan))
+        let report = loadgen::run(&config(addr, api, plan))
             .await
             .expect("run completes");
         let s = &report.levels[0].summary;
@@ -258,7 +258,7 @@ async fn a_sweep_finds_the_goodput_and_writes_json_and_plots() {
     c.bounds.duration = Duration::from_millis(1000);
     c.json_path = Some(json_path.clone());
     c.plot_dir = Some(plot_dir.clone());
-    let report = loadtest::run(&c).await.expect("sweep completes");
+    let report = loadgen::run(&c).await.expect("sweep completes");
     // The mock serves every request in ~160 ms: every rate meets a 1 s / 200 ms SLO.
     let sweep = report.sweep.as_ref().expect("a sweep report");
     assert_eq!(sweep.goodput_rps, Some(16.0), "{}", report.markdown());
@@ -304,7 +304,7 @@ async fn slos_tighter_than_the_server_leave_no_goodput() {
     c.slo.ttft_ms = 30.0;
     let dir = tempfile::tempdir().expect("temp dir");
     c.json_path = Some(dir.path().join("single.json"));
-    let report = loadtest::run(&c).await.expect("run completes");
+    let report = loadgen::run(&c).await.expect("run completes");
     let v: Value = serde_json::from_slice(
         &std::fs::read(dir.path().join("single.json")).expect("JSON written"),
     )
@@ -336,7 +336,7 @@ async fn failures_are_counted_by_kind() {
     let mut c = config(addr, Api::OpenaiCompletions, plan);
     c.warmup_requests = 0;
     c.bounds.max_requests = 6;
-    let report = loadtest::run(&c).await.expect("run completes");
+    let report = loadgen::run(&c).await.expect("run completes");
     let s = &report.levels[0].summary;
     assert_eq!(s.requests, 6, "bounded by max_requests");
     assert_eq!(s.errors.get("http_429"), Some(&3), "{:?}", s.errors);
@@ -354,6 +354,6 @@ async fn failures_are_counted_by_kind() {
     );
     c.warmup_requests = 0;
     c.bounds.max_requests = 3;
-    let report = loadtest::run(&c).await.expect("run completes");
+    let report = loadgen::run(&c).await.expect("run completes");
     assert_eq!(report.levels[0].summary.errors.get("connect"), Some(&3));
 }

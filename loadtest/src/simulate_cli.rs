@@ -10,7 +10,7 @@ use loadgen::config::parse_duration;
 use loadgen::sweep::SweepSpec;
 use loadgen::{Api, Bounds, LoadConfig, LoadPlan, LoadShape, Slo, Target};
 use simulator::calibrate::{self, MeasureGrid};
-use simulator::cluster::SharedHost;
+use simulator::cluster::{GatewaySettings, NodeSettings, SharedHost};
 use simulator::cost::{Link, NodeSpec};
 use simulator::link_probe::{LinkProbe, LinkTransport};
 use simulator::node_probe::{NodeEndpoint, NodeProbe};
@@ -44,26 +44,26 @@ struct SimCommon {
     #[arg(long, env = "LOADTEST_PROFILE", default_value = "h100-llama8b")]
     profile: String,
     /// The gateway's routing policy.
-    #[arg(long, value_enum, default_value = "cache-aware")]
+    #[arg(long, value_enum, default_value_t = GatewaySettings::default().routing)]
     routing: PolicyKind,
     /// Disaggregated clusters: prompts shorter than this are prefilled on the decode node.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = GatewaySettings::default().max_local_prefill_tokens)]
     max_local_prefill_tokens: usize,
     /// Requests on the nodes at once (the gateway's --max-concurrent-requests); no limit by
     /// default.
     #[arg(long)]
     max_concurrent_requests: Option<usize>,
     /// Longest prompt + output the gateway accepts; longer requests fail with 422.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = GatewaySettings::default().max_total_tokens)]
     max_total_tokens: usize,
     /// KV blocks per node (the nodes' --num-kv-blocks); the profile's by default.
     #[arg(long)]
     kv_blocks: Option<usize>,
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = NodeSettings::default().max_batch_prefill_tokens)]
     max_batch_prefill_tokens: usize,
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = NodeSettings::default().max_num_seqs)]
     max_num_seqs: usize,
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = NodeSettings::default().max_prefill_chunk_tokens)]
     max_prefill_chunk_tokens: usize,
     #[arg(long)]
     disable_prefix_caching: bool,

@@ -5,6 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use engine::engine::EngineConfig;
 use engine::scheduler::SchedulerConfig;
 use routing_policy::PolicyKind;
 use serde::Serialize;
@@ -88,8 +89,8 @@ impl FromStr for Topology {
     }
 }
 
-/// Each node's engine settings, with the defaults of the node binaries' flags
-/// (`node-common`'s `EngineArgs`).
+/// Each node's engine settings, by default the engine's (which the node binaries' flags,
+/// `node-common`'s `EngineArgs`, default to).
 #[derive(Debug, Clone, Serialize)]
 pub struct NodeSettings {
     pub max_batch_prefill_tokens: usize,
@@ -183,14 +184,17 @@ impl SharedHost {
 }
 
 impl Default for NodeSettings {
+    /// The engine's own defaults ([`EngineConfig::default`]), which the node binaries' flags
+    /// read too: one source, so a simulated node schedules as a node started without flags.
     fn default() -> Self {
+        let e = EngineConfig::default();
         NodeSettings {
-            max_batch_prefill_tokens: 4096,
-            max_batch_total_tokens: None,
-            max_num_seqs: 256,
-            max_prefill_chunk_tokens: 2048,
-            enable_prefix_caching: true,
-            reservation_fraction: 0.5,
+            max_batch_prefill_tokens: e.max_batch_prefill_tokens,
+            max_batch_total_tokens: e.max_batch_total_tokens,
+            max_num_seqs: e.max_num_seqs,
+            max_prefill_chunk_tokens: e.max_prefill_chunk_tokens,
+            enable_prefix_caching: e.enable_prefix_caching,
+            reservation_fraction: e.reservation_fraction,
             kv_blocks: None,
             shared_host: None,
         }
@@ -226,6 +230,9 @@ pub struct GatewaySettings {
 }
 
 impl Default for GatewaySettings {
+    /// The gateway's defaults (its `--routing`, `ClusterConfig::default` and
+    /// `GatewayConfig::default`), but with no limit on requests at once. The simulator does not
+    /// link the gateway, so they are written here and a test holds them to the gateway's.
     fn default() -> Self {
         GatewaySettings {
             routing: PolicyKind::CacheAware,
