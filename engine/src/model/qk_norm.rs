@@ -1,7 +1,7 @@
 //! The per-head RMSNorm on q and k that [`ArchSpec::qk_norm`](crate::config::ArchSpec) asks
-//! for (Qwen3 and Gemma 3, whose norms scale by `1 + w`): one head_dim-wide weight for all query heads and one for
-//! all KV heads, applied after the fused projection and before rope. Both forward paths call it
-//! on the fused `[T, (H + 2 * Hkv) * D]` rows; v is left alone.
+//! for (Qwen3, and Gemma 3 with its `1 + w` norms): one head_dim-wide weight for all query
+//! heads and one for all KV heads, applied after the fused projection and before rope. Both
+//! forward paths call it on the fused `[T, (H + 2 * Hkv) * D]` rows; v is left alone.
 
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
