@@ -79,6 +79,45 @@ fn f32_gguf_generates_the_safetensors_models_greedy_ids() {
     assert_eq!(tensor, from_st);
 }
 
+/// llama.cpp's own greedy ids on the same files (`gguf/tests/fixtures/llama_cpp_greedy.json`).
+fn llama_cpp_ids(file: &str) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let text = std::fs::read_to_string(fixture("llama_cpp_greedy.json")).expect("reference");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let ids = |v: &serde_json::Value| -> Vec<Vec<u32>> {
+        serde_json::from_value(v.clone()).expect("id lists")
+    };
+    (ids(&v["prompts"]), ids(&v[file]))
+}
+
+#[test]
+fn f32_gguf_generates_llama_cpps_greedy_ids() {
+    let (prompts, expected) = llama_cpp_ids("stories260K-f32.gguf");
+    let gguf = load(&fixture("stories260K-f32.gguf"), Quantize::None).expect("gguf loads");
+    assert_eq!(greedy_ids(&gguf, &prompts, 24), expected);
+}
+
+#[test]
+fn q8_0_gguf_greedy_ids_against_llama_cpps() {
+    let (prompts, expected) = llama_cpp_ids("stories260K-q8_0.gguf");
+    for quantize in [Quantize::None, Quantize::Int8] {
+        let q8 = load(&fixture("stories260K-q8_0.gguf"), quantize).expect("q8_0 loads");
+        let ours = greedy_ids(&q8, &prompts, 24);
+        let same: usize = ours
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| a.iter().zip(b).take_while(|(x, y)| x == y).count())
+            .sum();
+        let total: usize = expected.iter().map(Vec::len).sum();
+        eprintln!("Q8_0 GGUF (quantize {quantize}): {same} of {total} ids equal to llama.cpp's before the first difference");
+        // Dequantised weights are llama.cpp's exactly; its matmul also rounds the activations
+        // to Q8_0 (as --quantize int8 does), so a near tie may break the other way.
+        assert!(
+            same * 4 >= total * 3,
+            "{same} of {total}: {ours:?} vs {expected:?}"
+        );
+    }
+}
+
 #[test]
 fn q8_0_gguf_agrees_with_the_f32_model() {
     let dir = shared_model("stories260K");
