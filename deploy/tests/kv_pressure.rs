@@ -165,7 +165,9 @@ fn a_node_short_of_blocks_queues_requests_rather_than_preempting_them() {
         tpots.push(gaps.iter().sum::<Duration>() / gaps.len() as u32);
         stills.extend(gaps.into_iter().enumerate().map(|(k, g)| (g, i, k + 1)));
     }
-    stills.sort_by(|a, b| b.cmp(a));
+    // Longest first.
+    stills.sort();
+    stills.reverse();
     let max_gap = stills.first().map_or(Duration::ZERO, |s| s.0);
     let tpot_p99 = p99(tpots);
     let preemptions = testkit::fission::metric(&decode, "fission_decode_preemptions_total");
