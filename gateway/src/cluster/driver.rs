@@ -513,12 +513,7 @@ impl Driver {
 
     /// Tells the decode node that `identity` fills the reservation at `epoch`, before the
     /// Prefill call: its frames are the only ones admitted.
-    async fn bind(
-        &self,
-        call: &DecodeCall,
-        epoch: u64,
-        identity: Vec<u8>,
-    ) -> Result<(), Served> {
+    async fn bind(&self, call: &DecodeCall, epoch: u64, identity: Vec<u8>) -> Result<(), Served> {
         let msg = v1::GenerateUp {
             msg: Some(generate_up::Msg::Bind(v1::Bind {
                 epoch,
