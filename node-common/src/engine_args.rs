@@ -222,10 +222,12 @@ mod tests {
     #[test]
     fn the_flags_default_to_the_engine_configs_defaults() {
         let args = parse(&["--model", "m"]);
-        let mut expected = EngineConfig::default();
         // The one pair the flags set on their own: TGI's limits, not the model's context.
-        expected.max_input_tokens = Some(args.max_input_tokens);
-        expected.max_total_tokens = Some(args.max_total_tokens);
+        let expected = EngineConfig {
+            max_input_tokens: Some(args.max_input_tokens),
+            max_total_tokens: Some(args.max_total_tokens),
+            ..EngineConfig::default()
+        };
         assert_eq!(
             format!("{:?}", args.engine_config()),
             format!("{expected:?}")
