@@ -14,6 +14,7 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::json;
 
@@ -111,7 +112,13 @@ pub fn materialize(gguf: &Path, cache_root: &Path) -> Result<PathBuf> {
         move |source| GgufError::Io { path, source }
     };
     std::fs::create_dir_all(&parent).map_err(io(&parent))?;
-    let tmp = parent.join(format!(".{stem}-{}", std::process::id()));
+    // Unique to this call: threads of one process may race here too.
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let tmp = parent.join(format!(
+        ".{stem}-{}-{}",
+        std::process::id(),
+        CALLS.fetch_add(1, Ordering::Relaxed)
+    ));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let meta = file.metadata();

@@ -105,8 +105,7 @@ impl<'m> Vocab<'m> {
     fn vocab_map(&self) -> serde_json::Map<String, Json> {
         let mut map = serde_json::Map::new();
         for (id, t) in self.tokens.iter().enumerate() {
-            // A duplicated piece keeps its first id, as a dict built in order would not:
-            // transformers keeps the last. Take the last to match.
+            // A duplicated piece keeps its last id, as transformers' dict built in order does.
             map.insert((*t).to_string(), json!(id));
         }
         map
