@@ -6,20 +6,17 @@
 //! The config, tokenizer and chat template reach the engine as JSON files in the model
 //! directory that [`crate::loader`] writes for a GGUF file (`gguf::materialize`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
-use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::loader::ModelFiles;
-use crate::model::Llama;
-use crate::quantize::Quantize;
 
-/// The GGUF file `files` loads its weights from, if they are one.
-pub fn gguf_file(files: &ModelFiles) -> Option<&Path> {
-    match files.weights.as_slice() {
+/// The GGUF file a model's weight list names, if its weights are one. A leaf: the loader and
+/// the model call down into this file, and it imports neither.
+pub fn gguf_file(weights: &[PathBuf]) -> Option<&Path> {
+    match weights {
         [one]
             if one
                 .extension()
@@ -38,26 +35,18 @@ pub(crate) fn gguf_error(path: &Path, e: gguf::GgufError) -> EngineError {
     }
 }
 
-/// Loads the model in the GGUF file at `path`, whose config `cfg` was read from it.
-pub fn load_llama(
-    path: &Path,
-    cfg: &ModelConfig,
-    dtype: DType,
-    quantize: Quantize,
-    device: &Device,
-) -> Result<Llama> {
+/// The tensors of the GGUF file at `path`, dequantised into `dtype` under transformers'
+/// names, for the model to load as it loads a safetensors checkpoint.
+pub fn var_builder(path: &Path, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
     let started = std::time::Instant::now();
     let file = gguf::GgufFile::open(path).map_err(|e| gguf_error(path, e))?;
     let tensors = gguf::load_tensors(&file, dtype, device).map_err(|e| gguf_error(path, e))?;
-    let vb = VarBuilder::from_tensors(tensors, dtype, device);
-    let model = Llama::load_quantized(vb, cfg, quantize)?;
     tracing::info!(
         path = %path.display(),
         weight_type = gguf::weight_type(&file),
         ?dtype,
-        %quantize,
         load_ms = started.elapsed().as_millis() as u64,
-        "loaded gguf weights, dequantised"
+        "read gguf weights, dequantised"
     );
-    Ok(model)
+    Ok(VarBuilder::from_tensors(tensors, dtype, device))
 }

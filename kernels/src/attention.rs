@@ -9,7 +9,6 @@
 
 use std::cell::RefCell;
 
-use crate::capped::{paged_attention_with, AttnOptions};
 use crate::layout::check_len;
 use crate::narrow::{Ahead, STEP_KEYS};
 use crate::pool;
@@ -48,35 +47,6 @@ pub struct SeqAttn<'a> {
     /// Cache block of positions `j * block_size..(j + 1) * block_size`, for every `j` that
     /// `context_len` reaches.
     pub block_table: &'a [u32],
-}
-
-/// Paged attention for a ragged batch (prefill chunks and decode rows mixed, no padding).
-///
-/// `q` and `out` are `[num_tokens, num_heads, head_dim]`, where `num_tokens` is the sum of the
-/// `q_len`s and sequence `s` owns rows `q_start..q_start + q_len`. Query row `i` of a sequence
-/// sits at absolute position `p = context_len - q_len + i` and attends causally to keys
-/// `0..=p`, read from `k_cache`/`v_cache` through the sequence's block table. Query head `h`
-/// uses kv head `h / (num_heads / num_kv_heads)`. Softmax runs in f32 with scale `scale`.
-///
-/// Runs on the rayon pool with the best SIMD instruction set of this CPU. Every argument is
-/// checked first; a bad one returns the matching [`KernelError`] and leaves `out` untouched.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention<T: KvElem>(
-    layout: &CacheShape,
-    k_cache: &[T],
-    v_cache: &[T],
-    q: &[T],
-    out: &mut [T],
-    num_heads: usize,
-    seqs: &[SeqAttn<'_>],
-    scale: f32,
-) -> Result<(), KernelError> {
-    let opts = AttnOptions {
-        scale,
-        window: None,
-        softcap: None,
-    };
-    paged_attention_with(layout, k_cache, v_cache, q, out, num_heads, seqs, opts)
 }
 
 /// The read-only arguments of one attention call, shared by the kernel and the reference.
@@ -323,6 +293,7 @@ fn plan_tiles<'a>(
 
 #[cfg(test)]
 mod tests {
+    use crate::paged_attention;
     use half::{bf16, f16};
     use proptest::prelude::*;
     use rand::rngs::StdRng;

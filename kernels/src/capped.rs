@@ -1,4 +1,5 @@
-//! Sliding windows and soft-capping for paged attention: [`paged_attention_with`] and the
+//! The paged-attention entry points, [`paged_attention`] and [`paged_attention_with`] (sliding
+//! windows and soft-capping), above the tiled kernels of `attention.rs`, and the
 //! exact per-row loop that runs what the SIMD tiles cannot yet (soft-capping, and a window on a
 //! GQA group wide enough for the wide path).
 //!
@@ -12,7 +13,36 @@ use crate::simd::Isa;
 use crate::tile::{SharedOut, Tile};
 use crate::{CacheShape, KernelError, KvElem, SeqAttn};
 
-/// What a layer's attention does beyond the causal softmax of [`crate::paged_attention`].
+/// Paged attention for a ragged batch (prefill chunks and decode rows mixed, no padding).
+///
+/// `q` and `out` are `[num_tokens, num_heads, head_dim]`, where `num_tokens` is the sum of the
+/// `q_len`s and sequence `s` owns rows `q_start..q_start + q_len`. Query row `i` of a sequence
+/// sits at absolute position `p = context_len - q_len + i` and attends causally to keys
+/// `0..=p`, read from `k_cache`/`v_cache` through the sequence's block table. Query head `h`
+/// uses kv head `h / (num_heads / num_kv_heads)`. Softmax runs in f32 with scale `scale`.
+///
+/// Runs on the rayon pool with the best SIMD instruction set of this CPU. Every argument is
+/// checked first; a bad one returns the matching [`KernelError`] and leaves `out` untouched.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention<T: KvElem>(
+    layout: &CacheShape,
+    k_cache: &[T],
+    v_cache: &[T],
+    q: &[T],
+    out: &mut [T],
+    num_heads: usize,
+    seqs: &[SeqAttn<'_>],
+    scale: f32,
+) -> Result<(), KernelError> {
+    let opts = AttnOptions {
+        scale,
+        window: None,
+        softcap: None,
+    };
+    paged_attention_with(layout, k_cache, v_cache, q, out, num_heads, seqs, opts)
+}
+
+/// What a layer's attention does beyond the causal softmax of [`paged_attention`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnOptions {
     /// Multiplies every q·k.

@@ -44,8 +44,8 @@ mod tile_dispatch;
 mod wide;
 
 pub use activation::{rms_norm, silu_mul};
-pub use attention::{paged_attention, SeqAttn, MAX_CONTEXT_LEN};
-pub use capped::{paged_attention_with, AttnOptions};
+pub use attention::{SeqAttn, MAX_CONTEXT_LEN};
+pub use capped::{paged_attention, paged_attention_with, AttnOptions};
 pub use copy::{copy_blocks, gather_blocks, reshape_and_cache, scatter_blocks};
 pub use elem::KvElem;
 pub use error::KernelError;

@@ -189,8 +189,9 @@ fn load_weights(
     quantize: Quantize,
     device: &Device,
 ) -> Result<Llama> {
-    if let Some(gguf) = crate::gguf_weights::gguf_file(files) {
-        return crate::gguf_weights::load_llama(gguf, cfg, dtype, quantize, device);
+    if let Some(gguf) = crate::gguf_weights::gguf_file(&files.weights) {
+        let vb = crate::gguf_weights::var_builder(gguf, dtype, device)?;
+        return Llama::load_quantized(vb, cfg, quantize);
     }
     for p in &files.weights {
         if !p.is_file() {
