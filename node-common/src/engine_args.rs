@@ -15,8 +15,9 @@ use crate::error::NodeError;
 /// (held to it by a test below).
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// A model directory, a hub repo id (`org/name[@revision]`), or `stories260K`, the
-    /// embedded default model.
+    /// A model directory, a GGUF file (`model.gguf`: weights, config, tokenizer and chat
+    /// template from its metadata), a hub repo id (`org/name[@revision]`), or `stories260K`,
+    /// the embedded default model.
     #[arg(long, env = "FISSION_MODEL")]
     pub model: String,
     /// f32 (CPU default), bf16 or f16.

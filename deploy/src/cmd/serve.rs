@@ -123,7 +123,15 @@ pub fn run_gateway(mut cli: gateway::cli::GatewayCli) -> anyhow::Result<()> {
 /// pins the cluster's model.
 fn gateway_model(spec: &str) -> anyhow::Result<(PathBuf, Option<String>)> {
     let source = ModelSource::parse(spec);
-    if matches!(source, ModelSource::Local(_)) {
+    // A GGUF file resolves as the nodes resolve it, to the model directory written for it in
+    // the cache (its config, tokenizer and chat template), named after the file's stem.
+    let gguf = match &source {
+        ModelSource::Local(p) => p
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf")),
+        _ => false,
+    };
+    if matches!(source, ModelSource::Local(_)) && !gguf {
         return Ok((PathBuf::from(spec), None));
     }
     let files = ModelFiles::resolve(&source).with_context(|| {
@@ -134,7 +142,7 @@ fn gateway_model(spec: &str) -> anyhow::Result<(PathBuf, Option<String>)> {
         .parent()
         .context("config.json has a parent directory")?
         .to_path_buf();
-    Ok((dir, Some(source.model_id())))
+    Ok((dir, (!gguf).then(|| source.model_id())))
 }
 
 #[cfg(test)]
@@ -170,5 +178,18 @@ mod tests {
             (flags.max_input_tokens, flags.max_total_tokens),
             (gateway.max_input_tokens, gateway.max_total_tokens)
         );
+    }
+
+    /// A GGUF file is read by the gateway as the nodes read it: the model directory written
+    /// for it (config, tokenizer, chat template), not the file itself.
+    #[test]
+    fn the_gateway_reads_a_gguf_file_through_its_model_directory() {
+        let file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../gguf/tests/fixtures/stories260K-f32.gguf");
+        let (dir, id) = gateway_model(file.to_str().unwrap()).unwrap();
+        assert!(dir.is_dir(), "{}", dir.display());
+        assert!(dir.join("config.json").is_file());
+        assert!(dir.join("tokenizer.json").is_file());
+        assert_eq!(id, None);
     }
 }
