@@ -2,7 +2,11 @@
 //! handlers' `#[utoipa::path]` annotations and the request and response types they use, so it
 //! cannot drift from what the routes accept.
 
+use serde_json::{json, Value};
 use utoipa::OpenApi;
+
+use crate::state::AppState;
+use crate::validation::max_tokenize_chars;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -25,7 +29,138 @@ use utoipa::OpenApi;
 )]
 struct ApiDoc;
 
-/// The document, built once per call (it is small and rarely fetched).
-pub fn document() -> utoipa::openapi::OpenApi {
-    ApiDoc::openapi()
+/// The document, built once per call (it is small and rarely fetched), with what the derived
+/// schemas cannot state: the bounds the server's configuration sets, integer ranges as the
+/// server reads them, and server-sent events as OpenAPI describes them.
+pub(crate) fn document(state: &AppState) -> Value {
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
+    integer_ranges(&mut doc);
+    event_streams(&mut doc);
+    grammar_values(&mut doc);
+    input_limits(&mut doc, state);
+    doc
+}
+
+/// utoipa writes `u32` as `format: int32` and `u64` as `int64`, whose ranges (which
+/// validators apply) stop at the signed maximum, though the server takes the whole unsigned
+/// range (Schemathesis sent `seed: 2^63` as invalid data and saw it accepted). An unsigned
+/// field (`minimum >= 0`) gets its real maximum instead, unless it has a tighter one.
+fn integer_ranges(value: &mut Value) {
+    match value {
+        Value::Object(map) => {
+            let unsigned = map
+                .get("minimum")
+                .and_then(Value::as_f64)
+                .is_some_and(|m| m >= 0.0);
+            let max = match map.get("format").and_then(Value::as_str) {
+                Some("int32") if unsigned => Some((json!(u32::MAX), "uint32")),
+                Some("int64") if unsigned => Some((json!(u64::MAX), "uint64")),
+                _ => None,
+            };
+            if let Some((max, format)) = max {
+                map.insert("format".into(), format.into());
+                map.entry("maximum").or_insert(max);
+            }
+            map.values_mut().for_each(integer_ranges);
+        }
+        Value::Array(items) => items.iter_mut().for_each(integer_ranges),
+        _ => {}
+    }
+}
+
+/// An event stream's `schema` describes each event (`data`, `event`, ...), not the JSON its
+/// `data` carries (OpenAPI 3.1; 3.2's `itemSchema` says the same): the payload's schema goes
+/// in `contentSchema`. A stream that fails ends with an error event.
+fn event_streams(doc: &mut Value) {
+    let Some(paths) = doc["paths"].as_object_mut() else {
+        return;
+    };
+    for operation in paths.values_mut().filter_map(Value::as_object_mut) {
+        for operation in operation.values_mut() {
+            let Some(responses) = operation
+                .get_mut("responses")
+                .and_then(Value::as_object_mut)
+            else {
+                continue;
+            };
+            for response in responses.values_mut() {
+                let Some(stream) = response
+                    .get_mut("content")
+                    .and_then(|content| content.get_mut("text/event-stream"))
+                else {
+                    continue;
+                };
+                let payload = stream["schema"].take();
+                stream["schema"] = json!({
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "contentMediaType": "application/json",
+                            "contentSchema": {
+                                "anyOf": [payload, {"$ref": "#/components/schemas/ErrorBody"}]
+                            },
+                        },
+                    },
+                });
+            }
+        }
+    }
+}
+
+/// TGI's `grammar` values as the server takes them: a JSON schema that some value matches (an
+/// object, or `true`; `json` also takes one written as a string, which the document leaves
+/// out since it cannot say the string must hold a schema), or a regular expression.
+fn grammar_values(doc: &mut Value) {
+    let Some(variants) = doc["components"]["schemas"]["TgiGrammar"]["oneOf"].as_array_mut() else {
+        return;
+    };
+    let schema = json!({"anyOf": [{"type": "object"}, {"const": true}]});
+    for variant in variants {
+        let value = match variant["properties"]["type"]["enum"][0].as_str() {
+            Some("json") => schema.clone(),
+            Some("json_schema") => json!({
+                "description": "A JSON schema, or `{\"name\": ..., \"schema\": schema}`.",
+                "anyOf": [
+                    {"const": true},
+                    {"type": "object", "properties": {"schema": schema}},
+                ],
+            }),
+            Some("regex") => json!({"type": "string", "format": "regex"}),
+            _ => continue,
+        };
+        variant["properties"]["value"] = value;
+    }
+}
+
+/// The limits the configuration sets, so that every request the document allows fits in
+/// them and every one it refuses is refused: `/tokenize`'s text in
+/// [`max_tokenize_chars`] characters, and token-id prompts in `max_input_tokens` ids below
+/// the vocabulary size.
+fn input_limits(doc: &mut Value, state: &AppState) {
+    let limits = state.limits();
+    let max_input_tokens = limits.max_input_tokens;
+    let schemas = &mut doc["components"]["schemas"];
+    if schemas["TokenizeRequest"]["properties"]["inputs"].is_object() {
+        let inputs = &mut schemas["TokenizeRequest"]["properties"]["inputs"];
+        inputs["maxLength"] = max_tokenize_chars(limits).into();
+        inputs["description"] = "At most 4 characters per token of `max_input_tokens`.".into();
+    }
+    let vocab = state.validator().vocab_size();
+    let bound = |ids: &mut Value| {
+        ids["maxItems"] = max_input_tokens.into();
+        ids["items"]["maximum"] = vocab.saturating_sub(1).into();
+    };
+    for variant in schemas["PromptSchema"]["oneOf"]
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+    {
+        if variant["items"]["type"] == "integer" {
+            bound(variant);
+        } else if variant["items"]["items"]["type"] == "integer" {
+            bound(&mut variant["items"]);
+        }
+    }
 }

@@ -109,8 +109,8 @@ async fn http_request_span(
 }
 
 /// The API's OpenAPI document ([`crate::openapi`]).
-async fn openapi_json() -> axum::Json<utoipa::openapi::OpenApi> {
-    axum::Json(crate::openapi::document())
+async fn openapi_json(State(state): State<AppState>) -> axum::Json<serde_json::Value> {
+    axum::Json(crate::openapi::document(&state))
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {

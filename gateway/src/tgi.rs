@@ -51,30 +51,36 @@ const MAX_BEST_OF: usize = 8;
 struct TgiParameters {
     /// At most `max_total_tokens` with the prompt's tokens.
     #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     max_new_tokens: Option<u32>,
-    /// Finite (a 32-bit float: at most 3.4e38).
-    #[schema(minimum = 0.0, maximum = 3.4e38)]
-    temperature: Option<f32>,
+    /// Floats are read as 64-bit, so the bounds hold exactly as written.
+    #[schema(minimum = 0.0)]
+    temperature: Option<f64>,
+    /// Any size: past the vocabulary it keeps every token.
     #[schema(minimum = 0)]
-    top_k: Option<i64>,
-    /// In (0, 1]: a 32-bit float, so the least that stays above 0 is about 1e-38.
-    #[schema(minimum = 1e-38, maximum = 1.0)]
-    top_p: Option<f32>,
-    /// Above 0 and finite (a 32-bit float: from about 1e-38 to 3.4e38).
-    #[schema(minimum = 1e-38, maximum = 3.4e38)]
-    repetition_penalty: Option<f32>,
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
+    top_k: Option<u64>,
+    /// In (0, 1].
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    top_p: Option<f64>,
+    /// Above 0.
+    #[schema(exclusive_minimum = 0.0)]
+    repetition_penalty: Option<f64>,
     do_sample: Option<bool>,
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     seed: Option<u64>,
     #[schema(value_type = Option<crate::structured::StopListSchema>)]
     stop: Option<Vec<String>>,
     details: Option<bool>,
     #[schema(maximum = 20)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     top_n_tokens: Option<u32>,
     return_full_text: Option<bool>,
     /// Sequences to sample; the one with the highest logprob per token is the answer and the
     /// others come in `details.best_of_sequences`. Above 1 only when sampling, without a
     /// seed, not streaming.
     #[schema(minimum = 1, maximum = 8)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     best_of: Option<usize>,
     decoder_input_details: Option<bool>,
     grammar: Option<TgiGrammar>,
@@ -121,7 +127,7 @@ impl TgiParameters {
             max_new_tokens: self.max_new_tokens,
             temperature: self.temperature,
             do_sample: self.do_sample.unwrap_or(false),
-            top_k: self.top_k,
+            top_k: self.top_k.map(|k| i64::try_from(k).unwrap_or(i64::MAX)),
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
@@ -145,6 +151,7 @@ struct GenerateResponse {
 struct Details {
     finish_reason: &'static str,
     generated_tokens: usize,
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     seed: Option<u64>,
     prefill: Vec<PrefillToken>,
     tokens: Vec<Token>,
@@ -160,6 +167,7 @@ struct BestOfSequence {
     generated_text: String,
     finish_reason: &'static str,
     generated_tokens: usize,
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     seed: Option<u64>,
     prefill: Vec<PrefillToken>,
     tokens: Vec<Token>,
@@ -198,6 +206,7 @@ struct StreamResponse {
 struct StreamDetails {
     finish_reason: &'static str,
     generated_tokens: usize,
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     seed: Option<u64>,
 }
 

@@ -85,12 +85,14 @@ impl FieldNames {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct GenerateParameters {
     pub max_new_tokens: Option<u32>,
-    pub temperature: Option<f32>,
+    /// Floats are read as 64-bit and checked before they become the sampler's 32-bit ones,
+    /// so the ranges the OpenAPI document states hold exactly (`2.0000001` is above 2).
+    pub temperature: Option<f64>,
     /// TGI's `do_sample`; OpenAI requests always sample (temperature 0 makes it greedy).
     pub do_sample: bool,
     pub top_k: Option<i64>,
-    pub top_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
+    pub top_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub top_n_tokens: Option<u32>,
@@ -253,15 +255,19 @@ impl Validator {
             || p.temperature.is_some_and(|t| t != 1.0)
             || p.top_k.is_some_and(|k| k > 0)
             || p.top_p.is_some_and(|top_p| top_p < 1.0);
+        // Into the sampler's 32-bit floats: a value past their range is clamped to it (a
+        // temperature of 1e300 is as flat as f32::MAX, a top_p of 1e-300 keeps one token).
+        #[allow(clippy::cast_possible_truncation)]
+        let f32_in = |v: f64, least: f32| (v as f32).clamp(least, f32::MAX);
         Ok(SamplingParams {
             temperature: if sample {
-                p.temperature.unwrap_or(1.0)
+                f32_in(p.temperature.unwrap_or(1.0), 0.0)
             } else {
                 0.0
             },
             top_k: p.top_k.unwrap_or(0).max(0) as usize,
-            top_p: p.top_p.unwrap_or(1.0),
-            repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+            top_p: f32_in(p.top_p.unwrap_or(1.0), f32::MIN_POSITIVE).min(1.0),
+            repetition_penalty: f32_in(p.repetition_penalty.unwrap_or(1.0), f32::MIN_POSITIVE),
             seed: p.seed.unwrap_or_else(rand::random),
             top_n_logprobs: top_n,
         })
@@ -349,22 +355,32 @@ impl Validator {
         Ok(self.encode(&text, add_special_tokens)?.get_ids().to_vec())
     }
 
-    /// `/tokenize`'s tokens for `inputs`, held to the input limit that `/generate` applies to
-    /// the same text (422 past it; the body limit gives 413 before that).
+    /// `/tokenize`'s tokens for `inputs`, which may have at most [`max_tokenize_chars`]
+    /// characters (422 past it; the body limit gives 413 before that).
     pub(crate) fn tokenize_input(
         &self,
         inputs: &str,
         limits: Limits,
     ) -> Result<Encoding, GatewayError> {
-        let encoding = self.encode(inputs, true)?;
-        if encoding.len() > limits.max_input_tokens {
-            return Err(GatewayError::InputTooLong {
-                field: "inputs",
-                input_tokens: encoding.len(),
-                max_input_tokens: limits.max_input_tokens,
-            });
+        let max_chars = max_tokenize_chars(limits);
+        let chars = inputs.chars().count();
+        if chars > max_chars {
+            return Err(invalid(
+                "inputs",
+                format!(
+                    "must have at most {max_chars} characters (4 per token of \
+                     max_input_tokens, {})",
+                    limits.max_input_tokens
+                ),
+                chars,
+            ));
         }
-        Ok(encoding)
+        self.encode(inputs, true)
+    }
+
+    /// Token ids below this are the model's.
+    pub(crate) fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
     }
 
     /// Tokenizes `text`; offsets count characters, as `/tokenize` reports them.
@@ -393,6 +409,14 @@ impl Validator {
     pub(crate) fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
     }
+}
+
+/// The longest text `/tokenize` takes, in characters: a limit on its work that the OpenAPI
+/// document can state exactly (a token limit cannot be: a character is 1 to 4 tokens, so
+/// any character bound either refuses texts the limit allows or allows texts it refuses).
+/// Four characters a token is about what a `max_input_tokens` prompt holds in English.
+pub(crate) fn max_tokenize_chars(limits: Limits) -> usize {
+    limits.max_input_tokens.saturating_mul(4)
 }
 
 /// A parameter out of range: the error every API reports with the field's name.

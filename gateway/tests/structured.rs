@@ -137,7 +137,9 @@ async fn tools_are_checked_with_auto_too() {
     server.stop().await;
 }
 
-/// `/tokenize` had no limit: it now refuses what `/generate` would, with the limit named.
+/// `/tokenize` had no limit: it now takes at most 4 characters per token of
+/// `max_input_tokens` (a limit the OpenAPI document states exactly), and refuses longer
+/// text as `/generate` does, with the limit named.
 #[tokio::test]
 async fn tokenize_holds_to_the_input_limit() {
     let server = TestServer::start(config(), FakeScript::default()).await;
@@ -152,7 +154,7 @@ async fn tokenize_holds_to_the_input_limit() {
         "validation",
     )
     .await;
-    assert!(message.contains("at most 64 tokens"), "{message}");
+    assert!(message.contains("at most 256 characters"), "{message}");
     let generate = server
         .post(
             "/generate",
@@ -185,7 +187,7 @@ async fn the_openapi_document_states_the_validators_bounds() {
     assert_eq!(tgi["best_of"]["minimum"], 1, "{tgi}");
     assert_eq!(tgi["best_of"]["maximum"], 8);
     assert_eq!(tgi["max_new_tokens"]["minimum"], 1);
-    assert!(tgi["top_p"]["minimum"].as_f64().unwrap() > 0.0, "{tgi}");
+    assert_eq!(tgi["top_p"]["exclusiveMinimum"], 0.0, "{tgi}");
     assert_eq!(tgi["top_p"]["maximum"], 1.0);
     let stop = &tgi["stop"]["oneOf"][1]["$ref"];
     let name = stop.as_str().unwrap().rsplit('/').next().unwrap();
@@ -200,10 +202,7 @@ async fn the_openapi_document_states_the_validators_bounds() {
     let completion = schema("CompletionRequest");
     assert_eq!(completion["best_of"]["minimum"], 1, "{completion}");
     let common = schema("CommonFields");
-    assert!(
-        common["top_p"]["minimum"].as_f64().unwrap() > 0.0,
-        "{common}"
-    );
+    assert_eq!(common["top_p"]["exclusiveMinimum"], 0.0, "{common}");
     assert_eq!(common["n"]["minimum"], 1);
     assert_eq!(common["temperature"]["maximum"], 2.0);
     // Completions' and chat's choices are different schemas under different names.
@@ -217,6 +216,157 @@ async fn the_openapi_document_states_the_validators_bounds() {
     assert!(statuses("/tokenize").get("400").is_some());
     for path in ["/generate", "/v1/chat/completions", "/tokenize"] {
         assert!(statuses(path).get("413").is_some(), "{path}");
+    }
+    server.stop().await;
+}
+
+/// Schemathesis (issue 31 item 8): JSON Schema's `integer` admits `92254.0`, which the
+/// server refused ("expected u32"), also inside a completions prompt of token ids. Every
+/// request integer now takes an integral float, and still refuses a fraction.
+#[tokio::test]
+async fn integers_written_as_integral_floats_are_accepted() {
+    let (_dir, template) = chat_tokenizer_config();
+    let mut cfg = config();
+    cfg.tokenizer_config_path = Some(template);
+    let server = TestServer::start(cfg, FakeScript::default()).await;
+    let tgi = json!({"inputs": "Lily was", "parameters": {"max_new_tokens": 4.0,
+        "seed": 7.0, "top_k": 3.0, "top_n_tokens": 1.0, "best_of": 1.0, "do_sample": true}});
+    for path in ["/generate", "/"] {
+        let response = server.post(path, tgi.clone()).await;
+        assert_eq!(
+            response.status(),
+            200,
+            "{path}: {}",
+            response.text().await.unwrap()
+        );
+    }
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2.0,
+        "max_completion_tokens": 3.0, "seed": 1.0, "n": 1.0, "top_k": -1.0,
+        "logprobs": true, "top_logprobs": 2.0});
+    let response = server.post("/v1/chat/completions", chat).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    let completion = json!({"prompt": [[1.0, 100.0, 101], [1, 102.0]], "max_tokens": 2.0,
+        "logprobs": 1.0, "best_of": 1.0});
+    let response = server.post("/v1/completions", completion).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2, "{body}");
+
+    let fraction = json!({"inputs": "Lily", "parameters": {"max_new_tokens": 1.5}});
+    let message = assert_error(server.post("/generate", fraction).await, 422, "validation").await;
+    assert!(
+        message.contains("1.5") && message.contains("integer"),
+        "{message}"
+    );
+    for (field, value) in [
+        ("max_tokens", json!(2.5)),
+        ("seed", json!(18446744073709551616.0)),
+    ] {
+        let mut body = json!({"prompt": "Lily", "max_tokens": 2});
+        body[field] = value;
+        let response = server.post("/v1/completions", body).await;
+        assert_eq!(response.status(), 400, "{field}");
+    }
+    let ids = json!({"prompt": [[1, 2.5]], "max_tokens": 1});
+    assert_eq!(server.post("/v1/completions", ids).await.status(), 400);
+    server.stop().await;
+}
+
+/// Schemathesis (issue 31 item 8) found the document and the server apart: `seed: 2^63`
+/// (past `int64`) and chat's `max_tokens: 2^31` (past `int32`) were "invalid" yet taken; a
+/// string json grammar, a long `/tokenize` text and token ids past the vocabulary were
+/// "valid" yet refused; and the event streams' schema described the payload where OpenAPI
+/// puts the event. Each is now stated as the server holds it, and checked both ways here.
+#[tokio::test]
+async fn the_openapi_document_and_the_server_agree_at_the_edges() {
+    let server = TestServer::start(config(), FakeScript::default()).await;
+    let doc: Value = server.get("/openapi.json").await.json().await.unwrap();
+    let schemas = &doc["components"]["schemas"];
+    let tgi = &schemas["TgiParameters"]["properties"];
+    assert_eq!(tgi["seed"]["maximum"], json!(u64::MAX), "{tgi}");
+    assert_ne!(tgi["seed"]["format"], "int64");
+    assert_eq!(tgi["max_new_tokens"]["maximum"], json!(u32::MAX), "{tgi}");
+    assert_eq!(tgi["top_k"]["maximum"], json!(u64::MAX), "{tgi}");
+    // The document's edges, as the server takes them.
+    let generate = |parameters: Value| json!({"inputs": "Lily", "parameters": parameters});
+    for parameters in [
+        json!({"seed": u64::MAX, "max_new_tokens": 1}),
+        json!({"top_k": u64::MAX, "max_new_tokens": 1}),
+        json!({"temperature": 1e300, "top_p": 1e-300, "repetition_penalty": 1e300,
+            "max_new_tokens": 1}),
+    ] {
+        let response = server.post("/generate", generate(parameters.clone())).await;
+        assert_eq!(response.status(), 200, "{parameters}");
+    }
+    let past = generate(json!({"seed": 18446744073709551616.0}));
+    assert_eq!(server.post("/generate", past).await.status(), 422);
+    // Read as 64-bit, 2.0000001 is above chat's maximum temperature (as a 32-bit float it
+    // rounded to 2 and passed).
+    let hot = json!({"prompt": "Lily", "max_tokens": 1, "temperature": 2.0000001});
+    assert_eq!(server.post("/v1/completions", hot).await.status(), 400);
+
+    let grammar = &schemas["TgiGrammar"]["oneOf"];
+    let value = |kind: &str| {
+        grammar
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["properties"]["type"]["enum"][0] == kind)
+            .map(|v| v["properties"]["value"].clone())
+            .unwrap_or_else(|| panic!("{kind}: {grammar}"))
+    };
+    assert_eq!(value("regex")["type"], "string");
+    for kind in ["json", "json_schema"] {
+        let value = value(kind).to_string();
+        assert!(
+            !value.contains("\"string\"") && value.contains("object"),
+            "{kind}: {value}"
+        );
+    }
+    let string_schema = generate(json!({"grammar": {"type": "json_schema", "value": "x"}}));
+    assert_eq!(server.post("/generate", string_schema).await.status(), 422);
+
+    let inputs = &schemas["TokenizeRequest"]["properties"]["inputs"];
+    let max_chars = inputs["maxLength"].as_u64().unwrap() as usize;
+    assert_eq!(max_chars, 4 * 64, "{inputs}");
+    // The densest text there is: every character is 4 byte-fallback tokens.
+    let dense = "\u{1d4e3}".repeat(max_chars);
+    let response = server.post("/tokenize", json!({"inputs": dense})).await;
+    assert_eq!(response.status(), 200);
+    let tokens: Value = response.json().await.unwrap();
+    assert!(tokens.as_array().unwrap().len() > 64, "{tokens}");
+    let over = "a".repeat(max_chars + 1);
+    let over = server.post("/tokenize", json!({"inputs": over})).await;
+    assert_eq!(over.status(), 422);
+
+    let prompt = &schemas["PromptSchema"]["oneOf"];
+    let vocab = common::tokenizer().get_vocab_size(true) as u64;
+    let ids = prompt
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["items"]["type"] == "integer")
+        .unwrap();
+    assert_eq!(ids["items"]["maximum"], vocab - 1, "{prompt}");
+    assert_eq!(ids["maxItems"], 64, "{prompt}");
+    for (id, status) in [(vocab - 1, 200), (vocab, 400)] {
+        let body = json!({"prompt": [id], "max_tokens": 1});
+        assert_eq!(
+            server.post("/v1/completions", body).await.status(),
+            status,
+            "{id}"
+        );
+    }
+
+    // Each event's `data` is a JSON payload: TGI's token, or an error.
+    for path in ["/generate_stream", "/"] {
+        let stream = &doc["paths"][path]["post"]["responses"]["200"]["content"]
+            ["text/event-stream"]["schema"];
+        assert_eq!(stream["required"], json!(["data"]), "{path}: {stream}");
+        let data = &stream["properties"]["data"];
+        assert_eq!(data["contentMediaType"], "application/json", "{data}");
+        let payload = data["contentSchema"].to_string();
+        assert!(payload.contains("StreamResponse"), "{payload}");
     }
     server.stop().await;
 }

@@ -25,13 +25,16 @@ pub(crate) struct ChatRequest {
     #[schema(min_items = 1)]
     messages: Vec<RequestMessage>,
     #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     max_tokens: Option<u32>,
     /// The newer name of `max_tokens`; wins when both are given.
     #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     max_completion_tokens: Option<u32>,
     logprobs: Option<bool>,
     /// Needs `logprobs: true` when above 0.
     #[schema(maximum = 20)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     top_logprobs: Option<u32>,
     tools: Option<Vec<serde_json::Value>>,
     tool_choice: Option<ToolChoice>,

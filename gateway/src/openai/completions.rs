@@ -23,8 +23,8 @@ use crate::validation::{FieldNames, Prompt, Validator};
 enum PromptInput {
     One(String),
     Many(Vec<String>),
-    Ids(Vec<u32>),
-    ManyIds(Vec<Vec<u32>>),
+    Ids(#[serde(deserialize_with = "crate::json::int::vec")] Vec<u32>),
+    ManyIds(#[serde(deserialize_with = "crate::json::int::vec_vec")] Vec<Vec<u32>>),
 }
 
 impl PromptInput {
@@ -84,14 +84,17 @@ pub(crate) struct CompletionRequest {
     #[schema(value_type = PromptSchema)]
     prompt: PromptInput,
     #[schema(minimum = 1)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     max_tokens: Option<u32>,
     /// How many alternatives to report per token; any value (0 too) turns logprobs on.
     #[schema(maximum = 5)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     logprobs: Option<u32>,
     echo: Option<bool>,
     /// Sequences generated per prompt, of which the `n` with the highest logprob per token
     /// are returned; at least `n`.
     #[schema(minimum = 1, maximum = 20)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     best_of: Option<u32>,
     #[serde(flatten)]
     common: CommonFields,

@@ -39,27 +39,30 @@ pub(crate) struct CommonFields {
     /// Checked against the served id and its aliases ([`AppState::check_model`]).
     model: Option<String>,
     #[schema(minimum = 0.0, maximum = 2.0)]
-    temperature: Option<f32>,
-    /// In (0, 1]: a 32-bit float, so the least that stays above 0 is about 1e-38.
-    #[schema(minimum = 1e-38, maximum = 1.0)]
-    top_p: Option<f32>,
+    temperature: Option<f64>,
+    /// In (0, 1]. Floats are read as 64-bit, so the bounds hold exactly as written.
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    top_p: Option<f64>,
     /// -1 (vLLM's "off") or more.
     #[schema(minimum = -1)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     top_k: Option<i64>,
-    /// Above 0 and finite (a 32-bit float: from about 1e-38 to 3.4e38).
-    #[schema(minimum = 1e-38, maximum = 3.4e38)]
-    repetition_penalty: Option<f32>,
+    /// Above 0.
+    #[schema(exclusive_minimum = 0.0)]
+    repetition_penalty: Option<f64>,
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     seed: Option<u64>,
     #[schema(value_type = Option<crate::structured::StopSchema>)]
     stop: Option<StopSequences>,
     #[schema(minimum = 1, maximum = 128)]
+    #[serde(default, deserialize_with = "crate::json::int::opt")]
     n: Option<u32>,
     /// Only 0 (no penalty) is supported.
     #[schema(minimum = 0.0, maximum = 0.0)]
-    frequency_penalty: Option<f32>,
+    frequency_penalty: Option<f64>,
     /// Only 0 (no penalty) is supported.
     #[schema(minimum = 0.0, maximum = 0.0)]
-    presence_penalty: Option<f32>,
+    presence_penalty: Option<f64>,
     ignore_eos: Option<bool>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
