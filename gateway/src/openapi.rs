@@ -37,6 +37,7 @@ pub(crate) fn document(state: &AppState) -> Value {
     integer_ranges(&mut doc);
     event_streams(&mut doc);
     grammar_values(&mut doc);
+    tgi_rules(&mut doc);
     input_limits(&mut doc, state);
     doc
 }
@@ -134,14 +135,89 @@ fn grammar_values(doc: &mut Value) {
     }
 }
 
+/// TGI's rules that tie parameters together (`TgiParameters::best_of`, the stream's
+/// checks), stated with `if`/`then` as the server applies them: `best_of` above 1 needs
+/// sampling (`do_sample`, or a temperature above 0 other than 1, `top_k` above 0, `top_p`
+/// below 1) and no seed, and a streamed request takes neither `best_of` above 1 nor
+/// `decoder_input_details`.
+fn tgi_rules(doc: &mut Value) {
+    let schemas = &mut doc["components"]["schemas"];
+    if let Some(parameters) = schemas["TgiParameters"].as_object_mut() {
+        let set = |field: &str, schema: Value| json!({"required": [field], "properties": {field: schema}});
+        parameters.insert(
+            "if".into(),
+            set("best_of", json!({"type": "integer", "minimum": 2})),
+        );
+        parameters.insert(
+            "then".into(),
+            json!({
+                "properties": {"seed": {"type": "null"}},
+                "anyOf": [
+                    set("do_sample", json!({"const": true})),
+                    set("temperature", json!({"type": "number", "exclusiveMinimum": 0,
+                        "not": {"const": 1}})),
+                    set("top_k", json!({"type": "integer", "minimum": 1})),
+                    set("top_p", json!({"type": "number", "exclusiveMaximum": 1})),
+                ],
+            }),
+        );
+    }
+    let streamed = json!({"properties": {"parameters": {"properties": {
+        "best_of": {"type": ["integer", "null"], "maximum": 1},
+        "decoder_input_details": {"not": {"const": true}},
+    }}}});
+    if let Some(compat) = schemas["CompatGenerateRequest"].as_object_mut() {
+        compat.insert(
+            "if".into(),
+            json!({"required": ["stream"], "properties": {"stream": {"const": true}}}),
+        );
+        compat.insert("then".into(), streamed.clone());
+    }
+    schemas["GenerateStreamRequest"] = json!({
+        "description": "`/generate`'s request, as a stream takes it.",
+        "allOf": [{"$ref": "#/components/schemas/GenerateRequest"}, streamed],
+    });
+    let body = &mut doc["paths"]["/generate_stream"]["post"]["requestBody"]["content"]
+        ["application/json"]["schema"];
+    if body.is_object() {
+        *body = json!({"$ref": "#/components/schemas/GenerateStreamRequest"});
+    }
+}
+
 /// The limits the configuration sets, so that every request the document allows fits in
-/// them and every one it refuses is refused: `/tokenize`'s text in
+/// them and every one it refuses is refused (but for the new tokens' room, which depends on
+/// the prompt): `/tokenize`'s text in
 /// [`max_tokenize_chars`] characters, and token-id prompts in `max_input_tokens` ids below
 /// the vocabulary size.
 fn input_limits(doc: &mut Value, state: &AppState) {
     let limits = state.limits();
     let max_input_tokens = limits.max_input_tokens;
     let schemas = &mut doc["components"]["schemas"];
+    // A prompt is at least one token, so more new tokens than `max_total_tokens - 1` are
+    // always refused. Fewer may be too, when the prompt leaves less room: that depends on
+    // the prompt's tokens, which no schema can state.
+    let max_new = limits.max_total_tokens.saturating_sub(1);
+    for (schema, field) in [
+        ("TgiParameters", "max_new_tokens"),
+        ("ChatRequest", "max_tokens"),
+        ("ChatRequest", "max_completion_tokens"),
+        ("CompletionRequest", "max_tokens"),
+    ] {
+        let parts = match schemas[schema]["allOf"].as_array_mut() {
+            Some(parts) => parts.iter_mut().collect(),
+            None => vec![&mut schemas[schema]],
+        };
+        for part in parts {
+            if let Some(property) = part["properties"].get_mut(field) {
+                property["maximum"] = max_new.into();
+                property["description"] = format!(
+                    "At most `max_total_tokens` ({}) with the prompt's tokens.",
+                    limits.max_total_tokens
+                )
+                .into();
+            }
+        }
+    }
     if schemas["TokenizeRequest"]["properties"]["inputs"].is_object() {
         let inputs = &mut schemas["TokenizeRequest"]["properties"]["inputs"];
         inputs["maxLength"] = max_tokenize_chars(limits).into();

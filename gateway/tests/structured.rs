@@ -285,7 +285,16 @@ async fn the_openapi_document_and_the_server_agree_at_the_edges() {
     let tgi = &schemas["TgiParameters"]["properties"];
     assert_eq!(tgi["seed"]["maximum"], json!(u64::MAX), "{tgi}");
     assert_ne!(tgi["seed"]["format"], "int64");
-    assert_eq!(tgi["max_new_tokens"]["maximum"], json!(u32::MAX), "{tgi}");
+    // A prompt is at least one token.
+    assert_eq!(tgi["max_new_tokens"]["maximum"], 127, "{tgi}");
+    let too_many = json!({"inputs": "Lily", "parameters": {"max_new_tokens": 128}});
+    assert_eq!(server.post("/generate", too_many).await.status(), 422);
+    let chat = &schemas["ChatRequest"]["allOf"][1]["properties"];
+    assert_eq!(chat["max_tokens"]["maximum"], 127, "{chat}");
+    assert_eq!(
+        tgi["top_n_tokens"]["maximum"], 20,
+        "a tighter maximum stays"
+    );
     assert_eq!(tgi["top_k"]["maximum"], json!(u64::MAX), "{tgi}");
     // The document's edges, as the server takes them.
     let generate = |parameters: Value| json!({"inputs": "Lily", "parameters": parameters});
@@ -357,6 +366,44 @@ async fn the_openapi_document_and_the_server_agree_at_the_edges() {
             "{id}"
         );
     }
+
+    // TGI's rules across fields: best_of above 1 needs sampling and no seed, and a stream
+    // takes neither it nor decoder_input_details.
+    let rules = &schemas["TgiParameters"];
+    assert_eq!(
+        rules["if"]["properties"]["best_of"]["minimum"], 2,
+        "{rules}"
+    );
+    assert_eq!(
+        rules["then"]["properties"]["seed"]["type"], "null",
+        "{rules}"
+    );
+    let request = &doc["paths"]["/generate_stream"]["post"]["requestBody"]["content"]
+        ["application/json"]["schema"]["$ref"];
+    let name = request.as_str().unwrap().rsplit('/').next().unwrap();
+    let streamed = schemas[name]["allOf"][1]["properties"]["parameters"]["properties"].clone();
+    assert_eq!(streamed["best_of"]["maximum"], 1, "{streamed}");
+    assert_eq!(
+        schemas["CompatGenerateRequest"]["then"]["properties"],
+        schemas[name]["allOf"][1]["properties"]
+    );
+    for parameters in [
+        json!({"best_of": 2, "seed": 1, "do_sample": true}),
+        json!({"best_of": 2, "temperature": 1.0}),
+    ] {
+        let body = generate(parameters.clone());
+        assert_eq!(
+            server.post("/generate", body).await.status(),
+            422,
+            "{parameters}"
+        );
+    }
+    let sampled = generate(json!({"best_of": 2, "top_k": 1, "max_new_tokens": 1}));
+    assert_eq!(
+        server.post("/generate", sampled.clone()).await.status(),
+        200
+    );
+    assert_eq!(server.post("/generate_stream", sampled).await.status(), 422);
 
     // Each event's `data` is a JSON payload: TGI's token, or an error.
     for path in ["/generate_stream", "/"] {
