@@ -479,7 +479,7 @@ mod tests {
     /// stories260K with blocks of 4 and a prefill budget of 8 tokens per step.
     fn task() -> Task {
         let engine = stories_engine(&testkit::shared_model("stories260K"));
-        Task::new(engine, EngineState::new(4).0)
+        Task::new(engine, EngineState::new().0)
     }
 
     /// Queues a local generation of `max_new_tokens` after an 8-token prompt.

@@ -77,7 +77,7 @@ impl Decode for DecodeService {
             reply,
         })
         .await
-        .map(|lease_ms| Response::new(v1::RenewResponse { lease_ms }))
+        .map(|()| Response::new(v1::RenewResponse {}))
         .map_err(|f| ERRORS.report(f, &Span::none()))
     }
 }
@@ -133,7 +133,7 @@ impl DecodeService {
             span,
             up,
             down,
-            events: mpsc::channel(1).1,
+            events: None,
             tokens_tx,
             tokens_rx,
             next_seq: Arc::clone(&self.next_seq),

@@ -80,7 +80,9 @@ pub(crate) struct Session {
     pub span: Span,
     pub up: Streaming<v1::GenerateUp>,
     pub down: Down,
-    pub events: mpsc::Receiver<SessionEvent>,
+    /// Done and Renew for the reservation, from [`Session::reserve`] on; none with a local
+    /// prefill.
+    pub events: Option<mpsc::Receiver<SessionEvent>>,
     pub tokens_tx: mpsc::UnboundedSender<TokenMsg>,
     pub tokens_rx: mpsc::UnboundedReceiver<TokenMsg>,
     pub next_seq: Arc<std::sync::atomic::AtomicU64>,
@@ -110,7 +112,7 @@ impl Session {
         };
         let block_ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
         let (events_tx, events_rx) = mpsc::channel(8);
-        self.events = events_rx;
+        self.events = Some(events_rx);
         let xfer_id = self.ctx.transfers.open(self.request.seq_id, events_tx);
         self.register(xfer_id, epoch, block_ids.clone(), None)
             .await?;
@@ -256,9 +258,10 @@ impl Session {
                         ))
                     }
                 },
-                // Closed once the transfer is (activated, or never opened: local prefill);
-                // a closed channel answers at once, so it is polled only while open.
-                event = self.events.recv(), if !self.events.is_closed() => {
+                // Closed once the transfer is activated (and absent with a local prefill); a
+                // closed channel answers at once, so it is polled only while open.
+                event = next_event(&mut self.events),
+                    if self.events.as_ref().is_some_and(|e| !e.is_closed()) => {
                     if let Some(event) = event {
                         if let Some(end) = self.on_event(stage, event).await {
                             return end;
@@ -346,7 +349,7 @@ impl Session {
                     return None;
                 }
                 *deadline = Instant::now() + self.ctx.lease;
-                let _ = reply.send(Ok(self.ctx.lease.as_millis() as u32));
+                let _ = reply.send(Ok(()));
                 None
             }
             SessionEvent::Done { done, reply } => {
@@ -527,6 +530,14 @@ fn down(msg: generate_down::Msg) -> v1::GenerateDown {
 async fn sleep_until_opt(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next Done or Renew; never, without a reservation.
+async fn next_event(events: &mut Option<mpsc::Receiver<SessionEvent>>) -> Option<SessionEvent> {
+    match events {
+        Some(rx) => rx.recv().await,
         None => std::future::pending().await,
     }
 }

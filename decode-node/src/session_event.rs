@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 pub(crate) enum SessionEvent {
     Renew {
         epoch: u64,
-        reply: oneshot::Sender<Result<u32, Failure>>,
+        reply: oneshot::Sender<Result<(), Failure>>,
     },
     Done {
         done: v1::DoneRequest,

@@ -110,7 +110,6 @@ async fn draining_node_refuses_new_work_serves_what_it_holds_and_exits() {
                 token_id: 310,
                 ..Default::default()
             }),
-            num_tokens: 6,
             checksums: Vec::new(),
         })
         .await

@@ -45,7 +45,6 @@ async fn a_stale_epoch_is_refused_and_the_new_one_activates() {
             token_id: 310,
             ..Default::default()
         }),
-        num_tokens: 6,
         checksums: Vec::new(),
     };
     // The old attempt's Renew and Done are refused: its KV is not the reservation's.

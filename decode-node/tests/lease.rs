@@ -40,13 +40,7 @@ async fn a_renewed_reservation_outlives_its_lease_and_an_abandoned_one_expires()
     };
     let held = Instant::now();
     while held.elapsed() < Duration::from_millis(1200) {
-        let lease = client
-            .clone()
-            .renew(renew)
-            .await
-            .expect("renewed")
-            .into_inner();
-        assert_eq!(lease.lease_ms, 300);
+        client.clone().renew(renew).await.expect("renewed");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Abandoned: it expires within a lease or so.

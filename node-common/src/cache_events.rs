@@ -17,7 +17,6 @@ use tokio_util::sync::CancellationToken;
 const FOLLOWER_LAG: usize = 1024;
 
 pub struct CacheEventLog {
-    block_size: u32,
     state: Mutex<LogState>,
     tx: broadcast::Sender<Arc<v1::CacheEventBatch>>,
 }
@@ -31,10 +30,9 @@ pub type CacheEventStream =
     Pin<Box<dyn Stream<Item = Result<v1::CacheEventBatch, tonic::Status>> + Send>>;
 
 impl CacheEventLog {
-    pub fn new(block_size: u32) -> Arc<Self> {
+    pub fn new() -> Arc<Self> {
         let (tx, _) = broadcast::channel(FOLLOWER_LAG);
         Arc::new(CacheEventLog {
-            block_size,
             state: Mutex::new(LogState {
                 seq: 0,
                 hashes: HashSet::new(),
@@ -67,7 +65,6 @@ impl CacheEventLog {
             seq: st.seq,
             snapshot: false,
             events,
-            block_size: self.block_size,
         }));
     }
 
@@ -88,7 +85,6 @@ impl CacheEventLog {
                 .iter()
                 .map(|&hash| v1::CacheEvent { hash, stored: true })
                 .collect(),
-            block_size: self.block_size,
         };
         (snapshot, rx)
     }
@@ -152,7 +148,7 @@ mod tests {
 
     #[tokio::test]
     async fn snapshot_then_numbered_batches() {
-        let log = CacheEventLog::new(16);
+        let log = CacheEventLog::new();
         log.publish([(1, true), (2, true)]);
         log.publish(Vec::new());
         let mut s = log.stream();
@@ -183,7 +179,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stopped_stream_ends_after_what_it_was_sent() {
-        let log = CacheEventLog::new(16);
+        let log = CacheEventLog::new();
         let stop = CancellationToken::new();
         let mut s = log.stream_until(stop.clone());
         assert!(s.next().await.unwrap().unwrap().snapshot);
@@ -200,7 +196,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lagging_follower_gets_an_error_and_the_stream_ends() {
-        let log = CacheEventLog::new(16);
+        let log = CacheEventLog::new();
         let mut s = log.stream();
         for i in 0..(FOLLOWER_LAG as u64 + 10) {
             log.publish([(i, true)]);

@@ -23,9 +23,9 @@ pub struct EngineStateRx {
 }
 
 impl EngineState {
-    pub fn new(block_size: usize) -> (EngineState, EngineStateRx) {
+    pub fn new() -> (EngineState, EngineStateRx) {
         let (load, load_rx) = watch::channel(WorkLoad::default());
-        let cache = CacheEventLog::new(block_size as u32);
+        let cache = CacheEventLog::new();
         (
             EngineState {
                 load,

@@ -127,7 +127,7 @@ where
         .unwrap_or_else(|| random_node_id(role.as_str()));
     let loaded = args.engine.start_engine(&node_id, role.as_str()).await?;
     let layout = loaded.engine.cache().layout();
-    let (state, state_rx) = EngineState::new(layout.block_size as usize);
+    let (state, state_rx) = EngineState::new();
     let work = WorkTracker::default();
     let data_plane_stop = CancellationToken::new();
     // /metrics outlives `shutdown`: a draining node is still observed.

@@ -27,8 +27,6 @@ pub struct LayerPayload {
 
 pub struct PrefillOutcome {
     pub first: TokenEvent,
-    /// Prompt tokens whose KV came from the prefix cache rather than a forward pass.
-    pub cached_tokens: usize,
     /// From the RPC's arrival to the first token: this node's time to first token.
     pub elapsed: Duration,
     /// From the first step that computed part of the prompt to the first token.
@@ -104,8 +102,6 @@ struct Pending {
     /// Set by the first step that computes part of this prompt.
     computing_since: Option<Instant>,
     prompt_tokens: u64,
-    /// Prompt tokens the engine's steps computed: the rest came from the prefix cache.
-    computed_tokens: u64,
     span: Span,
     /// Open from arrival until the first step that computes part of this prompt.
     queue_wait: Option<Span>,
@@ -150,7 +146,6 @@ impl EngineTask for PrefillTask {
                                 arrived: arrival.at,
                                 computing_since: None,
                                 prompt_tokens,
-                                computed_tokens: 0,
                                 queue_wait: Some(arrival.queue_wait),
                                 span: arrival.span,
                                 chunks: 0,
@@ -246,9 +241,6 @@ impl StepObserver for StepTracker<'_> {
                 p.computing_since = Some(self.started);
             }
             p.chunks += 1;
-            if s.is_prefill {
-                p.computed_tokens += s.num_tokens as u64;
-            }
         }
     }
 
@@ -309,7 +301,6 @@ fn step(engine: &mut Engine, pending: &mut HashMap<SeqId, Pending>) {
                     p.span.record("chunks", p.chunks);
                     let _ = p.reply.send(Ok(PrefillOutcome {
                         first: ev,
-                        cached_tokens: p.prompt_tokens.saturating_sub(p.computed_tokens) as usize,
                         elapsed: p.arrived.elapsed(),
                         compute: p.computing_since.unwrap_or(started).elapsed(),
                     }));
@@ -350,7 +341,7 @@ mod tests {
 
     fn task() -> PrefillTask {
         let engine = stories_engine(&testkit::shared_model("stories260K"));
-        PrefillTask::new(engine, EngineState::new(4).0, false)
+        PrefillTask::new(engine, EngineState::new().0, false)
     }
 
     type Reply = oneshot::Receiver<Result<PrefillOutcome, EngineError>>;

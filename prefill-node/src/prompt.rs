@@ -131,9 +131,6 @@ impl Prompt {
         let token = convert::token(&outcome.first);
         let first = event(prefill_event::Event::First(v1::FirstToken {
             token: Some(token.clone()),
-            num_tokens: num_tokens as u32,
-            cached_tokens: outcome.cached_tokens as u32,
-            prefill_us: outcome.compute.as_micros() as u64,
         }));
         if events.send(Ok(first)).await.is_err() {
             return Ok(());

@@ -196,7 +196,6 @@ pub struct PushJob {
     pub dest: KvDestination,
     /// This node's cache geometry, which the destination's matches.
     pub layout: KvLayout,
-    pub num_tokens: u32,
     pub request_id: String,
 }
 
@@ -338,7 +337,6 @@ async fn push(
         xfer_id: dest.xfer_id,
         epoch: dest.epoch,
         first_token: Some(first),
-        num_tokens: job.num_tokens,
         checksums,
     });
     // The context travels in `done`'s metadata; the call itself runs outside the span (see
@@ -427,7 +425,7 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(("renew", tp, xfer_id, String::new()));
-            Ok(Response::new(v1::RenewResponse { lease_ms: 1000 }))
+            Ok(Response::new(v1::RenewResponse {}))
         }
     }
 
@@ -495,7 +493,6 @@ mod tests {
                 ..Default::default()
             },
             layout: LAYOUT,
-            num_tokens: 2,
             request_id: format!("req-{xfer_id}"),
         };
         let (layers_tx, layers_rx) = mpsc::unbounded_channel();

@@ -131,7 +131,6 @@ impl PrefillService {
                         xfer_id: TransferId(dest.xfer_id),
                         dest,
                         layout: self.layout,
-                        num_tokens: num_tokens as u32,
                         request_id,
                     },
                 })

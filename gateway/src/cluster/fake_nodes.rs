@@ -370,7 +370,7 @@ impl Decode for FakeDecode {
         &self,
         _: Request<v1::RenewRequest>,
     ) -> Result<Response<v1::RenewResponse>, Status> {
-        Ok(Response::new(v1::RenewResponse { lease_ms: 10_000 }))
+        Ok(Response::new(v1::RenewResponse {}))
     }
 }
 
@@ -432,8 +432,6 @@ impl Prefill for FakePrefill {
             }
             let first_event = prefill_event::Event::First(v1::FirstToken {
                 token: Some(first.clone()),
-                num_tokens: spec.prompt_ids.len() as u32,
-                ..Default::default()
             });
             let _ = tx.send(event(first_event)).await;
             if matches!(script, PrefillScript::DieMidPush) {
@@ -523,7 +521,6 @@ impl NodeRpc for FakeNodeRpc {
             seq: 1,
             snapshot: true,
             events: Vec::new(),
-            block_size: 16,
         };
         Ok(Response::new(Box::pin(futures::StreamExt::chain(
             futures::stream::once(async move { Ok(snapshot) }),
