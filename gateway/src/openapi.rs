@@ -203,9 +203,16 @@ fn input_limits(doc: &mut Value, state: &AppState) {
         ("ChatRequest", "max_completion_tokens"),
         ("CompletionRequest", "max_tokens"),
     ] {
-        let parts = match schemas[schema]["allOf"].as_array_mut() {
-            Some(parts) => parts.iter_mut().collect(),
-            None => vec![&mut schemas[schema]],
+        // `get_mut`, not indexing, which would add an `"allOf": null`.
+        let schema = &mut schemas[schema];
+        let parts = if schema.get("allOf").is_some_and(Value::is_array) {
+            schema["allOf"]
+                .as_array_mut()
+                .into_iter()
+                .flatten()
+                .collect()
+        } else {
+            vec![schema]
         };
         for part in parts {
             if let Some(property) = part["properties"].get_mut(field) {

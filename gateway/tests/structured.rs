@@ -291,6 +291,17 @@ async fn the_openapi_document_and_the_server_agree_at_the_edges() {
     assert_eq!(server.post("/generate", too_many).await.status(), 422);
     let chat = &schemas["ChatRequest"]["allOf"][1]["properties"];
     assert_eq!(chat["max_tokens"]["maximum"], 127, "{chat}");
+    // Checked whichever spelling wins.
+    let both = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 128,
+        "max_completion_tokens": 1});
+    let message = assert_error(
+        server.post("/v1/chat/completions", both).await,
+        400,
+        "validation",
+    )
+    .await;
+    assert!(message.contains("max_tokens"), "{message}");
+    assert!(schemas["TgiParameters"].get("allOf").is_none());
     assert_eq!(
         tgi["top_n_tokens"]["maximum"], 20,
         "a tighter maximum stays"

@@ -217,13 +217,24 @@ pub(crate) async fn chat_completions(
     if let (Some(top), false) = (request.top_logprobs.filter(|&n| n > 0), with_logprobs) {
         return Err(invalid("top_logprobs", "needs `logprobs: true`", top).into());
     }
-    // Either spelling is checked, not only the one that wins.
+    // Either spelling is checked, not only the one that wins, against the bounds the OpenAPI
+    // document states for both (a prompt is at least one token, so the winner's own check,
+    // against the room the prompt leaves, is tighter).
+    let ceiling = state.limits().max_total_tokens.saturating_sub(1);
     for (field, value) in [
         ("max_tokens", request.max_tokens),
         ("max_completion_tokens", request.max_completion_tokens),
     ] {
         if value == Some(0) {
             return Err(invalid(field, "must be at least 1", 0).into());
+        }
+        if let Some(value) = value.filter(|&v| v as usize > ceiling) {
+            return Err(invalid(
+                field,
+                format!("must be below max_total_tokens ({})", ceiling + 1),
+                value,
+            )
+            .into());
         }
     }
     let n = request.common.n();
