@@ -142,6 +142,12 @@ fn grammar_values(doc: &mut Value) {
 /// `decoder_input_details`.
 fn tgi_rules(doc: &mut Value) {
     let schemas = &mut doc["components"]["schemas"];
+    // TGI's `top_k` is signed (a negative one is refused naming the field), so its range ends
+    // at the signed maximum, though `minimum: 0` made `integer_ranges` read it as unsigned.
+    if let Some(top_k) = schemas["TgiParameters"]["properties"].get_mut("top_k") {
+        top_k["format"] = "int64".into();
+        top_k["maximum"] = json!(i64::MAX);
+    }
     if let Some(parameters) = schemas["TgiParameters"].as_object_mut() {
         let set = |field: &str, schema: Value| json!({"required": [field], "properties": {field: schema}});
         parameters.insert(

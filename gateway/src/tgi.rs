@@ -56,10 +56,11 @@ struct TgiParameters {
     /// Floats are read as 64-bit, so the bounds hold exactly as written.
     #[schema(minimum = 0.0)]
     temperature: Option<f64>,
-    /// Any size: past the vocabulary it keeps every token.
+    /// Signed, so that a negative one is refused naming the field (the OpenAPI document's
+    /// maximum is `i64::MAX`, `crate::openapi::tgi_rules`).
     #[schema(minimum = 0)]
     #[serde(default, deserialize_with = "crate::json::int::opt")]
-    top_k: Option<u64>,
+    top_k: Option<i64>,
     /// In (0, 1].
     #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     top_p: Option<f64>,
@@ -127,7 +128,7 @@ impl TgiParameters {
             max_new_tokens: self.max_new_tokens,
             temperature: self.temperature,
             do_sample: self.do_sample.unwrap_or(false),
-            top_k: self.top_k.map(|k| i64::try_from(k).unwrap_or(i64::MAX)),
+            top_k: self.top_k,
             top_p: self.top_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,

@@ -306,12 +306,12 @@ async fn the_openapi_document_and_the_server_agree_at_the_edges() {
         tgi["top_n_tokens"]["maximum"], 20,
         "a tighter maximum stays"
     );
-    assert_eq!(tgi["top_k"]["maximum"], json!(u64::MAX), "{tgi}");
+    assert_eq!(tgi["top_k"]["maximum"], json!(i64::MAX), "{tgi}");
     // The document's edges, as the server takes them.
     let generate = |parameters: Value| json!({"inputs": "Lily", "parameters": parameters});
     for parameters in [
         json!({"seed": u64::MAX, "max_new_tokens": 1}),
-        json!({"top_k": u64::MAX, "max_new_tokens": 1}),
+        json!({"top_k": i64::MAX, "max_new_tokens": 1}),
         json!({"temperature": 1e300, "top_p": 1e-300, "repetition_penalty": 1e300,
             "max_new_tokens": 1}),
     ] {
