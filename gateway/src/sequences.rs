@@ -39,24 +39,7 @@ impl Sequences {
         request: ValidRequest,
         count: usize,
     ) -> Result<Self, GatewayError> {
-        let samples = request.sampling.temperature > 0.0;
-        let mut requests: Vec<ValidRequest> = (0..count.max(1))
-            .map(|i| {
-                let mut r = request.clone();
-                if i > 0 {
-                    r.request_id = RequestId::new_random();
-                    r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
-                    // Same prompt, same logprobs: the first sequence reports them, and the
-                    // others keep taking its blocks from the prefix cache.
-                    r.prompt_logprobs = false;
-                }
-                r
-            })
-            .collect();
-        let seeds = requests
-            .iter()
-            .map(|r| samples.then_some(r.sampling.seed))
-            .collect();
+        let (mut requests, seeds) = per_sequence(&request, count);
         let others = requests.split_off(1);
         let first = requests.pop().expect("count is at least 1");
         let mut generation = state.start(first).await?;
@@ -81,22 +64,31 @@ impl Sequences {
                     .boxed(),
             );
         }
-        for r in others {
-            let state = state.clone();
-            let tokens = futures::stream::once(async move { state.start(r).await })
-                .flat_map(|started| match started {
-                    Ok(generation) => generation.tokens,
-                    Err(error) => futures::stream::iter([Err(error)]).boxed(),
-                })
-                .boxed();
-            streams.push(tokens);
-        }
+        streams.extend(others.into_iter().map(|r| start_when_polled(state, r)));
         Ok(Self {
             request_id: request.request_id,
             prompt_ids: request.prompt_ids,
             seeds,
             streams,
         })
+    }
+
+    /// Like [`Sequences::start`], but nothing starts until its stream is first polled: for the
+    /// second and later prompts of one request. Started eagerly, each would take a
+    /// concurrency slot and hold it while nothing read its tokens, so a request with more
+    /// prompts than slots waited on itself until the queue timed it out; a failure to start
+    /// arrives on the sequence's stream instead.
+    pub(crate) fn when_polled(state: &AppState, request: ValidRequest, count: usize) -> Self {
+        let (requests, seeds) = per_sequence(&request, count);
+        Self {
+            request_id: request.request_id,
+            prompt_ids: request.prompt_ids,
+            seeds,
+            streams: requests
+                .into_iter()
+                .map(|r| start_when_polled(state, r))
+                .collect(),
+        }
     }
 
     /// Every sequence collected to its end, concurrently; the first error fails them all.
@@ -123,6 +115,41 @@ impl Sequences {
         )
         .boxed()
     }
+}
+
+/// The `count` sequences' requests (each after the first with its own id and seed) and their
+/// seeds, when the request samples.
+fn per_sequence(request: &ValidRequest, count: usize) -> (Vec<ValidRequest>, Vec<Option<u64>>) {
+    let samples = request.sampling.temperature > 0.0;
+    let requests: Vec<ValidRequest> = (0..count.max(1))
+        .map(|i| {
+            let mut r = request.clone();
+            if i > 0 {
+                r.request_id = RequestId::new_random();
+                r.sampling.seed = r.sampling.seed.wrapping_add(i as u64);
+                // Same prompt, same logprobs: the first sequence reports them, and the
+                // others keep taking its blocks from the prefix cache.
+                r.prompt_logprobs = false;
+            }
+            r
+        })
+        .collect();
+    let seeds = requests
+        .iter()
+        .map(|r| samples.then_some(r.sampling.seed))
+        .collect();
+    (requests, seeds)
+}
+
+/// A sequence that starts when its stream is first polled; a failure to start is its one item.
+fn start_when_polled(state: &AppState, request: ValidRequest) -> TokenItems {
+    let state = state.clone();
+    futures::stream::once(async move { state.start(request).await })
+        .flat_map(|started| match started {
+            Ok(generation) => generation.tokens,
+            Err(error) => futures::stream::iter([Err(error)]).boxed(),
+        })
+        .boxed()
 }
 
 /// The mean logprob per token: OpenAI's and TGI's measure of the best of several sequences.

@@ -47,6 +47,49 @@ async fn completions_report_text_and_usage() {
     server.stop().await;
 }
 
+/// More prompts in one request than the gateway runs at once: the prompts that hold a slot
+/// are read to their end and free it for the rest. Each started before any was read, they held
+/// every slot while the rest waited for one, and the request timed out as 429.
+#[tokio::test]
+async fn a_request_with_more_prompts_than_slots_completes() {
+    let mut config = config();
+    config.max_concurrent_requests = 2;
+    config.max_queue_wait_ms = 5_000;
+    let server = TestServer::start(config, FakeScript::default()).await;
+    let prompts: Vec<String> = (0..7).map(|i| format!("Once {i}")).collect();
+    let started = std::time::Instant::now();
+    let response = server
+        .post(
+            "/v1/completions",
+            json!({"prompt": prompts, "max_tokens": 3, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(response.status(), 200, "after {:?}", started.elapsed());
+    let body: Value = response.json().await.unwrap();
+    let choices = body["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 7);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["finish_reason"], "length");
+    }
+    let events = server
+        .stream(
+            "/v1/completions",
+            json!({"prompt": prompts, "max_tokens": 3, "temperature": 0, "stream": true}),
+        )
+        .await
+        .collect()
+        .await;
+    let (chunks, done) = parse(&events);
+    assert!(done, "the stream ends with [DONE]: {events:?}");
+    let finished = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["finish_reason"] == "length")
+        .count();
+    assert_eq!(finished, 7, "{events:?}");
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn completions_sample_by_default_and_accept_stop_strings_and_logprobs() {
     let server = TestServer::start(config(), FakeScript::default()).await;

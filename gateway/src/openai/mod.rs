@@ -195,8 +195,13 @@ pub(crate) async fn start_all(
                 .await?,
         );
     }
-    let started = requests
-        .into_iter()
-        .map(|request| Sequences::start(state, request, count));
-    futures::future::try_join_all(started).await
+    // The first prompt starts now, so that a request that cannot start at all fails with its
+    // status; the others start as their tokens are read (see `Sequences::when_polled`).
+    let mut requests = requests.into_iter();
+    let Some(first) = requests.next() else {
+        return Ok(Vec::new());
+    };
+    let mut all = vec![Sequences::start(state, first, count).await?];
+    all.extend(requests.map(|request| Sequences::when_polled(state, request, count)));
+    Ok(all)
 }
