@@ -95,8 +95,7 @@ pub use quic::{
 };
 pub use registry::{
     peer_fingerprint, Admission, Ignored, LayerClaim, Outcome, PeerFingerprint, PeerKey,
-    RegistryConfig, RegistryStats, Reservation, TransferProgress, TransferRegistry,
-    TransferStatus,
+    RegistryConfig, RegistryStats, Reservation, TransferProgress, TransferRegistry, TransferStatus,
 };
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
