@@ -21,6 +21,11 @@ mod gemm;
 mod gpu_plan;
 mod huge;
 mod kernel_isa;
+mod kquant;
+mod kquant_gemm;
+mod kquant_simd;
+mod kv_int8;
+mod kv_rows;
 mod layout;
 mod narrow;
 mod packed;
@@ -51,6 +56,11 @@ pub use elem::KvElem;
 pub use error::KernelError;
 pub use gemm::{packed_matmul, packed_matmul_add};
 pub use kernel_isa::kernel_isa;
+pub use kquant::{random_blocks, KQuantPart, KQuantType, KQuantWeight};
+pub use kv_int8::{
+    gather_blocks_int8, int8_payload_bytes, paged_attention_int8, quantize_row_int8,
+    reshape_and_cache_int8, scatter_blocks_int8, Int8Kv, Int8KvMut,
+};
 pub use kv_types::KvDtype;
 pub use layout::CacheShape;
 pub use packed::{PackedWeight, WeightDtype, PANEL};

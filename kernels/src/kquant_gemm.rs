@@ -1,0 +1,736 @@
+//! `out = x @ W` for weights kept in their GGUF block types ([`crate::kquant`]).
+//!
+//! The activations are quantised per 32 inputs as for the Q8 GEMM ([`crate::q8::quantize_row`],
+//! llama.cpp's q8_0), with the sums of each 16 inputs beside them. A 32-input block of one
+//! column is then `s * (dot(u, q) - z * sum(q)) - mn * sum(q)`, all scaled by the activations'
+//! scale: the dot product and the zero point are exact in i32 (the zero point seeds the
+//! accumulator), the scale and min are one f32 multiply-add each per block.
+//!
+//! The loop nest is the Q8 GEMM's: a register tile of `MR` rows × `NP` panels over a run of
+//! `KB` blocks, whose records stay in L1 while every row tile of the batch passes over them.
+//! Each group of weights is unpacked from its nibbles (and top bits) once per tile and used by
+//! every row of it, so a batched step or a prefill unpacks each panel once per `MR` rows, not
+//! once per row. Threads split the panels, per segment of one block type.
+
+use std::cell::RefCell;
+
+use crate::kquant::{KQuantType, KQuantWeight, KSegment};
+use crate::kquant_simd::{KDot, KPortable};
+#[cfg(target_arch = "x86_64")]
+use crate::kquant_simd::{KAvx2, KAvx512Bw, KVnni};
+use crate::pool;
+use crate::q8::{quantize_row, GROUPS, GROUP_INPUTS, Q8_BLOCK};
+use crate::q8_simd::QIsa;
+use crate::simd::LANES;
+
+/// Blocks per run: 24 records of two panels (at most 21 KiB) stay in L1.
+const KB: usize = 24;
+/// Rows per block of the batch.
+const MC: usize = 128;
+/// As in the Q8 GEMM: below this many multiply-adds a fork-join costs more than it saves.
+const PARALLEL_MIN_MACS: usize = 1 << 16;
+/// From this many a product is cut finer than one task per thread.
+const BALANCED_MIN_MACS: usize = 1 << 24;
+/// Activations from which quantising them is worth the pool.
+const PARALLEL_QUANT_MIN: usize = 1 << 16;
+
+/// `m` rows of activations quantised per 32 inputs.
+#[derive(Default)]
+struct KActs {
+    q: Vec<i8>,
+    /// Row `r`, block `b` at `r * blocks + b`.
+    scale: Vec<f32>,
+    /// The sums of `q` per 16 inputs: row `r`, block `b`, half `h` at `(r * blocks + b) * 2 + h`.
+    sum16: Vec<i32>,
+    /// `scale * sum(q)` per block, what a min multiplies.
+    msum: Vec<f32>,
+    /// Scratch for `quantize_row`'s compensation, unused here.
+    comp: Vec<i32>,
+}
+
+thread_local! {
+    static ACTS: RefCell<KActs> = RefCell::new(KActs::default());
+}
+
+/// `out[m, n] (+)= x[m, k] @ W[k, n]`; lengths checked by the caller, `m` non-zero.
+pub(crate) fn kquant_matmul(
+    isa: QIsa,
+    x: &[f32],
+    m: usize,
+    w: &KQuantWeight,
+    out: &mut [f32],
+    add: bool,
+) {
+    ACTS.with(|acts| match acts.try_borrow_mut() {
+        Ok(mut acts) => run(isa, x, m, w, out, add, &mut acts),
+        Err(_) => run(isa, x, m, w, out, add, &mut KActs::default()),
+    })
+}
+
+fn run(
+    isa: QIsa,
+    x: &[f32],
+    m: usize,
+    w: &KQuantWeight,
+    out: &mut [f32],
+    add: bool,
+    acts: &mut KActs,
+) {
+    quantize(isa, x, m, w.k, w.blocks, acts);
+    for seg in &w.segments {
+        let job = Job {
+            a: acts.q.as_ptr(),
+            a_scale: acts.scale.as_ptr(),
+            sum16: acts.sum16.as_ptr(),
+            msum: acts.msum.as_ptr(),
+            m,
+            blocks: w.blocks,
+            ldc: w.n,
+            seg,
+            out: out.as_mut_ptr(),
+            add,
+        };
+        let panels = seg.n.div_ceil(LANES);
+        let threads = pool::threads();
+        let macs = m * w.k * seg.n;
+        let tasks = if macs < PARALLEL_MIN_MACS {
+            1
+        } else if macs < BALANCED_MIN_MACS {
+            threads.min(panels)
+        } else {
+            (threads * 4).min(panels.div_ceil(2))
+        };
+        let per_task = panels.div_ceil(tasks).next_multiple_of(2);
+        let job = &job;
+        let one = |t: usize| {
+            let p0 = (t * per_task).min(panels);
+            let p1 = ((t + 1) * per_task).min(panels);
+            // SAFETY: tasks own disjoint panels, so disjoint columns of `out`; the buffers
+            // are sized as `Job` documents (checked by the caller); `isa` is this CPU's.
+            unsafe { run_task(isa, job, p0, p1) };
+        };
+        if tasks == 1 {
+            one(0);
+        } else {
+            pool::run(tasks, &one);
+        }
+    }
+}
+
+/// Quantises the rows of `x` into `acts`, on the pool when there are many.
+fn quantize(isa: QIsa, x: &[f32], m: usize, k: usize, blocks: usize, acts: &mut KActs) {
+    let row = blocks * Q8_BLOCK;
+    acts.q.clear();
+    acts.q.resize(m * row, 0);
+    for v in [&mut acts.scale, &mut acts.msum] {
+        v.clear();
+        v.resize(m * blocks, 0.0);
+    }
+    acts.sum16.clear();
+    acts.sum16.resize(m * blocks * 2, 0);
+    acts.comp.clear();
+    acts.comp.resize(m * blocks, 0);
+    let ptrs = RowPtrs {
+        q: acts.q.as_mut_ptr(),
+        scale: acts.scale.as_mut_ptr(),
+        sum16: acts.sum16.as_mut_ptr(),
+        msum: acts.msum.as_mut_ptr(),
+        comp: acts.comp.as_mut_ptr(),
+    };
+    let one = |r: usize| {
+        let ptrs = ptrs.whole();
+        // SAFETY: row `r` of each buffer, sized above for m rows; each row is written by one
+        // task only, and the caller holds `&mut acts` throughout.
+        unsafe {
+            let q = std::slice::from_raw_parts_mut(ptrs.q.add(r * row), row);
+            let scale = std::slice::from_raw_parts_mut(ptrs.scale.add(r * blocks), blocks);
+            let comp = std::slice::from_raw_parts_mut(ptrs.comp.add(r * blocks), blocks);
+            let sum16 = std::slice::from_raw_parts_mut(ptrs.sum16.add(r * blocks * 2), blocks * 2);
+            let msum = std::slice::from_raw_parts_mut(ptrs.msum.add(r * blocks), blocks);
+            quantize_row_on(isa, &x[r * k..(r + 1) * k], q, scale, comp);
+            for (b, qb) in q.chunks_exact(Q8_BLOCK).enumerate() {
+                let lo: i32 = qb[..16].iter().map(|&v| i32::from(v)).sum();
+                let hi: i32 = qb[16..].iter().map(|&v| i32::from(v)).sum();
+                sum16[2 * b] = lo;
+                sum16[2 * b + 1] = hi;
+                msum[b] = scale[b] * (lo + hi) as f32;
+            }
+        }
+    };
+    if m * k < PARALLEL_QUANT_MIN || m < 2 {
+        (0..m).for_each(one);
+    } else {
+        let tasks = pool::threads().min(m);
+        let per = m.div_ceil(tasks);
+        pool::run(tasks, &|t| (t * per..((t + 1) * per).min(m)).for_each(one));
+    }
+}
+
+/// The activation buffers, written by several tasks at disjoint rows.
+#[derive(Clone, Copy)]
+struct RowPtrs {
+    q: *mut i8,
+    scale: *mut f32,
+    sum16: *mut i32,
+    msum: *mut f32,
+    comp: *mut i32,
+}
+
+// SAFETY: the tasks of `quantize` write disjoint rows.
+unsafe impl Sync for RowPtrs {}
+
+impl RowPtrs {
+    /// A method, so closures capture the whole (`Sync`) struct rather than its raw fields.
+    fn whole(&self) -> RowPtrs {
+        *self
+    }
+}
+
+/// [`quantize_row`] compiled for `isa`, so that its loops vectorise.
+fn quantize_row_on(isa: QIsa, x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
+    match isa {
+        // SAFETY (both arms): `isa` is this CPU's or one it runs.
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Vnni | QIsa::Avx512Bw => unsafe { quantize_avx512(x, q, scale, comp) },
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx2 => unsafe { quantize_avx2(x, q, scale, comp) },
+        _ => quantize_row(x, q, scale, comp),
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX-512F/BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn quantize_avx512(x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
+    quantize_row(x, q, scale, comp)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_avx2(x: &[f32], q: &mut [i8], scale: &mut [f32], comp: &mut [i32]) {
+    quantize_row(x, q, scale, comp)
+}
+
+/// What every task of one segment's product shares.
+struct Job<'a> {
+    a: *const i8,
+    a_scale: *const f32,
+    sum16: *const i32,
+    msum: *const f32,
+    m: usize,
+    blocks: usize,
+    /// Row stride of `out`: the whole weight's outputs.
+    ldc: usize,
+    seg: &'a KSegment,
+    out: *mut f32,
+    add: bool,
+}
+
+// SAFETY: the tasks write disjoint columns of `out` and only read the rest.
+unsafe impl Sync for Job<'_> {}
+
+/// # Safety
+/// Panels `p0..p1` are this task's alone; the job's buffers are as documented; the CPU runs
+/// `isa`.
+unsafe fn run_task(isa: QIsa, job: &Job, p0: usize, p1: usize) {
+    match isa {
+        // SAFETY (each arm): the caller's contract.
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Vnni => unsafe { task_vnni(job, p0, p1) },
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx512Bw => unsafe { task_avx512bw(job, p0, p1) },
+        #[cfg(target_arch = "x86_64")]
+        QIsa::Avx2 => unsafe { task_avx2(job, p0, p1) },
+        _ => unsafe { by_type::<_, 2, 2>(KPortable, job, p0, p1) },
+    }
+}
+
+/// # Safety
+/// As [`run_task`], on a CPU with AVX-512F/BW, VNNI, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn task_vnni(job: &Job, p0: usize, p1: usize) {
+    // SAFETY: this function's contract.
+    unsafe { by_type::<_, 6, 4>(KVnni::new_unchecked(), job, p0, p1) }
+}
+
+/// # Safety
+/// As [`run_task`], on a CPU with AVX-512F/BW, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn task_avx512bw(job: &Job, p0: usize, p1: usize) {
+    // SAFETY: this function's contract.
+    unsafe { by_type::<_, 4, 4>(KAvx512Bw::new_unchecked(), job, p0, p1) }
+}
+
+/// # Safety
+/// As [`run_task`], on a CPU with AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2(job: &Job, p0: usize, p1: usize) {
+    // SAFETY: this function's contract. Two ymm per vector: half the rows.
+    unsafe { by_type::<_, 3, 2>(KAvx2::new_unchecked(), job, p0, p1) }
+}
+
+/// The task instantiated for the segment's block type: `MR` rows a tile, `MR2` where each
+/// row holds two sub-block accumulators (Q6_K).
+///
+/// # Safety
+/// As [`run_task`].
+#[inline(always)]
+unsafe fn by_type<D: KDot, const MR: usize, const MR2: usize>(
+    d: D,
+    job: &Job,
+    p0: usize,
+    p1: usize,
+) {
+    // SAFETY (each arm): the caller's contract.
+    unsafe {
+        match job.seg.ty {
+            KQuantType::Q4_0 => task::<D, MR, 0, 1, false>(d, job, p0, p1),
+            KQuantType::Q4K => task::<D, MR, 0, 1, true>(d, job, p0, p1),
+            KQuantType::Q5K => task::<D, MR, 1, 1, true>(d, job, p0, p1),
+            KQuantType::Q6K => task::<D, MR2, 2, 2, false>(d, job, p0, p1),
+        }
+    }
+}
+
+/// Two panels a tile.
+const NP: usize = 2;
+
+/// One micro-tile's operands, each at its first row, block and panel.
+struct KTile {
+    a: *const i8,
+    lda: usize,
+    a_scale: *const f32,
+    sum16: *const i32,
+    msum: *const f32,
+    /// Stride of `a_scale` and `msum` (and half that of `sum16`).
+    ldb: usize,
+    w: *const u8,
+    panel_bytes: usize,
+    nb: usize,
+    zero: i32,
+    c: *mut f32,
+    ldc: usize,
+    cols: usize,
+    accumulate: bool,
+}
+
+/// One task: panels `p0..p1` of the segment for every row, in runs of `KB` blocks and `MC`
+/// rows.
+///
+/// # Safety
+/// As [`run_task`].
+#[inline(always)]
+unsafe fn task<D: KDot, const MR: usize, const HB: usize, const SUB: usize, const MIN: bool>(
+    d: D,
+    job: &Job,
+    p0: usize,
+    p1: usize,
+) {
+    let (m, blocks, seg) = (job.m, job.blocks, job.seg);
+    let rec = seg.ty.record_bytes();
+    let lda = blocks * Q8_BLOCK;
+    let panel_bytes = blocks * rec;
+    let mut b0 = 0;
+    while b0 < blocks {
+        let nb = KB.min(blocks - b0);
+        let mut mb = 0;
+        while mb < m {
+            let mc = MC.min(m - mb);
+            let tiles = mc.div_ceil(MR);
+            let (base, extra) = (mc / tiles, mc % tiles);
+            let mut p = p0;
+            while p < p1 {
+                let np = NP.min(p1 - p);
+                let cols = (seg.n - p * LANES).min(np * LANES);
+                let mut r = mb;
+                for tile in 0..tiles {
+                    let rows = base + usize::from(tile < extra);
+                    // SAFETY (the pointers): r < m, b0 < blocks, p < panels.
+                    let t = unsafe {
+                        KTile {
+                            a: job.a.add(r * lda + b0 * Q8_BLOCK),
+                            lda,
+                            a_scale: job.a_scale.add(r * blocks + b0),
+                            sum16: job.sum16.add((r * blocks + b0) * 2),
+                            msum: job.msum.add(r * blocks + b0),
+                            ldb: blocks,
+                            w: seg.data.as_ptr().add(p * panel_bytes + b0 * rec),
+                            panel_bytes,
+                            nb,
+                            zero: seg.ty.zero(),
+                            c: job.out.add(r * job.ldc + seg.col0 + p * LANES),
+                            ldc: job.ldc,
+                            cols,
+                            accumulate: b0 > 0 || job.add,
+                        }
+                    };
+                    // SAFETY: the tile lies inside the activations, W and this task's columns.
+                    unsafe {
+                        if np == NP {
+                            tile_rows::<D, NP, MR, HB, SUB, MIN>(d, &t, rows)
+                        } else {
+                            tile_rows::<D, 1, MR, HB, SUB, MIN>(d, &t, rows)
+                        }
+                    };
+                    r += rows;
+                }
+                p += np;
+            }
+            mb += mc;
+        }
+        b0 += nb;
+    }
+}
+
+/// The micro-kernel for `rows` (1..=MAX) rows, as a const generic.
+///
+/// # Safety
+/// As [`micro`].
+#[inline(always)]
+unsafe fn tile_rows<
+    D: KDot,
+    const P: usize,
+    const MAX: usize,
+    const HB: usize,
+    const SUB: usize,
+    const MIN: bool,
+>(
+    d: D,
+    t: &KTile,
+    rows: usize,
+) {
+    // SAFETY (every arm): the caller's contract, for `rows` rows.
+    unsafe {
+        match rows {
+            1 => micro::<D, P, 1, HB, SUB, MIN>(d, t),
+            2 if MAX >= 2 => micro::<D, P, 2, HB, SUB, MIN>(d, t),
+            3 if MAX >= 3 => micro::<D, P, 3, HB, SUB, MIN>(d, t),
+            4 if MAX >= 4 => micro::<D, P, 4, HB, SUB, MIN>(d, t),
+            5 if MAX >= 5 => micro::<D, P, 5, HB, SUB, MIN>(d, t),
+            6 if MAX >= 6 => micro::<D, P, 6, HB, SUB, MIN>(d, t),
+            _ => unreachable!("{rows} rows in a tile of at most {MAX}"),
+        }
+    }
+}
+
+/// `c[MR, P * 16] (+)= a[MR, nb blocks] @ w[nb blocks, P * 16]`.
+///
+/// # Safety
+/// `a` readable for `MR` rows of `nb * 32` bytes at stride `lda`, the per-block activation
+/// values for `MR` rows of `nb` at stride `ldb`; `w` for `nb` records in each of `P` panels
+/// `panel_bytes` apart; `c` writable for `MR` rows of `cols` at stride `ldc`.
+#[inline(always)]
+unsafe fn micro<
+    D: KDot,
+    const P: usize,
+    const MR: usize,
+    const HB: usize,
+    const SUB: usize,
+    const MIN: bool,
+>(
+    d: D,
+    t: &KTile,
+) {
+    let rec = 4 * 64 + HB * 64 + 32 * SUB + if MIN { 32 } else { 0 };
+    let mut acc = [[d.zero_f(); P]; MR];
+    if t.accumulate {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (q, v) in row.iter_mut().enumerate() {
+                // SAFETY: the caller's contract for c.
+                *v = unsafe { load_c(d, t.c.add(r * t.ldc + q * LANES), t.cols, q) };
+            }
+        }
+    }
+    for b in 0..t.nb {
+        let mut dots = [[[d.seed(0); SUB]; P]; MR];
+        for (r, row) in dots.iter_mut().enumerate() {
+            // SAFETY: the caller's contract for the activations' sums.
+            let (lo, hi) = unsafe {
+                let s = t.sum16.add((r * t.ldb + b) * 2);
+                (*s, *s.add(1))
+            };
+            let seeds: [i32; SUB] = if SUB == 2 {
+                std::array::from_fn(|h| -t.zero * if h == 0 { lo } else { hi })
+            } else {
+                [-t.zero * (lo + hi); SUB]
+            };
+            for v in row.iter_mut() {
+                *v = seeds.map(|s| d.seed(s));
+            }
+        }
+        for v in 0..4 {
+            // SAFETY: the caller's contract for w.
+            let lines: [D::W; P] = std::array::from_fn(|q| unsafe {
+                d.load_w(t.w.add(q * t.panel_bytes + b * rec + v * 64))
+            });
+            for half in 0..2 {
+                let g = v + 4 * half;
+                let wv: [D::W; P] = std::array::from_fn(|q| {
+                    let line = lines[q];
+                    let mut u = if half == 0 { d.lo(line) } else { d.hi(line) };
+                    if HB > 0 {
+                        let per = 8 / HB;
+                        // SAFETY: the caller's contract for w.
+                        let h = unsafe {
+                            d.load_w(t.w.add(q * t.panel_bytes + b * rec + 256 + (g / per) * 64))
+                        };
+                        u = d.or(u, d.top(h, (HB * (g % per)) as u32, HB as u32));
+                    }
+                    u
+                });
+                let sub = if SUB == 2 { half } else { 0 };
+                for (r, row) in dots.iter_mut().enumerate() {
+                    // SAFETY: the caller's contract for a: 4 bytes of row r, block b, group g.
+                    let a = unsafe {
+                        std::ptr::read_unaligned(
+                            t.a.add(r * t.lda + b * Q8_BLOCK + g * GROUP_INPUTS)
+                                .cast::<i32>(),
+                        )
+                    };
+                    for (v, w) in row.iter_mut().zip(&wv) {
+                        v[sub] = d.dot(v[sub], *w, a);
+                    }
+                }
+            }
+        }
+        let at = b * rec + 256 + 64 * HB;
+        let mut s = [[d.zero_f(); SUB]; P];
+        let mut mn = [d.zero_f(); P];
+        for q in 0..P {
+            let base = q * t.panel_bytes + at;
+            for (h, sv) in s[q].iter_mut().enumerate() {
+                // SAFETY: the caller's contract for w.
+                *sv = unsafe { d.load_h(t.w.add(base + 32 * h)) };
+            }
+            if MIN {
+                // SAFETY: as above.
+                mn[q] = unsafe { d.load_h(t.w.add(base + 32 * SUB)) };
+            }
+        }
+        for (r, (row, dots)) in acc.iter_mut().zip(&dots).enumerate() {
+            // SAFETY: the caller's contract for the activations' scales.
+            let (sa, ms) = unsafe { (*t.a_scale.add(r * t.ldb + b), *t.msum.add(r * t.ldb + b)) };
+            for (q, v) in row.iter_mut().enumerate() {
+                for h in 0..SUB {
+                    *v = d.fold(*v, dots[q][h], s[q][h], sa);
+                }
+                if MIN {
+                    *v = d.sub_min(*v, mn[q], ms);
+                }
+            }
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (q, v) in row.iter().enumerate() {
+            // SAFETY: the caller's contract for c.
+            unsafe { store_c(d, t.c.add(r * t.ldc + q * LANES), t.cols, q, *v) };
+        }
+    }
+    debug_assert_eq!(GROUPS, 8);
+}
+
+/// Vector `q` of a tile row at `c`, of which `cols` columns exist; the rest read as zero.
+///
+/// # Safety
+/// `c` must be readable for `min(cols - q * 16, 16)` f32.
+#[inline(always)]
+unsafe fn load_c<D: KDot>(d: D, c: *const f32, cols: usize, q: usize) -> D::F {
+    let live = cols.saturating_sub(q * LANES);
+    if live >= LANES {
+        // SAFETY: 16 columns exist.
+        unsafe { d.load_f(c) }
+    } else {
+        let mut buf = [0.0f32; LANES];
+        // SAFETY: `live` columns exist; `buf` holds 16.
+        unsafe {
+            std::ptr::copy_nonoverlapping(c, buf.as_mut_ptr(), live);
+            d.load_f(buf.as_ptr())
+        }
+    }
+}
+
+/// Writes vector `q` of a tile row at `c`, only the `cols` columns that exist.
+///
+/// # Safety
+/// `c` must be writable for `min(cols - q * 16, 16)` f32.
+#[inline(always)]
+unsafe fn store_c<D: KDot>(d: D, c: *mut f32, cols: usize, q: usize, v: D::F) {
+    let live = cols.saturating_sub(q * LANES);
+    if live >= LANES {
+        // SAFETY: 16 columns exist.
+        unsafe { d.store_f(c, v) }
+    } else if live > 0 {
+        let mut buf = [0.0f32; LANES];
+        // SAFETY: `buf` holds 16; `live` columns exist.
+        unsafe {
+            d.store_f(buf.as_mut_ptr(), v);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), c, live);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kquant::{random_blocks, KQuantPart};
+    use rand::{Rng, SeedableRng};
+
+    const TYPES: [KQuantType; 4] = [
+        KQuantType::Q4_0,
+        KQuantType::Q4K,
+        KQuantType::Q5K,
+        KQuantType::Q6K,
+    ];
+
+    /// The simplest statement of the product: activations quantised per 32 (`max|x| / 127`,
+    /// ties to even), times the weights dequantised from the panels, in f64; and the sum of
+    /// the terms' magnitudes, which bounds the f32 rounding the kernels may add.
+    fn reference(x: &[f32], m: usize, w: &KQuantWeight) -> (Vec<f64>, Vec<f64>) {
+        let (k, n) = (w.k(), w.n());
+        let wd: Vec<f64> = (0..k * n).map(|t| f64::from(w.get(t / n, t % n))).collect();
+        let mut out = vec![0f64; m * n];
+        let mut mag = vec![0f64; m * n];
+        for r in 0..m {
+            for b0 in (0..k).step_by(32) {
+                let block = &x[r * k + b0..r * k + b0 + 32];
+                let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let q: Vec<f64> = block
+                    .iter()
+                    .map(|v| f64::from((v * inv).round_ties_even()) * f64::from(d))
+                    .collect();
+                for j in 0..n {
+                    let s: f64 = (0..32).map(|i| q[i] * wd[(b0 + i) * n + j]).sum();
+                    out[r * n + j] += s;
+                    mag[r * n + j] += s.abs();
+                }
+            }
+        }
+        (out, mag)
+    }
+
+    fn check(parts: &[(KQuantType, usize)], m: usize, k: usize, seed: u64) {
+        let raws: Vec<Vec<u8>> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, rows))| random_blocks(ty, rows, k, seed + i as u64))
+            .collect();
+        let list: Vec<KQuantPart> = parts
+            .iter()
+            .zip(&raws)
+            .map(|(&(ty, rows), data)| KQuantPart { ty, rows, data })
+            .collect();
+        let w = KQuantWeight::from_gguf(k, &list).expect("pack");
+        let n = w.n();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (want, mag) = reference(&x, m, &w);
+        let base: Vec<f32> = (0..m * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        for isa in QIsa::available() {
+            for add in [false, true] {
+                let mut out = if add {
+                    base.clone()
+                } else {
+                    vec![f32::NAN; m * n]
+                };
+                w.matmul_on(isa, &x, m, &mut out, add).expect("shapes");
+                for (i, g) in out.iter().enumerate() {
+                    let want = want[i] + if add { f64::from(base[i]) } else { 0.0 };
+                    let tol = 2e-6 * (mag[i] + 1.0);
+                    assert!(
+                        (f64::from(*g) - want).abs() <= tol,
+                        "{isa:?} {parts:?} add={add} m={m} k={k} at {i}: {g} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_type_and_isa_matches_the_reference() {
+        for ty in TYPES {
+            for (m, k, rows) in [(1, 256, 16), (3, 512, 40), (7, 256, 33), (13, 768, 17)] {
+                check(&[(ty, rows)], m, k, (m * 31 + rows) as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn mixed_segments_fill_their_own_columns() {
+        // A Q4_K_M q/k/v: Q4_K, Q4_K then Q6_K rows, sizes not multiples of a panel.
+        check(
+            &[(KQuantType::Q4K, 40), (KQuantType::Q4K, 8), (KQuantType::Q6K, 24)],
+            5,
+            512,
+            9,
+        );
+    }
+
+    #[test]
+    fn batches_and_prefill_sized_inputs() {
+        // Past MC rows and KB blocks, and past the pool's thresholds.
+        check(&[(KQuantType::Q4K, 64)], 140, 1024, 1);
+        check(&[(KQuantType::Q6K, 48)], 33, 1024, 2);
+    }
+
+    #[test]
+    fn unsigned_dots_match_portable_at_the_extremes() {
+        // The largest u (63) against -128 and 127 in every lane: maddubs must not saturate.
+        for ty in [KQuantType::Q6K, KQuantType::Q4K] {
+            let k = 256;
+            let mut raw = random_blocks(ty, 16, k, 5);
+            let bb = ty.block_bytes();
+            for blk in raw.chunks_exact_mut(bb) {
+                let data = if ty == KQuantType::Q6K { 0..192 } else { 16..144 };
+                blk[data].fill(0xFF);
+            }
+            let w = KQuantWeight::from_gguf(
+                k,
+                &[KQuantPart {
+                    ty,
+                    rows: 16,
+                    data: &raw,
+                }],
+            )
+            .expect("pack");
+            for xv in [-1.0f32, 1.0] {
+                let x = vec![xv; k];
+                let mut want = vec![0f32; 16];
+                w.matmul_on(QIsa::Portable, &x, 1, &mut want, false)
+                    .expect("shapes");
+                for isa in QIsa::available() {
+                    let mut got = vec![0f32; 16];
+                    w.matmul_on(isa, &x, 1, &mut got, false).expect("shapes");
+                    for (g, e) in got.iter().zip(&want) {
+                        assert!((g - e).abs() <= 1e-5 * e.abs().max(1.0), "{isa:?} {ty:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        let raw = random_blocks(KQuantType::Q4K, 16, 256, 1);
+        let w = KQuantWeight::from_gguf(
+            256,
+            &[KQuantPart {
+                ty: KQuantType::Q4K,
+                rows: 16,
+                data: &raw,
+            }],
+        )
+        .expect("pack");
+        let mut out = vec![0f32; 16];
+        assert!(w.matmul(&[0.0; 255], 1, &mut out, false).is_err());
+        assert!(w.matmul(&[0.0; 256], 1, &mut out[..15], false).is_err());
+        assert!(w.matmul(&[], 0, &mut [], false).is_ok());
+    }
+}
