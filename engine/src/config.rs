@@ -75,9 +75,13 @@ pub struct LlamaConfig {
     pub torch_dtype: Option<String>,
     #[serde(default)]
     pub dtype: Option<String>,
-    /// Read only to refuse: Phi-3's partial rotary is not yet supported.
+    /// The fraction of each head that rope rotates (Phi-4-mini: 0.75); transformers 5 may
+    /// keep it in `rope_parameters` instead.
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
+    /// Phi-3's pretraining context, outside `rope_scaling`; LongRoPE switches factors past it.
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
     /// Absent: the architecture's default; `null`: none (Gemma 2 defaults to 50).
     #[serde(default, deserialize_with = "present")]
     pub attn_logit_softcapping: Option<Option<f64>>,
@@ -129,6 +133,16 @@ pub struct RopeScalingConfig {
     pub high_freq_factor: Option<f64>,
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    /// LongRoPE: per-frequency divisors within and beyond the original context.
+    #[serde(default)]
+    pub short_factor: Option<Vec<f64>>,
+    #[serde(default)]
+    pub long_factor: Option<Vec<f64>>,
+    /// LongRoPE's multiplier on cos and sin; derived from the context growth when absent.
+    #[serde(default)]
+    pub attention_factor: Option<f64>,
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
 }
 
 /// How rotary frequencies are adjusted for long contexts.
@@ -144,6 +158,15 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// Phi-3's LongRoPE: frequency `i` divided by `short_factor[i]` at positions within
+    /// `original_max_position_embeddings`, by `long_factor[i]` beyond it, and cos and sin
+    /// multiplied by `attention_factor` (see `model/rope.rs` for which positions take which).
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
 /// Everything the model needs, with every default applied.
@@ -158,6 +181,9 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The leading dims of each head that rope rotates (rotate-half among them): head_dim, or
+    /// head_dim × `partial_rotary_factor` (Phi-4-mini: 0.75).
+    pub rotary_dim: usize,
     /// The longest context served: max_position_embeddings.
     pub max_context: usize,
     pub rms_norm_eps: f64,
@@ -197,15 +223,27 @@ impl LlamaConfig {
         Architecture::from_name(&name)
     }
 
-    /// Refuses what [`ArchSpec`] cannot yet describe, naming the field and its value, rather
-    /// than serving a model that silently differs from its reference.
-    fn refuse_unsupported(&self) -> Result<()> {
-        if let Some(f) = self.partial_rotary_factor.filter(|&f| f != 1.0) {
+    /// transformers' `int(head_dim * partial_rotary_factor)`, which must be even and within
+    /// the head.
+    fn rotary_dim(&self, head_dim: usize, params: &RopeScalingConfig) -> Result<usize> {
+        let factor = self
+            .partial_rotary_factor
+            .or(params.partial_rotary_factor)
+            .or(self
+                .rope_scaling
+                .as_ref()
+                .and_then(|s| s.partial_rotary_factor))
+            .unwrap_or(1.0);
+        let dim = (head_dim as f64 * factor) as usize;
+        if !(factor > 0.0 && factor <= 1.0) || dim == 0 || !dim.is_multiple_of(2) {
             return Err(EngineError::InvalidConfig {
-                reason: format!("partial_rotary_factor {f} is not supported (only 1.0)"),
+                reason: format!(
+                    "partial_rotary_factor {factor} gives {dim} rotary dims of head_dim \
+                     {head_dim}; they must be even and > 0"
+                ),
             });
         }
-        Ok(())
+        Ok(dim)
     }
 
     /// Each layer's window: `layer_types` when config.json has them, else the architecture's
@@ -265,7 +303,6 @@ impl LlamaConfig {
 
     pub fn resolve(&self) -> Result<ModelConfig> {
         let architecture = self.architecture()?;
-        self.refuse_unsupported()?;
         let defaults = architecture.defaults();
         let activation = self
             .hidden_activation
@@ -320,12 +357,13 @@ impl LlamaConfig {
                 });
             }
         }
+        let rotary_dim = self.rotary_dim(head_dim, &params)?;
         // transformers 5 puts the scaling type in rope_parameters; older configs in rope_scaling.
         let scaling_src = match &self.rope_scaling {
             Some(s) => s.clone(),
             None => params,
         };
-        let rope_scaling = resolve_rope_scaling(&scaling_src, self.max_position_embeddings)?;
+        let rope_scaling = self.resolve_rope_scaling(architecture, &scaling_src, rotary_dim)?;
         let attn_scale = match self
             .query_pre_attn_scalar
             .or(defaults.query_pre_attn_scalar)
@@ -366,6 +404,7 @@ impl LlamaConfig {
             num_heads: self.num_attention_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim,
             max_context: self.max_position_embeddings,
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
@@ -379,6 +418,63 @@ impl LlamaConfig {
             bos_token_id: self.bos_token_id.as_ref().and_then(first_id),
             eos_token_ids: self.eos_token_id.as_ref().map(ids).unwrap_or_default(),
             checkpoint_dtype: self.dtype.clone().or_else(|| self.torch_dtype.clone()),
+        })
+    }
+}
+
+impl LlamaConfig {
+    fn resolve_rope_scaling(
+        &self,
+        arch: Architecture,
+        s: &RopeScalingConfig,
+        rotary_dim: usize,
+    ) -> Result<RopeScaling> {
+        let max_pos = self.max_position_embeddings;
+        let longrope = match s.rope_type.as_deref() {
+            Some("longrope" | "su") => true,
+            // Phi3Config reads its older "yarn" as longrope.
+            Some("yarn") => arch == Architecture::Phi3,
+            _ => false,
+        };
+        if !longrope {
+            return resolve_rope_scaling(s, max_pos);
+        }
+        // Phi3Config's own original_max_position_embeddings (4096 when config.json is
+        // silent) wins over the rope object's, as transformers' standardize_rope_params says.
+        let original = match arch {
+            Architecture::Phi3 => Some(self.original_max_position_embeddings.unwrap_or(4096)),
+            _ => self
+                .original_max_position_embeddings
+                .or(s.original_max_position_embeddings),
+        }
+        .unwrap_or(max_pos);
+        let factors = |name: &str, f: &Option<Vec<f64>>| match f {
+            Some(f) if f.len() == rotary_dim / 2 => Ok(f.clone()),
+            other => Err(EngineError::InvalidConfig {
+                reason: format!(
+                    "longrope {name} must hold {} numbers (rotary_dim / 2), given {:?}",
+                    rotary_dim / 2,
+                    other.as_ref().map(Vec::len)
+                ),
+            }),
+        };
+        if original == 0 {
+            return Err(EngineError::InvalidConfig {
+                reason: "original_max_position_embeddings must be > 0".into(),
+            });
+        }
+        // transformers' _compute_longrope_parameters.
+        let factor = s.factor.unwrap_or(max_pos as f64 / original as f64);
+        let attention_factor = s.attention_factor.unwrap_or(if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+        });
+        Ok(RopeScaling::LongRope {
+            short_factor: factors("short_factor", &s.short_factor)?,
+            long_factor: factors("long_factor", &s.long_factor)?,
+            original_max_position_embeddings: original,
+            attention_factor,
         })
     }
 }
@@ -495,8 +591,8 @@ mod tests {
     fn features_not_yet_described_are_refused_by_name() {
         for (extra, field) in [
             (
-                r#""partial_rotary_factor": 0.75"#,
-                "partial_rotary_factor 0.75",
+                r#""partial_rotary_factor": 0.1"#,
+                "partial_rotary_factor 0.1",
             ),
             (r#""hidden_act": "gelu""#, "\"gelu\""),
             (
@@ -510,6 +606,46 @@ mod tests {
             let err = c.resolve().expect_err("refused").to_string();
             assert!(err.contains(field), "{err}");
         }
+    }
+
+    #[test]
+    fn phi3_reads_partial_rotary_and_longrope() {
+        // Phi-4-mini's shape: original context outside rope_scaling, "type" spelling.
+        let c = parse(&format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], {BASE}, "head_dim": 16,
+            "partial_rotary_factor": 0.75, "max_position_embeddings": 256,
+            "original_max_position_embeddings": 16, "tie_word_embeddings": true,
+            "sliding_window": 262144,
+            "rope_scaling": {{"type": "longrope", "short_factor": [1, 1, 1, 1, 1, 2],
+              "long_factor": [1, 2, 3, 4, 5, 6]}}}}"#
+        ));
+        let r = c.resolve().expect("resolves");
+        assert!(r.arch.fused_checkpoint && !r.arch.qkv_bias);
+        assert_eq!((r.head_dim, r.rotary_dim), (16, 12));
+        assert!(r.tie_word_embeddings);
+        assert_eq!(r.layer_windows, vec![Some(262144); 2]);
+        let RopeScaling::LongRope {
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } = r.rope_scaling
+        else {
+            panic!("longrope: {:?}", r.rope_scaling);
+        };
+        assert_eq!(
+            (long_factor[5], original_max_position_embeddings),
+            (6.0, 16)
+        );
+        // factor 256 / 16 = 16: sqrt(1 + ln 16 / ln 16).
+        assert!((attention_factor - 2f64.sqrt()).abs() < 1e-12);
+        // Factor lists must cover rotary_dim / 2 frequencies.
+        let c = parse(&format!(
+            r#"{{"architectures": ["Phi3ForCausalLM"], {BASE},
+            "rope_scaling": {{"type": "longrope", "short_factor": [1], "long_factor": [1]}}}}"#
+        ));
+        let err = c.resolve().expect_err("short lists").to_string();
+        assert!(err.contains("short_factor must hold 4"), "{err}");
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub enum Architecture {
     /// and `sliding_window_pattern`.
     #[serde(rename = "Gemma3ForCausalLM")]
     Gemma3,
+    /// Phi-3 / Phi-4-mini: Llama's layer, its q/k/v and gate/up stored fused
+    /// (`qkv_proj`, `gate_up_proj`), optionally partial rotary and LongRoPE.
+    #[serde(rename = "Phi3ForCausalLM")]
+    Phi3,
 }
 
 impl Architecture {
@@ -58,6 +62,7 @@ impl Architecture {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
+            Architecture::Phi3 => "Phi3ForCausalLM",
         }
     }
 
@@ -69,6 +74,7 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
+            Architecture::Phi3 => "phi3",
         }
     }
 
@@ -162,6 +168,14 @@ pub struct ModelSpec {
     /// Gemma 3: the sliding layers' rope base.
     #[serde(default)]
     pub rope_local_base_freq: Option<f64>,
+    /// Phi-3: the fraction of each head that rope rotates (config.json's
+    /// `partial_rotary_factor`).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// Phi-3: the pretraining context LongRoPE switches factors at, written top-level as
+    /// Phi-3's configs do.
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
     pub dtype: WeightDtype,
     /// Standard deviation of embedding and projection weights. Norm weights are
     /// `1 + N(0, init_std)`.
@@ -227,6 +241,8 @@ impl ModelSpec {
             final_logit_softcapping: None,
             sliding_window_pattern: None,
             rope_local_base_freq: None,
+            partial_rotary_factor: None,
+            original_max_position_embeddings: None,
             dtype: WeightDtype::F32,
             init_std: 0.02,
             seed: 0,
@@ -267,6 +283,10 @@ impl ModelSpec {
                 "MistralForCausalLM has no attention biases: attention_bias must be false"
             ),
             Architecture::Llama | Architecture::Qwen3 => {}
+            Architecture::Phi3 => ensure!(
+                !self.attention_bias,
+                "Phi3ForCausalLM has no attention biases: attention_bias must be false"
+            ),
             Architecture::Gemma2 | Architecture::Gemma3 => {
                 ensure!(
                     !self.attention_bias,
@@ -288,9 +308,12 @@ impl ModelSpec {
             ensure!(
                 matches!(
                     self.architecture,
-                    Architecture::Mistral | Architecture::Gemma2 | Architecture::Gemma3
+                    Architecture::Mistral
+                        | Architecture::Gemma2
+                        | Architecture::Gemma3
+                        | Architecture::Phi3
                 ),
-                "sliding_window {w} is only written for Mistral and Gemma"
+                "sliding_window {w} is only written for Mistral, Gemma and Phi-3"
             );
         }
         let gemma_only = [
@@ -323,6 +346,21 @@ impl ModelSpec {
             ensure!(
                 !given || self.architecture == Architecture::Gemma3,
                 "{field} is only written for Gemma3ForCausalLM"
+            );
+        }
+        for (field, given) in [
+            (
+                "partial_rotary_factor",
+                self.partial_rotary_factor.is_some(),
+            ),
+            (
+                "original_max_position_embeddings",
+                self.original_max_position_embeddings.is_some(),
+            ),
+        ] {
+            ensure!(
+                !given || self.architecture == Architecture::Phi3,
+                "{field} is only written for Phi3ForCausalLM"
             );
         }
         if let Some(s) = &self.rope_scaling {
@@ -437,6 +475,17 @@ pub fn config_json(spec: &ModelSpec) -> Value {
             }
             if let Some(f) = spec.rope_local_base_freq {
                 obj.insert("rope_local_base_freq".into(), json!(f));
+            }
+        }
+        Architecture::Phi3 => {
+            obj.insert("sliding_window".into(), json!(spec.sliding_window));
+            // Phi3Config's default pad id, 32000, is outside a small vocab.
+            obj.insert("pad_token_id".into(), Value::Null);
+            if let Some(f) = spec.partial_rotary_factor {
+                obj.insert("partial_rotary_factor".into(), json!(f));
+            }
+            if let Some(n) = spec.original_max_position_embeddings {
+                obj.insert("original_max_position_embeddings".into(), json!(n));
             }
         }
     }
@@ -627,6 +676,9 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
             }
         }
     }
+    if spec.architecture == Architecture::Phi3 {
+        fuse_phi3(&mut w.tensors, spec.layers)?;
+    }
     w.put("model.norm.weight".into(), &[hid], norm_mean, std)?;
     if !spec.tie_word_embeddings {
         w.put("lm_head.weight".into(), &[spec.vocab, hid], 0.0, std)?;
@@ -636,6 +688,37 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
     // the file.
     candle_core::safetensors::save(&w.tensors, &path)
         .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Phi-3's checkpoint layout: each layer's q, k, v (drawn as Llama's) concatenated into
+/// `self_attn.qkv_proj` and gate, up into `mlp.gate_up_proj`, so a Phi-3 spec is its Llama
+/// twin's weights, stored as transformers' Phi3 classes hold them.
+fn fuse_phi3(tensors: &mut HashMap<String, Tensor>, layers: usize) -> anyhow::Result<()> {
+    for i in 0..layers {
+        for (parts, fused) in [
+            (
+                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"].as_slice(),
+                "self_attn.qkv_proj",
+            ),
+            (
+                ["mlp.gate_proj", "mlp.up_proj"].as_slice(),
+                "mlp.gate_up_proj",
+            ),
+        ] {
+            let parts = parts
+                .iter()
+                .map(|p| {
+                    let name = format!("model.layers.{i}.{p}.weight");
+                    tensors.remove(&name).context(name)
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            tensors.insert(
+                format!("model.layers.{i}.{fused}.weight"),
+                Tensor::cat(&parts, 0)?,
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Copies the source tokenizer and adds `<extra_N>` tokens up to `vocab`, so any id decodes.
@@ -841,6 +924,50 @@ mod tests {
         .validate()
         .expect_err("gemma 2 has no local base");
         assert!(err.to_string().contains("rope_local_base_freq"), "{err}");
+    }
+
+    #[test]
+    fn phi3_stores_fused_projections_of_its_llama_twin() {
+        let phi3 = ModelSpec {
+            architecture: Architecture::Phi3,
+            partial_rotary_factor: Some(0.75),
+            original_max_position_embeddings: Some(16),
+            sliding_window: Some(9),
+            ..small(1)
+        };
+        let t = tensors(write(&phi3).path());
+        let llama = tensors(write(&small(1)).path());
+        assert!(!t.contains_key("model.layers.0.self_attn.q_proj.weight"));
+        let qkv = &t["model.layers.1.self_attn.qkv_proj.weight"];
+        assert_eq!(qkv.dims(), &[64 + 2 * 32, 64]);
+        let want = Tensor::cat(
+            &["q_proj", "k_proj", "v_proj"]
+                .map(|p| llama[&format!("model.layers.1.self_attn.{p}.weight")].clone()),
+            0,
+        )
+        .expect("cat");
+        let diff = (qkv - want)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.max_all())
+            .and_then(|d| d.to_scalar::<f32>())
+            .expect("diff");
+        assert_eq!(diff, 0.0);
+        assert_eq!(
+            t["model.layers.0.mlp.gate_up_proj.weight"].dims(),
+            &[256, 64]
+        );
+        let cfg = config_json(&phi3);
+        assert_eq!(cfg["model_type"], "phi3");
+        assert_eq!(cfg["partial_rotary_factor"], 0.75);
+        assert_eq!(cfg["original_max_position_embeddings"], 16);
+        assert_eq!(cfg["sliding_window"], 9);
+        let err = ModelSpec {
+            partial_rotary_factor: Some(0.5),
+            ..small(1)
+        }
+        .validate()
+        .expect_err("llama has no partial rotary here");
+        assert!(err.to_string().contains("partial_rotary_factor"), "{err}");
     }
 
     #[test]

@@ -11,8 +11,20 @@
 //! attention-logit and final-logit soft-capping, sliding-window layers interleaved with
 //! global ones (`layer_types`, else Gemma 2's alternation or Gemma 3's
 //! `sliding_window_pattern`), and Gemma 3's q/k norms and local RoPE base
-//! (`rope_local_base_freq`). The per-layer numbers (window, scale, caps, rope bases) are in
-//! [`ModelConfig`](crate::config::ModelConfig), resolved in `config.rs`.
+//! (`rope_local_base_freq`). Phi-3 and Phi-4-mini (`Phi3ForCausalLM`): fused `qkv_proj` and
+//! `gate_up_proj` tensors ([`ArchSpec::fused_checkpoint`]), `partial_rotary_factor` (rope on
+//! the first `rotary_dim` of each head, rotate-half within them), LongRoPE (`longrope`, short
+//! and long factors, the attention factor on cos and sin), `sliding_window` on every layer as
+//! transformers applies it, tied or untied embeddings. The per-layer numbers (window, scale,
+//! caps, rope bases, rotary width) are in [`ModelConfig`](crate::config::ModelConfig),
+//! resolved in `config.rs`.
+//!
+//! LongRoPE differs from transformers past `original_max_position_embeddings` (see
+//! `model/rope.rs`): transformers picks one factor set for a whole forward from its sequence
+//! length, and its `generate` recomputes the whole sequence once it outgrows the original
+//! context; the engine rotates each position by its own side of that length, so a block's KV
+//! depends only on its tokens (chunking, batching, the prefix cache, migration and the
+//! prefill/decode split stay exact). Sequences that stay within it are transformers' exactly.
 //!
 //! A sliding window is honoured in attention only: every layer still keeps every block of a
 //! sequence, and a prefill node pushes them all. What remains: free (or never allocate) the
@@ -21,11 +33,11 @@
 //! know which layers hold which blocks, and the KV layout check must carry the windows.
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
-//! `config.rs`): any other `hidden_act`, fused `qkv_proj`/`gate_up_proj` checkpoint tensors
-//! with `partial_rotary_factor` and LongRoPE (Phi-3), and mixtures of experts (Mixtral,
-//! Qwen3-MoE). Each has its place here: a variant of [`NormStyle`] or [`Activation`], or a
-//! field of `ArchSpec`, so that matching on it exhaustively in both paths forces both to
-//! handle it.
+//! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope,
+//! Phi-3 GGUF files (llama.cpp's fused `attn_qkv`/`ffn_up`), and mixtures of experts
+//! (Mixtral, Qwen3-MoE). Each has its place here: a variant of [`NormStyle`] or
+//! [`Activation`], or a field of `ArchSpec`, so that matching on it exhaustively in both paths
+//! forces both to handle it.
 
 use crate::error::{EngineError, Result};
 
@@ -38,6 +50,7 @@ pub enum Architecture {
     Qwen3,
     Gemma2,
     Gemma3,
+    Phi3,
 }
 
 impl Architecture {
@@ -49,6 +62,7 @@ impl Architecture {
         "Qwen3ForCausalLM",
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
     ];
 
     /// From config.json's `architectures[0]`, or its `model_type` when that is missing.
@@ -60,6 +74,7 @@ impl Architecture {
             "Qwen3ForCausalLM" | "qwen3" => Ok(Architecture::Qwen3),
             "Gemma2ForCausalLM" | "gemma2" => Ok(Architecture::Gemma2),
             "Gemma3ForCausalLM" | "gemma3_text" => Ok(Architecture::Gemma3),
+            "Phi3ForCausalLM" | "phi3" => Ok(Architecture::Phi3),
             _ => Err(EngineError::UnsupportedArchitecture {
                 architecture: name.to_string(),
                 supported: Architecture::SUPPORTED,
@@ -75,6 +90,7 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
+            Architecture::Phi3 => "phi3",
         }
     }
 
@@ -91,7 +107,7 @@ impl Architecture {
         };
         match self {
             Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => none,
-            Architecture::Qwen3 => none,
+            Architecture::Qwen3 | Architecture::Phi3 => none,
             // Gemma2Config: layers alternate sliding, full, sliding, ...
             Architecture::Gemma2 => ArchDefaults {
                 query_pre_attn_scalar: Some(256.0),
@@ -184,6 +200,10 @@ pub struct ArchSpec {
     pub sandwich_norms: bool,
     /// The embeddings are multiplied by sqrt(hidden), rounded to the embedding dtype (Gemma).
     pub embed_scale: bool,
+    /// The checkpoint stores q, k and v as one `self_attn.qkv_proj` and gate and up as one
+    /// `mlp.gate_up_proj` (Phi-3), in the order the engine fuses them (q, k, v; gate, up):
+    /// loaded as they are, where the others' separate tensors are concatenated.
+    pub fused_checkpoint: bool,
 }
 
 impl ArchSpec {
@@ -202,6 +222,7 @@ impl ArchSpec {
             activation: Activation::Silu,
             sandwich_norms: false,
             embed_scale: false,
+            fused_checkpoint: false,
         };
         let gemma = ArchSpec {
             norm: NormStyle::OnePlusWeight,
@@ -225,6 +246,12 @@ impl ArchSpec {
             Architecture::Gemma3 => ArchSpec {
                 qk_norm: true,
                 ..gemma
+            },
+            // Phi-3 and Phi-4-mini: Llama's layer from fused tensors. Their partial rotary and
+            // LongRoPE are numbers of the model (`rotary_dim`, `RopeScaling::LongRope`).
+            Architecture::Phi3 => ArchSpec {
+                fused_checkpoint: true,
+                ..llama
             },
         };
         ArchSpec {

@@ -52,38 +52,24 @@ impl Layer {
             cfg.hidden_size,
         );
         let att = vb.pp("self_attn");
-        let q = att.pp("q_proj");
-        let k = att.pp("k_proj");
-        let v = att.pp("v_proj");
-        let weight = Tensor::cat(
-            &[
-                q.get((h * d, hid), "weight")?,
-                k.get((hkv * d, hid), "weight")?,
-                v.get((hkv * d, hid), "weight")?,
-            ],
-            0,
-        )?;
-        let bias = if cfg.arch.qkv_bias {
-            Some(Tensor::cat(
-                &[
-                    q.get(h * d, "bias")?,
-                    k.get(hkv * d, "bias")?,
-                    v.get(hkv * d, "bias")?,
-                ],
-                0,
-            )?)
-        } else {
-            None
-        };
         let mlp = vb.pp("mlp");
         let f = cfg.intermediate_size;
-        let gate_up = Tensor::cat(
-            &[
-                mlp.pp("gate_proj").get((f, hid), "weight")?,
-                mlp.pp("up_proj").get((f, hid), "weight")?,
-            ],
-            0,
-        )?;
+        let (weight, bias, gate_up) = if cfg.arch.fused_checkpoint {
+            // Phi-3: q, k, v and gate, up already fused, in the engine's order.
+            let qkv = att.pp("qkv_proj");
+            let rows = (h + 2 * hkv) * d;
+            (
+                qkv.get((rows, hid), "weight")?,
+                if cfg.arch.qkv_bias {
+                    Some(qkv.get(rows, "bias")?)
+                } else {
+                    None
+                },
+                mlp.pp("gate_up_proj").get((2 * f, hid), "weight")?,
+            )
+        } else {
+            Self::fuse(&att, &mlp, cfg)?
+        };
         let norm = |name: &str| RmsNorm::load(vb.pp(name), hid, cfg);
         let (post_attn_norm, post_norm, post_ffn_norm) = if cfg.arch.sandwich_norms {
             (
@@ -116,6 +102,53 @@ impl Layer {
             },
             local_rope: window.is_some() && cfg.local_rope_theta.is_some(),
         })
+    }
+
+    /// Separate q/k/v and gate/up tensors (and q/k/v biases) concatenated: the fused weights
+    /// the layer runs.
+    fn fuse(
+        att: &VarBuilder,
+        mlp: &VarBuilder,
+        cfg: &ModelConfig,
+    ) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+        let (h, hkv, d, hid, f) = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+        );
+        let q = att.pp("q_proj");
+        let k = att.pp("k_proj");
+        let v = att.pp("v_proj");
+        let weight = Tensor::cat(
+            &[
+                q.get((h * d, hid), "weight")?,
+                k.get((hkv * d, hid), "weight")?,
+                v.get((hkv * d, hid), "weight")?,
+            ],
+            0,
+        )?;
+        let bias = if cfg.arch.qkv_bias {
+            Some(Tensor::cat(
+                &[
+                    q.get(h * d, "bias")?,
+                    k.get(hkv * d, "bias")?,
+                    v.get(hkv * d, "bias")?,
+                ],
+                0,
+            )?)
+        } else {
+            None
+        };
+        let gate_up = Tensor::cat(
+            &[
+                mlp.pp("gate_proj").get((f, hid), "weight")?,
+                mlp.pp("up_proj").get((f, hid), "weight")?,
+            ],
+            0,
+        )?;
+        Ok((weight, bias, gate_up))
     }
 }
 

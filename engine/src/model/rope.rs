@@ -1,38 +1,76 @@
 //! Rotary position embeddings, computed exactly as transformers does (f32 inverse frequencies,
 //! f32 angles, rotate-half layout) so greedy tokens match the reference.
+//!
+//! With a partial rotary factor (Phi-4-mini) only the first `rotary_dim` dims of each head
+//! rotate, rotate-half among themselves (dim `i` with `i + rotary_dim / 2`); the rest pass
+//! through, as transformers' `apply_rotary_pos_emb` splits `q[..., :rotary_dim]`.
+//!
+//! LongRoPE (Phi-3) divides each frequency by a short factor within
+//! `original_max_position_embeddings` and by a long factor beyond it. transformers picks one
+//! set for a whole forward from `max(position_ids) + 1`, and `Phi3ForCausalLM`'s `generate`
+//! drops its cache and recomputes the whole sequence with the long set at the step the
+//! sequence first grows past the original context. A paged cache whose blocks are shared
+//! (prefix cache), pushed (prefill/decode split) and computed in chunks of any size cannot
+//! recompute them per sequence. Here the position decides instead: position `p` takes the
+//! long set when `p + 1 > original` (its sequence, if it ended there, would be long in
+//! transformers), the short one otherwise. So a block's KV depends only on its tokens, and
+//! every sequence that stays within the original context is transformers' exactly; one that
+//! goes past it keeps its earlier positions' short rotation where transformers would redo
+//! them long (`engine/tests/architectures.rs` checks both: against transformers within the
+//! context, and past it against transformers' layers run with this position rule).
 
 use crate::config::{ModelConfig, RopeScaling};
 
-/// Inverse frequencies for one head, with the configured scaling applied.
+/// Inverse frequencies for the rotary part of one head, with the configured scaling applied.
 #[derive(Debug, Clone)]
 pub struct Rope {
     inv_freq: Vec<f32>,
+    /// LongRoPE: the positions from which `long_inv_freq` applies, and those frequencies.
+    long: Option<(usize, Vec<f32>)>,
+    /// Multiplies cos and sin (LongRoPE's attention factor; 1 otherwise).
+    attention_factor: f32,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> Self {
-        Self::with_base(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling)
+        Self::with_base(cfg.rotary_dim, cfg.rope_theta, &cfg.rope_scaling)
     }
 
     /// The sliding layers' own rope, unscaled, when the model has one (Gemma 3's
     /// `rope_local_base_freq`).
     pub fn local(cfg: &ModelConfig) -> Option<Self> {
         cfg.local_rope_theta
-            .map(|theta| Self::with_base(cfg.head_dim, theta, &RopeScaling::None))
+            .map(|theta| Self::with_base(cfg.rotary_dim, theta, &RopeScaling::None))
     }
 
     fn with_base(dim: usize, theta: f64, scaling: &RopeScaling) -> Self {
         let base = theta as f32;
-        let mut inv_freq: Vec<f32> = (0..dim)
-            .step_by(2)
-            .map(|i| 1.0 / base.powf(i as f32 / dim as f32))
-            .collect();
-        match *scaling {
+        let exponents = || (0..dim).step_by(2).map(|i| i as f32 / dim as f32);
+        let mut inv_freq: Vec<f32> = exponents().map(|e| 1.0 / base.powf(e)).collect();
+        let (mut long, mut attention_factor) = (None, 1.0);
+        match scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => {
                 for f in &mut inv_freq {
-                    *f /= factor as f32;
+                    *f /= *factor as f32;
                 }
+            }
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor: a,
+            } => {
+                // transformers' _compute_longrope_parameters: 1 / (ext * base^(i / dim)).
+                let scaled = |ext: &[f64]| -> Vec<f32> {
+                    exponents()
+                        .zip(ext)
+                        .map(|(e, &x)| 1.0 / (x as f32 * base.powf(e)))
+                        .collect()
+                };
+                inv_freq = scaled(short_factor);
+                long = Some((*original_max_position_embeddings, scaled(long_factor)));
+                attention_factor = *a as f32;
             }
             RopeScaling::Llama3 {
                 factor,
@@ -41,11 +79,11 @@ impl Rope {
                 original_max_position_embeddings,
             } => {
                 // transformers' _compute_llama3_parameters.
-                let old = original_max_position_embeddings as f32;
+                let old = *original_max_position_embeddings as f32;
                 let (factor, low, high) = (
-                    factor as f32,
-                    low_freq_factor as f32,
-                    high_freq_factor as f32,
+                    *factor as f32,
+                    *low_freq_factor as f32,
+                    *high_freq_factor as f32,
                 );
                 let low_wavelen = old / low;
                 let high_wavelen = old / high;
@@ -66,24 +104,34 @@ impl Rope {
                 }
             }
         }
-        Rope { inv_freq }
+        Rope {
+            inv_freq,
+            long,
+            attention_factor,
+        }
     }
 
     pub fn half_dim(&self) -> usize {
         self.inv_freq.len()
     }
 
-    /// cos and sin tables `[positions.len(), head_dim / 2]`, computed once per forward and shared
-    /// by every layer.
+    /// cos and sin tables `[positions.len(), rotary_dim / 2]`, computed once per forward and
+    /// shared by every layer.
     pub fn tables(&self, positions: &[u32]) -> RopeTables {
         let h = self.inv_freq.len();
         let mut cos = Vec::with_capacity(positions.len() * h);
         let mut sin = Vec::with_capacity(positions.len() * h);
+        let a = self.attention_factor;
         for &p in positions {
-            for &f in &self.inv_freq {
+            let inv_freq = match &self.long {
+                Some((original, long)) if p as usize + 1 > *original => long,
+                _ => &self.inv_freq,
+            };
+            for &f in inv_freq {
                 let angle = f * p as f32;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                // transformers: emb.cos() * attention_scaling, in f32 (exact when it is 1).
+                cos.push(angle.cos() * a);
+                sin.push(angle.sin() * a);
             }
         }
         RopeTables {
@@ -102,7 +150,8 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
-    /// Rotates one head vector in place (rotate_half: pairs i and i + d/2).
+    /// Rotates one head vector in place (rotate_half: pairs i and i + r/2 for the rotary dims
+    /// r = 2 * half_dim; any dims past them are left as they are).
     #[inline]
     pub fn apply(&self, token: usize, x: &mut [f32]) {
         let h = self.half_dim;
