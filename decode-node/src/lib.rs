@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use clap::Args;
 use cluster::Role;
-use kvtransfer::{KvServer, QuicConfig, QuicServer, TcpConfig, TcpServer, TransferRegistry};
+use kvtransfer::{BackendConfig, BackendServer, KvServer, TransferRegistry};
 use node_common::launch::NodeRole;
 use node_common::node::{NodeArgs, NodeListeners, RoleService, Started};
 use node_common::NodeError;
@@ -96,27 +96,16 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
     // The data plane outlives the drain: a draining node still receives the KV of work it
     // accepted.
     let stop = s.data_plane_stop.clone();
-    let (kv_port, kv_task) = match &s.kv_identity {
-        Some(identity) => {
-            let server = QuicServer::bind(config.kv_addr, identity, QuicConfig::default())?
-                .on_refusal(count_refusal);
-            let port = server.local_addr()?.port();
-            (
-                port,
-                tokio::spawn(server.serve(registry.clone(), sink, stop)),
-            )
-        }
-        None => {
-            let server = TcpServer::bind(config.kv_addr, TcpConfig::default())
-                .await?
-                .on_refusal(count_refusal);
-            let port = server.local_addr()?.port();
-            (
-                port,
-                tokio::spawn(server.serve(registry.clone(), sink, stop)),
-            )
-        }
-    };
+    let server = BackendServer::bind(
+        s.kv_backend,
+        config.kv_addr,
+        s.kv_identity.as_ref(),
+        BackendConfig::default(),
+    )
+    .await?
+    .on_refusal(count_refusal);
+    let kv_port = server.local_addr()?.port();
+    let kv_task = tokio::spawn(server.serve(registry.clone(), sink, stop));
     let kv_endpoint = format!("{}:{kv_port}", s.advertise_host);
     let mut info = s.info;
     info.kv_endpoint = kv_endpoint.clone();

@@ -6,15 +6,18 @@
 //! - [`KvLayout`]: a model's cache geometry (layers, block size, KV heads, head size, dtype):
 //!   two nodes can exchange blocks exactly when their layouts are equal.
 //! - [`TransferId`]: one KV transfer into one decode node's reservation.
+//! - [`KvBackend`]: which data plane (QUIC, TCP) carries blocks between two nodes.
 //!
 //! It is a leaf: it depends on nothing of Fission's, and it must not learn about models,
 //! sockets or the wire. Conversions to and from gRPC messages live in `proto`, frame
 //! encoding in `kvtransfer`.
 
+mod backend;
 mod dtype;
 mod ids;
 mod layout;
 
+pub use backend::{KvBackend, UnknownBackend};
 pub use dtype::{KvDtype, UnknownDtype};
 pub use ids::TransferId;
 pub use layout::{InvalidLayout, KvLayout, MAX_DIM, MAX_NUM_LAYERS};

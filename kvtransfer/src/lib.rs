@@ -32,6 +32,8 @@
 //!   ([`QuicWindows::TUNED`]).
 //! - [`TcpServer`] / [`TcpTransport`]: the same frames over TCP with a small connection pool
 //!   per endpoint, for networks that block UDP.
+//! - [`BackendServer`] / [`BackendTransport`]: either of them, chosen by a [`KvBackend`], so
+//!   the nodes build their data plane without matching on the backend.
 //!
 //! # Mapping onto RDMA
 //!
@@ -71,6 +73,7 @@
 //! [`KvTransferError::error_type`] names them for the error table.
 
 mod accept;
+mod backend;
 mod error;
 pub mod frame;
 mod header;
@@ -85,10 +88,11 @@ mod transport;
 mod verdict;
 mod version;
 
+pub use backend::{BackendConfig, BackendConnection, BackendServer, BackendTransport};
 pub use error::KvTransferError;
 pub use frame::{decode_frame, FrameHeader, FrameLimits};
 pub use header::LayerHeader;
-pub use kv_types::{KvDtype, KvLayout, TransferId, MAX_DIM};
+pub use kv_types::{KvBackend, KvDtype, KvLayout, TransferId, MAX_DIM};
 pub use quic::{
     new_endpoint, quic_client_config, quic_server_config, QuicConfig, QuicConnection, QuicServer,
     QuicTransport, QuicWindows, ALPN,

@@ -1,33 +1,23 @@
 //! KV-transfer set-up shared by both roles: which backend, and whether the node's identity
 //! allows it.
 
-use clap::{Args, ValueEnum};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::Args;
 use identity::{TlsArgs, TlsIdentity};
+pub use kv_types::KvBackend;
 
 use crate::error::NodeError;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum KvBackend {
-    /// QUIC with mutual TLS (default).
-    Quic,
-    /// Plain TCP, for networks that block UDP.
-    Tcp,
-}
-
-impl KvBackend {
-    /// The name nodes publish in their registration, so routers pair only nodes that speak
-    /// the same backend.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KvBackend::Quic => "quic",
-            KvBackend::Tcp => "tcp",
-        }
-    }
-}
-
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
-    #[arg(long, env = "FISSION_KV_TRANSPORT", value_enum, default_value_t = KvBackend::Quic)]
+    /// The KV data plane: quic (mutual TLS, the default) or tcp (plain, for networks that
+    /// block UDP; needs --insecure).
+    #[arg(
+        long,
+        env = "FISSION_KV_TRANSPORT",
+        default_value_t = KvBackend::Quic,
+        value_parser = PossibleValuesParser::new(KvBackend::NAMES).try_map(|s| s.parse::<KvBackend>())
+    )]
     pub kv_transport: KvBackend,
 }
 

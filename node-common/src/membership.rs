@@ -141,7 +141,7 @@ pub fn node_record(
     role: Role,
     grpc_endpoint: String,
     kv_endpoint: String,
-    kv_transport: crate::kv::KvBackend,
+    kv_transport: kv_types::KvBackend,
 ) -> NodeRecord {
     NodeRecord {
         node_id: info.node_id.clone(),
@@ -303,7 +303,7 @@ mod tests {
             Role::Decode,
             String::new(),
             String::new(),
-            crate::kv::KvBackend::Tcp,
+            kv_types::KvBackend::Tcp,
         );
         let m = Membership::join(
             &args,

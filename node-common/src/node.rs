@@ -73,6 +73,8 @@ pub struct Started {
     pub listen_ip: std::net::IpAddr,
     /// How the node's gRPC channels are secured, for the clients it opens (prefill to decode).
     pub grpc: GrpcSecurity,
+    /// The KV data plane (`--kv-transport`), for `kvtransfer`'s server and transport.
+    pub kv_backend: kvtransfer::KvBackend,
     /// The identity the KV transport uses; `None` for the `--insecure` TCP backend.
     pub kv_identity: Option<TlsIdentity>,
 }
@@ -154,6 +156,7 @@ where
         advertise_host: args.cluster.advertise_host.clone(),
         listen_ip: grpc_addr.ip(),
         grpc: grpc_security.clone(),
+        kv_backend: args.kv.kv_transport,
         kv_identity,
     })
     .await?;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use cluster::Role;
-use kvtransfer::{QuicConfig, QuicTransport, TcpConfig, TcpTransport};
+use kvtransfer::{BackendConfig, BackendTransport};
 use node_common::launch::NodeRole;
 use node_common::node::{NodeArgs, NodeListeners, RoleService, Started};
 use node_common::NodeError;
@@ -87,25 +87,19 @@ fn build(
         info.kv_identity = kvtransfer::peer_fingerprint(der).to_vec();
     }
     // Pushes leave from the node's own address, not every interface.
-    let transport = match &s.kv_identity {
-        Some(identity) => push::Transport::Quic(QuicTransport::new(
-            identity,
-            QuicConfig {
-                client_bind_addr: std::net::SocketAddr::new(s.listen_ip, 0),
-                // Nodes whose certificates share one name (a pool behind one Secret) are
-                // checked by that name on the KV channel as on gRPC (`--tls-server-name`).
-                server_name: match &s.grpc {
-                    identity::GrpcSecurity::Mtls { server_name, .. } => server_name.clone(),
-                    identity::GrpcSecurity::Insecure => None,
-                },
-                ..QuicConfig::default()
+    let transport = BackendTransport::new(
+        s.kv_backend,
+        s.kv_identity.as_ref(),
+        BackendConfig::sender(
+            s.listen_ip,
+            // Nodes whose certificates share one name (a pool behind one Secret) are
+            // checked by that name on the KV channel as on gRPC (`--tls-server-name`).
+            match &s.grpc {
+                identity::GrpcSecurity::Mtls { server_name, .. } => server_name.clone(),
+                identity::GrpcSecurity::Insecure => None,
             },
-        )?),
-        None => push::Transport::Tcp(TcpTransport::new(TcpConfig {
-            bind_ip: Some(s.listen_ip),
-            ..TcpConfig::default()
-        })),
-    };
+        ),
+    )?;
     let service = service::PrefillService {
         handle: actor::EngineHandle::spawn(s.engine, s.state, push_after_prefill),
         transport: Arc::new(transport),

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 use identity::GrpcSecurity;
 use kv_types::{KvLayout, TransferId};
 use kvtransfer::{
-    FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader, QuicConnection,
-    QuicTransport, TcpConnection, TcpTransport, TransferStat,
+    BackendTransport, FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader,
 };
 use proto::v1::decode_client::DecodeClient;
 use proto::v1::{self, KvDestination};
@@ -22,38 +21,7 @@ use tracing::Instrument;
 use crate::actor::LayerPayload;
 
 /// The configured data-plane backend.
-pub enum Transport {
-    Quic(QuicTransport),
-    Tcp(TcpTransport),
-}
-
-#[derive(Clone)]
-enum Conn {
-    Quic(QuicConnection),
-    Tcp(TcpConnection),
-}
-
-impl Conn {
-    async fn send(
-        &self,
-        frame: FrameHeader,
-        payload: bytes::Bytes,
-    ) -> Result<TransferStat, KvTransferError> {
-        match self {
-            Conn::Quic(c) => c.send_frame(frame, payload).await,
-            Conn::Tcp(c) => c.send_frame(frame, payload).await,
-        }
-    }
-}
-
-impl Transport {
-    async fn connect(&self, endpoint: &str) -> Result<Conn, KvTransferError> {
-        Ok(match self {
-            Transport::Quic(t) => Conn::Quic(t.connect(endpoint).await?),
-            Transport::Tcp(t) => Conn::Tcp(t.connect(endpoint).await?),
-        })
-    }
-}
+pub type Transport = BackendTransport;
 
 /// Runs `fut` on a task of its own, where no span is current. Connections made there (QUIC
 /// dials, gRPC channels) spawn driver tasks that take the current span as their parent and
@@ -283,7 +251,7 @@ async fn push(
         // would be a root of its own instead of a child of `kv_transfer`.
         sends.spawn(
             async move {
-                conn.send(frame, lp.bytes)
+                conn.send_frame(frame, lp.bytes)
                     .await
                     .map(|s| (layer, s, Instant::now()))
             }
@@ -481,7 +449,7 @@ mod tests {
     /// Pushes both layers of one block to `xfer_id` inside a `kv_transfer` span.
     async fn push_two_layers(p: &Peers, xfer_id: u64) -> Result<PushReport, PushError> {
         let job = PushJob {
-            transport: Arc::new(Transport::Tcp(TcpTransport::default())),
+            transport: Arc::new(Transport::Tcp(kvtransfer::TcpTransport::default())),
             clients: DecodeClients::new(GrpcSecurity::Insecure),
             xfer_id: TransferId(xfer_id),
             dest: KvDestination {

@@ -1,0 +1,173 @@
+//! One server type and one transport type over every backend, so a node builds its data plane
+//! from a [`KvBackend`] and never matches on it.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use identity::TlsIdentity;
+use kv_types::KvBackend;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::KvTransferError;
+use crate::frame::FrameHeader;
+use crate::quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport};
+use crate::registry::TransferRegistry;
+use crate::sink::KvSink;
+use crate::tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
+use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat};
+
+/// Each backend's settings; a node takes the defaults and sets what it knows (its address,
+/// the name its peers' certificates carry).
+#[derive(Clone, Debug, Default)]
+pub struct BackendConfig {
+    pub quic: QuicConfig,
+    pub tcp: TcpConfig,
+}
+
+impl BackendConfig {
+    /// A sender's settings: connections leave from `bind_ip`, and a QUIC peer's certificate
+    /// is checked by `server_name` when given instead of the endpoint's host.
+    pub fn sender(bind_ip: IpAddr, server_name: Option<String>) -> Self {
+        let mut c = Self::default();
+        c.quic.client_bind_addr = SocketAddr::new(bind_ip, 0);
+        c.quic.server_name = server_name;
+        c.tcp.bind_ip = Some(bind_ip);
+        c
+    }
+}
+
+fn needs_identity(backend: KvBackend) -> KvTransferError {
+    KvTransferError::Config {
+        field: "identity",
+        reason: format!("the {backend} KV transport is mutual TLS and needs a certificate"),
+    }
+}
+
+/// The receiving side of any backend.
+pub enum BackendServer {
+    Quic(QuicServer),
+    Tcp(TcpServer),
+}
+
+impl BackendServer {
+    /// Binds `backend`'s receiver on `addr`. QUIC needs the node's `identity`; the backends
+    /// without TLS ignore it.
+    pub async fn bind(
+        backend: KvBackend,
+        addr: SocketAddr,
+        identity: Option<&TlsIdentity>,
+        config: BackendConfig,
+    ) -> Result<Self, KvTransferError> {
+        Ok(match backend {
+            KvBackend::Quic => {
+                let identity = identity.ok_or_else(|| needs_identity(backend))?;
+                Self::Quic(QuicServer::bind(addr, identity, config.quic)?)
+            }
+            KvBackend::Tcp => Self::Tcp(TcpServer::bind(addr, config.tcp).await?),
+        })
+    }
+
+    pub fn backend(&self) -> KvBackend {
+        match self {
+            Self::Quic(_) => KvBackend::Quic,
+            Self::Tcp(_) => KvBackend::Tcp,
+        }
+    }
+}
+
+impl KvServer for BackendServer {
+    fn local_addr(&self) -> Result<SocketAddr, KvTransferError> {
+        match self {
+            Self::Quic(s) => s.local_addr(),
+            Self::Tcp(s) => s.local_addr(),
+        }
+    }
+
+    fn refusal_observer(&mut self) -> &mut Option<RefusalObserver> {
+        match self {
+            Self::Quic(s) => s.refusal_observer(),
+            Self::Tcp(s) => s.refusal_observer(),
+        }
+    }
+
+    async fn serve<S: KvSink>(
+        self,
+        registry: TransferRegistry,
+        sink: Arc<S>,
+        shutdown: CancellationToken,
+    ) -> Result<(), KvTransferError> {
+        match self {
+            Self::Quic(s) => s.serve(registry, sink, shutdown).await,
+            Self::Tcp(s) => s.serve(registry, sink, shutdown).await,
+        }
+    }
+}
+
+/// The sending side of any backend.
+pub enum BackendTransport {
+    Quic(QuicTransport),
+    Tcp(TcpTransport),
+}
+
+impl BackendTransport {
+    /// The sender for `backend`. QUIC needs the node's `identity`.
+    pub fn new(
+        backend: KvBackend,
+        identity: Option<&TlsIdentity>,
+        config: BackendConfig,
+    ) -> Result<Self, KvTransferError> {
+        Ok(match backend {
+            KvBackend::Quic => {
+                let identity = identity.ok_or_else(|| needs_identity(backend))?;
+                Self::Quic(QuicTransport::new(identity, config.quic)?)
+            }
+            KvBackend::Tcp => Self::Tcp(TcpTransport::new(config.tcp)),
+        })
+    }
+
+    pub fn backend(&self) -> KvBackend {
+        match self {
+            Self::Quic(_) => KvBackend::Quic,
+            Self::Tcp(_) => KvBackend::Tcp,
+        }
+    }
+}
+
+impl KvTransport for BackendTransport {
+    type Connection = BackendConnection;
+
+    async fn connect(&self, endpoint: &str) -> Result<BackendConnection, KvTransferError> {
+        Ok(match self {
+            Self::Quic(t) => BackendConnection::Quic(t.connect(endpoint).await?),
+            Self::Tcp(t) => BackendConnection::Tcp(t.connect(endpoint).await?),
+        })
+    }
+}
+
+/// A connection of any backend.
+#[derive(Clone)]
+pub enum BackendConnection {
+    Quic(QuicConnection),
+    Tcp(TcpConnection),
+}
+
+impl KvConnection for BackendConnection {
+    fn endpoint(&self) -> &str {
+        match self {
+            Self::Quic(c) => c.endpoint(),
+            Self::Tcp(c) => c.endpoint(),
+        }
+    }
+
+    async fn send_frame(
+        &self,
+        frame: FrameHeader,
+        payload: Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        match self {
+            Self::Quic(c) => c.send_frame(frame, payload).await,
+            Self::Tcp(c) => c.send_frame(frame, payload).await,
+        }
+    }
+}
