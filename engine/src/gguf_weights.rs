@@ -1,14 +1,25 @@
 //! A GGUF file's weights into the engine's model: the `gguf` crate dequantises each tensor
 //! under transformers' name and the model loads them as it loads a safetensors checkpoint, in
 //! the load dtype, or as the engine's int8 with `--quantize int8` (lossless for Q8_0 blocks:
-//! both hold 32 inputs per scale). Native kernels over the k-quant blocks are a later step.
+//! both hold 32 inputs per scale). By default the projections stay in their stored blocks:
+//! Q4_0, Q4_K, Q5_K and Q6_K run on the kernels crate's k-quant GEMM, Q8_0 on its int8 panels
+//! (exact), while embeddings, norms and float tensors are dequantised (`--quantize dequant`
+//! dequantises everything, the comparison path).
+//!
+//! The model builds its linear layers from the tensors a `VarBuilder` hands it, fusing some
+//! (q/k/v, gate/up) by concatenating rows. Rather than teach every architecture's loader about
+//! blocks, the blocks are kept aside here and each linear layer finds its own by the hashes of
+//! the dequantised rows it receives ([`take_quantized`]): block quantisation never spans rows,
+//! so a fused weight's blocks are its parts' blocks, row run after row run.
 //!
 //! The config, tokenizer and chat template reach the engine as JSON files in the model
 //! directory that [`crate::loader`] writes for a GGUF file (`gguf::materialize`).
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device};
+use std::cell::RefCell;
+
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::error::{EngineError, Result};
@@ -36,17 +47,143 @@ pub(crate) fn gguf_error(path: &Path, e: gguf::GgufError) -> EngineError {
 }
 
 /// The tensors of the GGUF file at `path`, dequantised into `dtype` under transformers'
-/// names, for the model to load as it loads a safetensors checkpoint.
-pub fn var_builder(path: &Path, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+/// names, for the model to load as it loads a safetensors checkpoint. With `keep`, the stored
+/// blocks of its block-quantised projections are also kept aside (on this thread) for
+/// [`take_quantized`], which the linear layers call as the model is built.
+pub fn var_builder(
+    path: &Path,
+    dtype: DType,
+    device: &Device,
+    keep: bool,
+) -> Result<VarBuilder<'static>> {
     let started = std::time::Instant::now();
     let file = gguf::GgufFile::open(path).map_err(|e| gguf_error(path, e))?;
-    let tensors = gguf::load_tensors(&file, dtype, device).map_err(|e| gguf_error(path, e))?;
+    let keep_type = |t: gguf::GgmlType| keep && kept_type(t).is_some();
+    let (tensors, raw) = gguf::load_tensors_keeping(&file, dtype, device, keep_type)
+        .map_err(|e| gguf_error(path, e))?;
+    let mut kept = Vec::with_capacity(raw.len());
+    for (name, raw) in raw {
+        let Some(t) = tensors.get(&name) else {
+            continue;
+        };
+        kept.push(Kept {
+            hashes: row_hashes(t)?,
+            raw,
+        });
+    }
     tracing::info!(
         path = %path.display(),
         weight_type = gguf::weight_type(&file),
         ?dtype,
+        kept_quantized = kept.len(),
         load_ms = started.elapsed().as_millis() as u64,
-        "read gguf weights, dequantised"
+        "read gguf weights"
     );
+    KEPT.with(|k| *k.borrow_mut() = kept);
     Ok(VarBuilder::from_tensors(tensors, dtype, device))
+}
+
+/// The GGUF block types the engine runs as stored: the k-quant kernels' types, and Q8_0,
+/// which the int8 panels hold exactly.
+fn kept_type(t: gguf::GgmlType) -> Option<Option<kernels::KQuantType>> {
+    use gguf::GgmlType as G;
+    Some(match t {
+        G::Q4_0 => Some(kernels::KQuantType::Q4_0),
+        G::Q4K => Some(kernels::KQuantType::Q4K),
+        G::Q5K => Some(kernels::KQuantType::Q5K),
+        G::Q6K => Some(kernels::KQuantType::Q6K),
+        G::Q8_0 => None,
+        _ => return None,
+    })
+}
+
+/// A weight's stored blocks, and a hash of each of its dequantised rows by which the linear
+/// layer that receives those rows (alone, or fused with others: q/k/v, gate/up) finds them.
+struct Kept {
+    hashes: Vec<u64>,
+    raw: gguf::RawTensor,
+}
+
+thread_local! {
+    /// The blocks [`var_builder`] kept, until the model built on this thread takes them (or
+    /// the next GGUF load replaces them).
+    static KEPT: RefCell<Vec<Kept>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What the stored blocks of a `[n, k]` weight are, when every one of its rows came from a
+/// block-quantised GGUF tensor kept by [`var_builder`] on this thread.
+pub(crate) enum StoredBlocks {
+    /// Every part Q8_0: the int8 panels hold it exactly.
+    Q8_0,
+    /// Parts in k-quant kernel types, in row order.
+    KQuant(kernels::KQuantWeight),
+}
+
+/// The stored blocks of `weight` (`[n, k]`, as the model hands it to a linear layer: one GGUF
+/// tensor or several concatenated by rows), matched row by row against what [`var_builder`]
+/// kept. `None` when nothing was kept or some row is not covered (a float tensor, a mix with
+/// Q8_0, a tensor the model transformed): the layer then packs the dequantised weight.
+pub(crate) fn take_quantized(weight: &Tensor) -> Result<Option<StoredBlocks>> {
+    if KEPT.with(|k| k.borrow().is_empty()) {
+        return Ok(None);
+    }
+    let (n, k) = weight.dims2()?;
+    let hashes = row_hashes(weight)?;
+    KEPT.with(|kept| {
+        let kept = kept.borrow();
+        let mut parts: Vec<&gguf::RawTensor> = Vec::new();
+        let mut r = 0;
+        while r < n {
+            let Some(next) = kept.iter().find(|e| {
+                e.raw.cols == k
+                    && r + e.raw.rows <= n
+                    && e.hashes[..] == hashes[r..r + e.raw.rows]
+            }) else {
+                return Ok(None);
+            };
+            parts.push(&next.raw);
+            r += next.raw.rows;
+        }
+        // A part is not removed once used: a tied lm_head is the embedding's blocks again.
+
+        let types: Vec<_> = parts.iter().map(|p| kept_type(p.ggml_type)).collect();
+        if types.iter().all(|t| *t == Some(None)) {
+            return Ok(Some(StoredBlocks::Q8_0));
+        }
+        let mut list = Vec::with_capacity(parts.len());
+        for (p, t) in parts.iter().zip(types) {
+            let Some(Some(ty)) = t else {
+                return Ok(None);
+            };
+            list.push(kernels::KQuantPart {
+                ty,
+                rows: p.rows,
+                data: &p.data,
+            });
+        }
+        Ok(Some(StoredBlocks::KQuant(kernels::KQuantWeight::from_gguf(
+            k, &list,
+        )?)))
+    })
+}
+
+/// Drops the blocks kept for the model built on this thread, once it is built.
+pub(crate) fn release_kept() {
+    KEPT.with(|k| k.borrow_mut().clear());
+}
+
+/// One hash per row of a 2-D tensor's values in f32 (FNV-style over the bits; a match also
+/// needs the shape and every row of a part to agree).
+fn row_hashes(t: &Tensor) -> Result<Vec<u64>> {
+    let (rows, cols) = t.dims2()?;
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok((0..rows)
+        .map(|r| {
+            v[r * cols..(r + 1) * cols]
+                .iter()
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+                    (h ^ u64::from(x.to_bits())).wrapping_mul(0x0000_0100_0000_01b3)
+                })
+        })
+        .collect())
 }

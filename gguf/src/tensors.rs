@@ -8,7 +8,10 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::Arch;
 use crate::error::{GgufError, Result};
+use std::io::{Read, Seek, SeekFrom};
+
 use crate::file::{GgufFile, MetadataExt};
+use crate::types::GgmlType;
 
 /// transformers' name for a llama.cpp tensor name; `None` for tensors the engine does not use.
 pub fn hf_name(gguf: &str) -> Option<String> {
@@ -62,6 +65,19 @@ fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape(dims)?)
 }
 
+/// A 2-D block-quantised tensor's bytes as the file stores them, its rows (outputs) in
+/// transformers' order (llama.cpp's q/k permutation undone row by row: a block never spans
+/// rows).
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    pub ggml_type: GgmlType,
+    /// Outputs.
+    pub rows: usize,
+    /// Inputs.
+    pub cols: usize,
+    pub data: Vec<u8>,
+}
+
 /// Every tensor the engine uses, under transformers' names, dequantised and converted to
 /// `dtype` on `device`: what a `VarBuilder` over a safetensors checkpoint would hold.
 pub fn load_tensors(
@@ -69,6 +85,17 @@ pub fn load_tensors(
     dtype: DType,
     device: &Device,
 ) -> Result<HashMap<String, Tensor>> {
+    Ok(load_tensors_keeping(file, dtype, device, |_| false)?.0)
+}
+
+/// [`load_tensors`], and beside it the stored blocks of every 2-D weight whose type `keep`
+/// names, under the same names, for kernels that run on them as stored.
+pub fn load_tensors_keeping(
+    file: &GgufFile,
+    dtype: DType,
+    device: &Device,
+    keep: impl Fn(GgmlType) -> bool,
+) -> Result<(HashMap<String, Tensor>, HashMap<String, RawTensor>)> {
     let arch = crate::config::arch(file)?;
     let m = file.metadata();
     let k = |s: &str| format!("{}.{s}", arch.gguf_name());
@@ -79,22 +106,63 @@ pub fn load_tensors(
         .unwrap_or(heads);
     let mut reader = file.reader()?;
     let mut out = HashMap::new();
+    let mut raw = HashMap::new();
     for entry in file.tensors() {
         let Some(name) = hf_name(&entry.name) else {
             continue;
         };
         let mut t = file.tensor_f32(&mut reader, &entry.name)?;
+        let mut heads_of = None;
         if arch == Arch::Llama && arch.permutes_qk() {
             if entry.name.ends_with(".attn_q.weight") || entry.name.ends_with(".attn_q.bias") {
                 t = unpermute(&t, heads)?;
+                heads_of = Some(heads);
             } else if entry.name.ends_with(".attn_k.weight") || entry.name.ends_with(".attn_k.bias")
             {
                 t = unpermute(&t, kv_heads)?;
+                heads_of = Some(kv_heads);
             }
+        }
+        if entry.dims.len() == 2 && entry.ggml_type.is_quantized() && keep(entry.ggml_type) {
+            let (cols, rows) = (entry.dims[0] as usize, entry.dims[1] as usize);
+            let mut data = vec![0u8; entry.size_bytes as usize];
+            reader
+                .seek(SeekFrom::Start(file.header().data_offset + entry.offset))
+                .and_then(|_| reader.read_exact(&mut data))
+                .map_err(GgufError::Read)?;
+            if let Some(h) = heads_of {
+                data = unpermute_rows(&data, rows, h);
+            }
+            let kept = RawTensor {
+                ggml_type: entry.ggml_type,
+                rows,
+                cols,
+                data,
+            };
+            raw.insert(name.clone(), kept);
         }
         out.insert(name, t.to_dtype(dtype)?.to_device(device)?);
     }
-    Ok(out)
+    Ok((out, raw))
+}
+
+/// [`unpermute`] on whole stored rows (`heads` divides `rows` evenly, checked by
+/// [`unpermute`] on the same tensor first): output row `(h, t, i)` is stored row `(h, i, t)`.
+fn unpermute_rows(data: &[u8], rows: usize, heads: usize) -> Vec<u8> {
+    let row_bytes = data.len() / rows;
+    let half = rows / heads / 2;
+    let mut out = vec![0u8; data.len()];
+    for h in 0..heads {
+        for t in 0..2 {
+            for i in 0..half {
+                let to = h * 2 * half + t * half + i;
+                let from = h * 2 * half + i * 2 + t;
+                out[to * row_bytes..(to + 1) * row_bytes]
+                    .copy_from_slice(&data[from * row_bytes..(from + 1) * row_bytes]);
+            }
+        }
+    }
+    out
 }
 
 /// How many tensors of each type the file holds, for logs and the model's identity.
@@ -161,6 +229,17 @@ mod tests {
             .contiguous()?
             .reshape((heads * head_dim, cols))?;
         let back = unpermute(&permuted, heads)?;
+        // The stored rows move as the rows of the tensor do.
+        let bytes: Vec<u8> = permuted
+            .to_vec2::<f32>()?
+            .iter()
+            .flat_map(|r| r.iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        let rows_back: Vec<f32> = unpermute_rows(&bytes, heads * head_dim, heads)
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert_eq!(rows_back, w.flatten_all()?.to_vec1::<f32>()?);
         assert_eq!(back.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
         assert_ne!(permuted.to_vec2::<f32>()?, w.to_vec2::<f32>()?);
         Ok(())

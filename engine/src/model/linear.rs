@@ -6,18 +6,24 @@
 //! call (a quarter of a batch-32 step, measured) and runs its small-batch path on one core.
 //! With `--quantize int8` the same panels hold int8 with a scale per 32 inputs (quantised here,
 //! from f32 or bf16), and the kernel quantises the activations to match.
+//! A GGUF file's Q4_0/Q4_K/Q5_K/Q6_K projections keep their blocks
+//! ([`kernels::KQuantWeight`], found by `crate::gguf_weights::take_quantized`) and Q8_0 ones
+//! go to the int8 panels, which hold them exactly.
 //! Other dtypes and devices keep candle's matmul.
 
 use candle_core::{DType, Device, Tensor};
 
 use super::ops::with_slice;
 use crate::error::{EngineError, Result};
+use crate::gguf_weights::StoredBlocks;
 use crate::quantize::Quantize;
 
 #[derive(Debug, Clone)]
 enum Weight {
     /// f32 or bf16 on CPU, in panels.
     Packed(kernels::PackedWeight),
+    /// A GGUF file's Q4_0/Q4_K/Q5_K/Q6_K blocks on CPU, in the k-quant GEMM's panels.
+    KQuant(kernels::KQuantWeight),
     /// `[in, out]`, contiguous: the transpose of what checkpoints store. gemm packs a
     /// row-major `[in, out]` operand cheaply, while a transposed view costs more than the
     /// multiply itself.
@@ -40,8 +46,19 @@ impl Linear {
         quantize: Quantize,
     ) -> Result<Self> {
         let on_cpu = matches!(weight.device(), Device::Cpu);
+        let stored = if on_cpu && quantize == Quantize::None {
+            crate::gguf_weights::take_quantized(&weight)?
+        } else {
+            None
+        };
         let weight = match weight.dtype() {
-            _ if quantize == Quantize::Int8 => {
+            _ if matches!(stored, Some(StoredBlocks::KQuant(_))) => {
+                let Some(StoredBlocks::KQuant(w)) = stored else {
+                    unreachable!("matched above")
+                };
+                Weight::KQuant(w)
+            }
+            _ if quantize == Quantize::Int8 || matches!(stored, Some(StoredBlocks::Q8_0)) => {
                 if !on_cpu {
                     return Err(EngineError::InvalidConfig {
                         reason: format!(
@@ -72,7 +89,9 @@ impl Linear {
             _ => Weight::Dense(weight.t()?.contiguous()?),
         };
         let bias_host = match (&weight, &bias) {
-            (Weight::Packed(_), Some(b)) => Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            (Weight::Packed(_) | Weight::KQuant(_), Some(b)) => {
+                Some(b.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+            }
             _ => None,
         };
         Ok(Linear {
@@ -84,7 +103,31 @@ impl Linear {
 
     /// Whether the weight is packed, so [`forward_host`](Self::forward_host) can run it.
     pub(crate) fn is_packed(&self) -> bool {
-        matches!(self.weight, Weight::Packed(_))
+        matches!(self.weight, Weight::Packed(_) | Weight::KQuant(_))
+    }
+
+    /// Outputs of a host weight.
+    fn host_n(&self) -> Option<usize> {
+        match &self.weight {
+            Weight::Packed(w) => Some(w.n()),
+            Weight::KQuant(w) => Some(w.n()),
+            Weight::Dense(_) => None,
+        }
+    }
+
+    /// `out (+)= x @ W` on `m` host rows, without the bias.
+    fn matmul_host(&self, x: &[f32], m: usize, out: &mut [f32], add: bool) -> Result<()> {
+        match &self.weight {
+            Weight::Packed(w) if add => kernels::packed_matmul_add(x, m, w, out)?,
+            Weight::Packed(w) => kernels::packed_matmul(x, m, w, out)?,
+            Weight::KQuant(w) => w.matmul(x, m, out, add)?,
+            Weight::Dense(_) => {
+                return Err(EngineError::InvalidConfig {
+                    reason: "the host forward pass needs packed weights".into(),
+                })
+            }
+        }
+        Ok(())
     }
 
     /// `out = x @ W + b` on `m` host rows, or with `add`, `out += x @ W + b` (a residual
@@ -96,18 +139,9 @@ impl Linear {
         out: &mut [f32],
         add: bool,
     ) -> Result<()> {
-        let Weight::Packed(w) = &self.weight else {
-            return Err(EngineError::InvalidConfig {
-                reason: "the host forward pass needs packed weights".into(),
-            });
-        };
-        if add {
-            kernels::packed_matmul_add(x, m, w, out)?;
-        } else {
-            kernels::packed_matmul(x, m, w, out)?;
-        }
-        if let Some(b) = &self.bias_host {
-            for row in out.chunks_mut(w.n()) {
+        self.matmul_host(x, m, out, add)?;
+        if let (Some(b), Some(n)) = (&self.bias_host, self.host_n()) {
+            for row in out.chunks_mut(n) {
                 for (o, b) in row.iter_mut().zip(b) {
                     *o += b;
                 }
@@ -117,16 +151,17 @@ impl Linear {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.weight {
-            Weight::Packed(w) => {
-                // The kernel takes f32 activations whatever the weights' dtype.
+        let y = match (&self.weight, self.host_n()) {
+            (Weight::Dense(w_t), _) => x.matmul(w_t)?,
+            (_, Some(n)) => {
+                // The kernels take f32 activations whatever the weights' dtype.
                 let m = x.dim(0)?;
-                let mut out = vec![0f32; m * w.n()];
+                let mut out = vec![0f32; m * n];
                 let xf = x.to_dtype(DType::F32)?;
-                with_slice::<f32, _>(&xf, |xs| kernels::packed_matmul(xs, m, w, &mut out))??;
-                Tensor::from_vec(out, (m, w.n()), &Device::Cpu)?.to_dtype(x.dtype())?
+                with_slice::<f32, _>(&xf, |xs| self.matmul_host(xs, m, &mut out, false))??;
+                Tensor::from_vec(out, (m, n), &Device::Cpu)?.to_dtype(x.dtype())?
             }
-            Weight::Dense(w_t) => x.matmul(w_t)?,
+            (_, None) => unreachable!("host weights have a width"),
         };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,

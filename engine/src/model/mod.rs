@@ -190,8 +190,11 @@ fn load_weights(
     device: &Device,
 ) -> Result<Llama> {
     if let Some(gguf) = crate::gguf_weights::gguf_file(&files.weights) {
-        let vb = crate::gguf_weights::var_builder(gguf, dtype, device)?;
-        return Llama::load_quantized(vb, cfg, quantize);
+        let keep = quantize == Quantize::None && matches!(device, Device::Cpu);
+        let vb = crate::gguf_weights::var_builder(gguf, dtype, device, keep)?;
+        let model = Llama::load_quantized(vb, cfg, quantize);
+        crate::gguf_weights::release_kept();
+        return model;
     }
     for p in &files.weights {
         if !p.is_file() {
