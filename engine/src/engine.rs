@@ -57,6 +57,9 @@ pub struct EngineConfig {
     /// Admit a prompt or a recompute only while the blocks hold every running sequence at its
     /// longest (prompt plus `max_new_tokens`): [`Scheduler::set_reserve_output`].
     pub reserve_output: bool,
+    /// The KV cache's element type; `None` follows the model's dtype (f32, bf16 or f16).
+    /// `Some(KvDtype::Int8)` halves the cache against bf16 (`--kv-cache-dtype int8`).
+    pub kv_cache_dtype: Option<KvDtype>,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +80,7 @@ impl Default for EngineConfig {
             max_total_tokens: None,
             prefault_kv: false,
             reserve_output: true,
+            kv_cache_dtype: None,
         }
     }
 }
@@ -203,7 +207,10 @@ pub struct Engine {
 impl Engine {
     pub fn new(model: LoadedModel, cfg: EngineConfig) -> Result<Self> {
         let mc = model.config().clone();
-        let dtype = kv_dtype(model.model.dtype())?;
+        let dtype = match cfg.kv_cache_dtype {
+            Some(d) => d,
+            None => kv_dtype(model.model.dtype())?,
+        };
         if cfg.block_size == 0 {
             return Err(EngineError::InvalidParameter {
                 field: "block_size",

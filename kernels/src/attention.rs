@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 
+use crate::kv_rows::KvRows;
 use crate::layout::check_len;
 use crate::narrow::{Ahead, STEP_KEYS};
 use crate::pool;
@@ -52,8 +53,8 @@ pub struct SeqAttn<'a> {
 /// The read-only arguments of one attention call, shared by the kernel and the reference.
 pub(crate) struct AttentionArgs<'a, T> {
     pub layout: &'a CacheShape,
-    pub k_cache: &'a [T],
-    pub v_cache: &'a [T],
+    pub k_cache: KvRows<'a, T>,
+    pub v_cache: KvRows<'a, T>,
     pub q: &'a [T],
     pub num_heads: usize,
     pub seqs: &'a [SeqAttn<'a>],
@@ -417,8 +418,8 @@ mod tests {
             let seqs = self.seq_attn();
             let args = AttentionArgs {
                 layout: &self.layout,
-                k_cache: &self.k,
-                v_cache: &self.v,
+                k_cache: crate::kv_rows::KvRows::Plain(&self.k),
+                v_cache: crate::kv_rows::KvRows::Plain(&self.v),
                 q: &self.q,
                 num_heads: self.num_heads,
                 seqs: &seqs,

@@ -8,6 +8,7 @@
 //! it as closely as the rest of the model does. Rows run in parallel on the kernel pool.
 
 use crate::attention::AttentionArgs;
+use crate::kv_rows::KvRows;
 use crate::pool;
 use crate::simd::Isa;
 use crate::tile::{SharedOut, Tile};
@@ -75,13 +76,24 @@ pub fn paged_attention_with<T: KvElem>(
 ) -> Result<(), KernelError> {
     let args = AttentionArgs {
         layout,
-        k_cache,
-        v_cache,
+        k_cache: KvRows::Plain(k_cache),
+        v_cache: KvRows::Plain(v_cache),
         q,
         num_heads,
         seqs,
         scale: opts.scale,
     };
+    run_checked(&args, opts, out)
+}
+
+/// Validates `args` and `opts` and runs them on the fast tiles, or on the exact per-row loop
+/// where the tiles lack a feature: the body of [`paged_attention_with`] for every cache dtype.
+pub(crate) fn run_checked<T: KvElem>(
+    args: &AttentionArgs<'_, T>,
+    opts: AttnOptions,
+    out: &mut [T],
+) -> Result<(), KernelError> {
+    let (layout, num_heads) = (args.layout, args.num_heads);
     args.validate(out.len())?;
     if opts.window == Some(0) {
         return Err(KernelError::Invalid("a sliding window of 0 keys".into()));
@@ -91,7 +103,7 @@ pub fn paged_attention_with<T: KvElem>(
     }
     let group = num_heads / layout.num_kv_heads;
     if opts.softcap.is_some() || (opts.window.is_some() && !Tile::narrow_rows(1, group)) {
-        crate::capped::attend_exact(&args, opts, out);
+        crate::capped::attend_exact(args, opts, out);
     } else {
         args.run_tiles(Isa::detect(), pool::threads(), opts.window, out);
     }
@@ -136,8 +148,8 @@ pub(crate) fn attend_exact<T: KvElem>(
                 let k_at = row_offset(layout, s.block_table, key, kv_head);
                 let dot: f32 = q_row
                     .iter()
-                    .zip(&args.k_cache[k_at..k_at + d])
-                    .map(|(a, b)| a * b.to_f32())
+                    .enumerate()
+                    .map(|(j, a)| a * args.k_cache.get(k_at + j))
                     .sum();
                 let score = dot * opts.scale;
                 scores.push(match opts.softcap {
@@ -152,8 +164,8 @@ pub(crate) fn attend_exact<T: KvElem>(
                 let w = (s - max).exp();
                 total += w;
                 let v_at = row_offset(layout, args.seqs[si].block_table, key, kv_head);
-                for (a, v) in acc.iter_mut().zip(&args.v_cache[v_at..v_at + d]) {
-                    *a += w * v.to_f32();
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a += w * args.v_cache.get(v_at + j);
                 }
             }
             for (o, a) in dst[head * d..(head + 1) * d].iter_mut().zip(&acc) {
@@ -253,8 +265,8 @@ mod tests {
             let seqs = self.seqs();
             let args = AttentionArgs {
                 layout: &self.layout,
-                k_cache: &self.k,
-                v_cache: &self.v,
+                k_cache: KvRows::Plain(&self.k),
+                v_cache: KvRows::Plain(&self.v),
                 q: &self.q,
                 num_heads: self.heads,
                 seqs: &[],

@@ -13,6 +13,7 @@
 //! `[vector][STEP_KEYS]` (raw scores, then probabilities), `row_max`, `row_sum` and `alpha` are
 //! `[vector]`.
 
+use crate::kv_rows::KvRows;
 use crate::simd::{exp2, exp2_f32, prefetch_l2, Simd, IOTA, LANES};
 use crate::tile::{chunk_starts, for_runs, refill, AttnInputs, Outputs, Scratch, Tile, MASKED};
 use crate::KvElem;
@@ -247,7 +248,7 @@ impl Ahead {
             starts: chunk_starts(inp, tile, c0, n),
             keys: n,
             width: inp.layout.head_dim * tile.kv_heads,
-            line: 64 / std::mem::size_of::<T>(),
+            line: inp.k_cache.line_elems(),
             next: 0,
         }
     }
@@ -269,7 +270,7 @@ impl Ahead {
                 (inp.v_cache, self.starts[r - self.keys])
             };
             for at in (0..self.width).step_by(self.line) {
-                prefetch_l2(cache.as_ptr().wrapping_add(st + at));
+                prefetch_l2(cache.addr(st + at));
             }
         }
         self.next = end;
@@ -285,11 +286,11 @@ fn prefetch_rows<T: KvElem>(
     n: usize,
 ) {
     let width = inp.layout.head_dim * tile.kv_heads;
-    let line = 64 / std::mem::size_of::<T>();
+    let line = inp.k_cache.line_elems();
     for cache in [inp.k_cache, inp.v_cache] {
         for &st in starts.iter().take(n) {
             for at in (0..width).step_by(line) {
-                prefetch_l2(cache.as_ptr().wrapping_add(st + at));
+                prefetch_l2(cache.addr(st + at));
             }
         }
     }
@@ -315,7 +316,7 @@ fn step_rows<'c, T: KvElem>(
 
 #[inline(always)]
 fn cache_rows<'c, T: KvElem>(
-    cache: &'c [T],
+    cache: KvRows<'c, T>,
     starts: &[usize; STEP_KEYS],
     n: usize,
     width: usize,
@@ -323,7 +324,7 @@ fn cache_rows<'c, T: KvElem>(
 ) -> [&'c [f32]; STEP_KEYS] {
     // Loops rather than `array::from_fn`, whose closures do not inline into the kernels.
     let mut rows: [&[f32]; STEP_KEYS] = [&[]; STEP_KEYS];
-    if let Some(cache) = T::as_f32_slice(cache) {
+    if let Some(cache) = cache.as_f32() {
         for (row, &st) in rows.iter_mut().zip(starts) {
             *row = &cache[st..st + width];
         }
@@ -333,7 +334,7 @@ fn cache_rows<'c, T: KvElem>(
         stage.resize(n * width, 0.0);
     }
     for (&st, dst) in starts.iter().zip(stage.chunks_exact_mut(width)).take(n) {
-        T::to_f32_slice(&cache[st..st + width], dst);
+        cache.row_to_f32(st, dst);
     }
     let stage: &'c [f32] = stage;
     for (j, row) in rows.iter_mut().enumerate() {

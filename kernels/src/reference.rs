@@ -21,8 +21,8 @@ pub fn paged_attention_reference<T: KvElem>(
 ) -> Result<(), KernelError> {
     let args = AttentionArgs {
         layout,
-        k_cache,
-        v_cache,
+        k_cache: crate::kv_rows::KvRows::Plain(k_cache),
+        v_cache: crate::kv_rows::KvRows::Plain(v_cache),
         q,
         num_heads,
         seqs,

@@ -12,6 +12,7 @@
 
 use std::marker::PhantomData;
 
+use crate::kv_rows::KvRows;
 use crate::simd::LANES;
 use crate::CacheShape;
 
@@ -34,8 +35,8 @@ const WIDE_MIN_VECTORS: usize = 12;
 /// What every tile of one call shares.
 pub(crate) struct AttnInputs<'a, T> {
     pub layout: CacheShape,
-    pub k_cache: &'a [T],
-    pub v_cache: &'a [T],
+    pub k_cache: KvRows<'a, T>,
+    pub v_cache: KvRows<'a, T>,
     pub q: &'a [T],
     pub num_heads: usize,
     /// Query heads per kv head.

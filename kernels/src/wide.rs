@@ -97,8 +97,8 @@ pub(crate) fn attend_wide<T: KvElem, S: Simd, const KC: usize, const G: usize>(
         let ks: &mut Staged<KC> = (&mut k_rows[..KC]).try_into().expect("KC staged rows");
         let vs: &mut Staged<KC> = (&mut v_rows[..KC]).try_into().expect("KC staged rows");
         for ((k, v), &st) in ks.iter_mut().zip(vs.iter_mut()).zip(&starts) {
-            T::to_f32_slice(&inp.k_cache[st..st + d], &mut k[..d]);
-            T::to_f32_slice(&inp.v_cache[st..st + d], &mut v[..d]);
+            inp.k_cache.row_to_f32(st, &mut k[..d]);
+            inp.v_cache.row_to_f32(st, &mut v[..d]);
         }
         // Blocks whose every lane is causally finished skip the chunk.
         let b_first = (tile.first_live_row(c0) - tile.row_begin) * g / LANES;

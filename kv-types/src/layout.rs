@@ -82,9 +82,15 @@ impl KvLayout {
         self.block_size as usize * self.row_elems()
     }
 
-    /// Bytes of K (or of V) in one block of one layer.
+    /// Bytes of K (or of V) in one block of one layer, its scales included (an int8 block is
+    /// its elements, then one scale per token row and kv head).
     pub fn block_bytes(&self) -> u64 {
-        self.block_elems() as u64 * self.dtype.size_bytes() as u64
+        self.block_elems() as u64 * self.dtype.size_bytes() as u64 + self.block_scale_bytes()
+    }
+
+    /// Bytes of the scales of K (or of V) in one block of one layer: 0 for the float dtypes.
+    pub fn block_scale_bytes(&self) -> u64 {
+        u64::from(self.block_size) * u64::from(self.num_kv_heads) * self.dtype.scale_bytes() as u64
     }
 
     /// Bytes of one layer's payload for `num_blocks` blocks (`2 * n * block_bytes`), or `None`
@@ -96,9 +102,10 @@ impl KvLayout {
             .checked_mul(2)
     }
 
-    /// Bytes of K and V for one token in one layer.
+    /// Bytes of K and V for one token in one layer, scales included.
     pub fn token_bytes(&self) -> u64 {
-        2 * self.row_elems() as u64 * self.dtype.size_bytes() as u64
+        2 * (self.row_elems() as u64 * self.dtype.size_bytes() as u64
+            + u64::from(self.num_kv_heads) * self.dtype.scale_bytes() as u64)
     }
 
     /// Bytes of one block across every layer, K and V: what one block of capacity costs.
@@ -138,6 +145,29 @@ mod tests {
         assert_eq!(l.blocks_for(0), 0);
         assert_eq!(l.blocks_for(16), 1);
         assert_eq!(l.blocks_for(17), 2);
+    }
+
+    #[test]
+    fn int8_counts_its_scales() {
+        let l = KvLayout {
+            dtype: KvDtype::Int8,
+            ..KvLayout::SMOLLM2_135M_F32
+        };
+        let bf16 = KvLayout {
+            dtype: KvDtype::Bf16,
+            ..l
+        };
+        // Elements are half of bf16's; each token row of each kv head adds a 4-byte scale.
+        assert_eq!(l.block_scale_bytes(), 16 * 3 * 4);
+        assert_eq!(l.block_bytes(), 16 * 3 * 64 + 16 * 3 * 4);
+        assert_eq!(bf16.block_scale_bytes(), 0);
+        assert_eq!(
+            2 * (l.block_bytes() - l.block_scale_bytes()),
+            bf16.block_bytes()
+        );
+        assert_eq!(l.token_bytes(), 2 * (3 * 64 + 3 * 4));
+        assert_eq!(l.token_bytes() * 16, 2 * l.block_bytes());
+        assert_eq!(l.layer_payload_bytes(2), Some(4 * l.block_bytes()));
     }
 
     #[test]

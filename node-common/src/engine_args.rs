@@ -27,6 +27,11 @@ pub struct EngineArgs {
     /// Q8_0), quantised at load from the f32 or bf16 checkpoint.
     #[arg(long, env = "FISSION_QUANTIZE", default_value = "none")]
     pub quantize: Quantize,
+    /// The KV cache's element type: f32, bf16, f16, or int8 (a byte per element and an f32
+    /// scale per token row and kv head: half of bf16's bytes, scales aside). By default the
+    /// model's dtype. A prefill and a decode node exchange KV only when theirs agree.
+    #[arg(long, env = "FISSION_KV_CACHE_DTYPE")]
+    pub kv_cache_dtype: Option<kv_types::KvDtype>,
     #[arg(long, env = "FISSION_BLOCK_SIZE", default_value_t = EngineConfig::default().block_size)]
     pub block_size: usize,
     /// KV blocks; by default a fraction of available memory (`--kv-memory-fraction`).
@@ -86,6 +91,7 @@ impl EngineArgs {
             enable_prefix_caching: !self.disable_prefix_caching,
             max_input_tokens: Some(self.max_input_tokens),
             max_total_tokens: Some(self.max_total_tokens),
+            kv_cache_dtype: self.kv_cache_dtype,
             ..Default::default()
         }
     }
@@ -182,7 +188,7 @@ impl EngineArgs {
                 // where sequences write, so it costs the blocks in use, not the whole.
                 config.num_kv_blocks = config.num_kv_blocks.or(Some(m.cost().node.kv_blocks));
             }
-            let engine = engine::engine::Engine::new(model, config)?;
+            let engine = engine::engine::Engine::with_full_kv(model, config)?;
             let info = proto::v1::NodeInfo {
                 node_id,
                 role,

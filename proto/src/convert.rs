@@ -23,6 +23,7 @@ impl From<KvDtype> for v1::KvDtype {
             KvDtype::F32 => v1::KvDtype::F32,
             KvDtype::Bf16 => v1::KvDtype::Bf16,
             KvDtype::F16 => v1::KvDtype::F16,
+            KvDtype::Int8 => v1::KvDtype::Int8,
         }
     }
 }
@@ -35,6 +36,7 @@ impl TryFrom<v1::KvDtype> for KvDtype {
             v1::KvDtype::F32 => Ok(KvDtype::F32),
             v1::KvDtype::Bf16 => Ok(KvDtype::Bf16),
             v1::KvDtype::F16 => Ok(KvDtype::F16),
+            v1::KvDtype::Int8 => Ok(KvDtype::Int8),
             v1::KvDtype::Unspecified => Err(LayoutError::UnknownDtype { code: d as i32 }),
         }
     }

@@ -2,9 +2,13 @@
 //!
 //! It can export any set of blocks of one layer as contiguous bytes and import them back, with
 //! a described layout, which is what KV transfer between nodes sends.
+//!
+//! An int8 cache (`KvDtype::Int8`) also holds one f32 scale per token slot and kv head beside
+//! each layer's K and V (see `kernels::quantize_row_int8` for why per row); its exports carry
+//! the scales after the elements, as `KvLayout::layer_payload_bytes` counts them.
 
 use half::{bf16, f16};
-use kernels::{CacheShape, KvDtype, KvElem};
+use kernels::{CacheShape, Int8KvMut, KvDtype, KvElem};
 use kv_types::KvLayout;
 
 use crate::error::{EngineError, Result};
@@ -16,11 +20,22 @@ pub enum KvBuf {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
     F16(Vec<f16>),
+    /// Elements, and a scale per token slot and kv head.
+    Int8 {
+        data: Vec<i8>,
+        scales: Vec<f32>,
+    },
 }
 
 impl KvBuf {
-    fn zeros(dtype: KvDtype, n: usize) -> Self {
+    /// `n` elements (and, for int8, `scales` scales) of zeros, mapped in lazily like
+    /// [`zeroed_u16_vec`]'s (`vec![0; n]` of a primitive is a `calloc`).
+    fn zeros(dtype: KvDtype, n: usize, scales: usize) -> Self {
         match dtype {
+            KvDtype::Int8 => KvBuf::Int8 {
+                data: vec![0; n],
+                scales: vec![0.0; scales],
+            },
             KvDtype::F32 => KvBuf::F32(vec![0.0; n]),
             KvDtype::Bf16 => KvBuf::Bf16(zeroed_u16_vec::<bf16>(n)),
             KvDtype::F16 => KvBuf::F16(zeroed_u16_vec::<f16>(n)),
@@ -58,6 +73,7 @@ pub enum LayerKvMut<'a> {
     F32(&'a mut [f32], &'a mut [f32]),
     Bf16(&'a mut [bf16], &'a mut [bf16]),
     F16(&'a mut [f16], &'a mut [f16]),
+    Int8(Int8KvMut<'a>, Int8KvMut<'a>),
 }
 
 #[derive(Debug)]
@@ -80,10 +96,11 @@ impl KvCache {
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
         let shape = CacheShape::new(&layout, num_blocks);
         let n = shape.layer_elems();
+        let scales = shape.num_slots() * shape.num_kv_heads;
         let layers = (0..layout.num_layers)
             .map(|_| LayerKv {
-                k: KvBuf::zeros(layout.dtype, n),
-                v: KvBuf::zeros(layout.dtype, n),
+                k: KvBuf::zeros(layout.dtype, n, scales),
+                v: KvBuf::zeros(layout.dtype, n, scales),
             })
             .collect();
         KvCache {
@@ -101,6 +118,10 @@ impl KvCache {
                     KvBuf::F32(v) => touch_pages(v),
                     KvBuf::Bf16(v) => touch_pages(v),
                     KvBuf::F16(v) => touch_pages(v),
+                    KvBuf::Int8 { data, scales } => {
+                        touch_pages(data);
+                        touch_pages(scales);
+                    }
                 }
             }
         }
@@ -129,9 +150,9 @@ impl KvCache {
         self.layers.len()
     }
 
-    /// Total bytes held by the cache.
+    /// Total bytes held by the cache, scales included.
     pub fn kv_bytes(&self) -> usize {
-        2 * self.layers.len() * self.shape.layer_elems() * self.dtype().size_bytes()
+        self.layers.len() * self.shape.num_blocks * 2 * self.layout.block_bytes() as usize
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> LayerKvMut<'_> {
@@ -140,17 +161,38 @@ impl KvCache {
             (KvBuf::F32(k), KvBuf::F32(v)) => LayerKvMut::F32(k, v),
             (KvBuf::Bf16(k), KvBuf::Bf16(v)) => LayerKvMut::Bf16(k, v),
             (KvBuf::F16(k), KvBuf::F16(v)) => LayerKvMut::F16(k, v),
+            (
+                KvBuf::Int8 {
+                    data: kd,
+                    scales: ks,
+                },
+                KvBuf::Int8 {
+                    data: vd,
+                    scales: vs,
+                },
+            ) => LayerKvMut::Int8(
+                Int8KvMut {
+                    data: kd,
+                    scales: ks,
+                },
+                Int8KvMut {
+                    data: vd,
+                    scales: vs,
+                },
+            ),
             _ => unreachable!("K and V of a layer are created with one dtype"),
         }
     }
 
-    /// Bytes that `export_blocks` produces for `num_blocks` blocks of one layer.
+    /// Bytes that `export_blocks` produces for `num_blocks` blocks of one layer (an int8
+    /// cache's scales included).
     pub fn export_len(&self, num_blocks: usize) -> usize {
-        2 * num_blocks * self.shape.block_elems() * self.dtype().size_bytes()
+        2 * num_blocks * self.layout.block_bytes() as usize
     }
 
     /// Copies the given blocks of one layer into `dst` as `[K blocks..., V blocks...]` in
-    /// `block_ids` order, native-endian elements of the cache dtype.
+    /// `block_ids` order, native-endian elements of the cache dtype. An int8 cache writes each
+    /// of K and V as its blocks' elements, then their scales (`kernels::gather_blocks_int8`).
     pub fn export_blocks(
         &mut self,
         layer: usize,
@@ -172,6 +214,13 @@ impl KvCache {
             LayerKvMut::F32(k, v) => gather::<f32>(&shape, k, v, &ids, dst),
             LayerKvMut::Bf16(k, v) => gather::<bf16>(&shape, k, v, &ids, dst),
             LayerKvMut::F16(k, v) => gather::<f16>(&shape, k, v, &ids, dst),
+            LayerKvMut::Int8(k, v) => Ok(kernels::gather_blocks_int8(
+                &shape,
+                k.as_ref(),
+                v.as_ref(),
+                &ids,
+                dst,
+            )?),
         }
     }
 
@@ -192,6 +241,7 @@ impl KvCache {
             LayerKvMut::F32(k, v) => scatter::<f32>(&shape, k, v, &ids, src),
             LayerKvMut::Bf16(k, v) => scatter::<bf16>(&shape, k, v, &ids, src),
             LayerKvMut::F16(k, v) => scatter::<f16>(&shape, k, v, &ids, src),
+            LayerKvMut::Int8(k, v) => Ok(kernels::scatter_blocks_int8(&shape, k, v, &ids, src)?),
         }
     }
 
@@ -268,6 +318,14 @@ mod tests {
                 LayerKvMut::F32(k, v) => fill(k, v),
                 LayerKvMut::Bf16(k, v) => fill(k, v),
                 LayerKvMut::F16(k, v) => fill(k, v),
+                LayerKvMut::Int8(k, v) => {
+                    for (i, x) in k.data.iter_mut().chain(v.data.iter_mut()).enumerate() {
+                        *x = (i % 251) as i8;
+                    }
+                    for (i, s) in k.scales.iter_mut().chain(v.scales.iter_mut()).enumerate() {
+                        *s = 0.01 * (i + 1) as f32;
+                    }
+                }
             }
             let ids = [BlockId(5), BlockId(1), BlockId(6)];
             let mut bytes = vec![0u8; a.export_len(ids.len())];

@@ -246,6 +246,7 @@ fn layer_attention(
             LayerKvMut::F32(k, v) => attend_rows(qkv, at, wanted, k, v)?,
             LayerKvMut::Bf16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
             LayerKvMut::F16(k, v) => to_f32(attend_rows(qkv, at, wanted, k, v)?),
+            LayerKvMut::Int8(k, v) => attend_rows_int8(qkv, at, wanted, k, v)?,
         })
     })
 }
@@ -270,6 +271,28 @@ fn attend_rows<T: KvElem>(
         rows.extend_from_slice(&q[r * width..(r + 1) * width]);
     }
     ops::attend(&rows, seqs, at, k, v)
+}
+
+/// [`attend_rows`] over an int8 cache.
+fn attend_rows_int8(
+    qkv: &[f32],
+    at: &LayerAt<'_>,
+    wanted: Option<&[SeqAttn<'_>]>,
+    mut k: kernels::Int8KvMut<'_>,
+    mut v: kernels::Int8KvMut<'_>,
+) -> Result<Vec<f32>> {
+    let at = &at.attn;
+    let Some(seqs) = wanted else {
+        return ops::attention_rows_int8(qkv, at, k, v);
+    };
+    let q = ops::rope_and_cache_int8(qkv, at, &mut k, &mut v)?;
+    let width = at.dims.num_heads * at.dims.head_dim;
+    let mut rows = Vec::with_capacity(seqs.len() * width);
+    for &r in &at.batch.logits_rows {
+        let r = r as usize;
+        rows.extend_from_slice(&q[r * width..(r + 1) * width]);
+    }
+    ops::attend_int8(&rows, seqs, at, k.as_ref(), v.as_ref())
 }
 
 /// Each logits row as a sequence of one query row: it sees the keys up to its own position,

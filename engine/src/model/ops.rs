@@ -2,7 +2,7 @@
 //! of tensor ops: rope + KV write + paged attention, and SiLU-gated multiply.
 
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
-use kernels::{AttnOptions, CacheShape, KvElem, SeqAttn};
+use kernels::{AttnOptions, CacheShape, Int8Kv, Int8KvMut, KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
 use super::rope::RopeTables;
@@ -48,7 +48,87 @@ pub(crate) fn attention(qkv: &Tensor, at: &LayerAttn<'_>, kv: LayerKvMut<'_>) ->
         LayerKvMut::F32(k, v) => attention_typed::<f32>(qkv, at, k, v),
         LayerKvMut::Bf16(k, v) => attention_typed::<half::bf16>(qkv, at, k, v),
         LayerKvMut::F16(k, v) => attention_typed::<half::f16>(qkv, at, k, v),
+        LayerKvMut::Int8(k, v) => attention_int8(qkv, at, k, v),
     }
+}
+
+/// [`attention`] over an int8 cache: Q and the output in f32 whatever the model's dtype, the
+/// result converted back to `qkv`'s.
+fn attention_int8(
+    qkv: &Tensor,
+    at: &LayerAttn<'_>,
+    k: Int8KvMut<'_>,
+    v: Int8KvMut<'_>,
+) -> Result<Tensor> {
+    let (t, width) = (at.batch.num_tokens(), at.dims.num_heads * at.dims.head_dim);
+    let out = match qkv.dtype() {
+        DType::BF16 => with_slice::<half::bf16, _>(qkv, |s| attention_rows_int8(s, at, k, v))??,
+        DType::F16 => with_slice::<half::f16, _>(qkv, |s| attention_rows_int8(s, at, k, v))??,
+        _ => with_slice::<f32, _>(&qkv.to_dtype(DType::F32)?, |s| {
+            attention_rows_int8(s, at, k, v)
+        })??,
+    };
+    Ok(Tensor::from_vec(out, (t, width), &Device::Cpu)?.to_dtype(qkv.dtype())?)
+}
+
+/// [`attention_rows`] over an int8 cache: rows are quantised as they are written, and
+/// attention reads the int8 rows directly. Returns `[T, H * D]` in f32.
+pub(crate) fn attention_rows_int8<S: KvElem>(
+    src: &[S],
+    at: &LayerAttn<'_>,
+    mut k_cache: Int8KvMut<'_>,
+    mut v_cache: Int8KvMut<'_>,
+) -> Result<Vec<f32>> {
+    let q = rope_and_cache_int8(src, at, &mut k_cache, &mut v_cache)?;
+    let seqs = seq_attns(at.batch);
+    attend_int8(&q, &seqs, at, k_cache.as_ref(), v_cache.as_ref())
+}
+
+/// [`rope_and_cache`] into an int8 cache. Returns Q in f32.
+pub(crate) fn rope_and_cache_int8<S: KvElem>(
+    src: &[S],
+    at: &LayerAttn<'_>,
+    k_cache: &mut Int8KvMut<'_>,
+    v_cache: &mut Int8KvMut<'_>,
+) -> Result<Vec<f32>> {
+    let (q, k, v) = rope_split::<S, f32>(src, at);
+    let kc = Int8KvMut {
+        data: &mut *k_cache.data,
+        scales: &mut *k_cache.scales,
+    };
+    let vc = Int8KvMut {
+        data: &mut *v_cache.data,
+        scales: &mut *v_cache.scales,
+    };
+    kernels::reshape_and_cache_int8(at.layout, kc, vc, &k, &v, &at.batch.slots)?;
+    Ok(q)
+}
+
+/// [`attend`] over an int8 cache.
+pub(crate) fn attend_int8(
+    q: &[f32],
+    seqs: &[SeqAttn<'_>],
+    at: &LayerAttn<'_>,
+    k_cache: Int8Kv<'_>,
+    v_cache: Int8Kv<'_>,
+) -> Result<Vec<f32>> {
+    let h = at.dims.num_heads;
+    let mut out = vec![0f32; q.len()];
+    kernels::paged_attention_int8(at.layout, k_cache, v_cache, q, &mut out, h, seqs, at.opts)?;
+    Ok(out)
+}
+
+fn seq_attns(batch: &ForwardBatch) -> Vec<SeqAttn<'_>> {
+    batch
+        .seqs
+        .iter()
+        .map(|s| SeqAttn {
+            q_start: s.q_start,
+            q_len: s.q_len,
+            context_len: s.context_len,
+            block_table: &s.block_table,
+        })
+        .collect()
 }
 
 /// What one layer's attention reads besides its rows and the cache: the step, the layer's rope
@@ -84,18 +164,8 @@ pub(crate) fn attention_rows<S: KvElem, T: KvElem>(
     k_cache: &mut [T],
     v_cache: &mut [T],
 ) -> Result<Vec<T>> {
-    let batch = at.batch;
     let q = rope_and_cache(src, at, k_cache, v_cache)?;
-    let seqs: Vec<SeqAttn<'_>> = batch
-        .seqs
-        .iter()
-        .map(|s| SeqAttn {
-            q_start: s.q_start,
-            q_len: s.q_len,
-            context_len: s.context_len,
-            block_table: &s.block_table,
-        })
-        .collect();
+    let seqs = seq_attns(at.batch);
     attend(&q, &seqs, at, k_cache, v_cache)
 }
 
@@ -107,7 +177,14 @@ pub(crate) fn rope_and_cache<S: KvElem, T: KvElem>(
     k_cache: &mut [T],
     v_cache: &mut [T],
 ) -> Result<Vec<T>> {
-    let (batch, rope, layout, dims) = (at.batch, at.rope, at.layout, at.dims);
+    let (q, k, v) = rope_split::<S, T>(src, at);
+    kernels::reshape_and_cache(at.layout, k_cache, v_cache, &k, &v, &at.batch.slots)?;
+    Ok(q)
+}
+
+/// Splits the fused rows and applies rope to Q and K: `(Q, K, V)`, each `[T, heads * D]`.
+fn rope_split<S: KvElem, T: KvElem>(src: &[S], at: &LayerAttn<'_>) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (batch, rope, dims) = (at.batch, at.rope, at.dims);
     let AttnDims {
         num_heads: h,
         num_kv_heads: hkv,
@@ -156,8 +233,7 @@ pub(crate) fn rope_and_cache<S: KvElem, T: KvElem>(
             }
         });
     }
-    kernels::reshape_and_cache(layout, k_cache, v_cache, &k, &v, &batch.slots)?;
-    Ok(q)
+    (q, k, v)
 }
 
 /// The second half of [`attention_rows`]: the query rows `q` (`[rows, H * D]`) of `seqs`
