@@ -6,6 +6,9 @@
 //! pycompat, `raise_exception(message)`, `strftime_now(format)`, and transformers' own `tojson`
 //! filter (Python's `json.dumps`: `", "` and `": "` separators, keys in the order given, no
 //! HTML escaping), so that tools and call arguments reach the model as it saw them in training.
+//!
+//! The template also says what family the model is ([`OutputFamily`]: how it writes tool calls,
+//! whether it thinks aloud) and how it takes tools ([`ToolsInput`]); both are read once, here.
 
 use std::io::{self, Write};
 use std::path::Path;
@@ -13,14 +16,16 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
+use crate::chat_tools::ToolsInput;
 use crate::error::GatewayError;
+use crate::openai::family::OutputFamily;
 
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// One message as the template sees it.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
@@ -32,6 +37,13 @@ pub struct ChatMessage {
     /// A `tool` turn's answer to this call.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, which thinking models' templates write back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// A system turn's tools as a JSON text, where the template reads them (Phi-4-mini; see
+    /// [`ToolsInput`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools: Option<String>,
 }
 
 /// A compiled chat template with the special tokens it renders.
@@ -42,6 +54,8 @@ pub(crate) struct ChatTemplate {
     /// Why the template is a stand-in, for a model never trained on chats
     /// (`fission_chat_template_stand_in` in `tokenizer_config.json`).
     stand_in: Option<String>,
+    family: OutputFamily,
+    tools_input: ToolsInput,
 }
 
 #[derive(Serialize)]
@@ -98,14 +112,32 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        let tools_input = ToolsInput::of_template(&source);
+        let family_source = source.clone();
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(template_error)?;
-        Ok(Self {
+        let mut template = Self {
             env,
             bos_token,
             eos_token,
             stand_in: None,
-        })
+            family: OutputFamily::default(),
+            tools_input,
+        };
+        // Whether the generation prompt opens a `<think>` block: from one user message's.
+        let probe = ChatMessage {
+            role: "user".into(),
+            content: "Hello".into(),
+            ..ChatMessage::default()
+        };
+        let probe = template.apply_with_tools(&[probe], &[]).ok();
+        template.family = OutputFamily::of_template(&family_source, probe.as_deref());
+        Ok(template)
+    }
+
+    /// The model's output family, as its template shows it.
+    pub(crate) fn family(&self) -> OutputFamily {
+        self.family
     }
 
     /// The prompt for `messages`, ending with the assistant's turn opened
@@ -126,13 +158,14 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .expect("the template was added under this name in new()");
+        let (messages, tools) = self.tools_input.prepare(messages, tools);
         template
             .render(TemplateContext {
-                messages,
+                messages: &messages,
                 add_generation_prompt: true,
                 bos_token: &self.bos_token,
                 eos_token: &self.eos_token,
-                tools: (!tools.is_empty()).then_some(tools),
+                tools,
             })
             .map_err(template_error)
     }
@@ -222,6 +255,23 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
             });
     }
     Ok(Value::from_safe_string(text))
+}
+
+/// `value` as Python's `json.dumps(value, ensure_ascii=False)` writes it.
+pub(crate) fn python_json(value: &serde_json::Value) -> String {
+    let mut out = Vec::new();
+    let formatter = PyFormatter {
+        indent: None,
+        item_sep: ", ".into(),
+        key_sep: ": ".into(),
+        level: 0,
+        has_value: false,
+    };
+    let mut serializer = serde_json::Serializer::with_formatter(&mut out, formatter);
+    value
+        .serialize(&mut serializer)
+        .expect("a JSON value serializes");
+    String::from_utf8(out).expect("serde_json writes UTF-8")
 }
 
 fn sort_keys_deep(value: &mut serde_json::Value) {
@@ -396,6 +446,10 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let year = yoe + era * 400 + i64::from(month <= 2);
     (year, month, day)
 }
+
+#[cfg(test)]
+#[path = "chat_template_families.rs"]
+mod families;
 
 #[cfg(test)]
 mod tests {

@@ -8,6 +8,7 @@
 
 mod body_limit;
 mod chat_template;
+mod chat_tools;
 mod generation;
 mod json;
 mod openai;

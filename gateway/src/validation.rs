@@ -148,6 +148,19 @@ impl Validator {
         self.chat_template.is_some()
     }
 
+    /// The model's output family, from its chat template (the default without one).
+    pub(crate) fn output_family(&self) -> crate::openai::family::OutputFamily {
+        self.chat_template
+            .as_ref()
+            .map(ChatTemplate::family)
+            .unwrap_or_default()
+    }
+
+    /// The id of the token whose text is `text`, when the vocabulary has one.
+    pub(crate) fn token_id(&self, text: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(text)
+    }
+
     /// Why the chat template is a stand-in (see [`ChatTemplate::stand_in`]).
     pub(crate) fn chat_template_stand_in(&self) -> Option<&str> {
         self.chat_template.as_ref().and_then(ChatTemplate::stand_in)

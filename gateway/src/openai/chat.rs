@@ -1,13 +1,17 @@
-//! `POST /v1/chat/completions`: messages rendered with the model's chat template.
+//! `POST /v1/chat/completions`: messages rendered with the model's chat template; the output
+//! read back in the model's family's format ([`super::family`]): a thinking model's `<think>`
+//! block as `reasoning_content`, its calls as `tool_calls`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
+use super::reasoning::ThinkSplitter;
 use super::stream::{stream_choices, ChunkHeader};
-use super::tool_stream::{tool_calls_json, tool_sse_response, ChunkIds};
+use super::tool_stream::{tool_calls_json, tool_sse_response, ChunkIds, OutputReading};
 use super::tools::{template_tool_calls, ToolChoice, ToolMode, ToolPlan};
 use super::{invalid, start_all, CommonFields, Usage};
 use crate::chat_template::ChatMessage;
@@ -51,6 +55,8 @@ struct RequestMessage {
     name: Option<String>,
     tool_calls: Option<serde_json::Value>,
     tool_call_id: Option<String>,
+    /// An earlier answer's reasoning, which thinking models' templates read back.
+    reasoning_content: Option<String>,
 }
 
 /// A string, or a list of parts of which only `text` parts are supported.
@@ -95,6 +101,8 @@ impl RequestMessage {
             name: self.name,
             tool_calls: self.tool_calls.map(template_tool_calls),
             tool_call_id: self.tool_call_id,
+            reasoning_content: self.reasoning_content,
+            ..ChatMessage::default()
         })
     }
 }
@@ -123,6 +131,9 @@ struct OutputMessage {
     role: &'static str,
     /// `null` when the answer is tool calls alone.
     content: Option<String>,
+    /// A thinking model's `<think>` block (vLLM's and DeepSeek's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<serde_json::Value>,
 }
@@ -142,6 +153,9 @@ struct ChunkChoice {
 struct Delta {
     role: &'static str,
     content: String,
+    /// What a thinking model's `<think>` block adds with this token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<String>,
     tool_calls: Option<Vec<serde_json::Value>>,
 }
 
@@ -248,11 +262,15 @@ pub(crate) async fn chat_completions(
         request.tool_choice,
         request.parallel_tool_calls,
     );
-    let plan = tokio::task::spawn_blocking(move || ToolPlan::resolve(tools, choice, parallel))
+    let mut plan = tokio::task::spawn_blocking(move || ToolPlan::resolve(tools, choice, parallel))
         .await
         .map_err(|e| GatewayError::Internal {
             message: format!("tool check task: {e}"),
         })??;
+    // The model's family, from its template: how it writes calls and whether it thinks aloud.
+    let family = state.validator().output_family();
+    plan.syntax = family.tools;
+    let markers = family.markers(|text| state.validator().token_id(text));
     let forced = match &plan.mode {
         ToolMode::Forced(grammar) => {
             if parameters.grammar.is_some() {
@@ -311,21 +329,47 @@ pub(crate) async fn chat_completions(
             include_usage: request.common.include_usage(),
             sends_done: request.common.sends_done(),
         };
-        let sse = tool_sse_response(request_id, tokens, prompt_tokens, plan, forced, ids);
+        let reading = OutputReading {
+            markers,
+            think: family.reasoning,
+        };
+        let sse = tool_sse_response(
+            request_id,
+            tokens,
+            prompt_tokens,
+            plan,
+            forced,
+            ids,
+            reading,
+        );
         return Ok(sse.into_response());
     }
     if request.common.stream() {
+        // Each choice's reasoning is split off by its own splitter.
+        let mut splitters: HashMap<usize, ThinkSplitter> = HashMap::new();
         let sse = stream_choices(groups, header, &request.common, move |choice, token| {
             let logprobs = with_logprobs.then(|| {
                 let mut logprobs = Logprobs::default();
                 logprobs.push(&validator, token);
                 logprobs
             });
+            let (reasoning_content, content) = match family.reasoning {
+                Some(start) => {
+                    let split = splitters
+                        .entry(choice)
+                        .or_insert_with(|| ThinkSplitter::new(start))
+                        .push(markers.text(token), token.finish_reason.is_some());
+                    let reasoning = Some(split.reasoning).filter(|r| !r.is_empty());
+                    (reasoning, split.content)
+                }
+                None => (None, token.text.clone()),
+            };
             ChunkChoice {
                 index: choice as u32,
                 delta: Delta {
                     role: "assistant",
-                    content: token.text.clone(),
+                    content,
+                    reasoning_content,
                     tool_calls: None,
                 },
                 logprobs,
@@ -350,15 +394,32 @@ pub(crate) async fn chat_completions(
                 logprobs
             });
             let index = choices.len() as u32;
+            // The text as the parsers read it (marker tokens included), without its reasoning.
+            let output = if markers.is_empty() {
+                completed.text
+            } else {
+                markers.output(&completed.tokens)
+            };
+            let (reasoning_content, answer) = match family.reasoning {
+                Some(start) => {
+                    let split = ThinkSplitter::split_all(start, &output);
+                    (
+                        Some(split.reasoning).filter(|r| !r.is_empty()),
+                        split.content,
+                    )
+                }
+                None => (None, output),
+            };
             let calls = plan
                 .parses_calls()
-                .then(|| plan.calls(&completed.text, true))
+                .then(|| plan.calls(&answer, true))
                 .flatten();
             let (content, tool_calls, finish_reason) = match calls {
                 // A call cut off (by max_tokens) is dropped: the finish reason says why.
                 Some(found) => (
                     found.content,
                     Some(tool_calls_json(
+                        plan.syntax,
                         &request_id,
                         index as usize,
                         &found.calls,
@@ -371,17 +432,14 @@ pub(crate) async fn chat_completions(
                         completed.finish_reason.as_openai_str()
                     },
                 ),
-                None => (
-                    Some(completed.text),
-                    None,
-                    completed.finish_reason.as_openai_str(),
-                ),
+                None => (Some(answer), None, completed.finish_reason.as_openai_str()),
             };
             choices.push(Choice {
                 index,
                 message: OutputMessage {
                     role: "assistant",
                     content,
+                    reasoning_content,
                     tool_calls,
                 },
                 logprobs,

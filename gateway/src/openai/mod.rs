@@ -3,8 +3,11 @@
 
 pub(crate) mod chat;
 pub(crate) mod completions;
+pub(crate) mod family;
+mod reasoning;
 mod stream;
 mod tool_stream;
+mod tool_syntax;
 pub(crate) mod tools;
 
 use serde::{Deserialize, Serialize};

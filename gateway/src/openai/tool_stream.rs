@@ -1,8 +1,11 @@
 //! Streaming a chat completion whose output may be tool calls, so that the stream says what
-//! the non-streamed answer would. Text streams as content at once, except a tail that may be
-//! the start of a `<tool_call>` (and the whitespace before it), which waits for the next token.
-//! From the opening of a call on, or from the start when the output may be a whole-output call
-//! (`{`, `[`, `<|python_tag|>`) or the choice is forced, the output is held back, and each call
+//! the non-streamed answer would. A thinking model's `<think>` block goes out first as
+//! `reasoning_content` deltas ([`ThinkSplitter`]); what follows is the answer. Its text streams
+//! as content at once, except a tail that may be the start of the family's call opening
+//! (`<tool_call>`, `[TOOL_CALLS]`, `<|tool_call|>`, and the whitespace before it), which waits
+//! for the next token. From the opening of a call on, or from the start when the output may
+//! be a whole-output call (`{`, `[`, `<|python_tag|>`, a code fence) or the choice is forced,
+//! the output is held back, and each call
 //! goes out as a `delta.tool_calls` chunk (complete, arguments included) as soon as it is
 //! complete; the end sends the rest and a final chunk with `finish_reason: "tool_calls"` (the
 //! sequence's own reason when a call was cut off and dropped). Held output that holds no call
@@ -15,8 +18,11 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use serde_json::{json, Value};
 
+use super::family::{call_id, Markers, ThinkStart, ToolSyntax};
+use super::reasoning::{partial_marker_start, ThinkSplitter};
 use super::stream::ChunkHeader;
-use super::tools::{ParsedCall, ToolPlan, CALL_OPEN};
+use super::tool_syntax::{may_open_fence, opens_with};
+use super::tools::{ParsedCall, ToolPlan};
 use super::Usage;
 use crate::error::GatewayError;
 use crate::request::{FinishReason, GeneratedToken};
@@ -52,16 +58,17 @@ impl ChunkIds {
     }
 }
 
-/// OpenAI's `tool_calls` entries for choice `choice`, with ids unique to the request; the
-/// first of `calls` is the answer's call number `first_index`.
+/// OpenAI's `tool_calls` entries for choice `choice`, with ids unique to the request (in the
+/// form `syntax`'s templates take back); the first of `calls` is the answer's call number
+/// `first_index`.
 pub(crate) fn tool_calls_json(
+    syntax: ToolSyntax,
     request_id: &str,
     choice: usize,
     calls: &[ParsedCall],
     first_index: usize,
     with_index: bool,
 ) -> Value {
-    let prefix = &request_id[..request_id.len().min(20)];
     Value::Array(
         calls
             .iter()
@@ -69,7 +76,7 @@ pub(crate) fn tool_calls_json(
             .map(|(i, call)| (first_index + i, call))
             .map(|(i, call)| {
                 let mut entry = json!({
-                    "id": format!("call_{prefix}_{choice}_{i}"),
+                    "id": call_id(syntax, request_id, choice, i),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 });
@@ -83,23 +90,21 @@ pub(crate) fn tool_calls_json(
 }
 
 /// Whether `text` (leading whitespace trimmed) may be the start of a call.
-fn may_be_call(text: &str) -> bool {
-    const OPENINGS: [&str; 2] = [CALL_OPEN, "<|python_tag|>"];
+fn may_be_call(text: &str, syntax: ToolSyntax) -> bool {
     text.starts_with('{')
         || text.starts_with('[')
-        || OPENINGS
-            .iter()
-            .any(|o| o.starts_with(text) || text.starts_with(o))
+        || opens_with(text, "<|python_tag|>")
+        || syntax.opening().is_some_and(|o| opens_with(text, o))
+        || may_open_fence(text)
 }
 
 /// Where the part of plain `text` that must wait for the next token starts: an end that may
-/// be the start of `<tool_call>`, and the whitespace before it (which the non-streamed answer
-/// drops from the content before a call).
-fn held_tail_start(text: &str) -> usize {
-    let opening = (1..CALL_OPEN.len())
-        .rev()
-        .find(|&k| text.ends_with(&CALL_OPEN[..k]))
-        .map_or(text.len(), |k| text.len() - k);
+/// be the start of `syntax`'s call opening, and the whitespace before it (which the
+/// non-streamed answer drops from the content before a call).
+fn held_tail_start(text: &str, syntax: ToolSyntax) -> usize {
+    let opening = syntax
+        .opening()
+        .map_or(text.len(), |o| partial_marker_start(text, o));
     text[..opening].trim_end().len()
 }
 
@@ -116,6 +121,9 @@ struct ToolStream {
     sent_calls: usize,
     /// A backend error was sent: the stream is over.
     failed: bool,
+    /// Splits off a thinking model's reasoning; `None` for the others.
+    think: Option<ThinkSplitter>,
+    markers: Markers,
 }
 
 impl ToolStream {
@@ -134,11 +142,23 @@ impl ToolStream {
         self.completion_tokens += 1;
         let last = token.finish_reason;
         let mut events = Vec::new();
+        let output = self.markers.text(&token);
+        let text = match &mut self.think {
+            Some(think) => {
+                let split = think.push(output, last.is_some());
+                if !split.reasoning.is_empty() {
+                    let delta = json!({"reasoning_content": split.reasoning});
+                    events.push(self.delta(delta, None));
+                }
+                split.content
+            }
+            None => output.to_string(),
+        };
         match std::mem::replace(&mut self.phase, Phase::Content(String::new())) {
             Phase::Undecided(mut held) => {
-                held.push_str(&token.text);
+                held.push_str(&text);
                 let trimmed = held.trim_start();
-                if !trimmed.is_empty() && !may_be_call(trimmed) {
+                if !trimmed.is_empty() && !may_be_call(trimmed, self.plan.syntax) {
                     self.on_content(held, last, &mut events);
                 } else if let Some(reason) = last {
                     self.finish_held(held, reason, &mut events);
@@ -148,11 +168,11 @@ impl ToolStream {
                 }
             }
             Phase::Content(mut tail) => {
-                tail.push_str(&token.text);
+                tail.push_str(&text);
                 self.on_content(tail, last, &mut events);
             }
             Phase::Held(mut held) => {
-                held.push_str(&token.text);
+                held.push_str(&text);
                 match last {
                     Some(reason) => self.finish_held(held, reason, &mut events),
                     None => {
@@ -177,7 +197,7 @@ impl ToolStream {
     /// Plain `text` (the held-back tail and what followed): sent, but for a call's opening
     /// (from which on everything is held) or a tail that may become one.
     fn on_content(&mut self, text: String, last: Option<FinishReason>, events: &mut Vec<Event>) {
-        if let Some(open) = text.find(CALL_OPEN) {
+        if let Some(open) = self.plan.syntax.opening().and_then(|o| text.find(o)) {
             let content_end = text[..open].trim_end().len();
             if content_end > 0 {
                 events.push(self.content(text[..content_end].to_string(), None));
@@ -196,7 +216,7 @@ impl ToolStream {
             events.push(self.content(text, Some(reason.as_openai_str())));
             return;
         }
-        let split = held_tail_start(&text);
+        let split = held_tail_start(&text, self.plan.syntax);
         if split > 0 {
             events.push(self.content(text[..split].to_string(), None));
         }
@@ -222,15 +242,12 @@ impl ToolStream {
         let Some(new) = calls.get(self.sent_calls..).filter(|c| !c.is_empty()) else {
             return;
         };
-        let mut delta = json!({
+        let delta = json!({
             "content": if self.sent_calls == 0 { content } else { None },
-            "tool_calls": tool_calls_json(&self.request_id, 0, new, self.sent_calls, true),
+            "tool_calls": tool_calls_json(self.plan.syntax, &self.request_id, 0, new, self.sent_calls, true),
         });
-        if !std::mem::replace(&mut self.role_sent, true) {
-            delta["role"] = json!("assistant");
-        }
         self.sent_calls = calls.len();
-        events.push(self.ids.chunk(delta, None));
+        events.push(self.delta(delta, None));
     }
 
     /// The end of held output: its calls not sent yet, or the text as content when it holds
@@ -257,12 +274,23 @@ impl ToolStream {
 
     /// A content delta, with the role on the stream's first chunk.
     fn content(&mut self, text: String, finish: Option<&str>) -> Event {
-        let mut delta = json!({"content": text});
+        self.delta(json!({"content": text}), finish)
+    }
+
+    /// A chunk with `delta`, and the role when it is the stream's first.
+    fn delta(&mut self, mut delta: Value, finish: Option<&str>) -> Event {
         if !std::mem::replace(&mut self.role_sent, true) {
             delta["role"] = json!("assistant");
         }
         self.ids.chunk(delta, finish)
     }
+}
+
+/// How the model's output reads: its marker tokens, and where its reasoning starts (`None`
+/// for a model that does not think aloud).
+pub(crate) struct OutputReading {
+    pub markers: Markers,
+    pub think: Option<ThinkStart>,
 }
 
 /// `tokens` are the one sequence's, `request_id` its id (the calls' ids are made from it).
@@ -273,6 +301,7 @@ pub(crate) fn tool_sse_response(
     plan: ToolPlan,
     forced: bool,
     ids: ChunkIds,
+    reading: OutputReading,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let mut stream = ToolStream {
         request_id,
@@ -288,6 +317,8 @@ pub(crate) fn tool_sse_response(
         role_sent: false,
         sent_calls: 0,
         failed: false,
+        think: reading.think.map(ThinkSplitter::new),
+        markers: reading.markers,
     };
     let events = tokens
         .map(move |item| stream.on_item(item))
@@ -311,10 +342,10 @@ mod tests {
             "[{",
             "<|python",
         ] {
-            assert!(may_be_call(text), "{text}");
+            assert!(may_be_call(text, ToolSyntax::Hermes), "{text}");
         }
         for text in ["Hello", "<b>", "Sure, {"] {
-            assert!(!may_be_call(text), "{text}");
+            assert!(!may_be_call(text, ToolSyntax::Hermes), "{text}");
         }
     }
 
@@ -329,7 +360,11 @@ mod tests {
             ("<tool_call", "<tool_call"),
             ("x<t", "<t"),
         ] {
-            assert_eq!(&text[held_tail_start(text)..], tail, "{text:?}");
+            assert_eq!(
+                &text[held_tail_start(text, ToolSyntax::Hermes)..],
+                tail,
+                "{text:?}"
+            );
         }
     }
 }

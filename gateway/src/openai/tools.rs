@@ -2,14 +2,17 @@
 //!
 //! The tools go to the chat template (as `tools`, the way transformers passes them), which
 //! writes them into the prompt in the model's own format. What the model answers is parsed
-//! back into `tool_calls`: Hermes/Qwen-style `<tool_call>{...}</tool_call>` blocks, or the
-//! whole output as a JSON call object (Llama 3.1 style, optionally after `<|python_tag|>`) or a
-//! list of them. `required` and a named function are enforced, not hoped for: the output is
+//! back into `tool_calls` in its family's format ([`ToolSyntax`], read from the template):
+//! Hermes/Qwen-style `<tool_call>{...}</tool_call>` blocks, Mistral's `[TOOL_CALLS]`,
+//! Phi-4-mini's `<|tool_call|>`, and for every family the whole output as a JSON call object
+//! (Llama 3.1 style, optionally after `<|python_tag|>` or in a code fence) or a list of them. `required` and a named function are enforced, not hoped for: the output is
 //! constrained by a JSON schema built from the functions' parameters.
 
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::family::{ToolSyntax, HERMES_OPEN};
+use super::tool_syntax::{mistral_calls, phi_calls, strip_fence};
 use crate::error::GatewayError;
 use crate::structured::RequestGrammar;
 use crate::validation::invalid;
@@ -48,6 +51,8 @@ pub(crate) struct ToolPlan {
     /// `parallel_tool_calls`: whether an answer may hold more than one call.
     parallel: bool,
     pub mode: ToolMode,
+    /// How the model writes calls (Hermes until the caller says otherwise).
+    pub syntax: ToolSyntax,
 }
 
 /// One parsed call, in OpenAI's shape apart from the id.
@@ -144,6 +149,7 @@ impl ToolPlan {
             names,
             parallel,
             mode,
+            syntax: ToolSyntax::default(),
         })
     }
 
@@ -159,7 +165,7 @@ impl ToolPlan {
     /// says so. Before the end (`at_end` false) a call counts only once nothing that follows
     /// can change it, so the calls of a prefix of the output are a prefix of its calls.
     pub(crate) fn calls(&self, text: &str, at_end: bool) -> Option<Calls> {
-        let mut found = scan_tool_calls(text, at_end)?;
+        let mut found = scan_tool_calls(text, at_end, self.syntax)?;
         if let Some(unknown) = found
             .calls
             .iter()
@@ -211,8 +217,6 @@ fn call_schema(function: &Value) -> Value {
     })
 }
 
-/// The opening of a Hermes/Qwen-style call.
-pub(crate) const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
 
 /// The most calls a `required` answer may hold with `parallel_tool_calls` (the grammar's
@@ -249,17 +253,22 @@ fn check_parameters(i: usize, function: &Value) -> Result<(), GatewayError> {
     }
 }
 
-/// Finds tool calls in a model's output: `<tool_call>` blocks (the text before the first,
-/// but for trailing whitespace, is content, as a stream sends it), else the whole output as a
-/// call object or a list of them (Llama style, optionally after `<|python_tag|>`). `None` when
-/// the output is not in one of these forms. With `at_end`, an unclosed last block or an
-/// unterminated list item that parses counts (some models end without the closing tag);
-/// before the end it may still grow, so it does not.
-pub(crate) fn scan_tool_calls(text: &str, at_end: bool) -> Option<Calls> {
-    if let Some(start) = text.find(CALL_OPEN) {
+/// Finds tool calls in a model's output: from the opening of `syntax`'s calls on (the text
+/// before it, but for trailing whitespace, is content, as a stream sends it), else the whole
+/// output as a call object or a list of them (Llama style, optionally after `<|python_tag|>`
+/// or in a code fence). `None` when the output is not in one of these forms. With `at_end`,
+/// an unclosed last block or an unterminated list item that parses counts (some models end
+/// without the closing tag); before the end it may still grow, so it does not.
+pub(crate) fn scan_tool_calls(text: &str, at_end: bool, syntax: ToolSyntax) -> Option<Calls> {
+    if let Some(start) = syntax.opening().and_then(|open| text.find(open)) {
         let content = text[..start].trim_end();
         let content = (!content.trim_start().is_empty()).then(|| content.to_string());
-        let (calls, clean) = hermes_calls(&text[start..], at_end);
+        let from = &text[start..];
+        let (calls, clean) = match syntax {
+            ToolSyntax::Mistral => mistral_calls(from, at_end),
+            ToolSyntax::Phi4Mini => phi_calls(from, at_end),
+            ToolSyntax::Hermes | ToolSyntax::Json => hermes_calls(from, at_end),
+        };
         return Some(Calls {
             content,
             calls,
@@ -271,6 +280,7 @@ pub(crate) fn scan_tool_calls(text: &str, at_end: bool) -> Option<Calls> {
         .strip_prefix("<|python_tag|>")
         .unwrap_or(body)
         .trim_start();
+    let body = strip_fence(body);
     let (calls, clean) = if body.starts_with('[') {
         array_calls(body, at_end)
     } else if body.starts_with('{') {
@@ -299,10 +309,10 @@ fn hermes_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
     let mut calls = Vec::new();
     let mut rest = text;
     loop {
-        let Some(open) = rest.find(CALL_OPEN) else {
+        let Some(open) = rest.find(HERMES_OPEN) else {
             return (calls, true);
         };
-        let body = &rest[open + CALL_OPEN.len()..];
+        let body = &rest[open + HERMES_OPEN.len()..];
         let (inner, after) = match body.find(CALL_CLOSE) {
             Some(close) => (&body[..close], &body[close + CALL_CLOSE.len()..]),
             None if at_end => (body, ""),
@@ -321,7 +331,7 @@ fn hermes_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
 
 /// The calls of a JSON list, `text` starting at its `[`: each item once a `,` or the `]`
 /// ends it (or the text ends, with `at_end`). Clean when the list closed with nothing after.
-fn array_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
+pub(super) fn array_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
     let (items, closed_at) = array_items(text);
     let mut items: Vec<&str> = items;
     if closed_at.is_none() && at_end {
@@ -382,7 +392,7 @@ fn array_items(text: &str) -> (Vec<&str>, Option<usize>) {
 }
 
 /// `{"name": ..., "arguments" | "parameters": {...} or a JSON text}`.
-fn call_from(value: &Value) -> Option<ParsedCall> {
+pub(super) fn call_from(value: &Value) -> Option<ParsedCall> {
     let name = value.get("name")?.as_str()?.to_string();
     let arguments = match value.get("arguments").or_else(|| value.get("parameters")) {
         None => "{}".to_string(),
@@ -435,7 +445,7 @@ mod tests {
             content,
             calls,
             clean,
-        } = scan_tool_calls(text, true).unwrap();
+        } = scan_tool_calls(text, true, ToolSyntax::Hermes).unwrap();
         assert_eq!(content, None);
         assert!(clean);
         assert_eq!(
@@ -456,7 +466,7 @@ mod tests {
     #[test]
     fn content_before_a_call_and_an_unclosed_call() {
         let text = "Let me check.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}";
-        let Calls { content, calls, .. } = scan_tool_calls(text, true).unwrap();
+        let Calls { content, calls, .. } = scan_tool_calls(text, true, ToolSyntax::Hermes).unwrap();
         assert_eq!(content.as_deref(), Some("Let me check."));
         assert_eq!(calls[0].name, "f");
     }
@@ -465,10 +475,14 @@ mod tests {
     fn llama_json_output_parses() {
         let text =
             "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}";
-        let calls = scan_tool_calls(text, true).unwrap().calls;
+        let calls = scan_tool_calls(text, true, ToolSyntax::Hermes)
+            .unwrap()
+            .calls;
         assert_eq!(calls[0].arguments, r#"{"city":"Oslo"}"#);
         let list = r#"[{"name": "a", "arguments": "{\"x\": 1}"}, {"name": "b", "arguments": {}}]"#;
-        let calls = scan_tool_calls(list, true).unwrap().calls;
+        let calls = scan_tool_calls(list, true, ToolSyntax::Hermes)
+            .unwrap()
+            .calls;
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, "{\"x\": 1}");
     }
@@ -482,7 +496,7 @@ mod tests {
             "[]",
             "42",
         ] {
-            let calls = scan_tool_calls(text, true);
+            let calls = scan_tool_calls(text, true, ToolSyntax::Hermes);
             assert!(calls.is_none_or(|c| c.calls.is_empty()), "{text}");
         }
     }
