@@ -16,6 +16,10 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+mod moe;
+
+pub use moe::MoeSpec;
+
 /// RMSNorm epsilon written to every config.
 pub const RMS_NORM_EPS: f64 = 1e-5;
 /// Standard deviation of q/k/v biases: large enough that a model which drops them gives visibly
@@ -51,6 +55,12 @@ pub enum Architecture {
     /// (`qkv_proj`, `gate_up_proj`), optionally partial rotary and LongRoPE.
     #[serde(rename = "Phi3ForCausalLM")]
     Phi3,
+    /// Mistral's layer with a mixture of experts for its MLP (`moe` in the spec).
+    #[serde(rename = "MixtralForCausalLM")]
+    Mixtral,
+    /// Qwen3's layer with a mixture of experts in its sparse layers (`moe` in the spec).
+    #[serde(rename = "Qwen3MoeForCausalLM")]
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -63,6 +73,8 @@ impl Architecture {
             Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
             Architecture::Phi3 => "Phi3ForCausalLM",
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -75,6 +87,8 @@ impl Architecture {
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
             Architecture::Phi3 => "phi3",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -176,6 +190,9 @@ pub struct ModelSpec {
     /// Phi-3's configs do.
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    /// Mixtral and Qwen3-MoE: the experts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeSpec>,
     pub dtype: WeightDtype,
     /// Standard deviation of embedding and projection weights. Norm weights are
     /// `1 + N(0, init_std)`.
@@ -243,6 +260,7 @@ impl ModelSpec {
             rope_local_base_freq: None,
             partial_rotary_factor: None,
             original_max_position_embeddings: None,
+            moe: None,
             dtype: WeightDtype::F32,
             init_std: 0.02,
             seed: 0,
@@ -283,6 +301,11 @@ impl ModelSpec {
                 "MistralForCausalLM has no attention biases: attention_bias must be false"
             ),
             Architecture::Llama | Architecture::Qwen3 => {}
+            Architecture::Mixtral | Architecture::Qwen3Moe => ensure!(
+                self.moe.is_some(),
+                "{} specs give moe",
+                self.architecture.class_name()
+            ),
             Architecture::Phi3 => ensure!(
                 !self.attention_bias,
                 "Phi3ForCausalLM has no attention biases: attention_bias must be false"
@@ -312,8 +335,9 @@ impl ModelSpec {
                         | Architecture::Gemma2
                         | Architecture::Gemma3
                         | Architecture::Phi3
+                        | Architecture::Mixtral
                 ),
-                "sliding_window {w} is only written for Mistral, Gemma and Phi-3"
+                "sliding_window {w} is only written for Mistral, Mixtral, Gemma and Phi-3"
             );
         }
         let gemma_only = [
@@ -362,6 +386,9 @@ impl ModelSpec {
                 !given || self.architecture == Architecture::Phi3,
                 "{field} is only written for Phi3ForCausalLM"
             );
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.architecture)?;
         }
         if let Some(s) = &self.rope_scaling {
             ensure!(
@@ -477,6 +504,15 @@ pub fn config_json(spec: &ModelSpec) -> Value {
                 obj.insert("rope_local_base_freq".into(), json!(f));
             }
         }
+        Architecture::Mixtral => {
+            obj.insert("sliding_window".into(), json!(spec.sliding_window));
+        }
+        Architecture::Qwen3Moe => {
+            obj.insert("attention_bias".into(), json!(spec.attention_bias));
+            obj.insert("use_sliding_window".into(), json!(false));
+            obj.insert("sliding_window".into(), Value::Null);
+            obj.insert("max_window_layers".into(), json!(spec.layers));
+        }
         Architecture::Phi3 => {
             obj.insert("sliding_window".into(), json!(spec.sliding_window));
             // Phi3Config's default pad id, 32000, is outside a small vocab.
@@ -488,6 +524,9 @@ pub fn config_json(spec: &ModelSpec) -> Value {
                 obj.insert("original_max_position_embeddings".into(), json!(n));
             }
         }
+    }
+    if let Some(moe) = &spec.moe {
+        moe.config(spec.architecture, spec.ffn, obj);
     }
     cfg
 }
@@ -605,24 +644,32 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
             0.0,
             std,
         )?;
-        w.put(
-            format!("{p}.mlp.gate_proj.weight"),
-            &[spec.ffn, hid],
-            0.0,
-            std,
-        )?;
-        w.put(
-            format!("{p}.mlp.up_proj.weight"),
-            &[spec.ffn, hid],
-            0.0,
-            std,
-        )?;
-        w.put(
-            format!("{p}.mlp.down_proj.weight"),
-            &[hid, spec.ffn],
-            0.0,
-            std,
-        )?;
+        match spec
+            .moe
+            .as_ref()
+            .filter(|m| m.is_sparse(spec.architecture, i))
+        {
+            None => {
+                for (name, shape) in [
+                    ("gate_proj", [spec.ffn, hid]),
+                    ("up_proj", [spec.ffn, hid]),
+                    ("down_proj", [hid, spec.ffn]),
+                ] {
+                    w.put(format!("{p}.mlp.{name}.weight"), &shape, 0.0, std)?;
+                }
+            }
+            Some(moe) => {
+                let f = moe.expert_ffn(spec.ffn);
+                let (router, _) = MoeSpec::names(spec.architecture, &p, 0);
+                w.put(router, &[moe.experts, hid], 0.0, moe.router_std)?;
+                for e in 0..moe.experts {
+                    let (_, [gate, up, down]) = MoeSpec::names(spec.architecture, &p, e);
+                    w.put(gate, &[f, hid], 0.0, std)?;
+                    w.put(up, &[f, hid], 0.0, std)?;
+                    w.put(down, &[hid, f], 0.0, std)?;
+                }
+            }
+        }
         if spec.attention_bias {
             w.put(
                 format!("{p}.self_attn.q_proj.bias"),
@@ -663,7 +710,7 @@ fn write_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<()> {
         }
         if matches!(
             spec.architecture,
-            Architecture::Qwen3 | Architecture::Gemma3
+            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
         ) {
             // Drawn last in the layer, so the other architectures' streams are unchanged.
             for name in ["q_norm", "k_norm"] {
@@ -968,6 +1015,64 @@ mod tests {
         .validate()
         .expect_err("llama has no partial rotary here");
         assert!(err.to_string().contains("partial_rotary_factor"), "{err}");
+    }
+
+    #[test]
+    fn moe_layers_store_a_router_and_per_expert_weights_under_real_checkpoint_names() {
+        let moe = MoeSpec {
+            experts: 4,
+            top_k: 2,
+            expert_ffn: Some(24),
+            norm_topk_prob: false,
+            decoder_sparse_step: 2,
+            mlp_only_layers: vec![],
+            router_std: 0.5,
+        };
+        let qwen = ModelSpec {
+            architecture: Architecture::Qwen3Moe,
+            moe: Some(moe.clone()),
+            ..small(1)
+        };
+        let t = tensors(write(&qwen).path());
+        // Layer 0 is dense (step 2), layer 1 sparse.
+        assert_eq!(t["model.layers.0.mlp.gate_proj.weight"].dims(), &[128, 64]);
+        assert_eq!(t["model.layers.1.mlp.gate.weight"].dims(), &[4, 64]);
+        assert_eq!(
+            t["model.layers.1.mlp.experts.3.down_proj.weight"].dims(),
+            &[64, 24]
+        );
+        assert!(t.contains_key("model.layers.1.self_attn.q_norm.weight"));
+        let cfg = config_json(&qwen);
+        assert_eq!(
+            (
+                cfg["num_experts"].clone(),
+                cfg["moe_intermediate_size"].clone()
+            ),
+            (json!(4), json!(24))
+        );
+        let mixtral = ModelSpec {
+            architecture: Architecture::Mixtral,
+            moe: Some(MoeSpec {
+                expert_ffn: None,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                ..moe
+            }),
+            ..small(1)
+        };
+        let t = tensors(write(&mixtral).path());
+        assert_eq!(
+            t["model.layers.0.block_sparse_moe.experts.2.w3.weight"].dims(),
+            &[128, 64]
+        );
+        assert_eq!(config_json(&mixtral)["num_local_experts"], 4);
+        let err = ModelSpec {
+            architecture: Architecture::Mixtral,
+            ..small(1)
+        }
+        .validate()
+        .expect_err("no experts");
+        assert!(err.to_string().contains("give moe"), "{err}");
     }
 
     #[test]
