@@ -2,7 +2,10 @@
 //! model: head_dim override, llama3 and linear rope scaling, Qwen2's biases with an untied
 //! lm_head, Mistral, transformers 5 `rope_parameters`, one KV head shared by 8 query heads,
 //! Qwen3's per-head q/k norms, Mistral with a 7-token sliding window, Gemma 2 (soft-capping,
-//! alternating windows) and Gemma 3 (q/k norms, local rope base, windowed layer pattern). Each
+//! alternating windows), Gemma 3 (q/k norms, local rope base, windowed layer pattern), Phi-3
+//! (fused projections, a 9-token window) and Phi-4-mini (fused, partial rotary, LongRoPE, tied:
+//! `phi4_mini` within its original context, `phi4_mini_long` past it, where the references
+//! are transformers' layers under the engine's per-position factor rule, `model/rope.rs`). Each
 //! runs on the host path (the top-level tests) and on the tensor path (`tensor_path::*`, what
 //! `FISSION_TENSOR_FORWARD=1` selects). The windowed variants' prompts and continuations run
 //! well past their windows, prefilled whole, alone, and in 16-token chunks into 4-token blocks
@@ -51,6 +54,9 @@ struct ArchReference {
     input_ids: Vec<u32>,
     output_ids: Vec<u32>,
     first_position_top5: Vec<TopLogit>,
+    /// `rope_rule` variants: what transformers' own rope gives, where it differs.
+    #[serde(default)]
+    transformers_output_ids: Option<Vec<u32>>,
 }
 
 fn arch_refs() -> ArchRefs {
@@ -237,13 +243,55 @@ variant_tests!(
     mistral_window,
     gemma2,
     gemma3,
+    phi3,
+    phi4_mini,
+    phi4_mini_long,
 );
 
 /// The window is what makes the windowed references: the same Mistral weights with its
 /// `sliding_window` removed from config.json generate other tokens.
 #[test]
 fn without_its_window_mistral_window_generates_otherwise() {
-    let v = variant("mistral_window");
+    without_its_window_generates_otherwise("mistral_window");
+}
+
+/// Phi-3's `sliding_window` is applied (transformers applies it): without it, other tokens.
+#[test]
+fn without_its_window_phi3_generates_otherwise() {
+    without_its_window_generates_otherwise("phi3");
+}
+
+/// Past the original context the engine's LongRoPE rule is not transformers' (rope.rs): the
+/// references were made under the engine's rule, transformers' own rope generates otherwise,
+/// and the two agree on every token chosen while the sequence is within the original context.
+#[test]
+fn phi4_mini_long_follows_transformers_within_the_original_context_only() {
+    let v = variant("phi4_mini_long");
+    let original = v
+        .spec
+        .original_max_position_embeddings
+        .expect("longrope spec");
+    let mut differ = false;
+    for (i, r) in v.references.iter().enumerate() {
+        let own = r
+            .transformers_output_ids
+            .as_ref()
+            .expect("rope_rule references record transformers' own");
+        differ |= own != &r.output_ids;
+        // Token j is chosen from a sequence of input + j tokens.
+        let within = (original + 1).saturating_sub(r.input_ids.len());
+        let n = within.min(own.len());
+        assert_eq!(
+            own[..n],
+            r.output_ids[..n],
+            "prompt {i}: the first {n} tokens are chosen within the original context"
+        );
+    }
+    assert!(differ, "transformers' own rope gives the references");
+}
+
+fn without_its_window_generates_otherwise(name: &str) {
+    let v = variant(name);
     let dir = materialize(&v);
     let path = dir.path().join("config.json");
     let mut cfg: serde_json::Value =
@@ -341,6 +389,7 @@ fn unsupported_architecture_is_named() {
         "Qwen3ForCausalLM",
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
     ] {
         assert!(err.contains(supported), "{err} does not name {supported}");
     }

@@ -77,13 +77,15 @@ BASE = {
     "final_logit_softcapping": None,
     "sliding_window_pattern": None,
     "rope_local_base_freq": None,
+    "partial_rotary_factor": None,
+    "original_max_position_embeddings": None,
     "dtype": "float32",
     "init_std": 0.1,
     "seed": 0,
 }
 
 
-def variant(name, description, long=False, **changes):
+def variant(name, description, long=False, rope_rule=None, **changes):
     spec = dict(BASE)
     for key in changes:
         assert key in spec, f"unknown spec field {key}"
@@ -91,7 +93,15 @@ def variant(name, description, long=False, **changes):
     v = {"name": name, "description": description, "spec": spec}
     if long:
         v["max_new_tokens"] = LONG_NEW_TOKENS
+    if rope_rule:
+        v["rope_rule"] = rope_rule
     return v
+
+
+# LongRoPE factors for rotary_dim 12 (head_dim 16 x 0.75): distinct per frequency, so a factor
+# applied to the wrong frequency, or the wrong set, moves the logits.
+PHI4_SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.5]
+PHI4_LONG = [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]
 
 
 VARIANTS = [
@@ -227,7 +237,73 @@ VARIANTS = [
         init_std=0.25,
         seed=122,
     ),
+    variant(
+        "phi3",
+        "Phi-3: q/k/v fused in self_attn.qkv_proj and gate/up in mlp.gate_up_proj, full "
+        "rotary, no rope scaling, sliding_window 9 on every layer (Phi-3-mini's config has "
+        "2047, and transformers applies it), own lm_head",
+        long=True,
+        architecture="Phi3ForCausalLM",
+        tie_word_embeddings=False,
+        sliding_window=9,
+        init_std=0.25,
+        seed=141,
+    ),
+    variant(
+        "phi4_mini",
+        "Phi-4-mini: fused projections, partial_rotary_factor 0.75 (rope on 12 of 16 dims), "
+        "LongRoPE with short and long factors, original context 128 of max_pos 512 (attention "
+        "factor sqrt(1 + ln 4 / ln 128) on cos and sin), tied embeddings; every sequence stays "
+        "within the original context, where the engine is transformers exactly",
+        architecture="Phi3ForCausalLM",
+        max_pos=512,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=128,
+        rope_scaling={"type": "longrope", "short_factor": PHI4_SHORT, "long_factor": PHI4_LONG},
+        init_std=0.2,
+        seed=142,
+    ),
+    variant(
+        "phi4_mini_long",
+        "phi4_mini's shape with original context 20 of max_pos 256: every prompt and "
+        "continuation goes past it. transformers takes the long factors for a whole sequence "
+        "once it is longer (generate recomputes it); the engine takes them per position "
+        "(p + 1 > 20), so these references are transformers' model with its rotary embedding "
+        "computed by that rule (rope_rule position); transformers_output_ids are its own",
+        long=True,
+        rope_rule="position",
+        architecture="Phi3ForCausalLM",
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=20,
+        rope_scaling={"type": "longrope", "short_factor": PHI4_SHORT, "long_factor": PHI4_LONG},
+        init_std=0.2,
+        seed=143,
+    ),
 ]
+
+
+def use_position_rope_rule(model):
+    """Replaces the model's rotary embedding with the engine's LongRoPE rule: position p takes
+    the long factors when p + 1 > original_max_position_embeddings, the short ones otherwise
+    (transformers takes one set per forward from max(position_ids) + 1). The frequencies and
+    the attention factor are transformers' own."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = model.model.rotary_emb
+    config = rotary.config
+    original = config.rope_parameters["original_max_position_embeddings"]
+    short = rotary.original_inv_freq.clone()
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, seq_len=original + 1)
+    scaling = rotary.attention_scaling
+
+    def forward(x, position_ids):
+        pos = position_ids[..., None].float()
+        is_long = (position_ids[..., None] + 1) > original
+        freqs = torch.where(is_long, pos * long, pos * short)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+    rotary.forward = forward
 
 
 def fingerprint(model_dir):
@@ -317,7 +393,14 @@ def main():
             model = load(model_dir, v["spec"])
             prompts = LONG_PROMPTS if "max_new_tokens" in v else PROMPTS
             new_tokens = v.get("max_new_tokens", MAX_NEW_TOKENS)
+            own = None
+            if v.get("rope_rule") == "position":
+                own = [reference(model, p, new_tokens)["output_ids"] for p in prompts]
+                use_position_rope_rule(model)
             refs = [reference(model, p, new_tokens) for p in prompts]
+            if own is not None:
+                for r, o in zip(refs, own):
+                    r["transformers_output_ids"] = o
             for i, r in enumerate(refs):
                 if r["min_top2_gap"] < MIN_TOP2_GAP:
                     sys.exit(f"{v['name']} prompt {i}: near-tie (top-2 gap {r['min_top2_gap']:.2e}); "
