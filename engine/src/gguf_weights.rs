@@ -187,3 +187,110 @@ fn row_hashes(t: &Tensor) -> Result<Vec<u64>> {
         })
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+
+    /// `rows x k` random weights quantised by candle (ggml's reference quantisers), as the
+    /// file would store them, and the same dequantised by candle.
+    fn quantized(ty: GgmlDType, rows: usize, k: usize) -> (gguf::RawTensor, Tensor) {
+        let w = Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu).expect("w");
+        let q = QTensor::quantize(&w, ty).expect("quantize");
+        let ggml_type = match ty {
+            GgmlDType::Q4_0 => gguf::GgmlType::Q4_0,
+            GgmlDType::Q4K => gguf::GgmlType::Q4K,
+            GgmlDType::Q5K => gguf::GgmlType::Q5K,
+            GgmlDType::Q6K => gguf::GgmlType::Q6K,
+            GgmlDType::Q8_0 => gguf::GgmlType::Q8_0,
+            _ => unreachable!("a type the test uses"),
+        };
+        let raw = gguf::RawTensor {
+            ggml_type,
+            rows,
+            cols: k,
+            data: q.data().expect("data").into_owned(),
+        };
+        (raw, q.dequantize(&Device::Cpu).expect("dequantize"))
+    }
+
+    fn keep(parts: &[(gguf::RawTensor, Tensor)]) {
+        let kept = parts
+            .iter()
+            .map(|(raw, t)| Kept {
+                hashes: row_hashes(t).expect("hashes"),
+                raw: raw.clone(),
+            })
+            .collect();
+        KEPT.with(|k| *k.borrow_mut() = kept);
+    }
+
+    #[test]
+    fn stored_blocks_decode_as_candle_dequantises_them() {
+        for ty in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+            let (rows, k) = (19, 512);
+            let (raw, deq) = quantized(ty, rows, k);
+            keep(&[(raw, deq.clone())]);
+            let Some(StoredBlocks::KQuant(w)) = take_quantized(&deq).expect("take") else {
+                panic!("{ty:?} not kept");
+            };
+            let want = deq.to_vec2::<f32>().expect("v");
+            for (j, row) in want.iter().enumerate() {
+                for (i, &v) in row.iter().enumerate() {
+                    // The panels fold d and the sub-scale (and dmin and the sub-min) into one
+                    // f16 each: 2^-11 of `15 s` plus 2^-11 of `mn`, at most 3 * 2^-11 of the
+                    // block's largest |w| (a 4-bit step is 1/15 of its span).
+                    let block = &row[i / 32 * 32..i / 32 * 32 + 32];
+                    let range = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let got = w.get(i, j);
+                    let tol = 1.5e-3 * range + 1e-6;
+                    assert!((got - v).abs() <= tol, "{ty:?} ({i}, {j}): {got} vs {v}");
+                }
+            }
+        }
+        release_kept();
+    }
+
+    #[test]
+    fn fused_weights_find_their_parts_and_q8_0_goes_to_int8() {
+        let k = 256;
+        let q = quantized(GgmlDType::Q4K, 64, k);
+        let kk = quantized(GgmlDType::Q4K, 16, k);
+        let v = quantized(GgmlDType::Q6K, 16, k);
+        let q8 = quantized(GgmlDType::Q8_0, 32, k);
+        let floats = Tensor::randn(0f32, 1.0, (8, k), &Device::Cpu).expect("f");
+        keep(&[q.clone(), kk.clone(), v.clone(), q8.clone()]);
+        let fused = Tensor::cat(&[&q.1, &kk.1, &v.1], 0).expect("cat");
+        let Some(StoredBlocks::KQuant(w)) = take_quantized(&fused).expect("take") else {
+            panic!("fused q/k/v not found");
+        };
+        use kernels::KQuantType as T;
+        assert_eq!(w.types(), vec![T::Q4K, T::Q4K, T::Q6K]);
+        // The product against the dequantised weights: activations quantised to 8 bits.
+        let x = Tensor::randn(0f32, 1.0, (3, k), &Device::Cpu).expect("x");
+        let want = x
+            .matmul(&fused.t().expect("t"))
+            .expect("mm")
+            .flatten_all()
+            .expect("f")
+            .to_vec1::<f32>()
+            .expect("v");
+        let mut got = vec![0f32; 3 * 96];
+        let xs = x.flatten_all().expect("f").to_vec1::<f32>().expect("v");
+        w.matmul(&xs, 3, &mut got, false).expect("matmul");
+        let err: f32 = got.iter().zip(&want).map(|(a, b)| (a - b).powi(2)).sum();
+        let norm: f32 = want.iter().map(|v| v * v).sum();
+        assert!(err <= 1e-3 * norm, "error {err} of {norm}");
+        assert!(matches!(
+            take_quantized(&q8.1).expect("take"),
+            Some(StoredBlocks::Q8_0)
+        ));
+        // Rows no kept tensor holds, or a Q8_0 part beside k-quants: dequantised.
+        assert!(take_quantized(&floats).expect("take").is_none());
+        let mixed = Tensor::cat(&[&q8.1, &v.1], 0).expect("cat");
+        assert!(take_quantized(&mixed).expect("take").is_none());
+        release_kept();
+        assert!(take_quantized(&q.1).expect("take").is_none());
+    }
+}
