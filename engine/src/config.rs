@@ -8,8 +8,10 @@ use serde::Deserialize;
 use crate::error::{EngineError, Result};
 
 mod arch;
+mod moe;
 
 pub use arch::{Activation, ArchDefaults, ArchSpec, Architecture, NormStyle};
+pub use moe::{MoeConfig, MoeFields, MoeLayout};
 
 /// The subset of a transformers config.json that the Llama family uses.
 #[derive(Debug, Clone, Deserialize)]
@@ -85,6 +87,9 @@ pub struct LlamaConfig {
     /// Absent: the architecture's default; `null`: none (Gemma 2 defaults to 50).
     #[serde(default, deserialize_with = "present")]
     pub attn_logit_softcapping: Option<Option<f64>>,
+    /// Mixtral's and Qwen3-MoE's experts.
+    #[serde(flatten)]
+    pub moe: MoeFields,
     /// As `attn_logit_softcapping` (Gemma 2 defaults to 30).
     #[serde(default, deserialize_with = "present")]
     pub final_logit_softcapping: Option<Option<f64>>,
@@ -206,6 +211,8 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// The dtype the checkpoint was saved in, if it says.
     pub checkpoint_dtype: Option<String>,
+    /// The mixture of experts, when the architecture has one and some layer is sparse.
+    pub moe: Option<MoeConfig>,
 }
 
 impl LlamaConfig {
@@ -257,7 +264,7 @@ impl LlamaConfig {
         let window = match arch {
             // Qwen's configs carry a sliding_window that applies only when use_sliding_window
             // says, and then from max_window_layers on.
-            Architecture::Qwen2 | Architecture::Qwen3 => {
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 if self.use_sliding_window != Some(true) {
                     return Ok(vec![None; n]);
                 }
@@ -395,8 +402,9 @@ impl LlamaConfig {
             defaults.final_logit_softcapping,
         )?;
         let layer_windows = self.layer_windows(architecture, &defaults)?;
+        let arch = ArchSpec::resolve(architecture, self.attention_bias, activation);
         Ok(ModelConfig {
-            arch: ArchSpec::resolve(architecture, self.attention_bias, activation),
+            arch,
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
@@ -418,6 +426,9 @@ impl LlamaConfig {
             bos_token_id: self.bos_token_id.as_ref().and_then(first_id),
             eos_token_ids: self.eos_token_id.as_ref().map(ids).unwrap_or_default(),
             checkpoint_dtype: self.dtype.clone().or_else(|| self.torch_dtype.clone()),
+            moe: self
+                .moe
+                .resolve(arch.moe, self.intermediate_size, self.num_hidden_layers)?,
         })
     }
 }

@@ -17,7 +17,11 @@
 //! and long factors, the attention factor on cos and sin), `sliding_window` on every layer as
 //! transformers applies it, tied or untied embeddings. The per-layer numbers (window, scale,
 //! caps, rope bases, rotary width) are in [`ModelConfig`](crate::config::ModelConfig),
-//! resolved in `config.rs`.
+//! resolved in `config.rs`. Mixtures of experts ([`ArchSpec::moe`]): Mixtral
+//! (softmax over the experts, top-k, renormalised) and Qwen3-MoE (Qwen3's layer; top-k
+//! renormalised only with `norm_topk_prob`; dense layers where `decoder_sparse_step` and
+//! `mlp_only_layers` say), their numbers in [`MoeConfig`](crate::config::MoeConfig) and the
+//! block in `model/moe.rs`.
 //!
 //! LongRoPE differs from transformers past `original_max_position_embeddings` (see
 //! `model/rope.rs`): transformers picks one factor set for a whole forward from its sequence
@@ -34,11 +38,12 @@
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
 //! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope,
-//! Phi-3 GGUF files (llama.cpp's fused `attn_qkv`/`ffn_up`), and mixtures of experts
-//! (Mixtral, Qwen3-MoE). Each has its place here: a variant of [`NormStyle`] or
+//! Phi-3 GGUF files (llama.cpp's fused `attn_qkv`/`ffn_up`) and MoE GGUF files
+//! (llama.cpp's 3-D `ffn_*_exps`). Each has its place here: a variant of [`NormStyle`] or
 //! [`Activation`], or a field of `ArchSpec`, so that matching on it exhaustively in both paths
 //! forces both to handle it.
 
+use super::moe::MoeLayout;
 use crate::error::{EngineError, Result};
 
 /// Which transformers class the checkpoint was written for.
@@ -51,6 +56,10 @@ pub enum Architecture {
     Gemma2,
     Gemma3,
     Phi3,
+    /// Mistral's layer with a mixture of experts for its MLP (`block_sparse_moe`).
+    Mixtral,
+    /// Qwen3's layer (q/k norms) with a mixture of experts in its sparse layers.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -63,6 +72,8 @@ impl Architecture {
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
     ];
 
     /// From config.json's `architectures[0]`, or its `model_type` when that is missing.
@@ -75,6 +86,8 @@ impl Architecture {
             "Gemma2ForCausalLM" | "gemma2" => Ok(Architecture::Gemma2),
             "Gemma3ForCausalLM" | "gemma3_text" => Ok(Architecture::Gemma3),
             "Phi3ForCausalLM" | "phi3" => Ok(Architecture::Phi3),
+            "MixtralForCausalLM" | "mixtral" => Ok(Architecture::Mixtral),
+            "Qwen3MoeForCausalLM" | "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             _ => Err(EngineError::UnsupportedArchitecture {
                 architecture: name.to_string(),
                 supported: Architecture::SUPPORTED,
@@ -91,6 +104,8 @@ impl Architecture {
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
             Architecture::Phi3 => "phi3",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -108,6 +123,7 @@ impl Architecture {
         match self {
             Architecture::Llama | Architecture::Mistral | Architecture::Qwen2 => none,
             Architecture::Qwen3 | Architecture::Phi3 => none,
+            Architecture::Mixtral | Architecture::Qwen3Moe => none,
             // Gemma2Config: layers alternate sliding, full, sliding, ...
             Architecture::Gemma2 => ArchDefaults {
                 query_pre_attn_scalar: Some(256.0),
@@ -204,6 +220,10 @@ pub struct ArchSpec {
     /// `mlp.gate_up_proj` (Phi-3), in the order the engine fuses them (q, k, v; gate, up):
     /// loaded as they are, where the others' separate tensors are concatenated.
     pub fused_checkpoint: bool,
+    /// The MLP is a mixture of experts (in every layer, or in the sparse ones that
+    /// [`MoeConfig`](crate::config::MoeConfig) names), its router and experts stored as this
+    /// layout says; `None`: one dense MLP a layer.
+    pub moe: Option<MoeLayout>,
 }
 
 impl ArchSpec {
@@ -223,6 +243,7 @@ impl ArchSpec {
             sandwich_norms: false,
             embed_scale: false,
             fused_checkpoint: false,
+            moe: None,
         };
         let gemma = ArchSpec {
             norm: NormStyle::OnePlusWeight,
@@ -251,6 +272,15 @@ impl ArchSpec {
             // LongRoPE are numbers of the model (`rotary_dim`, `RopeScaling::LongRope`).
             Architecture::Phi3 => ArchSpec {
                 fused_checkpoint: true,
+                ..llama
+            },
+            Architecture::Mixtral => ArchSpec {
+                moe: Some(MoeLayout::Mixtral),
+                ..llama
+            },
+            Architecture::Qwen3Moe => ArchSpec {
+                qk_norm: true,
+                moe: Some(MoeLayout::Qwen),
                 ..llama
             },
         };

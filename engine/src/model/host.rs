@@ -14,10 +14,10 @@ use kernels::{KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
 use super::llama::{Layer, Llama};
+use super::mlp::{gate_act_rows, Mlp};
 use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
 use super::ops::{self, with_slice, AttnDims, LayerAttn};
-use crate::config::Activation;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
 
@@ -64,7 +64,9 @@ impl Llama {
         let mut gate_up = vec![0f32; t * 2 * f];
         let mut act = vec![0f32; t * f];
         // Sandwich norms need the projections' output apart from the residual.
-        let mut o = vec![0f32; if cfg.arch.sandwich_norms { t * hid } else { 0 }];
+        // So do the experts' sums.
+        let apart = cfg.arch.sandwich_norms || cfg.moe.is_some();
+        let mut o = vec![0f32; if apart { t * hid } else { 0 }];
         let mut out_rows = None;
         let last_layer = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -156,20 +158,30 @@ impl Llama {
             }
         }
         rms_norm_rows(&layer.post_norm, x, n, h)?;
-        timed(Op::GateUp, || {
-            layer.gate_up.forward_host(h, n, gate_up, false)
-        })?;
-        match self.cfg.arch.activation {
-            Activation::Silu => timed(Op::Silu, || silu_mul_rows(gate_up, n, f, act)),
-            Activation::GeluTanh => timed(Op::Silu, || {
-                ops::gate_mul_rows(gate_up, n, f, Activation::GeluTanh, act)
-            }),
-        }
+        let activation = self.cfg.arch.activation;
+        let (gate_up_w, down) = match &layer.mlp {
+            Mlp::Dense { gate_up, down } => (gate_up, down),
+            Mlp::Experts(moe) => {
+                // The experts' sum lands apart from the residual and is added once, as
+                // transformers adds it.
+                let o = &mut o[..n * hid];
+                moe.forward_host(h, n, activation, o)?;
+                if let Some(norm) = &layer.post_ffn_norm {
+                    rms_norm_rows(norm, o, n, h)?;
+                    add_rows(x, h);
+                } else {
+                    add_rows(x, o);
+                }
+                return Ok(());
+            }
+        };
+        timed(Op::GateUp, || gate_up_w.forward_host(h, n, gate_up, false))?;
+        timed(Op::Silu, || gate_act_rows(gate_up, n, f, activation, act));
         match &layer.post_ffn_norm {
-            None => timed(Op::Down, || layer.down.forward_host(act, n, x, true)),
+            None => timed(Op::Down, || down.forward_host(act, n, x, true)),
             Some(norm) => {
                 let o = &mut o[..n * hid];
-                timed(Op::Down, || layer.down.forward_host(act, n, o, false))?;
+                timed(Op::Down, || down.forward_host(act, n, o, false))?;
                 rms_norm_rows(norm, o, n, h)?;
                 add_rows(x, h);
                 Ok(())
@@ -185,8 +197,7 @@ impl Llama {
             && self
                 .layers
                 .iter()
-                .all(|l| l.qkv.is_packed() && l.o_proj.is_packed() && l.gate_up.is_packed())
-            && self.layers.iter().all(|l| l.down.is_packed())
+                .all(|l| l.qkv.is_packed() && l.o_proj.is_packed() && l.mlp.is_packed())
     }
 }
 
@@ -200,15 +211,6 @@ fn rms_norm_rows(norm: &RmsNorm, x: &[f32], t: usize, out: &mut [f32]) -> Result
     };
     timed(Op::Norm, || ops::for_rows(out, t, n, PARALLEL_ROWS, &body));
     Ok(())
-}
-
-/// `out = silu(gate) * up`, row by row; each row of `gate_up` holds its gate, then its up.
-fn silu_mul_rows(gate_up: &[f32], t: usize, f: usize, out: &mut [f32]) {
-    let body = |row: usize, o: &mut [f32]| {
-        let (g, u) = gate_up[row * 2 * f..(row + 1) * 2 * f].split_at(f);
-        kernels::silu_mul(g, u, o);
-    };
-    ops::for_rows(out, t, f, 8, &body);
 }
 
 /// `x += y`, element by element.

@@ -1,4 +1,5 @@
-//! The Llama family forward pass (Llama, Mistral, Qwen2, Qwen3), over a paged KV cache: the
+//! The Llama family forward pass (every [`Architecture`](crate::config::Architecture)), over a
+//! paged KV cache: the
 //! tensor path, and the weights both paths share. What differs between architectures is read
 //! from the config's [`ArchSpec`](crate::config::ArchSpec), never from its name.
 //!
@@ -10,6 +11,7 @@ use candle_nn::VarBuilder;
 
 use super::batch::ForwardBatch;
 use super::linear::Linear;
+use super::mlp::Mlp;
 use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
 use super::ops::{self, AttnDims, LayerAttn};
@@ -33,8 +35,8 @@ pub(super) struct Layer {
     /// The norm before the MLP: Llama's `post_attention_layernorm`, Gemma's
     /// `pre_feedforward_layernorm`.
     pub(super) post_norm: RmsNorm,
-    pub(super) gate_up: Linear,
-    pub(super) down: Linear,
+    /// The feed-forward: one MLP, or a mixture of experts.
+    pub(super) mlp: Mlp,
     /// The norm on the MLP's output (Gemma's `post_feedforward_layernorm`).
     pub(super) post_ffn_norm: Option<RmsNorm>,
     /// The layer's attention scale, sliding window and soft-cap.
@@ -52,10 +54,8 @@ impl Layer {
             cfg.hidden_size,
         );
         let att = vb.pp("self_attn");
-        let mlp = vb.pp("mlp");
-        let f = cfg.intermediate_size;
-        let (weight, bias, gate_up) = if cfg.arch.fused_checkpoint {
-            // Phi-3: q, k, v and gate, up already fused, in the engine's order.
+        let (weight, bias) = if cfg.arch.fused_checkpoint {
+            // Phi-3: q, k, v already fused, in the engine's order.
             let qkv = att.pp("qkv_proj");
             let rows = (h + 2 * hkv) * d;
             (
@@ -65,10 +65,9 @@ impl Layer {
                 } else {
                     None
                 },
-                mlp.pp("gate_up_proj").get((2 * f, hid), "weight")?,
             )
         } else {
-            Self::fuse(&att, &mlp, cfg)?
+            Self::fuse(&att, cfg)?
         };
         let norm = |name: &str| RmsNorm::load(vb.pp(name), hid, cfg);
         let (post_attn_norm, post_norm, post_ffn_norm) = if cfg.arch.sandwich_norms {
@@ -92,8 +91,7 @@ impl Layer {
             )?,
             post_attn_norm,
             post_norm,
-            gate_up: Linear::quantized(gate_up, None, quantize)?,
-            down: Linear::quantized(mlp.pp("down_proj").get((hid, f), "weight")?, None, quantize)?,
+            mlp: Mlp::load(&vb, cfg, quantize, index)?,
             post_ffn_norm,
             attn: kernels::AttnOptions {
                 scale: cfg.attn_scale,
@@ -104,19 +102,14 @@ impl Layer {
         })
     }
 
-    /// Separate q/k/v and gate/up tensors (and q/k/v biases) concatenated: the fused weights
-    /// the layer runs.
-    fn fuse(
-        att: &VarBuilder,
-        mlp: &VarBuilder,
-        cfg: &ModelConfig,
-    ) -> Result<(Tensor, Option<Tensor>, Tensor)> {
-        let (h, hkv, d, hid, f) = (
+    /// Separate q/k/v tensors (and q/k/v biases) concatenated: the fused weights the layer
+    /// runs.
+    fn fuse(att: &VarBuilder, cfg: &ModelConfig) -> Result<(Tensor, Option<Tensor>)> {
+        let (h, hkv, d, hid) = (
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.hidden_size,
-            cfg.intermediate_size,
         );
         let q = att.pp("q_proj");
         let k = att.pp("k_proj");
@@ -141,14 +134,7 @@ impl Layer {
         } else {
             None
         };
-        let gate_up = Tensor::cat(
-            &[
-                mlp.pp("gate_proj").get((f, hid), "weight")?,
-                mlp.pp("up_proj").get((f, hid), "weight")?,
-            ],
-            0,
-        )?;
-        Ok((weight, bias, gate_up))
+        Ok((weight, bias))
     }
 }
 
@@ -284,8 +270,7 @@ impl Llama {
             }
             x = (x + o)?;
             let h = layer.post_norm.forward(&x)?;
-            let act = ops::gate_mul(&layer.gate_up.forward(&h)?, self.cfg.arch.activation)?;
-            let mut d = layer.down.forward(&act)?;
+            let mut d = layer.mlp.forward(&h, self.cfg.arch.activation)?;
             if let Some(norm) = &layer.post_ffn_norm {
                 d = norm.forward(&d)?;
             }

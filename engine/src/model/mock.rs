@@ -80,6 +80,7 @@ impl MockModel {
             bos_token_id: tokenizer_cfg.bos_token_id,
             eos_token_ids: tokenizer_cfg.eos_token_ids.clone(),
             checkpoint_dtype: None,
+            moe: None,
         };
         let vocab = cfg.vocab_size as u32;
         let mut produced: Vec<u32> = produced
@@ -249,6 +250,7 @@ mod tests {
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
             checkpoint_dtype: None,
+            moe: None,
         }
     }
 
