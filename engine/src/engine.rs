@@ -12,6 +12,7 @@ use crate::error::{EngineError, Result};
 use crate::ids::SeqId;
 use crate::kv::allocator::BlockAllocator;
 use crate::kv::cache::KvCache;
+use crate::kv::groups::KvGroups;
 use crate::model::{ForwardBatch, LoadedModel};
 use crate::sampling::{SampledToken, SamplingParams};
 use crate::scheduler::{Batch, NewSequence, Scheduler, SchedulerConfig};
@@ -205,7 +206,20 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// An engine whose sliding-window layers hold only their window's blocks
+    /// ([`crate::kv::groups`]): each window's layers get their own pool, sized for
+    /// `max_num_seqs` windows, and the bytes that saves go to the full-attention layers.
     pub fn new(model: LoadedModel, cfg: EngineConfig) -> Result<Self> {
+        Self::build(model, cfg, true)
+    }
+
+    /// An engine in which every layer keeps every block of a sequence, as a node that pushes
+    /// or imports KV needs: the push and the reservations know one block table a sequence.
+    pub fn with_full_kv(model: LoadedModel, cfg: EngineConfig) -> Result<Self> {
+        Self::build(model, cfg, false)
+    }
+
+    fn build(model: LoadedModel, cfg: EngineConfig, per_window: bool) -> Result<Self> {
         let mc = model.config().clone();
         let dtype = match cfg.kv_cache_dtype {
             Some(d) => d,
@@ -232,13 +246,41 @@ impl Engine {
                 reason: format!("must be in 1..={}", e.max),
                 given: e.value.to_string(),
             })?;
-        let num_blocks = match cfg.num_kv_blocks {
-            Some(n) => n,
-            None => {
-                let bytes = (available_memory_bytes() as f64 * cfg.kv_memory_fraction) as usize;
-                KvCache::blocks_for_bytes(bytes, &layout)
-            }
+        let groups = if mc.layer_windows.len() == mc.num_layers {
+            KvGroups::new(&mc.layer_windows, per_window)
+        } else {
+            KvGroups::single(mc.num_layers)
         };
+        let budget = cfg
+            .num_kv_blocks
+            .is_none()
+            .then(|| (available_memory_bytes() as f64 * cfg.kv_memory_fraction) as usize);
+        let mut num_blocks = match (cfg.num_kv_blocks, budget) {
+            (Some(n), _) => n,
+            (None, bytes) => KvCache::blocks_for_bytes(bytes.unwrap_or(0), &layout),
+        };
+        let chunk = cfg
+            .max_prefill_chunk_tokens
+            .min(cfg.max_batch_prefill_tokens);
+        let window_pools: Vec<usize> = groups
+            .windows()
+            .iter()
+            .map(|&w| {
+                KvGroups::window_pool_blocks(w, chunk, cfg.block_size, cfg.max_num_seqs, num_blocks)
+            })
+            .collect();
+        let full_layers = groups.num_layers_in(0);
+        if let (Some(bytes), true) = (budget, full_layers > 0) {
+            // The bytes the window pools leave go to the full-attention layers.
+            let layer_block = 2 * layout.block_bytes() as usize;
+            let window_bytes: usize = window_pools
+                .iter()
+                .enumerate()
+                .map(|(g, &n)| n * groups.num_layers_in(g + 1) * layer_block)
+                .sum();
+            num_blocks =
+                num_blocks.max(bytes.saturating_sub(window_bytes) / (full_layers * layer_block));
+        }
         let max_seq_blocks = mc.max_context.div_ceil(cfg.block_size);
         if num_blocks < max_seq_blocks.min(2) {
             return Err(EngineError::InvalidParameter {
@@ -247,7 +289,10 @@ impl Engine {
                 given: num_blocks.to_string(),
             });
         }
-        let mut cache = KvCache::new(layout, num_blocks);
+        let pool_blocks: Vec<usize> = std::iter::once(num_blocks)
+            .chain(window_pools.iter().copied())
+            .collect();
+        let mut cache = KvCache::with_groups(layout, groups.clone(), &pool_blocks);
         if cfg.prefault_kv {
             cache.prefault();
         }
@@ -260,11 +305,19 @@ impl Engine {
             max_prefill_chunk_tokens: cfg.max_prefill_chunk_tokens,
             enable_prefix_caching: cfg.enable_prefix_caching,
         };
+        let window_allocators = groups
+            .windows()
+            .iter()
+            .zip(&window_pools)
+            .map(|(&w, &n)| (w, BlockAllocator::new(n, cfg.block_size)))
+            .collect();
         let mut scheduler =
-            Scheduler::try_new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size))?;
+            Scheduler::try_new(sched_cfg, BlockAllocator::new(num_blocks, cfg.block_size))?
+                .with_window_groups(window_allocators);
         scheduler.set_reserve_output(cfg.reserve_output);
         tracing::info!(
             num_blocks,
+            ?window_pools,
             block_size = cfg.block_size,
             kv_bytes = cache.kv_bytes(),
             "kv cache allocated"
@@ -452,6 +505,22 @@ impl Engine {
         }
     }
 
+    /// Blocks held and in each layer group's pool, the full-attention group first.
+    pub fn kv_usage(&self) -> Vec<crate::scheduler::GroupUsage> {
+        self.scheduler.group_usage()
+    }
+
+    /// Bytes of KV the sequences hold now, over every layer (blocks in use, K and V).
+    pub fn kv_bytes_in_use(&self) -> usize {
+        let layer_block = 2 * self.cache.layout().block_bytes() as usize;
+        let groups = self.cache.groups();
+        self.kv_usage()
+            .iter()
+            .enumerate()
+            .map(|(g, u)| u.num_blocks_used * groups.num_layers_in(g) * layer_block)
+            .sum()
+    }
+
     /// Runs one forward step over the scheduled batch and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
         self.step_with_layer_hook(&mut |_| Ok(()))
@@ -578,6 +647,7 @@ impl Engine {
                 .map(|s| s.prompt_ids.as_slice());
             prompt_logprobs::push_item(&mut fb, &mut uses, index, item, self.block_size, prompt);
         }
+        fb.share_logits_rows();
         (fb, uses)
     }
 

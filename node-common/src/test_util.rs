@@ -84,7 +84,7 @@ pub fn stories_engine(dir: &std::path::Path) -> Engine {
         "8",
     ]);
     let model = args.engine.load_model().expect("stories260K loads");
-    Engine::new(model, args.engine.engine_config()).expect("engine starts")
+    Engine::with_full_kv(model, args.engine.engine_config()).expect("engine starts")
 }
 
 /// A recorder with the buckets every component uses, for `metrics::with_local_recorder`, and

@@ -35,6 +35,7 @@ impl Engine {
     /// Decode node: validates `req` and sets aside blocks for its prompt's KV. `OutOfBlocks`
     /// means busy: the reservation pool or the free blocks are exhausted.
     pub fn reserve(&mut self, req: Request) -> Result<Vec<BlockId>> {
+        self.check_one_kv_group()?;
         self.validate(&req)?;
         if let Some(spec) = &req.grammar {
             // Fail now rather than when the KV has arrived; the constraint is built again then.
@@ -171,6 +172,7 @@ impl Engine {
     /// Prefill node: queues `req` to compute its prompt and sample one token. The sequence
     /// leaves the engine after that token (its blocks stay in the prefix cache).
     pub fn add_prefill_request(&mut self, req: Request) -> Result<()> {
+        self.check_one_kv_group()?;
         self.validate(&req)?;
         let new_seq = NewSequence {
             seq_id: req.seq_id,
@@ -197,6 +199,22 @@ impl Engine {
 }
 
 impl Engine {
+    /// The push and the import carry one block table a sequence: an engine whose sliding
+    /// layers free their blocks ([`Engine::new`]) cannot take part; [`Engine::with_full_kv`]
+    /// builds one that can.
+    fn check_one_kv_group(&self) -> Result<()> {
+        let groups = self.cache.groups().num_groups();
+        if groups > 1 {
+            return Err(EngineError::InvalidConfig {
+                reason: format!(
+                    "this engine keeps {groups} KV layer groups (sliding windows free their \
+                     blocks); a node that pushes or imports KV is built with Engine::with_full_kv"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Whether `seq_id` holds a reservation that has not been activated or released.
     pub fn is_reserved(&self, seq_id: SeqId) -> bool {
         self.reserved.contains_key(&seq_id)

@@ -38,6 +38,16 @@ pub(super) fn push_item(
     let q_start = fb.num_tokens() as u32;
     let table: Vec<u32> = item.block_table.iter().map(|b| b.0).collect();
     fb.push_seq(&item.token_ids, item.start_pos, table, block_size, false);
+    for (group, table) in item.window_tables.iter().enumerate() {
+        if fb.windows.len() <= group {
+            fb.windows.push(ForwardBatch::default());
+        }
+        let table = table
+            .iter()
+            .map(|&b| crate::kv::groups::kernel_block(b))
+            .collect();
+        fb.windows[group].push_seq(&item.token_ids, item.start_pos, table, block_size, false);
+    }
     if let Some(prompt) = prompt {
         for i in 0..item.token_ids.len() {
             let position = item.start_pos + i;
@@ -79,6 +89,7 @@ mod tests {
             token_ids,
             start_pos,
             block_table: vec![BlockId(0), BlockId(1)],
+            window_tables: vec![],
             sample,
             is_prefill: true,
         }

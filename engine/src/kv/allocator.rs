@@ -236,6 +236,12 @@ impl BlockAllocator {
         ids
     }
 
+    /// Counts `n` queried blocks that were not taken (a hit cut short by the caller) in
+    /// [`prefix_stats`](Self::prefix_stats).
+    pub fn count_prefix_misses(&mut self, n: usize) {
+        self.prefix_queried_blocks += n as u64;
+    }
+
     /// How many leading `hashes` are held by some block, used or cached.
     pub fn count_cached_prefix(&self, hashes: &[u64]) -> usize {
         hashes

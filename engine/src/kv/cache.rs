@@ -13,6 +13,7 @@ use kv_types::KvLayout;
 
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
+use crate::kv::groups::KvGroups;
 
 /// One layer's K or V storage, in the cache dtype.
 #[derive(Debug)]
@@ -90,24 +91,53 @@ pub struct KvCache {
     /// One layer's K (or V) storage, as the kernels index it.
     shape: CacheShape,
     layers: Vec<LayerKv>,
+    /// Which layers share a block table ([`crate::kv::groups`]), and each layer's storage:
+    /// a sliding-window group's pool is smaller than `shape`'s.
+    groups: KvGroups,
+    layer_shapes: Vec<CacheShape>,
 }
 
 impl KvCache {
     pub fn new(layout: KvLayout, num_blocks: usize) -> Self {
-        let shape = CacheShape::new(&layout, num_blocks);
-        let n = shape.layer_elems();
-        let scales = shape.num_slots() * shape.num_kv_heads;
-        let layers = (0..layout.num_layers)
-            .map(|_| LayerKv {
-                k: KvBuf::zeros(layout.dtype, n, scales),
-                v: KvBuf::zeros(layout.dtype, n, scales),
+        let groups = KvGroups::single(layout.num_layers as usize);
+        Self::with_groups(layout, groups, &[num_blocks])
+    }
+
+    /// A cache whose layers of group `g` hold `pool_blocks[g]` blocks; group 0's count is
+    /// [`shape`](Self::shape)'s.
+    pub fn with_groups(layout: KvLayout, groups: KvGroups, pool_blocks: &[usize]) -> Self {
+        assert_eq!(pool_blocks.len(), groups.num_groups(), "one pool per group");
+        let shape = CacheShape::new(&layout, pool_blocks[0]);
+        let layer_shapes: Vec<CacheShape> = (0..layout.num_layers as usize)
+            .map(|l| CacheShape::new(&layout, pool_blocks[groups.group_of(l)]))
+            .collect();
+        let layers = layer_shapes
+            .iter()
+            .map(|s| {
+                let (n, scales) = (s.layer_elems(), s.num_slots() * s.num_kv_heads);
+                LayerKv {
+                    k: KvBuf::zeros(layout.dtype, n, scales),
+                    v: KvBuf::zeros(layout.dtype, n, scales),
+                }
             })
             .collect();
         KvCache {
             layout,
             shape,
             layers,
+            groups,
+            layer_shapes,
         }
+    }
+
+    /// The storage shape of `layer`: its group's pool.
+    pub fn layer_shape(&self, layer: usize) -> &CacheShape {
+        &self.layer_shapes[layer]
+    }
+
+    /// Which layers share a block table.
+    pub fn groups(&self) -> &KvGroups {
+        &self.groups
     }
 
     /// Maps in every page of the storage now, by writing the zero each page already holds.
@@ -137,7 +167,7 @@ impl KvCache {
         self.layout
     }
 
-    /// One layer's storage shape.
+    /// The full-attention group's storage shape (every layer's, without window groups).
     pub fn shape(&self) -> &CacheShape {
         &self.shape
     }
@@ -152,7 +182,11 @@ impl KvCache {
 
     /// Total bytes held by the cache, scales included.
     pub fn kv_bytes(&self) -> usize {
-        self.layers.len() * self.shape.num_blocks * 2 * self.layout.block_bytes() as usize
+        let layer_block = 2 * self.layout.block_bytes() as usize;
+        self.layer_shapes
+            .iter()
+            .map(|s| s.num_blocks * layer_block)
+            .sum()
     }
 
     pub fn layer_mut(&mut self, layer: usize) -> LayerKvMut<'_> {
@@ -209,7 +243,7 @@ impl KvCache {
                 given: dst.len().to_string(),
             });
         }
-        let shape = self.shape;
+        let shape = self.layer_shapes[layer];
         match self.layer_mut(layer) {
             LayerKvMut::F32(k, v) => gather::<f32>(&shape, k, v, &ids, dst),
             LayerKvMut::Bf16(k, v) => gather::<bf16>(&shape, k, v, &ids, dst),
@@ -236,7 +270,7 @@ impl KvCache {
                 given: src.len().to_string(),
             });
         }
-        let shape = self.shape;
+        let shape = self.layer_shapes[layer];
         match self.layer_mut(layer) {
             LayerKvMut::F32(k, v) => scatter::<f32>(&shape, k, v, &ids, src),
             LayerKvMut::Bf16(k, v) => scatter::<bf16>(&shape, k, v, &ids, src),

@@ -2,4 +2,5 @@
 
 pub mod allocator;
 pub mod cache;
+pub mod groups;
 pub mod prefix;

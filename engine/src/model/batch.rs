@@ -23,11 +23,32 @@ pub struct ForwardBatch {
     pub seqs: Vec<SeqSlice>,
     /// Token rows whose logits are needed (the last row of each chunk that samples).
     pub logits_rows: Vec<u32>,
+    /// The same step as each sliding-window layer group sees it (group 1 first): the same
+    /// tokens, rows and positions, with that group's block tables and slots
+    /// ([`crate::kv::groups`]). Empty when every layer is in group 0.
+    pub windows: Vec<ForwardBatch>,
 }
 
 impl ForwardBatch {
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
+    }
+
+    /// The step as the layers of KV group `group` see it. A batch built without group views
+    /// gives every layer group 0's tables (each pool must then hold those blocks; the
+    /// kernels refuse an id past a pool).
+    pub fn for_group(&self, group: usize) -> &ForwardBatch {
+        match group {
+            0 => self,
+            g => self.windows.get(g - 1).unwrap_or(self),
+        }
+    }
+
+    /// Gives every group's view the logits rows of the step, once they are all pushed.
+    pub fn share_logits_rows(&mut self) {
+        for view in &mut self.windows {
+            view.logits_rows.clone_from(&self.logits_rows);
+        }
     }
 
     /// Appends one sequence's chunk: tokens at positions `start_pos..`, written into the slots

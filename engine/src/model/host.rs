@@ -57,7 +57,6 @@ impl Llama {
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
         };
-        let layout = *cache.shape();
         let f = cfg.intermediate_size;
         let mut h = vec![0f32; t * hid];
         let mut qkv = vec![0f32; t * (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim];
@@ -70,6 +69,11 @@ impl Llama {
         let mut out_rows = None;
         let last_layer = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
+            // A sliding-window layer reads its own group's blocks (`kv::groups`).
+            let (batch, layout) = (
+                batch.for_group(cache.groups().group_of(i)),
+                *cache.layer_shape(i),
+            );
             rms_norm_rows(&layer.input_norm, &x, t, &mut h)?;
             timed(Op::Qkv, || layer.qkv.forward_host(&h, t, &mut qkv, false))?;
             if let Some(norm) = &layer.qk_norm {

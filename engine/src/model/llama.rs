@@ -249,8 +249,12 @@ impl Llama {
             num_kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
         };
-        let layout = *cache.shape();
         for (i, layer) in self.layers.iter().enumerate() {
+            // A sliding-window layer reads its own group's blocks (`kv::groups`).
+            let (batch, layout) = (
+                batch.for_group(cache.groups().group_of(i)),
+                *cache.layer_shape(i),
+            );
             let h = layer.input_norm.forward(&x)?;
             let mut qkv = layer.qkv.forward(&h)?;
             if let Some(norm) = &layer.qk_norm {

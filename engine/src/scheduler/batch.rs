@@ -25,6 +25,9 @@ pub struct BatchItem {
     pub context_len: usize,
     /// Covers `context_len` tokens.
     pub block_table: Vec<BlockId>,
+    /// The sliding-window groups' tables, each as long as `block_table`, with
+    /// [`NO_BLOCK`](crate::kv::groups::NO_BLOCK) before the window of `start_pos`.
+    pub window_tables: Vec<Vec<BlockId>>,
     /// The chunk ends at the last known token, so the engine samples a new token for it.
     pub sample: bool,
     /// Counts against `max_batch_prefill_tokens`: more than one token, or still inside the
@@ -164,6 +167,7 @@ mod tests {
             start_pos: 2,
             context_len: 5,
             block_table: vec![],
+            window_tables: vec![],
             sample: false,
             is_prefill: true,
         };

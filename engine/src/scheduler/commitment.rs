@@ -20,31 +20,64 @@ impl Scheduler {
             .sum()
     }
 
-    /// What admission must leave room for before it takes a waiting sequence: the running
-    /// sequences at their longest, plus the blocks held by no sequence of this scheduler (a
-    /// decode node's reservations, whose own growth its admission counts). `None` while
-    /// nothing runs: an idle scheduler admits whatever fits now, so a sequence never waits on
-    /// blocks nobody here will free.
-    pub(super) fn running_commitment(&self) -> Option<usize> {
+    /// What admission must leave room for before it takes a waiting sequence, per layer group
+    /// (the full-attention group first): the running sequences at their longest, plus the
+    /// blocks held by no sequence of this scheduler (a decode node's reservations, whose own
+    /// growth its admission counts). `None` while nothing runs: an idle scheduler admits
+    /// whatever fits now, so a sequence never waits on blocks nobody here will free.
+    pub(super) fn running_commitment(&self) -> Option<Vec<usize>> {
         if !self.reserve_output || self.running.is_empty() {
             return None;
         }
-        let block_size = self.allocator.block_size();
         let mut held = HashSet::new();
-        let mut committed = 0;
+        let mut committed = vec![0; 1 + self.windows.len()];
+        let mut window_held = vec![0; self.windows.len()];
         for seq in self.running.values().map(|id| &self.seqs[id]) {
-            committed += at_longest(seq, block_size);
+            for (c, n) in committed.iter_mut().zip(self.at_longest_per_group(seq)) {
+                *c += n;
+            }
             held.extend(seq.block_table.iter().copied());
+            for (h, n) in window_held.iter_mut().zip(Self::live_window_blocks(seq)) {
+                *h += n;
+            }
         }
-        Some(committed + self.allocator.num_used().saturating_sub(held.len()))
+        committed[0] += self.allocator.num_used().saturating_sub(held.len());
+        for ((c, pool), h) in committed[1..]
+            .iter_mut()
+            .zip(&self.windows)
+            .zip(window_held)
+        {
+            *c += pool.allocator.num_used().saturating_sub(h);
+        }
+        Some(committed)
     }
 
-    /// `seq` fits at its longest beside `committed` blocks (see
+    /// `seq` fits at its longest beside `committed` blocks of each group (see
     /// [`running_commitment`](Self::running_commitment)); always when that is `None`.
-    pub(super) fn fits_at_longest(&self, seq: &Sequence, committed: Option<usize>) -> bool {
-        committed.is_none_or(|committed| {
-            committed + at_longest(seq, self.allocator.block_size()) <= self.allocator.num_total()
-        })
+    pub(super) fn fits_at_longest(&self, seq: &Sequence, committed: Option<&[usize]>) -> bool {
+        let Some(committed) = committed else {
+            return true;
+        };
+        let totals = std::iter::once(self.allocator.num_total())
+            .chain(self.windows.iter().map(|p| p.allocator.num_total()));
+        self.at_longest_per_group(seq)
+            .into_iter()
+            .zip(committed)
+            .zip(totals)
+            .all(|((need, c), total)| c + need <= total)
+    }
+
+    /// [`at_longest`] in every layer group: a sliding group's table never holds more than
+    /// its window's blocks ([`Scheduler::window_cap`]).
+    pub(super) fn at_longest_per_group(&self, seq: &Sequence) -> Vec<usize> {
+        let full = at_longest(seq, self.allocator.block_size());
+        let live: Vec<usize> = Self::live_window_blocks(seq).collect();
+        std::iter::once(full)
+            .chain(self.windows.iter().enumerate().map(|(g, p)| {
+                let now = live.get(g).copied().unwrap_or(0);
+                full.min(self.window_cap(p.window)).max(now)
+            }))
+            .collect()
     }
 }
 

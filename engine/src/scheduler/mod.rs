@@ -27,24 +27,33 @@ mod reserve_output_tests;
 mod sequence;
 #[cfg(test)]
 mod tests;
+mod windows;
+#[cfg(test)]
+mod windows_tests;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 pub use batch::{Batch, BatchItem};
 pub use config::{SchedulerConfig, SchedulerStats};
 pub use sequence::{NewSequence, Sequence, SequenceStatus};
+pub use windows::GroupUsage;
 
 use batch::Budget;
 
 use crate::error::{EngineError, Result};
 use crate::ids::SeqId;
 use crate::kv::allocator::BlockAllocator;
+use windows::WindowPool;
 
-/// Plans forward steps over the sequences it tracks; owns the block allocator.
+/// Plans forward steps over the sequences it tracks; owns the block allocators: the
+/// full-attention group's, and one per sliding-window group ([`crate::kv::groups`]).
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
     allocator: BlockAllocator,
+    /// The sliding-window groups' pools, group 1 first; empty when every layer keeps every
+    /// block.
+    windows: Vec<WindowPool>,
     seqs: HashMap<SeqId, Sequence>,
     /// Admission order; preempted sequences go to the front.
     waiting: VecDeque<SeqId>,
@@ -73,6 +82,7 @@ impl Scheduler {
         Self {
             cfg,
             allocator,
+            windows: Vec::new(),
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: BTreeMap::new(),
@@ -212,6 +222,7 @@ impl Scheduler {
                     }
                 }
             }
+            let mut registered = 0..0;
             if self.cfg.enable_prefix_caching {
                 seq.update_block_hashes(block_size);
                 let num_full = seq.num_computed_tokens / block_size;
@@ -219,8 +230,10 @@ impl Scheduler {
                     self.allocator
                         .register_hash(seq.block_table[index], seq.block_hashes[index]);
                 }
+                registered = seq.num_registered_blocks..num_full.max(seq.num_registered_blocks);
                 seq.num_registered_blocks = seq.num_registered_blocks.max(num_full);
             }
+            Self::settle_windows(&mut self.windows, seq, registered, block_size);
         }
     }
 
@@ -236,6 +249,8 @@ impl Scheduler {
             }
             SequenceStatus::Waiting => self.waiting.retain(|&id| id != seq_id),
         }
+        let mut seq = seq;
+        Self::free_windows(&mut self.windows, &mut seq);
         for block_id in seq.block_table {
             self.allocator
                 .free(block_id)
@@ -301,7 +316,6 @@ impl Scheduler {
     /// Admits waiting sequences in order until one does not fit (with
     /// [`Scheduler::set_reserve_output`], at its longest beside the running ones).
     fn admit_waiting(&mut self, batch: &mut Batch, budget: &mut Budget) {
-        let block_size = self.allocator.block_size();
         let mut committed = self.running_commitment();
         let mut index = 0;
         while index < self.waiting.len() {
@@ -312,14 +326,20 @@ impl Scheduler {
                 index += 1;
                 continue;
             }
-            if !self.fits_at_longest(seq, committed) {
+            if !self.fits_at_longest(seq, committed.as_deref()) {
                 break;
             }
             let Some(item) = self.try_admit(seq_id, budget) else {
                 break;
             };
             committed = match committed {
-                Some(c) => Some(c + commitment::at_longest(&self.seqs[&seq_id], block_size)),
+                Some(mut c) => {
+                    let added = self.at_longest_per_group(&self.seqs[&seq_id]);
+                    for (c, n) in c.iter_mut().zip(added) {
+                        *c += n;
+                    }
+                    Some(c)
+                }
                 // It was idle; now it runs this one.
                 None => self.running_commitment(),
             };
@@ -342,35 +362,48 @@ impl Scheduler {
         } else {
             0
         };
-        let reusable = &seq.block_hashes[..num_reusable];
-        let mut num_hits = 0;
-        let mut num_revived = 0;
-        for &hash in reusable {
-            let Some(block_id) = self.allocator.lookup(hash) else {
-                break;
-            };
-            num_hits += 1;
-            num_revived += usize::from(self.allocator.ref_count(block_id) == 0);
-        }
+        let num_prompt = seq.prompt_ids.len();
+        let mut reusable = seq.block_hashes[..num_reusable].to_vec();
+        let num_hits = self.allocator.count_cached_prefix(&reusable);
+        // The window groups must hold what the first computed token's windows read.
+        let (num_hits, window_revived) = self.window_hits(&reusable, num_hits);
+        reusable.truncate(num_hits);
+        let num_revived = reusable
+            .iter()
+            .filter(|&&hash| {
+                self.allocator
+                    .lookup(hash)
+                    .is_some_and(|id| self.allocator.ref_count(id) == 0)
+            })
+            .count();
 
         let start_pos = num_hits * block_size;
-        let n = budget.chunk_len(start_pos, num_tokens, seq.prompt_ids.len());
+        let n = budget.chunk_len(start_pos, num_tokens, num_prompt);
         if n == 0 {
             return None;
         }
-        let num_new_blocks = (start_pos + n).div_ceil(block_size) - num_hits;
+        let num_blocks = (start_pos + n).div_ceil(block_size);
+        let num_new_blocks = num_blocks - num_hits;
         // Reviving cached blocks takes them out of the free count too.
         if num_new_blocks + num_revived > self.allocator.num_free() {
             return None;
         }
-        let mut block_table = self.allocator.acquire_cached_prefix(reusable);
+        let window_needs: Vec<usize> = window_revived.iter().map(|r| r + num_new_blocks).collect();
+        if !self.windows_have(&window_needs) {
+            return None;
+        }
+        let window_tables = self.admit_windows(&reusable, num_hits, num_blocks);
+        let mut block_table = self.allocator.acquire_cached_prefix(&reusable);
         debug_assert_eq!(block_table.len(), num_hits);
+        self.allocator.count_prefix_misses(num_reusable - num_hits);
         block_table.extend(
             self.allocator
                 .allocate_n(num_new_blocks)
                 .expect("checked against num_free"),
         );
+        let seq = self.seqs.get_mut(&seq_id).expect("waiting ids are tracked");
         seq.block_table = block_table;
+        seq.window_tables = window_tables;
         seq.num_computed_tokens = start_pos;
         seq.num_registered_blocks = num_hits;
         seq.status = SequenceStatus::Running;
@@ -392,7 +425,8 @@ impl Scheduler {
         loop {
             let seq = &self.seqs[&seq_id];
             let needed = num_blocks.saturating_sub(seq.block_table.len());
-            if needed <= self.allocator.num_free() {
+            let window_needs = self.window_needs(seq, context_len);
+            if needed <= self.allocator.num_free() && self.windows_have(&window_needs) {
                 let new_blocks = self
                     .allocator
                     .allocate_n(needed)
@@ -402,6 +436,7 @@ impl Scheduler {
                     .expect("running ids are tracked")
                     .block_table
                     .extend(new_blocks);
+                self.grow_windows(seq_id, &window_needs);
                 return true;
             }
             let victim = self.pick_victim();
@@ -430,6 +465,7 @@ impl Scheduler {
             budget.refund(&item);
         }
         let seq = self.seqs.get_mut(&seq_id).expect("running ids are tracked");
+        Self::free_windows(&mut self.windows, seq);
         for block_id in seq.block_table.drain(..) {
             self.allocator
                 .free(block_id)
@@ -455,6 +491,7 @@ impl Scheduler {
             start_pos,
             context_len,
             block_table: seq.block_table.clone(),
+            window_tables: seq.window_tables.clone(),
             sample: context_len == seq.num_tokens(),
             is_prefill: n > 1 || start_pos < seq.prompt_ids.len(),
         }

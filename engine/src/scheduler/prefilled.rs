@@ -20,6 +20,15 @@ impl Scheduler {
         if self.seqs.contains_key(&seq.seq_id) {
             return Err(EngineError::DuplicateSequence { seq_id: seq.seq_id });
         }
+        if !self.windows.is_empty() {
+            // Its window groups' KV would have to arrive too: a node that imports KV keeps
+            // every layer in one group (`KvGroups::new(.., false)`).
+            return Err(EngineError::InvalidParameter {
+                field: "block_table",
+                reason: "imported KV needs every layer in one block table".into(),
+                given: format!("{} sliding-window groups", self.windows.len()),
+            });
+        }
         let needed = seq.prompt_ids.len().div_ceil(self.allocator.block_size());
         if seq.prompt_ids.is_empty() || block_table.len() < needed {
             return Err(EngineError::InvalidParameter {

@@ -33,6 +33,9 @@ pub struct Sequence {
     /// Leading tokens whose KV is in `block_table`.
     pub num_computed_tokens: usize,
     pub block_table: Vec<BlockId>,
+    /// One table per sliding-window layer group, indexed as `block_table`; blocks wholly
+    /// before the window are [`NO_BLOCK`](crate::kv::groups::NO_BLOCK). Empty while waiting.
+    pub window_tables: Vec<Vec<BlockId>>,
     /// Admission order: smaller is older. Preemption picks the largest.
     pub arrival: u64,
     pub num_preemptions: u32,
@@ -55,6 +58,7 @@ impl Sequence {
             max_new_tokens: seq.max_new_tokens,
             num_computed_tokens: 0,
             block_table: Vec::new(),
+            window_tables: Vec::new(),
             arrival,
             num_preemptions: 0,
             status: SequenceStatus::Waiting,
