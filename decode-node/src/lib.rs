@@ -104,9 +104,8 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
     )
     .await?
     .on_refusal(count_refusal);
-    let kv_port = server.local_addr()?.port();
+    let kv_endpoint = server.endpoint(&s.advertise_host)?;
     let kv_task = tokio::spawn(server.serve(registry.clone(), sink, stop));
-    let kv_endpoint = format!("{}:{kv_port}", s.advertise_host);
     let mut info = s.info;
     info.kv_endpoint = kv_endpoint.clone();
     let service = service::DecodeService {

@@ -12,19 +12,22 @@ pub enum KvBackend {
     Quic,
     /// Plain TCP, for networks that block UDP. No TLS.
     Tcp,
+    /// Shared memory, for two nodes on one host. No TLS; the peer must run as the same user.
+    Shm,
 }
 
 impl KvBackend {
     /// Every backend, in the order `--help` lists them.
-    pub const ALL: [KvBackend; 2] = [KvBackend::Quic, KvBackend::Tcp];
+    pub const ALL: [KvBackend; 3] = [KvBackend::Quic, KvBackend::Tcp, KvBackend::Shm];
     /// Their names, as [`KvBackend::as_str`] spells them.
-    pub const NAMES: [&'static str; 2] = ["quic", "tcp"];
+    pub const NAMES: [&'static str; 3] = ["quic", "tcp", "shm"];
 
     /// The name nodes publish in their registration and take on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
             KvBackend::Quic => "quic",
             KvBackend::Tcp => "tcp",
+            KvBackend::Shm => "shm",
         }
     }
 
@@ -32,6 +35,11 @@ impl KvBackend {
     /// where the operator says plaintext is acceptable.
     pub fn has_tls(self) -> bool {
         matches!(self, KvBackend::Quic)
+    }
+
+    /// Whether the backend reaches only nodes on the same host.
+    pub fn same_host_only(self) -> bool {
+        matches!(self, KvBackend::Shm)
     }
 }
 

@@ -6,7 +6,7 @@
 //! - [`KvLayout`]: a model's cache geometry (layers, block size, KV heads, head size, dtype):
 //!   two nodes can exchange blocks exactly when their layouts are equal.
 //! - [`TransferId`]: one KV transfer into one decode node's reservation.
-//! - [`KvBackend`]: which data plane (QUIC, TCP) carries blocks between two nodes.
+//! - [`KvBackend`]: which data plane (QUIC, TCP, shared memory) carries blocks between two nodes.
 //!
 //! It is a leaf: it depends on nothing of Fission's, and it must not learn about models,
 //! sockets or the wire. Conversions to and from gRPC messages live in `proto`, frame

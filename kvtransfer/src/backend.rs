@@ -13,6 +13,7 @@ use crate::error::KvTransferError;
 use crate::frame::FrameHeader;
 use crate::quic::{QuicConfig, QuicConnection, QuicServer, QuicTransport};
 use crate::registry::TransferRegistry;
+use crate::shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport};
 use crate::sink::KvSink;
 use crate::tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
 use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat};
@@ -23,6 +24,7 @@ use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, Tra
 pub struct BackendConfig {
     pub quic: QuicConfig,
     pub tcp: TcpConfig,
+    pub shm: ShmConfig,
 }
 
 impl BackendConfig {
@@ -48,6 +50,7 @@ fn needs_identity(backend: KvBackend) -> KvTransferError {
 pub enum BackendServer {
     Quic(QuicServer),
     Tcp(TcpServer),
+    Shm(ShmServer),
 }
 
 impl BackendServer {
@@ -65,13 +68,24 @@ impl BackendServer {
                 Self::Quic(QuicServer::bind(addr, identity, config.quic)?)
             }
             KvBackend::Tcp => Self::Tcp(TcpServer::bind(addr, config.tcp).await?),
+            // A Unix socket of its own in `config.shm.dir`; `addr` is the network's.
+            KvBackend::Shm => Self::Shm(ShmServer::bind(config.shm)?),
         })
+    }
+
+    /// The endpoint the node advertises: `advertise_host:port`, or the shm server's socket.
+    pub fn endpoint(&self, advertise_host: &str) -> Result<String, KvTransferError> {
+        match self {
+            Self::Shm(s) => Ok(s.endpoint()),
+            _ => Ok(format!("{advertise_host}:{}", self.local_addr()?.port())),
+        }
     }
 
     pub fn backend(&self) -> KvBackend {
         match self {
             Self::Quic(_) => KvBackend::Quic,
             Self::Tcp(_) => KvBackend::Tcp,
+            Self::Shm(_) => KvBackend::Shm,
         }
     }
 }
@@ -81,6 +95,7 @@ impl KvServer for BackendServer {
         match self {
             Self::Quic(s) => s.local_addr(),
             Self::Tcp(s) => s.local_addr(),
+            Self::Shm(s) => s.local_addr(),
         }
     }
 
@@ -88,6 +103,7 @@ impl KvServer for BackendServer {
         match self {
             Self::Quic(s) => s.refusal_observer(),
             Self::Tcp(s) => s.refusal_observer(),
+            Self::Shm(s) => s.refusal_observer(),
         }
     }
 
@@ -100,6 +116,7 @@ impl KvServer for BackendServer {
         match self {
             Self::Quic(s) => s.serve(registry, sink, shutdown).await,
             Self::Tcp(s) => s.serve(registry, sink, shutdown).await,
+            Self::Shm(s) => s.serve(registry, sink, shutdown).await,
         }
     }
 }
@@ -108,6 +125,7 @@ impl KvServer for BackendServer {
 pub enum BackendTransport {
     Quic(QuicTransport),
     Tcp(TcpTransport),
+    Shm(ShmTransport),
 }
 
 impl BackendTransport {
@@ -123,6 +141,7 @@ impl BackendTransport {
                 Self::Quic(QuicTransport::new(identity, config.quic)?)
             }
             KvBackend::Tcp => Self::Tcp(TcpTransport::new(config.tcp)),
+            KvBackend::Shm => Self::Shm(ShmTransport::new(config.shm)),
         })
     }
 
@@ -130,6 +149,7 @@ impl BackendTransport {
         match self {
             Self::Quic(_) => KvBackend::Quic,
             Self::Tcp(_) => KvBackend::Tcp,
+            Self::Shm(_) => KvBackend::Shm,
         }
     }
 }
@@ -141,6 +161,7 @@ impl KvTransport for BackendTransport {
         Ok(match self {
             Self::Quic(t) => BackendConnection::Quic(t.connect(endpoint).await?),
             Self::Tcp(t) => BackendConnection::Tcp(t.connect(endpoint).await?),
+            Self::Shm(t) => BackendConnection::Shm(t.connect(endpoint).await?),
         })
     }
 }
@@ -150,6 +171,7 @@ impl KvTransport for BackendTransport {
 pub enum BackendConnection {
     Quic(QuicConnection),
     Tcp(TcpConnection),
+    Shm(ShmConnection),
 }
 
 impl KvConnection for BackendConnection {
@@ -157,6 +179,7 @@ impl KvConnection for BackendConnection {
         match self {
             Self::Quic(c) => c.endpoint(),
             Self::Tcp(c) => c.endpoint(),
+            Self::Shm(c) => c.endpoint(),
         }
     }
 
@@ -168,6 +191,7 @@ impl KvConnection for BackendConnection {
         match self {
             Self::Quic(c) => c.send_frame(frame, payload).await,
             Self::Tcp(c) => c.send_frame(frame, payload).await,
+            Self::Shm(c) => c.send_frame(frame, payload).await,
         }
     }
 }

@@ -32,7 +32,9 @@
 //!   ([`QuicWindows::TUNED`]).
 //! - [`TcpServer`] / [`TcpTransport`]: the same frames over TCP with a small connection pool
 //!   per endpoint, for networks that block UDP.
-//! - [`BackendServer`] / [`BackendTransport`]: either of them, chosen by a [`KvBackend`], so
+//! - [`ShmServer`] / [`ShmTransport`]: for two nodes on one host, the same frames on a Unix
+//!   socket with each payload in a memory region both map (no TLS; see the module).
+//! - [`BackendServer`] / [`BackendTransport`]: any of them, chosen by a [`KvBackend`], so
 //!   the nodes build their data plane without matching on the backend.
 //!
 //! # Mapping onto RDMA
@@ -81,6 +83,7 @@ mod quic;
 #[cfg(test)]
 mod refusal_log;
 mod registry;
+mod shm;
 mod sink;
 mod stream_io;
 mod tcp;
@@ -101,6 +104,7 @@ pub use registry::{
     peer_fingerprint, Admission, Ignored, LayerClaim, Outcome, PeerFingerprint, PeerKey,
     RegistryConfig, RegistryStats, Reservation, TransferProgress, TransferRegistry, TransferStatus,
 };
+pub use shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport, SHM_SCHEME};
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
 pub use transport::{

@@ -154,20 +154,23 @@ impl<S: ?Sized> ReceiveCtx<S> {
         })
     }
 
-    fn refused(&self, e: &KvTransferError) {
+    pub(crate) fn refused(&self, e: &KvTransferError) {
         if let Some(f) = &self.on_refusal {
             f(e);
         }
     }
 }
 
-/// What to do with the payload of a frame refused from its header alone.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum EarlyRefusal {
-    /// Read and drop it, to keep a byte stream (TCP) in step.
+/// Where a frame's payload is, and so what to do with it when the frame is refused from its
+/// header alone.
+#[derive(Clone, Copy)]
+pub(crate) enum EarlyRefusal<'a> {
+    /// On the stream: read and drop it, to keep a byte stream (TCP) in step.
     Discard,
-    /// Leave it unread; the caller stops the stream (QUIC).
+    /// On the stream: leave it unread; the caller stops the stream (QUIC).
     Abandon,
+    /// In a shared-memory region (shm): nothing to drop.
+    Region(&'a [u8]),
 }
 
 /// How one frame ended on the receiving side.
@@ -188,7 +191,7 @@ pub(crate) async fn receive_frame<R, S>(
     r: &mut R,
     ctx: &ReceiveCtx<S>,
     scratch: &mut Vec<u8>,
-    early: EarlyRefusal,
+    early: EarlyRefusal<'_>,
     peer: &str,
     peer_key: Option<&PeerKey>,
 ) -> Handled
@@ -235,6 +238,7 @@ where
         let Some(claim) = claim else {
             return match early {
                 EarlyRefusal::Abandon => Handled::Refused(verdict),
+                EarlyRefusal::Region(_) => Handled::Answer(verdict),
                 EarlyRefusal::Discard => match stream_io::discard(r, frame.payload_len, peer).await
                 {
                     Ok(()) => Handled::Answer(verdict),
@@ -245,7 +249,19 @@ where
                 },
             };
         };
-        let (payload, crc) = match stream_io::read_payload(r, &frame, peer).await {
+        let read = match early {
+            EarlyRefusal::Region(region) => usize::try_from(frame.payload_len)
+                .ok()
+                .and_then(|len| crate::shm::copy_out(region, len))
+                .ok_or_else(|| KvTransferError::PayloadTooLarge {
+                    xfer_id: frame.header.xfer_id,
+                    layer: frame.header.layer,
+                    payload_bytes: frame.payload_len,
+                    limit: region.len() as u64,
+                }),
+            _ => stream_io::read_payload(r, &frame, peer).await,
+        };
+        let (payload, crc) = match read {
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(error = %e, "kv stream ended inside a payload");

@@ -1,6 +1,8 @@
-//! Component tests: real QUIC and TCP servers on 127.0.0.1:0, one process.
+//! Component tests: real QUIC and TCP servers on 127.0.0.1:0 and shared-memory servers on a
+//! Unix socket, one process.
 //!
-//! Each scenario is written once against the transport traits and run on both backends.
+//! Each scenario is written once against the transport traits and run on every backend
+//! (`on_every_backend!`), the shared-memory one through a Unix socket in /dev/shm.
 
 // Helpers outside `#[test]` functions unwrap too; a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
@@ -15,7 +17,8 @@ use identity::{generate_dev_ca, Ca, PeerRole, TlsIdentity};
 use kvtransfer::{
     send_all_layers, FrameHeader, KvConnection, KvDtype, KvLayout, KvServer, KvTransferError,
     KvTransport, LayerHeader, MemorySink, QuicConfig, QuicServer, QuicTransport, Reservation,
-    TcpConfig, TcpServer, TcpTransport, TransferRegistry, TransferStatus, Verdict,
+    ShmConfig, ShmServer, ShmTransport, TcpConfig, TcpServer, TcpTransport, TransferRegistry,
+    TransferStatus, Verdict,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
@@ -54,6 +57,7 @@ impl<T: KvTransport> Harness<T> {
 
 fn start_server<S: KvServer>(
     server: S,
+    endpoint: String,
 ) -> (
     String,
     TransferRegistry,
@@ -61,7 +65,6 @@ fn start_server<S: KvServer>(
     CancellationToken,
     JoinHandle<Result<(), KvTransferError>>,
 ) {
-    let endpoint = server.local_addr().unwrap().to_string();
     let registry = TransferRegistry::default();
     let sink = Arc::new(MemorySink::new(NUM_LAYERS, CACHE_BLOCKS, LAYOUT));
     let shutdown = CancellationToken::new();
@@ -83,7 +86,8 @@ fn quic_harness() -> Harness<QuicTransport> {
     let ca = generate_dev_ca().unwrap();
     let (server_tls, client_tls) = identities(&ca);
     let server = QuicServer::bind(loopback(), &server_tls, QuicConfig::default()).unwrap();
-    let (endpoint, registry, sink, shutdown, server) = start_server(server);
+    let endpoint = server.local_addr().unwrap().to_string();
+    let (endpoint, registry, sink, shutdown, server) = start_server(server, endpoint);
     Harness {
         registry,
         sink,
@@ -100,11 +104,30 @@ async fn tcp_harness() -> Harness<TcpTransport> {
         ..TcpConfig::default()
     };
     let server = TcpServer::bind(loopback(), config.clone()).await.unwrap();
-    let (endpoint, registry, sink, shutdown, server) = start_server(server);
+    let endpoint = server.local_addr().unwrap().to_string();
+    let (endpoint, registry, sink, shutdown, server) = start_server(server, endpoint);
     Harness {
         registry,
         sink,
         transport: TcpTransport::new(config),
+        endpoint,
+        shutdown,
+        server,
+    }
+}
+
+fn shm_harness() -> Harness<ShmTransport> {
+    let config = ShmConfig {
+        connections_per_endpoint: 4,
+        ..ShmConfig::default()
+    };
+    let server = ShmServer::bind(config.clone()).unwrap();
+    let endpoint = server.endpoint();
+    let (endpoint, registry, sink, shutdown, server) = start_server(server, endpoint);
+    Harness {
+        registry,
+        sink,
+        transport: ShmTransport::new(config),
         endpoint,
         shutdown,
         server,
@@ -370,67 +393,58 @@ async fn concurrent_transfers_share_the_endpoint<T: KvTransport>(
     conns
 }
 
+// ---- every scenario on every backend ------------------------------------------------------
+
+/// Runs `$scenario` on QUIC, TCP and shared memory, as `$scenario::{quic, tcp, shm}`.
+macro_rules! on_every_backend {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn quic() {
+                with_timeout(async {
+                    let h = quic_harness();
+                    super::$scenario(&h).await;
+                    h.stop().await;
+                })
+                .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn tcp() {
+                with_timeout(async {
+                    let h = tcp_harness().await;
+                    super::$scenario(&h).await;
+                    h.stop().await;
+                })
+                .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn shm() {
+                with_timeout(async {
+                    let h = shm_harness();
+                    super::$scenario(&h).await;
+                    h.stop().await;
+                })
+                .await;
+            }
+        }
+    )*};
+}
+
+on_every_backend!(
+    all_layers_arrive_bit_exact,
+    unregistered_xfer_is_rejected,
+    old_epoch_is_ignored_while_current_proceeds,
+    corrupted_payload_is_rejected,
+    mismatched_frames_are_refused,
+    late_frames_after_deregistration_are_dropped,
+    concurrent_transfers_share_the_endpoint,
+);
+
 // ---- QUIC ---------------------------------------------------------------------------------
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_all_layers_arrive_bit_exact() {
-    with_timeout(async {
-        let h = quic_harness();
-        all_layers_arrive_bit_exact(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_unregistered_xfer_is_rejected() {
-    with_timeout(async {
-        let h = quic_harness();
-        unregistered_xfer_is_rejected(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_old_epoch_is_ignored_while_current_proceeds() {
-    with_timeout(async {
-        let h = quic_harness();
-        old_epoch_is_ignored_while_current_proceeds(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_corrupted_payload_is_rejected() {
-    with_timeout(async {
-        let h = quic_harness();
-        corrupted_payload_is_rejected(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_mismatched_frames_are_refused() {
-    with_timeout(async {
-        let h = quic_harness();
-        mismatched_frames_are_refused(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quic_late_frames_after_deregistration_are_dropped() {
-    with_timeout(async {
-        let h = quic_harness();
-        late_frames_after_deregistration_are_dropped(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quic_concurrent_transfers_reuse_one_connection() {
@@ -522,76 +536,6 @@ async fn quic_shutdown_ends_the_server_promptly() {
 // ---- TCP ----------------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_all_layers_arrive_bit_exact() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        all_layers_arrive_bit_exact(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_unregistered_xfer_is_rejected() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        unregistered_xfer_is_rejected(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_old_epoch_is_ignored_while_current_proceeds() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        old_epoch_is_ignored_while_current_proceeds(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_corrupted_payload_is_rejected() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        corrupted_payload_is_rejected(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_mismatched_frames_are_refused() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        mismatched_frames_are_refused(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_late_frames_after_deregistration_are_dropped() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        late_frames_after_deregistration_are_dropped(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_concurrent_transfers_share_the_endpoint() {
-    with_timeout(async {
-        let h = tcp_harness().await;
-        concurrent_transfers_share_the_endpoint(&h).await;
-        h.stop().await;
-    })
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_garbage_closes_only_that_connection() {
     with_timeout(async {
         let h = tcp_harness().await;
@@ -635,6 +579,101 @@ async fn tcp_shutdown_ends_the_server_promptly() {
     .await;
 }
 
+// ---- shared memory ------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_refuses_a_network_endpoint() {
+    // A peer on another host has no socket here: the shm transport takes only `unix:` paths.
+    let err = ShmTransport::default()
+        .connect("10.0.0.9:7200")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, KvTransferError::InvalidEndpoint { .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_refuses_a_peer_of_another_user_before_any_region() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // The check needs a second user: as root, run the peer as `nobody`.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a peer as another user");
+        return;
+    }
+    with_timeout(async {
+        let h = shm_harness();
+        let socket = h.endpoint.strip_prefix("unix:").unwrap().to_owned();
+        // Let anyone connect, so the server's own check is what refuses.
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let regions_before = count_regions();
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new("python3")
+                .arg("-c")
+                .arg("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); print(len(s.recv(64)))")
+                .arg(&socket)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // The connection closed with nothing said: no region was named to the peer.
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
+        assert_eq!(count_regions(), regions_before);
+        // A peer of the node's own user still transfers.
+        all_layers_arrive_bit_exact(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+/// Region files of this process still linked in /dev/shm: each is unlinked once mapped.
+fn count_regions() -> usize {
+    let prefix = format!("fission-kv-region-{}-", std::process::id());
+    std::fs::read_dir(ShmConfig::default().dir)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_shutdown_ends_the_server_promptly_and_removes_its_socket() {
+    with_timeout(async {
+        let h = shm_harness();
+        let _conn = h.conn().await;
+        let socket = h.endpoint.strip_prefix("unix:").unwrap().to_owned();
+        // A sender stalled halfway through a header.
+        let mut stalled = tokio::net::UnixStream::connect(&socket).await.unwrap();
+        // The hello: magic, region size, the region's name (length-prefixed).
+        let mut hello = [0u8; 14];
+        stalled.read_exact(&mut hello).await.unwrap();
+        let mut name = vec![0u8; usize::from(u16::from_le_bytes([hello[12], hello[13]]))];
+        stalled.read_exact(&mut name).await.unwrap();
+        stalled.write_all(b"\x01FSKV").await.unwrap();
+        let start = Instant::now();
+        h.shutdown.cancel();
+        h.server.await.unwrap().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        let mut buf = [0u8; 1];
+        assert_eq!(stalled.read(&mut buf).await.unwrap_or(0), 0);
+        assert!(!std::path::Path::new(&socket).exists());
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quic_client_without_a_certificate_is_refused_in_the_handshake() {
     use rustls::pki_types::pem::PemObject;
@@ -643,7 +682,8 @@ async fn quic_client_without_a_certificate_is_refused_in_the_handshake() {
         let ca = generate_dev_ca().unwrap();
         let (server_tls, _) = identities(&ca);
         let server = QuicServer::bind(loopback(), &server_tls, QuicConfig::default()).unwrap();
-        let (endpoint, registry, _sink, shutdown, server) = start_server(server);
+        let endpoint = server.local_addr().unwrap().to_string();
+        let (endpoint, registry, _sink, shutdown, server) = start_server(server, endpoint);
         // A client that trusts the cluster CA and speaks the protocol, but has no certificate.
         let mut roots = rustls::RootCertStore::empty();
         for cert in CertificateDer::pem_slice_iter(ca.cert_pem().as_bytes()) {

@@ -10,8 +10,9 @@ use crate::error::NodeError;
 
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
-    /// The KV data plane: quic (mutual TLS, the default) or tcp (plain, for networks that
-    /// block UDP; needs --insecure).
+    /// The KV data plane: quic (mutual TLS, the default), tcp (plain, for networks that
+    /// block UDP; needs --insecure) or shm (shared memory, nodes on one host; needs
+    /// --insecure).
     #[arg(
         long,
         env = "FISSION_KV_TRANSPORT",
@@ -39,6 +40,13 @@ impl KvArgs {
             }
             KvBackend::Tcp => Err(NodeError::Config(
                 "the TCP KV transport has no TLS: it needs --insecure (local development only), or use the default --kv-transport quic".into(),
+            )),
+            KvBackend::Shm if tls.insecure => {
+                tracing::warn!("--kv-transport shm: KV blocks move through memory shared with a peer of this node's user on this host, without TLS; a reservation is not bound to the chosen prefill node's certificate");
+                Ok(None)
+            }
+            KvBackend::Shm => Err(NodeError::Config(
+                "the shm KV transport has no TLS: it needs --insecure (peers of this node's user on this host only), or use the default --kv-transport quic".into(),
             )),
         }
     }

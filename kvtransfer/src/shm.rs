@@ -1,0 +1,622 @@
+//! Shared-memory backend, for a prefill node and a decode node on one host.
+//!
+//! The decode node listens on a Unix socket (`unix:/dev/shm/fission-kv-….sock`). For each
+//! connection it creates a memory region, a file in the socket's directory that only its own
+//! user may open, and names it to the sender, which maps it too; once the sender has it
+//! mapped the file is unlinked, so the region lives only in the two mappings. Each frame then
+//! moves as: the sender copies the payload into the region and sends the usual frame header
+//! (checksum, epoch, trace context) on the socket; the receiver copies the payload out of the
+//! region, computing its CRC-32C on the way, checks it as every backend does, and answers
+//! with the verdict. Like TCP, a connection carries one frame at a time and each endpoint
+//! gets a small pool of them.
+//!
+//! Trust: no TLS. The receiver admits only a peer of its own user (`SO_PEERCRED`) before it
+//! creates any region, and the region file is mode 0600. Like TCP, a connection has no
+//! certificate, so a reservation's binding to the gateway's chosen prefill node is not
+//! checked (SECURITY.md): run it where the node's user is trusted, and only on one host.
+//!
+//! The payload is copied out of the region before its checksum is computed, so a peer that
+//! rewrites the region while the receiver reads it can only fail its own frame.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use memmap2::{Mmap, MmapMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::accept::{accept_loop, Accepted};
+use crate::error::KvTransferError;
+use crate::frame::{FrameHeader, FrameLimits};
+use crate::registry::TransferRegistry;
+use crate::sink::KvSink;
+use crate::stream_io;
+use crate::transport::{
+    receive_frame, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
+    RefusalObserver, TransferStat,
+};
+use crate::verdict::{Verdict, ACK_LEN};
+
+/// What a shared-memory endpoint starts with: `unix:` and the socket's path.
+pub const SHM_SCHEME: &str = "unix:";
+const HELLO_MAGIC: [u8; 4] = *b"FKSM";
+const MAX_REGION_NAME: usize = 255;
+
+#[derive(Clone, Debug)]
+pub struct ShmConfig {
+    /// Server: where the socket and the regions are created; on tmpfs, so the regions are
+    /// memory. `/dev/shm` where it exists, else the temporary directory.
+    pub dir: PathBuf,
+    /// Client: most connections per endpoint, so most layers in flight to one node.
+    pub connections_per_endpoint: usize,
+    pub connect_timeout_ms: u64,
+    /// Server: connections served at once.
+    pub max_connections: usize,
+    /// The largest payload a frame may carry is also each region's size: a region is a
+    /// sparse file, so only the pages the largest layer touched take memory.
+    pub limits: FrameLimits,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        let shm = Path::new("/dev/shm");
+        Self {
+            dir: if shm.is_dir() {
+                shm.to_owned()
+            } else {
+                std::env::temp_dir()
+            },
+            connections_per_endpoint: 8,
+            connect_timeout_ms: 5_000,
+            max_connections: 1024,
+            limits: FrameLimits::default(),
+        }
+    }
+}
+
+fn io<'a>(
+    endpoint: &'a str,
+    what: &'static str,
+) -> impl FnOnce(std::io::Error) -> KvTransferError + 'a {
+    move |source| stream_io::io_error(endpoint, what, source)
+}
+
+/// Files this process created, numbered apart.
+fn unique_name(prefix: &str, suffix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}-{}-{}{suffix}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The user this process runs as.
+fn own_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Removes the socket file when the server goes.
+struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Receives layers through shared memory.
+pub struct ShmServer {
+    listener: UnixListener,
+    socket: SocketFile,
+    config: ShmConfig,
+    on_refusal: Option<RefusalObserver>,
+}
+
+impl ShmServer {
+    /// Listens on a new socket in `config.dir`.
+    pub fn bind(config: ShmConfig) -> Result<Self, KvTransferError> {
+        let path = config.dir.join(unique_name("fission-kv", ".sock"));
+        let listener = UnixListener::bind(&path).map_err(|source| KvTransferError::Bind {
+            addr: path.display().to_string(),
+            source,
+        })?;
+        Ok(Self {
+            listener,
+            socket: SocketFile(path),
+            config,
+            on_refusal: None,
+        })
+    }
+
+    /// The endpoint senders connect to: `unix:` and the socket's path.
+    pub fn endpoint(&self) -> String {
+        format!("{SHM_SCHEME}{}", self.socket.0.display())
+    }
+}
+
+impl KvServer for ShmServer {
+    fn local_addr(&self) -> Result<std::net::SocketAddr, KvTransferError> {
+        Err(KvTransferError::Config {
+            field: "local_addr",
+            reason: format!(
+                "the shm server listens on a Unix socket, {}",
+                self.endpoint()
+            ),
+        })
+    }
+
+    fn refusal_observer(&mut self) -> &mut Option<RefusalObserver> {
+        &mut self.on_refusal
+    }
+
+    async fn serve<S: KvSink>(
+        self,
+        registry: TransferRegistry,
+        sink: Arc<S>,
+        shutdown: CancellationToken,
+    ) -> Result<(), KvTransferError> {
+        let endpoint = self.endpoint();
+        tracing::info!(%endpoint, "kv shm server listening");
+        let ctx = ReceiveCtx::new(registry, sink, self.config.limits, self.on_refusal);
+        let listener = &self.listener;
+        let config = Arc::new(self.config);
+        accept_loop(
+            config.max_connections,
+            &shutdown,
+            || async {
+                match listener.accept().await {
+                    Ok((stream, _)) => Accepted::Connection(stream),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "kv shm accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Accepted::Retry
+                    }
+                }
+            },
+            |stream, shutdown| run_connection(stream, ctx.clone(), config.clone(), shutdown),
+        )
+        .await;
+        drop(self.socket);
+        tracing::info!(%endpoint, "kv shm server stopped");
+        Ok(())
+    }
+}
+
+/// The receiving end of one connection: the peer's user is checked before any region exists.
+async fn run_connection<S: KvSink>(
+    mut stream: UnixStream,
+    ctx: Arc<ReceiveCtx<S>>,
+    config: Arc<ShmConfig>,
+    shutdown: CancellationToken,
+) {
+    let peer = match stream.peer_cred() {
+        Ok(cred) if cred.uid() == own_uid() => {
+            format!("shm pid {}", cred.pid().unwrap_or_default())
+        }
+        Ok(cred) => {
+            let e = KvTransferError::Stream {
+                endpoint: "shm".into(),
+                what: "peer credentials",
+                reason: format!("uid {} is not this node's uid {}", cred.uid(), own_uid()),
+            };
+            tracing::warn!(error = %e, "kv shm peer refused");
+            ctx.refused(&e);
+            return;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "kv shm peer credentials unreadable");
+            return;
+        }
+    };
+    let region = match offer_region(&mut stream, &config, &peer).await {
+        Ok(region) => region,
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "kv shm region not set up");
+            return;
+        }
+    };
+    let mut scratch = Vec::new();
+    loop {
+        let handled = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Region(&region), &peer, None) => handled,
+        };
+        let (verdict, keep_going) = match handled {
+            Handled::Eof => break,
+            Handled::Answer(v) => (v, true),
+            Handled::Refused(v) | Handled::Fatal(v) => (v, false),
+        };
+        if let Err(e) = stream_io::write_frame(&mut stream, &verdict.encode(), &[], &peer).await {
+            tracing::debug!(%peer, error = %e, "kv shm verdict not sent");
+            break;
+        }
+        if !keep_going {
+            break;
+        }
+    }
+}
+
+/// Creates the connection's region, names it to the peer, and unlinks it once the peer has
+/// mapped it. Hello: magic, region size (u64 LE), name length (u16 LE), name.
+async fn offer_region(
+    stream: &mut UnixStream,
+    config: &ShmConfig,
+    peer: &str,
+) -> Result<Mmap, KvTransferError> {
+    let name = unique_name("fission-kv-region", "");
+    let path = config.dir.join(&name);
+    let size = config.limits.max_payload_bytes;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|source| KvTransferError::File {
+            path: path.display().to_string(),
+            source,
+        })?;
+    let _unlink = SocketFile(path.clone());
+    file.set_len(size).map_err(io(peer, "size region"))?;
+    // SAFETY: the file is private to this user and unlinked below; the peer may write it
+    // while it is mapped, which is why payloads are copied out before they are checked.
+    let region = unsafe { Mmap::map(&file) }.map_err(io(peer, "map region"))?;
+    let mut hello = Vec::with_capacity(14 + name.len());
+    hello.extend_from_slice(&HELLO_MAGIC);
+    hello.extend_from_slice(&size.to_le_bytes());
+    hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    hello.extend_from_slice(name.as_bytes());
+    stream
+        .write_all(&hello)
+        .await
+        .map_err(io(peer, "send region"))?;
+    let mut ack = [0u8; 1];
+    stream
+        .read_exact(&mut ack)
+        .await
+        .map_err(io(peer, "region mapped"))?;
+    Ok(region)
+}
+
+/// Copies `len` bytes out of `region` into a buffer of the receiver's own, computing their
+/// CRC-32C piece by piece while each piece is in cache.
+pub(crate) fn copy_out(region: &[u8], len: usize) -> Option<(Bytes, u32)> {
+    const PIECE: usize = 256 << 10;
+    let src = region.get(..len)?;
+    let mut buf = BytesMut::with_capacity(len);
+    let mut crc = 0;
+    for piece in src.chunks(PIECE) {
+        let start = buf.len();
+        buf.extend_from_slice(piece);
+        crc = crc32c::crc32c_append(crc, &buf[start..]);
+    }
+    Some((buf.freeze(), crc))
+}
+
+/// Sends layers through shared memory, with a pool of connections per endpoint.
+pub struct ShmTransport {
+    config: ShmConfig,
+    pools: Mutex<HashMap<String, Arc<Pool>>>,
+}
+
+impl ShmTransport {
+    pub fn new(config: ShmConfig) -> Self {
+        Self {
+            config,
+            pools: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl Default for ShmTransport {
+    fn default() -> Self {
+        Self::new(ShmConfig::default())
+    }
+}
+
+impl KvTransport for ShmTransport {
+    type Connection = ShmConnection;
+
+    async fn connect(&self, endpoint: &str) -> Result<ShmConnection, KvTransferError> {
+        let existing = self
+            .pools
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(endpoint)
+            .cloned();
+        let pool = match existing {
+            Some(pool) => pool,
+            None => {
+                let socket = endpoint
+                    .strip_prefix(SHM_SCHEME)
+                    .filter(|p| p.starts_with('/'))
+                    .ok_or_else(|| KvTransferError::InvalidEndpoint {
+                        endpoint: endpoint.to_owned(),
+                        reason: format!(
+                            "the shm transport takes {SHM_SCHEME}/path/of/socket; is the peer on this host?"
+                        ),
+                    })?;
+                let pool = Arc::new(Pool {
+                    endpoint: endpoint.into(),
+                    socket: PathBuf::from(socket),
+                    connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
+                    idle: Mutex::new(Vec::new()),
+                    permits: Arc::new(Semaphore::new(self.config.connections_per_endpoint.max(1))),
+                });
+                // Dial once now so an unreachable endpoint fails here, not on the first layer.
+                let link = pool.dial().await?;
+                pool.put_back(link);
+                self.pools
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(endpoint.to_owned())
+                    .or_insert(pool)
+                    .clone()
+            }
+        };
+        Ok(ShmConnection {
+            pool,
+            limits: self.config.limits,
+        })
+    }
+}
+
+/// One connection and the region its receiver made for it.
+struct Link {
+    stream: UnixStream,
+    region: MmapMut,
+    _file: File,
+}
+
+struct Pool {
+    endpoint: Arc<str>,
+    socket: PathBuf,
+    connect_timeout: Duration,
+    idle: Mutex<Vec<Link>>,
+    permits: Arc<Semaphore>,
+}
+
+impl Pool {
+    async fn dial(&self) -> Result<Link, KvTransferError> {
+        let endpoint = &*self.endpoint;
+        let connect_err = |reason: String| KvTransferError::Connect {
+            endpoint: endpoint.to_owned(),
+            reason,
+        };
+        let handshake = async {
+            let mut stream = UnixStream::connect(&self.socket)
+                .await
+                .map_err(|e| connect_err(e.to_string()))?;
+            let mut head = [0u8; 14];
+            stream
+                .read_exact(&mut head)
+                .await
+                .map_err(io(endpoint, "read region"))?;
+            if head[..4] != HELLO_MAGIC {
+                return Err(connect_err(format!(
+                    "not a fission shm server: {:02x?}",
+                    &head[..4]
+                )));
+            }
+            let size = u64::from_le_bytes(head[4..12].try_into().unwrap_or_default());
+            let name_len = usize::from(u16::from_le_bytes([head[12], head[13]]));
+            if name_len > MAX_REGION_NAME {
+                return Err(connect_err(format!("region name of {name_len} bytes")));
+            }
+            let mut name = vec![0u8; name_len];
+            stream
+                .read_exact(&mut name)
+                .await
+                .map_err(io(endpoint, "read region"))?;
+            let name = String::from_utf8(name)
+                .ok()
+                .filter(|n| !n.is_empty() && !n.contains('/') && n != "..")
+                .ok_or_else(|| connect_err("invalid region name".into()))?;
+            // The region lives next to the socket, in the server's directory.
+            let dir = self.socket.parent().unwrap_or(Path::new("/"));
+            let path = dir.join(name);
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|source| KvTransferError::File {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+            let len = file.metadata().map_err(io(endpoint, "region size"))?.len();
+            if len != size {
+                return Err(connect_err(format!(
+                    "region is {len} bytes, the server said {size}"
+                )));
+            }
+            // SAFETY: a shared mapping of the receiver's region; only this connection writes
+            // it, and only between verdicts, while the receiver does not read it.
+            let region = unsafe { MmapMut::map_mut(&file) }.map_err(io(endpoint, "map region"))?;
+            stream
+                .write_all(&[1])
+                .await
+                .map_err(io(endpoint, "region mapped"))?;
+            Ok(Link {
+                stream,
+                region,
+                _file: file,
+            })
+        };
+        tokio::time::timeout(self.connect_timeout, handshake)
+            .await
+            .map_err(|_| {
+                connect_err(format!(
+                    "no answer within connect_timeout_ms {}",
+                    self.connect_timeout.as_millis()
+                ))
+            })?
+    }
+
+    fn take_idle(&self) -> Option<Link> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    fn put_back(&self, link: Link) {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(link);
+    }
+}
+
+/// A pool of shared-memory connections to one decode node.
+#[derive(Clone)]
+pub struct ShmConnection {
+    pool: Arc<Pool>,
+    limits: FrameLimits,
+}
+
+impl std::fmt::Debug for ShmConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmConnection")
+            .field("endpoint", &self.pool.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether the server keeps the connection after answering with `verdict`.
+fn link_survives(verdict: Verdict) -> bool {
+    !matches!(
+        verdict,
+        Verdict::Malformed | Verdict::TooLarge | Verdict::LayoutMismatch | Verdict::ShuttingDown
+    )
+}
+
+impl ShmConnection {
+    /// One frame on one link: payload into the region, header on the socket, read the verdict.
+    async fn exchange(
+        &self,
+        link: &mut Link,
+        header: &[u8],
+        payload: &[u8],
+    ) -> Result<Verdict, KvTransferError> {
+        let endpoint = &*self.pool.endpoint;
+        let room = link.region.len();
+        let dst = link
+            .region
+            .get_mut(..payload.len())
+            .ok_or_else(|| KvTransferError::Stream {
+                endpoint: endpoint.to_owned(),
+                what: "write region",
+                reason: format!("{} bytes do not fit a region of {room}", payload.len()),
+            })?;
+        dst.copy_from_slice(payload);
+        stream_io::write_frame(&mut link.stream, header, &[], endpoint).await?;
+        let mut ack = [0u8; ACK_LEN];
+        link.stream
+            .read_exact(&mut ack)
+            .await
+            .map_err(io(endpoint, "read verdict"))?;
+        Verdict::decode(ack).ok_or_else(|| KvTransferError::Stream {
+            endpoint: endpoint.to_owned(),
+            what: "read verdict",
+            reason: format!("malformed verdict {ack:02x?}"),
+        })
+    }
+
+    async fn send_frame_inner(
+        &self,
+        frame: FrameHeader,
+        payload: Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        let start = Instant::now();
+        let (xfer_id, layer) = (frame.header.xfer_id, frame.header.layer);
+        let header = frame.encode(&self.limits)?;
+        let _permit = self
+            .pool
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| KvTransferError::Stream {
+                endpoint: self.pool.endpoint.to_string(),
+                what: "connection pool",
+                reason: e.to_string(),
+            })?;
+        let verdict = match self.pool.take_idle() {
+            Some(mut link) => match self.exchange(&mut link, &header, &payload).await {
+                Ok(v) => {
+                    if link_survives(v) {
+                        self.pool.put_back(link);
+                    }
+                    v
+                }
+                // A pooled link the server has since closed: retry once on a fresh one.
+                Err(e) => {
+                    tracing::debug!(error = %e, "kv shm pooled link failed, redialling");
+                    self.exchange_fresh(&header, &payload).await?
+                }
+            },
+            None => self.exchange_fresh(&header, &payload).await?,
+        };
+        if verdict != Verdict::Accepted {
+            return Err(KvTransferError::Rejected {
+                xfer_id,
+                layer,
+                endpoint: self.pool.endpoint.to_string(),
+                verdict,
+            });
+        }
+        Ok(TransferStat {
+            layer,
+            payload_bytes: payload.len() as u64,
+            frame_bytes: (header.len() + payload.len()) as u64,
+            elapsed: start.elapsed(),
+        })
+    }
+
+    async fn exchange_fresh(
+        &self,
+        header: &[u8],
+        payload: &[u8],
+    ) -> Result<Verdict, KvTransferError> {
+        let mut link = self.pool.dial().await?;
+        let verdict = self.exchange(&mut link, header, payload).await?;
+        if link_survives(verdict) {
+            self.pool.put_back(link);
+        }
+        Ok(verdict)
+    }
+}
+
+impl KvConnection for ShmConnection {
+    fn endpoint(&self) -> &str {
+        &self.pool.endpoint
+    }
+
+    async fn send_frame(
+        &self,
+        frame: FrameHeader,
+        payload: Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        let h = &frame.header;
+        let span = tracing::debug_span!(
+            "kv_send_layer",
+            xfer_id = h.xfer_id.0 as i64,
+            epoch = h.epoch as i64,
+            layer = i64::from(h.layer),
+            payload_bytes = payload.len() as i64,
+            endpoint = %self.pool.endpoint,
+        );
+        self.send_frame_inner(frame, payload).instrument(span).await
+    }
+}
