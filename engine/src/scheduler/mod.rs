@@ -54,6 +54,8 @@ pub struct Scheduler {
     /// The sliding-window groups' pools, group 1 first; empty when every layer keeps every
     /// block.
     windows: Vec<WindowPool>,
+    /// Each group's most blocks in use at a step's plan ([`GroupUsage::peak_blocks_used`]).
+    peak_used: Vec<usize>,
     seqs: HashMap<SeqId, Sequence>,
     /// Admission order; preempted sequences go to the front.
     waiting: VecDeque<SeqId>,
@@ -83,6 +85,7 @@ impl Scheduler {
             cfg,
             allocator,
             windows: Vec::new(),
+            peak_used: Vec::new(),
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: BTreeMap::new(),
@@ -191,6 +194,7 @@ impl Scheduler {
         if batch.preempted.is_empty() && !any_running_left_out {
             self.admit_waiting(&mut batch, &mut budget);
         }
+        self.note_peaks();
         batch
     }
 

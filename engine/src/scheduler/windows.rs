@@ -33,6 +33,9 @@ pub struct GroupUsage {
     pub num_blocks_total: usize,
     pub num_blocks_used: usize,
     pub num_blocks_cached: usize,
+    /// The most blocks in use at once since start, counted when a step is planned (its
+    /// blocks grown, before its end frees those the window passed).
+    pub peak_blocks_used: usize,
 }
 
 impl Scheduler {
@@ -49,19 +52,32 @@ impl Scheduler {
 
     /// Occupancy of every layer group, the full-attention group first.
     pub fn group_usage(&self) -> Vec<GroupUsage> {
-        let usage = |window, a: &BlockAllocator| GroupUsage {
+        let usage = |window, a: &BlockAllocator, peak: usize| GroupUsage {
             window,
             num_blocks_total: a.num_total(),
             num_blocks_used: a.num_used(),
             num_blocks_cached: a.num_cached(),
+            peak_blocks_used: peak.max(a.num_used()),
         };
-        std::iter::once(usage(None, &self.allocator))
+        let peak = |g: usize| self.peak_used.get(g).copied().unwrap_or(0);
+        std::iter::once(usage(None, &self.allocator, peak(0)))
             .chain(
                 self.windows
                     .iter()
-                    .map(|p| usage(Some(p.window), &p.allocator)),
+                    .enumerate()
+                    .map(|(g, p)| usage(Some(p.window), &p.allocator, peak(g + 1))),
             )
             .collect()
+    }
+
+    /// Raises each group's high-water mark to its blocks in use now.
+    pub(super) fn note_peaks(&mut self) {
+        let used = std::iter::once(self.allocator.num_used())
+            .chain(self.windows.iter().map(|p| p.allocator.num_used()));
+        self.peak_used.resize(1 + self.windows.len(), 0);
+        for (peak, n) in self.peak_used.iter_mut().zip(used) {
+            *peak = (*peak).max(n);
+        }
     }
 
     /// The most blocks one sequence holds at once in the window group of `window`.
