@@ -1,8 +1,8 @@
 //! Which registered nodes are members: nodes whose KV the others can read.
 //!
 //! A node is refused, with a log line saying why, when its model fingerprint, KV layout or KV
-//! transport differs from the cluster's: KV computed by one could not be read by another, or
-//! could not even reach it. The cluster's model is the expected fingerprint when the follower
+//! transport differs from the cluster's, or, for the shared-memory transport, its host: KV
+//! computed by one could not be read by another, or could not even reach it. The cluster's model is the expected fingerprint when the follower
 //! was given one (a gateway that has the weights). The rest (and the model, when none is
 //! expected) is the profile most registered nodes share; the current profile stays while any
 //! node holds it and no other profile is held by more, so one misconfigured node can neither
@@ -20,14 +20,22 @@ struct Profile {
     fingerprint: String,
     layout: KvLayout,
     kv_transport: String,
+    /// The host, for a transport that reaches only its own (shared memory): a node on another
+    /// host could not be pushed to at all.
+    host: Option<String>,
 }
 
 impl Profile {
     fn of(r: &NodeRecord) -> Profile {
+        let same_host_only = r
+            .kv_transport
+            .parse::<kv_types::KvBackend>()
+            .is_ok_and(|b| b.same_host_only());
         Profile {
             fingerprint: r.model_fingerprint.clone(),
             layout: r.kv_layout,
             kv_transport: r.kv_transport.clone(),
+            host: same_host_only.then(|| r.host_id.clone()),
         }
     }
 
@@ -50,6 +58,14 @@ impl Profile {
             why.push(format!(
                 "KV transport {:?} differs from the cluster's {:?}",
                 other.kv_transport, self.kv_transport
+            ));
+        }
+        if other.host != self.host && other.kv_transport == self.kv_transport {
+            why.push(format!(
+                "KV transport {:?} reaches only one host: host {:?} differs from the cluster's {:?}",
+                other.kv_transport,
+                other.host.as_deref().unwrap_or_default(),
+                self.host.as_deref().unwrap_or_default()
             ));
         }
         why.join("; ")
@@ -198,6 +214,7 @@ mod tests {
             },
             total_kv_blocks: 10,
             kv_transport: "quic".into(),
+            host_id: String::new(),
             draining: false,
         }
     }
@@ -238,6 +255,25 @@ mod tests {
         assert!(why(&a, "d").contains("KV transport"), "{}", why(&a, "d"));
         assert!(why(&a, "e").contains("block_size=32"), "{}", why(&a, "e"));
         assert_eq!(a.refused().count(), 4);
+    }
+
+    #[test]
+    fn shared_memory_nodes_on_another_host_are_refused() {
+        let shm = |id: &str, host: &str| NodeRecord {
+            kv_transport: "shm".into(),
+            host_id: host.into(),
+            ..record(id, "f", 64)
+        };
+        let mut a = Admission::new(Some("f".into()));
+        let got = a.admit(&records(&[shm("a", "h1"), shm("b", "h1"), shm("c", "h2")]));
+        assert_eq!(ids(&got), vec!["a", "b"]);
+        assert!(why(&a, "c").contains("one host"), "{}", why(&a, "c"));
+        // The network transports do not care where a node runs.
+        let mut a = Admission::new(Some("f".into()));
+        let mut elsewhere = record("c", "f", 64);
+        elsewhere.host_id = "h2".into();
+        let got = a.admit(&records(&[record("a", "f", 64), elsewhere]));
+        assert_eq!(ids(&got), vec!["a", "c"]);
     }
 
     #[test]

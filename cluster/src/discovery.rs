@@ -275,6 +275,7 @@ mod tests {
             },
             total_kv_blocks: 10,
             kv_transport: "tcp".into(),
+            host_id: String::new(),
             draining: false,
         }
     }

@@ -49,6 +49,11 @@ pub struct NodeRecord {
     /// into a decode node that speaks its own. Empty in records written before the field existed.
     #[serde(default)]
     pub kv_transport: String,
+    /// Which host the node runs on (`/etc/machine-id` and the boot id): the shared-memory
+    /// KV transport reaches only nodes on the same one. Empty in records written before the
+    /// field existed.
+    #[serde(default)]
+    pub host_id: String,
     /// A draining node takes no new requests.
     pub draining: bool,
 }

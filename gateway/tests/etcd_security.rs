@@ -129,6 +129,7 @@ fn node_record(node_id: &str) -> NodeRecord {
         kv_layout: KvLayout::SMOLLM2_135M_F32,
         total_kv_blocks: 64,
         kv_transport: "tcp".into(),
+        host_id: String::new(),
         draining: false,
     }
 }

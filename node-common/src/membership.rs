@@ -154,8 +154,25 @@ pub fn node_record(
         kv_layout: layout,
         total_kv_blocks: u64::from(info.total_kv_blocks),
         kv_transport: kv_transport.as_str().to_string(),
+        host_id: host_id(),
         draining: false,
     }
+}
+
+/// This host's identity, `MACHINE_ID/BOOT_ID`: nodes that share it run on one kernel and one
+/// machine, so the shared-memory KV transport can reach one from the other. The boot id tells
+/// apart clones of one image, which share a machine id. Empty parts where a file is missing.
+pub fn host_id() -> String {
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default()
+    };
+    format!(
+        "{}/{}",
+        read("/etc/machine-id"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
 }
 
 /// A node's membership: registered (with etcd) or standalone (without).

@@ -52,6 +52,7 @@ pub fn record(node_id: &str, role: Role, fingerprint: &str) -> NodeRecord {
         },
         total_kv_blocks: 1024,
         kv_transport: "tcp".into(),
+        host_id: String::new(),
         draining: false,
     }
 }

@@ -73,6 +73,7 @@ fn static_record(role: Role, i: usize, grpc_endpoint: &str) -> NodeRecord {
         },
         total_kv_blocks: 0,
         kv_transport: String::new(),
+        host_id: String::new(),
         draining: false,
     }
 }
