@@ -30,11 +30,13 @@
 //! depends only on its tokens (chunking, batching, the prefix cache, migration and the
 //! prefill/decode split stay exact). Sequences that stay within it are transformers' exactly.
 //!
-//! A sliding window is honoured in attention only: every layer still keeps every block of a
-//! sequence, and a prefill node pushes them all. What remains: free (or never allocate) the
-//! blocks wholly before a sliding layer's window, per group of layers with the same window, and
-//! push only the window's blocks for those layers; the prefix cache and migration must then
-//! know which layers hold which blocks, and the KV layout check must carry the windows.
+//! A sliding window also bounds the KV an engine holds (`kv/groups.rs`): the layers of one
+//! window share a block table per sequence, and the blocks wholly before the window are freed
+//! after each step, exactly, prefix cache included. Disaggregated nodes still keep every block
+//! in one group (`Engine::with_full_kv`), and a prefill node pushes every layer's blocks. What
+//! remains: push only the window's blocks for sliding layers (the decode registry taking that
+//! suffix of the reservation), group the nodes' engines, and carry the windows in the KV
+//! layout check (benchmarks/history/2026-11-29-window-kv.md).
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
 //! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope,
