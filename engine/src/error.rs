@@ -74,6 +74,12 @@ pub enum EngineError {
     Grammar { seq_id: SeqId, reason: String },
     #[error("KV layout mismatch: expected {expected}, given {given}")]
     LayoutMismatch { expected: String, given: String },
+    /// `--device cuda` in a build without the `cuda` feature; raised before any weight loads.
+    #[error(
+        "NotCompiledWithCuda: --device {device} needs a binary built with `--features cuda` \
+         (this one runs on the CPU only; use --device cpu)"
+    )]
+    NotCompiledWithCuda { device: String },
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod cost;
 pub mod detokenize;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod generation;

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use clap::Args;
 use engine::cost::CostModel;
+use engine::device::{DeviceSpec, ForwardPath};
 use engine::engine::EngineConfig;
 use engine::loader::ModelSource;
 use engine::model::{parse_dtype, LoadedModel, MockSpec};
@@ -27,6 +28,14 @@ pub struct EngineArgs {
     /// Q8_0), quantised at load from the f32 or bf16 checkpoint.
     #[arg(long, env = "FISSION_QUANTIZE", default_value = "none")]
     pub quantize: Quantize,
+    /// Where the model runs: cpu, or cuda[:N] (a binary built with `--features cuda`; others
+    /// refuse it before loading weights, with NotCompiledWithCuda).
+    #[arg(long, env = "FISSION_DEVICE", default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// The forward pass: auto (the host path where the model can take it), host, or tensor
+    /// (the device-generic path, on the CPU too).
+    #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
+    pub forward_path: ForwardPath,
     /// The KV cache's element type: f32, bf16, f16, or int8 (a byte per element and an f32
     /// scale per token row and kv head: half of bf16's bytes, scales aside). By default the
     /// model's dtype. A prefill and a decode node exchange KV only when theirs agree.
@@ -106,16 +115,19 @@ impl EngineArgs {
     }
 
     pub fn load_model(&self) -> Result<LoadedModel, NodeError> {
+        // The device first: a CUDA request in a CPU build fails before anything is read.
+        self.device.open()?;
         let source = self.model_source()?;
         if let Some(spec) = self.mock_spec()? {
             return Ok(LoadedModel::load_mock(&source, &spec)?);
         }
         let dtype = self.dtype.as_deref().map(parse_dtype).transpose()?;
-        Ok(LoadedModel::load_quantized(
+        Ok(engine::device::load_model(
             &source,
             dtype,
             self.quantize,
-            &candle_core::Device::Cpu,
+            self.device,
+            self.forward_path,
         )?)
     }
 }

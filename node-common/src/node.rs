@@ -102,6 +102,8 @@ where
     F: FnOnce(Started) -> Fut,
     Fut: Future<Output = Result<RoleService, NodeError>>,
 {
+    // A CUDA request in a CPU build fails first, before certificates, etcd or weights.
+    args.engine.device.check_compiled()?;
     let metrics = crate::metrics_http::install_recorder();
     // The identity is checked before the engine loads: a wrong certificate fails in
     // milliseconds, not after the weights.

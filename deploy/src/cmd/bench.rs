@@ -41,6 +41,12 @@ pub struct EngineBenchArgs {
     /// none, or int8 (llama.cpp's Q8_0 layout, quantised at load).
     #[arg(long, default_value = "none")]
     pub quantize: Quantize,
+    /// Where the model runs: cpu, or cuda[:N] (a binary built with `--features cuda`).
+    #[arg(long, env = "FISSION_DEVICE", default_value = "cpu")]
+    pub device: engine::device::DeviceSpec,
+    /// The forward pass: auto, host, or tensor (the device-generic path, on the CPU too).
+    #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
+    pub forward_path: engine::device::ForwardPath,
     #[arg(long, value_delimiter = ',', default_value = "128,512,2048")]
     pub prefill: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
@@ -189,11 +195,13 @@ fn figure(
 
 fn engine_bench(args: EngineBenchArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let model = LoadedModel::load_quantized(
+    args.device.open()?;
+    let model = engine::device::load_model(
         &ModelSource::parse(&args.model),
         dtype,
         args.quantize,
-        &candle_core::Device::Cpu,
+        args.device,
+        args.forward_path,
     )
     .with_context(|| format!("loading {}", args.model))?;
     let max_ctx = model.config().max_context;

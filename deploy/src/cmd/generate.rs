@@ -5,7 +5,7 @@ use clap::Args;
 use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
 use engine::loader::ModelSource;
-use engine::model::{parse_dtype, LoadedModel};
+use engine::model::parse_dtype;
 use engine::quantize::Quantize;
 use engine::sampling::SamplingParams;
 use engine::stopping::StoppingCriteria;
@@ -42,6 +42,12 @@ pub struct GenerateArgs {
     /// none, or int8 (llama.cpp's Q8_0 layout, quantised at load).
     #[arg(long, default_value = "none")]
     pub quantize: Quantize,
+    /// Where the model runs: cpu, or cuda[:N] (a binary built with `--features cuda`).
+    #[arg(long, env = "FISSION_DEVICE", default_value = "cpu")]
+    pub device: engine::device::DeviceSpec,
+    /// The forward pass: auto, host, or tensor (the device-generic path, on the CPU too).
+    #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
+    pub forward_path: engine::device::ForwardPath,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -49,11 +55,14 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let model = LoadedModel::load_quantized(
+    // The device before the model: a CUDA request in a CPU build fails before any file is read.
+    args.device.open()?;
+    let model = engine::device::load_model(
         &ModelSource::parse(&crate::default_model::resolve(&args.model)?),
         dtype,
         args.quantize,
-        &candle_core::Device::Cpu,
+        args.device,
+        args.forward_path,
     )
     .with_context(|| format!("loading model {}", args.model))?;
     let enc = model

@@ -54,6 +54,12 @@ pub struct UpArgs {
     /// The mock nodes' cost profile: a built-in name (`h100-llama8b`) or a JSON file.
     #[arg(long, required_if_eq("engine", "mock"))]
     pub cost_profile: Option<String>,
+    /// Where every node's model runs: cpu, or cuda[:N] (a binary built with `--features cuda`).
+    #[arg(long, env = "FISSION_DEVICE", default_value = "cpu")]
+    pub device: engine::device::DeviceSpec,
+    /// Every node's forward pass: auto, host, or tensor (the device-generic path).
+    #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
+    pub forward_path: engine::device::ForwardPath,
     /// Extra flags for every node (e.g. `--num-kv-blocks=512`), repeatable.
     #[arg(long = "node-arg", allow_hyphen_values = true)]
     pub node_args: Vec<String>,
@@ -196,6 +202,8 @@ fn model_dir(spec: &str) -> anyhow::Result<PathBuf> {
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the fission binary")?;
+    // Before etcd or any node starts: a CUDA request in a CPU build fails here, once.
+    args.device.check_compiled()?;
     let dir = model_dir(&args.model)?;
     let work = tempfile::Builder::new().prefix("fission-up-").tempdir()?;
     match (args.kv_transport.as_str(), args.insecure) {
@@ -266,7 +274,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     // Nodes added later (`fission node start`) must speak the cluster's KV transport and hold
     // a certificate for their role from its CA: issue one per role they can share, named so
     // that choosing the role in the printed command chooses the certificate too.
-    let engine_flags: Vec<String> = match &args.cost_profile {
+    let mut engine_flags: Vec<String> = match &args.cost_profile {
         Some(profile) if args.engine == node_common::engine_args::EngineKind::Mock => {
             vec![
                 "--engine".into(),
@@ -277,6 +285,12 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         _ => Vec::new(),
     };
+    engine_flags.extend([
+        "--device".into(),
+        args.device.to_string(),
+        "--path".into(),
+        args.forward_path.to_string(),
+    ]);
     let mut join = format!(
         "fission node start --role decode|prefill --model {} --etcd {etcd} --cluster {} --kv-transport {}",
         dir.display(),

@@ -1,0 +1,208 @@
+//! Where a model runs (`--device cpu|cuda[:N]`) and which forward pass it takes
+//! (`--path auto|host|tensor`), parsed once for every binary that loads a model.
+//!
+//! [`DeviceSpec::open`] is called before any weight is read, so a build without the `cuda`
+//! feature asked for CUDA fails at once with [`EngineError::NotCompiledWithCuda`], not after
+//! minutes of loading or with a candle error from deep inside a kernel.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::{DType, Device};
+
+use crate::error::{EngineError, Result};
+use crate::loader::ModelSource;
+use crate::model::{LoadedModel, Model};
+use crate::quantize::Quantize;
+
+/// A device as the command line names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    /// A CUDA device by ordinal (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+impl DeviceSpec {
+    /// Whether this build can open CUDA devices.
+    pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
+
+    /// The candle device. Cheap for the CPU; for CUDA it creates the context, so a machine
+    /// without a driver or that ordinal fails here too.
+    pub fn open(&self) -> Result<Device> {
+        match *self {
+            DeviceSpec::Cpu => Ok(Device::Cpu),
+            #[cfg(feature = "cuda")]
+            DeviceSpec::Cuda(ordinal) => Ok(Device::new_cuda(ordinal)?),
+            #[cfg(not(feature = "cuda"))]
+            DeviceSpec::Cuda(_) => Err(EngineError::NotCompiledWithCuda {
+                device: self.to_string(),
+            }),
+        }
+    }
+
+    /// [`NotCompiledWithCuda`](EngineError::NotCompiledWithCuda) for CUDA in a CPU build,
+    /// without opening anything: for a launcher whose children open the device.
+    pub fn check_compiled(&self) -> Result<()> {
+        match self {
+            DeviceSpec::Cuda(_) if !Self::CUDA_COMPILED => Err(EngineError::NotCompiledWithCuda {
+                device: self.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, DeviceSpec::Cuda(_))
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |reason: &str| EngineError::InvalidParameter {
+            field: "device",
+            reason: reason.into(),
+            given: s.into(),
+        };
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n
+                    .parse()
+                    .map(DeviceSpec::Cuda)
+                    .map_err(|_| bad("the CUDA ordinal must be a number (cuda:0)")),
+                None => Err(bad("expected cpu, cuda or cuda:N")),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Which forward pass steps take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardPath {
+    /// The host path where the model can take it (f32/bf16 weights on the CPU), else the
+    /// tensor path; `FISSION_TENSOR_FORWARD=1` still forces the tensor path.
+    #[default]
+    Auto,
+    /// The host path, an error where the model cannot take it.
+    Host,
+    /// The device-generic tensor path on any device: on the CPU it runs what a GPU runs, so
+    /// CI checks that path without a GPU.
+    Tensor,
+}
+
+impl FromStr for ForwardPath {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(ForwardPath::Auto),
+            "host" => Ok(ForwardPath::Host),
+            "tensor" => Ok(ForwardPath::Tensor),
+            _ => Err(EngineError::InvalidParameter {
+                field: "path",
+                reason: "expected auto, host or tensor".into(),
+                given: s.into(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for ForwardPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ForwardPath::Auto => "auto",
+            ForwardPath::Host => "host",
+            ForwardPath::Tensor => "tensor",
+        })
+    }
+}
+
+/// Loads `source` onto `device` for `path`: the device is opened first, so a CUDA request in
+/// a CPU build fails before any file is read. What every binary that takes `--device` calls.
+pub fn load_model(
+    source: &ModelSource,
+    dtype: Option<DType>,
+    quantize: Quantize,
+    device: DeviceSpec,
+    path: ForwardPath,
+) -> Result<LoadedModel> {
+    let dev = device.open()?;
+    on_path(
+        LoadedModel::load_quantized(source, dtype, quantize, &dev)?,
+        path,
+    )
+}
+
+/// `model` on `path`: [`ForwardPath::Tensor`] moves it to the tensor path,
+/// [`ForwardPath::Host`] checks that it is on the host path.
+pub fn on_path(model: LoadedModel, path: ForwardPath) -> Result<LoadedModel> {
+    let host = match &*model.model {
+        Model::Llama(m) => m.runs_host_path(),
+        Model::Mock(_) => true,
+    };
+    match path {
+        ForwardPath::Auto => Ok(model),
+        ForwardPath::Tensor if host => Ok(model.with_tensor_path()),
+        ForwardPath::Tensor => Ok(model),
+        ForwardPath::Host if host => Ok(model),
+        ForwardPath::Host => Err(EngineError::InvalidParameter {
+            field: "path",
+            reason: "the host path takes f32 or bf16 weights on the CPU (not --quantize, GGUF \
+                     k-quants or a GPU device, or FISSION_TENSOR_FORWARD is set)"
+                .into(),
+            given: path.to_string(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse_as_the_flag_spells_them() {
+        assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+        assert_eq!("cuda".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(0));
+        assert_eq!("CUDA:3".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cuda(3));
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+        for bad in ["metal", "cuda:x", "cuda:", ""] {
+            assert!(bad.parse::<DeviceSpec>().is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn paths_parse() {
+        assert_eq!(
+            "tensor".parse::<ForwardPath>().unwrap(),
+            ForwardPath::Tensor
+        );
+        assert_eq!("host".parse::<ForwardPath>().unwrap(), ForwardPath::Host);
+        assert!("gpu".parse::<ForwardPath>().is_err());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_cpu_build_refuses_cuda_by_name() {
+        let err = DeviceSpec::Cuda(1).open().unwrap_err();
+        assert!(
+            matches!(err, EngineError::NotCompiledWithCuda { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("NotCompiledWithCuda"), "{err}");
+        assert!(DeviceSpec::Cpu.open().is_ok());
+    }
+}
