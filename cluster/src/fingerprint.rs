@@ -6,6 +6,12 @@
 //! seconds per gigabyte at every start; the sample still tells apart two checkpoints of one
 //! architecture (fine-tunes, or random models drawn with different seeds). The KV dtype is not
 //! part of it: that is in the published KV layout.
+//!
+//! A GGUF model's directory (the one `gguf::materialize` writes) links its file as
+//! `model.gguf`: the file itself is hashed too, its length, its first [`GGUF_HEAD`] bytes (the
+//! header, metadata and tensor table of any common file, and the first tensor's data) and
+//! [`SAMPLE`] bytes at its end, so two files that differ in type or tensors differ here even
+//! where a stale directory's `config.json` would not say so.
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
@@ -15,16 +21,52 @@ use std::path::{Path, PathBuf};
 const SAMPLE: u64 = 64 * 1024;
 /// A safetensors header larger than this is not one we will read whole.
 const MAX_HEADER: u64 = 100 * 1024 * 1024;
+/// Bytes read from the start of a GGUF file: its metadata (a 256K-token vocabulary's is
+/// about 8 MiB) and tensor table come first.
+const GGUF_HEAD: u64 = 16 * 1024 * 1024;
+/// The GGUF file a GGUF model's directory links.
+const GGUF_LINK: &str = "model.gguf";
 
 /// The fingerprint of the model in `dir` (config.json plus `model.safetensors` or the shards
-/// named by `model.safetensors.index.json`), as 16 hex digits.
+/// named by `model.safetensors.index.json`, or the GGUF file `model.gguf` links), as 16 hex
+/// digits.
 pub fn model_fingerprint(dir: &Path) -> io::Result<String> {
     let mut h = Fnv::new();
     h.feed(&std::fs::read(dir.join("config.json"))?);
-    for file in weight_files(dir)? {
-        feed_weights(&mut h, &file)?;
+    let gguf = dir.join(GGUF_LINK);
+    if gguf.is_file() {
+        feed_gguf(&mut h, &gguf)?;
+    } else {
+        for file in weight_files(dir)? {
+            feed_weights(&mut h, &file)?;
+        }
     }
     Ok(format!("{:016x}", h.0))
+}
+
+/// A GGUF file's length, head and tail (see the module docs).
+fn feed_gguf(h: &mut Fnv, path: &Path) -> io::Result<()> {
+    let mut f = File::open(path)?;
+    let len = f.metadata()?.len();
+    let mut magic = [0u8; 4];
+    f.read_exact(&mut magic)?;
+    if &magic != b"GGUF" {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is not a GGUF file", path.display()),
+        ));
+    }
+    h.feed(&len.to_le_bytes());
+    f.seek(SeekFrom::Start(0))?;
+    let mut head = Vec::new();
+    (&mut f).take(GGUF_HEAD).read_to_end(&mut head)?;
+    h.feed(&head);
+    let tail = SAMPLE.min(len);
+    f.seek(SeekFrom::Start(len - tail))?;
+    let mut buf = vec![0u8; tail as usize];
+    f.read_exact(&mut buf)?;
+    h.feed(&buf);
+    Ok(())
 }
 
 fn weight_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
@@ -117,6 +159,41 @@ mod tests {
         assert_ne!(fa, model_fingerprint(b.path()).unwrap(), "weights differ");
         write_model(b.path(), "{\"x\":1}", &[1, 2, 3, 4]);
         assert_ne!(fa, model_fingerprint(b.path()).unwrap(), "config differs");
+    }
+
+    /// Issue 33: a GGUF model is fingerprinted by its file, not only by the directory's
+    /// config.json: two files (two quantisations of one model) behind the same config differ.
+    #[test]
+    fn gguf_files_are_hashed_themselves() {
+        let write = |dir: &Path, bytes: &[u8]| {
+            std::fs::write(dir.join("config.json"), "{}").unwrap();
+            let file = dir.join("weights.gguf");
+            std::fs::write(&file, bytes).unwrap();
+            let _ = std::fs::remove_file(dir.join(GGUF_LINK));
+            std::os::unix::fs::symlink(&file, dir.join(GGUF_LINK)).unwrap();
+            std::fs::write(
+                dir.join("model.safetensors.index.json"),
+                r#"{"weight_map": {}}"#,
+            )
+            .unwrap();
+        };
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let mut q4 = b"GGUF\x03\0\0\0".to_vec();
+        q4.extend(std::iter::repeat_n(7u8, 100_000));
+        write(a.path(), &q4);
+        write(b.path(), &q4);
+        let fa = model_fingerprint(a.path()).unwrap();
+        assert_eq!(fa, model_fingerprint(b.path()).unwrap());
+        // One byte of the header (a tensor's type), and one in the middle of the data.
+        for at in [20, 50_000] {
+            let mut other = q4.clone();
+            other[at] ^= 1;
+            write(b.path(), &other);
+            assert_ne!(fa, model_fingerprint(b.path()).unwrap(), "byte {at}");
+        }
+        write(b.path(), b"GGUX-not-gguf");
+        assert!(model_fingerprint(b.path()).is_err());
     }
 
     #[test]
