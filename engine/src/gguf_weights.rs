@@ -2,7 +2,7 @@
 //! under transformers' name and the model loads them as it loads a safetensors checkpoint, in
 //! the load dtype, or as the engine's int8 with `--quantize int8` (lossless for Q8_0 blocks:
 //! both hold 32 inputs per scale). By default the projections stay in their stored blocks:
-//! Q4_0, Q4_K, Q5_K and Q6_K run on the kernels crate's k-quant GEMM, Q8_0 on its int8 panels
+//! Q4_0, Q5_0, Q4_K, Q5_K and Q6_K run on the kernels crate's k-quant GEMM, Q8_0 on its int8 panels
 //! (exact), while embeddings, norms and float tensors are dequantised (`--quantize dequant`
 //! dequantises everything, the comparison path).
 //!
@@ -89,6 +89,7 @@ fn kept_type(t: gguf::GgmlType) -> Option<Option<kernels::KQuantType>> {
     use gguf::GgmlType as G;
     Some(match t {
         G::Q4_0 => Some(kernels::KQuantType::Q4_0),
+        G::Q5_0 => Some(kernels::KQuantType::Q5_0),
         G::Q4K => Some(kernels::KQuantType::Q4K),
         G::Q5K => Some(kernels::KQuantType::Q5K),
         G::Q6K => Some(kernels::KQuantType::Q6K),
@@ -113,8 +114,10 @@ thread_local! {
 /// What the stored blocks of a `[n, k]` weight are, when every one of its rows came from a
 /// block-quantised GGUF tensor kept by [`var_builder`] on this thread.
 pub(crate) enum StoredBlocks {
-    /// Every part Q8_0: the int8 panels hold it exactly.
-    Q8_0,
+    /// Every part Q8_0 (the int8 panels hold it exactly), or Q8_0 parts beside others (a
+    /// Q4_K_M q/k/v with a Q8_0 v): the int8 panels hold the Q8_0 rows exactly and the rest
+    /// within an 8-bit step of their dequantised values.
+    Int8,
     /// Parts in k-quant kernel types, in row order.
     KQuant(kernels::KQuantWeight),
 }
@@ -122,7 +125,7 @@ pub(crate) enum StoredBlocks {
 /// The stored blocks of `weight` (`[n, k]`, as the model hands it to a linear layer: one GGUF
 /// tensor or several concatenated by rows), matched row by row against what [`var_builder`]
 /// kept. `None` when nothing was kept or some row is not covered (a float tensor, a mix with
-/// Q8_0, a tensor the model transformed): the layer then packs the dequantised weight.
+/// a tensor the model transformed): the layer then packs the dequantised weight.
 pub(crate) fn take_quantized(weight: &Tensor) -> Result<Option<StoredBlocks>> {
     if KEPT.with(|k| k.borrow().is_empty()) {
         return Ok(None);
@@ -147,8 +150,8 @@ pub(crate) fn take_quantized(weight: &Tensor) -> Result<Option<StoredBlocks>> {
         // A part is not removed once used: a tied lm_head is the embedding's blocks again.
 
         let types: Vec<_> = parts.iter().map(|p| kept_type(p.ggml_type)).collect();
-        if types.iter().all(|t| *t == Some(None)) {
-            return Ok(Some(StoredBlocks::Q8_0));
+        if types.contains(&Some(None)) {
+            return Ok(Some(StoredBlocks::Int8));
         }
         let mut list = Vec::with_capacity(parts.len());
         for (p, t) in parts.iter().zip(types) {
@@ -200,6 +203,7 @@ mod tests {
         let q = QTensor::quantize(&w, ty).expect("quantize");
         let ggml_type = match ty {
             GgmlDType::Q4_0 => gguf::GgmlType::Q4_0,
+            GgmlDType::Q5_0 => gguf::GgmlType::Q5_0,
             GgmlDType::Q4K => gguf::GgmlType::Q4K,
             GgmlDType::Q5K => gguf::GgmlType::Q5K,
             GgmlDType::Q6K => gguf::GgmlType::Q6K,
@@ -228,7 +232,13 @@ mod tests {
 
     #[test]
     fn stored_blocks_decode_as_candle_dequantises_them() {
-        for ty in [GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        for ty in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q5_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ] {
             let (rows, k) = (19, 512);
             let (raw, deq) = quantized(ty, rows, k);
             keep(&[(raw, deq.clone())]);
@@ -253,7 +263,7 @@ mod tests {
     }
 
     #[test]
-    fn fused_weights_find_their_parts_and_q8_0_goes_to_int8() {
+    fn fused_weights_find_their_parts_and_q8_0_parts_go_to_int8() {
         let k = 256;
         let q = quantized(GgmlDType::Q4K, 64, k);
         let kk = quantized(GgmlDType::Q4K, 16, k);
@@ -284,12 +294,15 @@ mod tests {
         assert!(err <= 1e-3 * norm, "error {err} of {norm}");
         assert!(matches!(
             take_quantized(&q8.1).expect("take"),
-            Some(StoredBlocks::Q8_0)
+            Some(StoredBlocks::Int8)
         ));
-        // Rows no kept tensor holds, or a Q8_0 part beside k-quants: dequantised.
-        assert!(take_quantized(&floats).expect("take").is_none());
+        // A Q8_0 part beside k-quants: int8 panels; rows no kept tensor holds: dequantised.
         let mixed = Tensor::cat(&[&q8.1, &v.1], 0).expect("cat");
-        assert!(take_quantized(&mixed).expect("take").is_none());
+        assert!(matches!(
+            take_quantized(&mixed).expect("take"),
+            Some(StoredBlocks::Int8)
+        ));
+        assert!(take_quantized(&floats).expect("take").is_none());
         release_kept();
         assert!(take_quantized(&q.1).expect("take").is_none());
     }

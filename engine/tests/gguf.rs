@@ -99,7 +99,7 @@ fn f32_gguf_generates_llama_cpps_greedy_ids() {
 #[test]
 fn q8_0_gguf_greedy_ids_against_llama_cpps() {
     let (prompts, expected) = llama_cpp_ids("stories260K-q8_0.gguf");
-    for quantize in [Quantize::None, Quantize::Int8] {
+    for quantize in [Quantize::None, Quantize::Int8, Quantize::Dequant] {
         let q8 = load(&fixture("stories260K-q8_0.gguf"), quantize).expect("q8_0 loads");
         let ours = greedy_ids(&q8, &prompts, 24);
         let same: usize = ours
@@ -122,7 +122,7 @@ fn q8_0_gguf_greedy_ids_against_llama_cpps() {
 fn q8_0_gguf_agrees_with_the_f32_model() {
     let dir = shared_model("stories260K");
     let p = prompts(512, 8, 16);
-    for quantize in [Quantize::None, Quantize::Int8] {
+    for quantize in [Quantize::None, Quantize::Int8, Quantize::Dequant] {
         let q8 = load(&fixture("stories260K-q8_0.gguf"), quantize).expect("q8_0 loads");
         let a = compare(&dir, &q8, &p, 24);
         eprintln!(

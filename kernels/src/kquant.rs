@@ -1,10 +1,11 @@
-//! llama.cpp's block quantisations (Q4_0, Q4_K, Q5_K, Q6_K) kept quantised: each GGUF block
+//! llama.cpp's block quantisations (Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) kept quantised: each GGUF block
 //! is decoded once at load into panels of [`LANES`] output columns that the GEMM in
 //! [`crate::kquant_gemm`] reads with int8 dot products, never widening a weight to f32.
 //!
 //! Every one of these formats is, per 32 inputs of a column (16 for Q6_K), an affine map of
-//! small unsigned integers: `w = s * (u - z) - mn`, with `u` of 4 bits (Q4_0, Q4_K), 5 (Q5_K)
-//! or 6 (Q6_K), a zero point `z` fixed by the format (8 for Q4_0, 32 for Q6_K, 0 for the
+//! small unsigned integers: `w = s * (u - z) - mn`, with `u` of 4 bits (Q4_0, Q4_K), 5 (Q5_0,
+//! Q5_K) or 6 (Q6_K), a zero point `z` fixed by the format (8 for Q4_0, 16 for Q5_0, 32 for
+//! Q6_K, 0 for the
 //! k-quants with a min) and `mn` the k-quants' min. The super-block's f16 `d` times its 6-bit
 //! or 8-bit sub-scale is folded into one f16 `s` per sub-block at load (2^-11 relative, far
 //! under the 4-6 bit rounding of the weights themselves), so the kernel does one float scale
@@ -21,7 +22,7 @@
 //!   k-quants with a min, 16 f16 mins.
 //!
 //! That is 5 bits a weight for Q4_K (GGUF: 4.5), 6 for Q5_K (5.5), 7 for Q6_K (6.56) and 4.5
-//! for Q4_0 (as stored): a record is read front to back, one stream per panel.
+//! for Q4_0 (as stored), 5.5 for Q5_0 (as stored): a record is read front to back, one stream per panel.
 
 use crate::error::KernelError;
 use crate::q8::{QLayout, GROUPS, GROUP_INPUTS, Q8_BLOCK};
@@ -31,6 +32,7 @@ use crate::simd::LANES;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KQuantType {
     Q4_0,
+    Q5_0,
     Q4K,
     Q5K,
     Q6K,
@@ -40,7 +42,7 @@ impl KQuantType {
     /// Inputs per GGUF block.
     pub fn block_inputs(self) -> usize {
         match self {
-            KQuantType::Q4_0 => 32,
+            KQuantType::Q4_0 | KQuantType::Q5_0 => 32,
             _ => 256,
         }
     }
@@ -49,6 +51,7 @@ impl KQuantType {
     pub fn block_bytes(self) -> usize {
         match self {
             KQuantType::Q4_0 => 18,
+            KQuantType::Q5_0 => 22,
             KQuantType::Q4K => 144,
             KQuantType::Q5K => 176,
             KQuantType::Q6K => 210,
@@ -59,6 +62,7 @@ impl KQuantType {
     pub fn name(self) -> &'static str {
         match self {
             KQuantType::Q4_0 => "Q4_0",
+            KQuantType::Q5_0 => "Q5_0",
             KQuantType::Q4K => "Q4_K",
             KQuantType::Q5K => "Q5_K",
             KQuantType::Q6K => "Q6_K",
@@ -69,7 +73,7 @@ impl KQuantType {
     pub(crate) fn hi_bits(self) -> usize {
         match self {
             KQuantType::Q4_0 | KQuantType::Q4K => 0,
-            KQuantType::Q5K => 1,
+            KQuantType::Q5_0 | KQuantType::Q5K => 1,
             KQuantType::Q6K => 2,
         }
     }
@@ -92,6 +96,7 @@ impl KQuantType {
     pub(crate) fn zero(self) -> i32 {
         match self {
             KQuantType::Q4_0 => 8,
+            KQuantType::Q5_0 => 16,
             KQuantType::Q6K => 32,
             KQuantType::Q4K | KQuantType::Q5K => 0,
         }
@@ -142,6 +147,15 @@ pub(crate) fn decode(ty: KQuantType, b: &[u8]) -> Decoded {
             for j in 0..16 {
                 out.u[j] = b[2 + j] & 0xF;
                 out.u[j + 16] = b[2 + j] >> 4;
+            }
+        }
+        KQuantType::Q5_0 => {
+            out.s[0] = f16(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for j in 0..16 {
+                let top = |bit: usize| (((qh >> bit) & 1) as u8) << 4;
+                out.u[j] = (b[6 + j] & 0xF) | top(j);
+                out.u[j + 16] = (b[6 + j] >> 4) | top(j + 16);
             }
         }
         KQuantType::Q4K | KQuantType::Q5K => {
@@ -412,7 +426,7 @@ pub fn random_blocks(ty: KQuantType, rows: usize, k: usize, seed: u64) -> Vec<u8
             half::f16::from_f32(v).to_bits().to_le_bytes()
         };
         match ty {
-            KQuantType::Q4_0 => b[0..2].copy_from_slice(&scale()),
+            KQuantType::Q4_0 | KQuantType::Q5_0 => b[0..2].copy_from_slice(&scale()),
             KQuantType::Q4K | KQuantType::Q5K => {
                 b[0..2].copy_from_slice(&scale());
                 b[2..4].copy_from_slice(&scale());
@@ -432,6 +446,7 @@ mod tests {
     fn panels_hold_what_the_blocks_decode_to() {
         for ty in [
             KQuantType::Q4_0,
+            KQuantType::Q5_0,
             KQuantType::Q4K,
             KQuantType::Q5K,
             KQuantType::Q6K,

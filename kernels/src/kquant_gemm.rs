@@ -291,6 +291,7 @@ unsafe fn by_type<D: KDot, const MR: usize, const MR2: usize>(
     unsafe {
         match job.seg.ty {
             KQuantType::Q4_0 => task::<D, MR, 0, 1, false>(d, job, p0, p1),
+            KQuantType::Q5_0 => task::<D, MR, 1, 1, false>(d, job, p0, p1),
             KQuantType::Q4K => task::<D, MR, 0, 1, true>(d, job, p0, p1),
             KQuantType::Q5K => task::<D, MR, 1, 1, true>(d, job, p0, p1),
             KQuantType::Q6K => task::<D, MR2, 2, 2, false>(d, job, p0, p1),
@@ -581,8 +582,9 @@ mod tests {
     use crate::kquant::{random_blocks, KQuantPart};
     use rand::{Rng, SeedableRng};
 
-    const TYPES: [KQuantType; 4] = [
+    const TYPES: [KQuantType; 5] = [
         KQuantType::Q4_0,
+        KQuantType::Q5_0,
         KQuantType::Q4K,
         KQuantType::Q5K,
         KQuantType::Q6K,

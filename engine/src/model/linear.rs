@@ -6,9 +6,9 @@
 //! call (a quarter of a batch-32 step, measured) and runs its small-batch path on one core.
 //! With `--quantize int8` the same panels hold int8 with a scale per 32 inputs (quantised here,
 //! from f32 or bf16), and the kernel quantises the activations to match.
-//! A GGUF file's Q4_0/Q4_K/Q5_K/Q6_K projections keep their blocks
-//! ([`kernels::KQuantWeight`], found by `crate::gguf_weights::take_quantized`) and Q8_0 ones
-//! go to the int8 panels, which hold them exactly.
+//! A GGUF file's Q4_0/Q5_0/Q4_K/Q5_K/Q6_K projections keep their blocks
+//! ([`kernels::KQuantWeight`], found by `crate::gguf_weights::take_quantized`) and those with
+//! Q8_0 rows go to the int8 panels, which hold Q8_0 exactly.
 //! Other dtypes and devices keep candle's matmul.
 
 use candle_core::{DType, Device, Tensor};
@@ -22,7 +22,7 @@ use crate::quantize::Quantize;
 enum Weight {
     /// f32 or bf16 on CPU, in panels.
     Packed(kernels::PackedWeight),
-    /// A GGUF file's Q4_0/Q4_K/Q5_K/Q6_K blocks on CPU, in the k-quant GEMM's panels.
+    /// A GGUF file's Q4_0/Q5_0/Q4_K/Q5_K/Q6_K blocks on CPU, in the k-quant GEMM's panels.
     KQuant(kernels::KQuantWeight),
     /// `[in, out]`, contiguous: the transpose of what checkpoints store. gemm packs a
     /// row-major `[in, out]` operand cheaply, while a transposed view costs more than the
@@ -58,7 +58,7 @@ impl Linear {
                 };
                 Weight::KQuant(w)
             }
-            _ if quantize == Quantize::Int8 || matches!(stored, Some(StoredBlocks::Q8_0)) => {
+            _ if quantize == Quantize::Int8 || matches!(stored, Some(StoredBlocks::Int8)) => {
                 if !on_cpu {
                     return Err(EngineError::InvalidConfig {
                         reason: format!(
