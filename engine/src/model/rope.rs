@@ -165,3 +165,63 @@ impl RopeTables {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn longrope(original: usize) -> Rope {
+        Rope::with_base(
+            4,
+            10_000.0,
+            &RopeScaling::LongRope {
+                short_factor: vec![1.0, 2.0],
+                long_factor: vec![3.0, 5.0],
+                original_max_position_embeddings: original,
+                attention_factor: 1.5,
+            },
+        )
+    }
+
+    /// Frequencies are 1 / (factor * base^(i / rotary_dim)); position p takes the long set
+    /// once p + 1 > original; cos and sin carry the attention factor.
+    #[test]
+    fn longrope_takes_the_long_factors_from_the_original_context_on() {
+        let rope = longrope(8);
+        let t = rope.tables(&[3, 7, 8, 20]);
+        let angle = |p: f32, factor: f32, i: usize| p / (factor * 10_000f32.powf(i as f32 / 4.0));
+        let want = [
+            (3.0, [1.0, 2.0]),
+            (7.0, [1.0, 2.0]),
+            (8.0, [3.0, 5.0]),
+            (20.0, [3.0, 5.0]),
+        ];
+        for (row, (p, factors)) in want.iter().enumerate() {
+            for (j, &f) in factors.iter().enumerate() {
+                let a = angle(*p, f, 2 * j);
+                assert!(
+                    (t.cos[row * 2 + j] - a.cos() * 1.5).abs() < 1e-6,
+                    "row {row}"
+                );
+                assert!(
+                    (t.sin[row * 2 + j] - a.sin() * 1.5).abs() < 1e-6,
+                    "row {row}"
+                );
+            }
+        }
+    }
+
+    /// With 4 rotary dims of a 6-dim head, dims 0..4 rotate in pairs (0, 2) and (1, 3), and
+    /// dims 4 and 5 pass through.
+    #[test]
+    fn partial_rotary_rotates_the_leading_dims_only() {
+        let rope = Rope::with_base(4, 10_000.0, &RopeScaling::None);
+        let t = rope.tables(&[5]);
+        let mut x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        t.apply(0, &mut x);
+        let (c0, s0) = (5f32.cos(), 5f32.sin());
+        assert!((x[0] - (1.0 * c0 - 3.0 * s0)).abs() < 1e-6);
+        assert!((x[2] - (3.0 * c0 + 1.0 * s0)).abs() < 1e-6);
+        assert_eq!(&x[4..], &[5.0, 6.0]);
+    }
+}
