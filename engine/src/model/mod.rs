@@ -1,6 +1,7 @@
 //! Model loading and the forward pass.
 
 pub mod batch;
+pub mod device_ops;
 mod host;
 mod linear;
 pub mod llama;
