@@ -18,7 +18,7 @@ pub enum EngineError {
         supported: &'static [&'static str],
     },
     #[error(
-        "unsupported rope_scaling type {rope_type:?}: supported are llama3, linear and default"
+        "unsupported rope_scaling type {rope_type:?}: supported are llama3, linear, longrope and default"
     )]
     UnsupportedRopeScaling { rope_type: String },
     #[error("unsupported dtype {dtype:?}: supported are f32, bf16 and f16")]
