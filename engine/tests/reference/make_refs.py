@@ -85,12 +85,16 @@ BASE = {
 }
 
 
-def variant(name, description, long=False, rope_rule=None, **changes):
+def variant(name, description, long=False, rope_rule=None, suite=None, **changes):
     spec = dict(BASE)
     for key in changes:
-        assert key in spec, f"unknown spec field {key}"
+        # `moe` is not in BASE, so the dense variants' recorded specs stay as they were.
+        assert key in spec or key == "moe", f"unknown spec field {key}"
     spec.update(changes)
     v = {"name": name, "description": description, "spec": spec}
+    if suite:
+        # Checked by engine/tests/architectures_<suite>.rs rather than architectures.rs.
+        v["suite"] = suite
     if long:
         v["max_new_tokens"] = LONG_NEW_TOKENS
     if rope_rule:
@@ -280,6 +284,52 @@ VARIANTS = [
         seed=143,
     ),
 ]
+
+# Mixtures of experts (suite "moe", engine/tests/architectures_moe.rs). Router weights of std 0.5
+# over hidden 64 give router logits of std ~4: tokens pick different experts, and not by a hair.
+MOE_VARIANTS = [
+    variant(
+        "mixtral",
+        "Mixtral: 8 experts of ffn 64 in every layer, top-2 of the softmax renormalised, "
+        "router std 0.5 (different tokens pick different experts), own lm_head",
+        suite="moe",
+        architecture="MixtralForCausalLM",
+        ffn=64,
+        tie_word_embeddings=False,
+        init_std=0.15,
+        moe={"experts": 8, "top_k": 2, "norm_topk_prob": True, "router_std": 0.5},
+        seed=151,
+    ),
+    variant(
+        "qwen3_moe",
+        "Qwen3-MoE: Qwen3's q/k norms and head_dim 32, 6 experts of moe_intermediate_size 32, "
+        "top-3 not renormalised (norm_topk_prob false), layer 1 dense (mlp_only_layers [1], "
+        "intermediate_size 128), own lm_head",
+        suite="moe",
+        architecture="Qwen3MoeForCausalLM",
+        layers=3,
+        head_dim=32,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        init_std=0.15,
+        moe={"experts": 6, "top_k": 3, "expert_ffn": 32, "norm_topk_prob": False,
+             "mlp_only_layers": [1], "router_std": 0.5},
+        seed=152,
+    ),
+    variant(
+        "qwen3_moe_norm",
+        "Qwen3-MoE: 8 experts of 48, top-4 renormalised (norm_topk_prob true), "
+        "decoder_sparse_step 2 (layers 1 and 3 sparse, 0 and 2 dense), tied embeddings",
+        suite="moe",
+        architecture="Qwen3MoeForCausalLM",
+        layers=4,
+        init_std=0.15,
+        moe={"experts": 8, "top_k": 4, "expert_ffn": 48, "norm_topk_prob": True,
+             "decoder_sparse_step": 2, "router_std": 0.5},
+        seed=154,
+    ),
+]
+VARIANTS += MOE_VARIANTS
 
 
 def use_position_rope_rule(model):
