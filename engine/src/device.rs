@@ -169,6 +169,78 @@ pub fn on_path(model: LoadedModel, path: ForwardPath) -> Result<LoadedModel> {
     }
 }
 
+/// The KV blocks a CUDA device holds under `--gpu-memory-utilization`, vLLM's meaning: the
+/// process may use `utilization` of the device's total memory, so the KV cache gets what is
+/// free after the weights (loaded by now) less the share it must leave to others. `None` on
+/// the CPU, where `--kv-memory-fraction` of host memory sizes the cache.
+pub fn device_kv_blocks(
+    device: DeviceSpec,
+    model: &LoadedModel,
+    cfg: &crate::engine::EngineConfig,
+    utilization: f64,
+) -> Result<Option<usize>> {
+    if !(0.0..=1.0).contains(&utilization) || utilization == 0.0 {
+        return Err(EngineError::InvalidParameter {
+            field: "gpu_memory_utilization",
+            reason: "must be in (0, 1]".into(),
+            given: utilization.to_string(),
+        });
+    }
+    let DeviceSpec::Cuda(ordinal) = device else {
+        return Ok(None);
+    };
+    let (free, total) = cuda_memory(ordinal)?;
+    let mc = model.config();
+    let dtype = match cfg.kv_cache_dtype {
+        Some(d) => d,
+        None => match model.model.dtype() {
+            DType::BF16 => kv_types::KvDtype::Bf16,
+            DType::F16 => kv_types::KvDtype::F16,
+            _ => kv_types::KvDtype::F32,
+        },
+    };
+    let layout = kv_types::KvLayout {
+        dtype,
+        num_layers: mc.num_layers as u32,
+        block_size: cfg.block_size as u32,
+        num_kv_heads: mc.num_kv_heads as u32,
+        head_dim: mc.head_dim as u32,
+    };
+    Ok(Some(kv_blocks_in(
+        free,
+        total,
+        utilization,
+        layout.bytes_per_block_all_layers(),
+    )))
+}
+
+/// Blocks of `block_bytes` in what is free beyond the `1 - utilization` of `total` kept for
+/// others.
+pub fn kv_blocks_in(free: u64, total: u64, utilization: f64, block_bytes: u64) -> usize {
+    let reserved = (total as f64 * (1.0 - utilization)) as u64;
+    (free.saturating_sub(reserved) / block_bytes.max(1)) as usize
+}
+
+/// `(free, total)` bytes of CUDA device `ordinal`.
+#[cfg(feature = "cuda")]
+fn cuda_memory(ordinal: usize) -> Result<(u64, u64)> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let cuda =
+        |e: candle_core::cuda_backend::cudarc::driver::DriverError| EngineError::InvalidConfig {
+            reason: format!("CUDA device {ordinal}: {e}"),
+        };
+    let ctx = CudaContext::new(ordinal).map_err(cuda)?;
+    let (free, total) = ctx.mem_get_info().map_err(cuda)?;
+    Ok((free as u64, total as u64))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_memory(_ordinal: usize) -> Result<(u64, u64)> {
+    Err(EngineError::NotCompiledWithCuda {
+        device: "cuda".into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,6 +254,16 @@ mod tests {
         for bad in ["metal", "cuda:x", "cuda:", ""] {
             assert!(bad.parse::<DeviceSpec>().is_err(), "{bad:?} parsed");
         }
+    }
+
+    #[test]
+    fn the_device_cache_gets_the_free_memory_beyond_the_reserve() {
+        let gib = 1u64 << 30;
+        // 80 GiB card, 60 free after the weights, 0.9: 8 GiB kept for others, 52 for KV.
+        assert_eq!(kv_blocks_in(60 * gib, 80 * gib, 0.9, gib), 52);
+        // Less free than the reserve: no blocks, not an underflow.
+        assert_eq!(kv_blocks_in(5 * gib, 80 * gib, 0.9, gib), 0);
+        assert_eq!(kv_blocks_in(80 * gib, 80 * gib, 1.0, 2 * gib), 40);
     }
 
     #[test]

@@ -36,6 +36,11 @@ pub struct EngineArgs {
     /// (the device-generic path, on the CPU too).
     #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
     pub forward_path: ForwardPath,
+    /// On CUDA, the share of the GPU's total memory this process may use (vLLM's meaning): the
+    /// KV cache gets what is free after the weights, less the rest. Ignored on the CPU
+    /// (`--kv-memory-fraction`) and when `--num-kv-blocks` is given.
+    #[arg(long, env = "FISSION_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// The KV cache's element type: f32, bf16, f16, or int8 (a byte per element and an f32
     /// scale per token row and kv head: half of bf16's bytes, scales aside). By default the
     /// model's dtype. A prefill and a decode node exchange KV only when theirs agree.
@@ -194,7 +199,17 @@ impl EngineArgs {
             let fingerprint = model_fingerprint(&model)?;
             let model_id = model.model_id.clone();
             let max_context = model.config().max_context as u32;
+            let architecture = crate::model_types::architecture(&model);
+            let weight_dtype = crate::model_types::weight_dtype(&model, args.quantize);
             let mut config = args.engine_config();
+            if config.num_kv_blocks.is_none() && model.model.as_mock().is_none() {
+                config.num_kv_blocks = engine::device::device_kv_blocks(
+                    args.device,
+                    &model,
+                    &config,
+                    args.gpu_memory_utilization,
+                )?;
+            }
             if let Some(m) = model.model.as_mock() {
                 // The profiled node's KV capacity, unless given: its cache is only touched
                 // where sequences write, so it costs the blocks in use, not the whole.
@@ -212,6 +227,8 @@ impl EngineArgs {
                 max_context,
                 // The role sets it when it has a KV identity (prefill-node's `build`).
                 kv_identity: Vec::new(),
+                architecture,
+                weight_dtype,
             };
             Ok(StartedEngine { engine, info })
         })
