@@ -2,8 +2,12 @@
 //!
 //!     cargo run --release -p kv-bench --example bench -- [--reps N] [--warmup N]
 //!         [--tokens 128,1024,4096] [--tcp-conns N] [--fairness]
-//!         [--os-socket-buffers] [--windows STREAM,CONN,SEND (MiB)]...
+//!         [--os-socket-buffers] [--windows STREAM,CONN,SEND (MiB)]... [--mtu BYTES]...
+//!         [--only 'PREFIX;PREFIX']
 //!
+//! `--mtu`, QUIC with packets of BYTES from the first one (initial MTU and the MTU discovery
+//! bound; loopback's MTU is 65536, a jumbo-frame fabric's 9000); `--only`, just the rows whose
+//! label starts with one of the prefixes (`raw tcp;shm;quic, tuned`), to keep a run short.
 //! The optional rows: `--fairness`, QUIC with stream round-robin on;
 //! `--os-socket-buffers`, QUIC with the OS-default UDP socket buffers instead of 4 MiB.
 
@@ -14,6 +18,7 @@ use kvtransfer::{QuicConfig, QuicWindows};
 fn main() -> Result<()> {
     let mut cfg = BenchConfig::default();
     let mut args = std::env::args().skip(1);
+    let mut only: Option<String> = None;
     while let Some(arg) = args.next() {
         let mut value = || args.next().with_context(|| format!("{arg} needs a value"));
         match arg.as_str() {
@@ -66,8 +71,25 @@ fn main() -> Result<()> {
                     ..QuicConfig::default()
                 },
             }),
+            "--mtu" => {
+                let mtu: u16 = value()?.parse()?;
+                cfg.backends.push(BenchBackend::Quic {
+                    label: format!("tuned windows, {mtu}-byte packets"),
+                    config: QuicConfig {
+                        initial_mtu: mtu,
+                        mtu_upper_bound: mtu,
+                        ..QuicConfig::default()
+                    },
+                });
+            }
+            "--only" => only = Some(value()?),
             other => bail!("unknown argument {other}"),
         }
+    }
+    if let Some(only) = only {
+        let prefixes: Vec<&str> = only.split(';').collect();
+        cfg.backends
+            .retain(|b| prefixes.iter().any(|p| b.label().starts_with(p)));
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

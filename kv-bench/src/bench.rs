@@ -16,8 +16,8 @@ use kv_types::{KvLayout, TransferId};
 use kvtransfer::{
     new_endpoint, quic_client_config, quic_server_config, DiscardSink, KvConnection, KvServer,
     KvTransferError, KvTransport, LayerHeader, QuicConfig, QuicConnection, QuicServer,
-    QuicTransport, QuicWindows, TcpConfig, TcpConnection, TcpServer, TcpTransport,
-    TransferRegistry,
+    QuicTransport, QuicWindows, ShmConfig, ShmConnection, ShmServer, ShmTransport, TcpConfig,
+    TcpConnection, TcpServer, TcpTransport, TransferRegistry,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -31,6 +31,10 @@ pub enum BenchBackend {
     /// One TCP stream writing all layers back to back, no framing, checksum or verdicts.
     RawTcp,
     Tcp {
+        connections: usize,
+    },
+    /// Shared memory through a Unix socket in /dev/shm.
+    Shm {
         connections: usize,
     },
     Quic {
@@ -49,6 +53,7 @@ impl BenchBackend {
         match self {
             Self::RawTcp => "raw tcp (baseline)".to_owned(),
             Self::Tcp { connections } => format!("tcp, {connections} conns"),
+            Self::Shm { connections } => format!("shm, {connections} conns"),
             Self::Quic { label, .. } => format!("quic, {label}"),
             Self::RawQuic { .. } => "raw quinn streams, tuned windows".to_owned(),
         }
@@ -80,6 +85,7 @@ impl Default for BenchConfig {
             backends: vec![
                 BenchBackend::RawTcp,
                 BenchBackend::Tcp { connections: 8 },
+                BenchBackend::Shm { connections: 8 },
                 BenchBackend::Quic {
                     label: "default windows".to_owned(),
                     config: QuicConfig {
@@ -175,6 +181,7 @@ impl fmt::Display for BenchReport {
 enum Runner {
     Raw(TcpStream),
     Tcp(TcpConnection),
+    Shm(ShmConnection),
     Quic(QuicConnection, Arc<QuicTransport>),
     RawQuic(quinn::Connection, quinn::Endpoint),
 }
@@ -283,6 +290,21 @@ async fn run_with_servers(
                 let transport = TcpTransport::new(config);
                 Runner::Tcp(transport.connect(&endpoint).await?)
             }
+            BenchBackend::Shm { connections } => {
+                let config = ShmConfig {
+                    connections_per_endpoint: *connections,
+                    ..ShmConfig::default()
+                };
+                let server = ShmServer::bind(config.clone())?;
+                let endpoint = server.endpoint();
+                servers.spawn(serve(
+                    server,
+                    registry.clone(),
+                    sink.clone(),
+                    shutdown.clone(),
+                ));
+                Runner::Shm(ShmTransport::new(config).connect(&endpoint).await?)
+            }
             BenchBackend::Quic { config, .. } => {
                 let config = config.clone();
                 let server = QuicServer::bind(loopback, &server_tls, config.clone())?;
@@ -334,6 +356,9 @@ async fn run_with_servers(
                     Runner::Raw(stream) => raw_transfer(stream, &payloads).await?,
                     Runner::RawQuic(conn, _) => raw_quic_transfer(conn, &payloads).await?,
                     Runner::Tcp(conn) => {
+                        framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
+                    }
+                    Runner::Shm(conn) => {
                         framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
                     }
                     Runner::Quic(conn, _) => {

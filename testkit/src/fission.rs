@@ -187,8 +187,8 @@ impl Up {
             .args(["--decode", &config.decode.to_string()])
             .args(["--port", &port.to_string()])
             .args(["--kv-transport", &config.kv_transport])
-            // The plaintext KV backend is allowed only where a user says so.
-            .args((config.kv_transport == "tcp").then_some("--insecure"))
+            // The KV backends without TLS (tcp, shm) are allowed only where a user says so.
+            .args((config.kv_transport != "quic").then_some("--insecure"))
             .args([
                 "--ready-timeout-s",
                 &config.ready_timeout.as_secs().to_string(),
