@@ -15,7 +15,8 @@ mod common;
 use candle_core::Device;
 use common::arch_refs::{stories_tokenizer, variant};
 use common::greedy;
-use engine::engine::{Engine, EngineConfig};
+use engine::engine::{Engine, EngineConfig, LayerDone};
+use engine::ids::SeqId;
 use engine::kv::groups::{first_live_block, KvGroups};
 use engine::loader::ModelSource;
 use engine::model::LoadedModel;
@@ -201,4 +202,72 @@ fn a_repeated_prompt_reuses_its_prefix_in_every_group_exactly() {
     );
     // The high-water marks are the first run's: the second held no more.
     assert_eq!(again.peak, first.peak);
+}
+
+/// A decode engine with sliding groups takes a prefill engine's push: each sliding layer keeps
+/// only the first decode query's window of the pushed blocks, and the ids are the colocated
+/// run's. A released reservation gives back every group's blocks.
+#[test]
+fn a_decode_engine_keeps_only_the_window_of_a_pushed_prompt() {
+    let (_dir, model) = gemma3_shaped();
+    let tokens = prompt(model.config().vocab_size);
+    let colocated = run(
+        &mut Engine::new(model.clone(), config()).unwrap(),
+        1,
+        &tokens,
+    );
+
+    let mut prefill = Engine::with_full_kv(model.clone(), config()).unwrap();
+    let mut decode = Engine::new(model, config()).unwrap();
+    let req = greedy(1, tokens.clone(), NEW_TOKENS);
+    assert!(
+        prefill.add_prefill_request(req.clone()).is_ok()
+            && Engine::new(prefill.model().clone(), config())
+                .unwrap()
+                .add_prefill_request(req.clone())
+                .is_err(),
+        "only a one-group engine prefills for another node"
+    );
+    let dest = decode.reserve(req.clone()).unwrap();
+    let blocks = PROMPT / BS;
+    let live = blocks - first_live_block(PROMPT, WINDOW, BS);
+    let used =
+        |e: &Engine| -> Vec<usize> { e.kv_usage().iter().map(|u| u.num_blocks_used).collect() };
+    assert_eq!((dest.len(), used(&decode)), (blocks, vec![blocks, live]));
+    let mut layers: Vec<(usize, Vec<u8>)> = Vec::new();
+    let mut first = None;
+    while first.is_none() {
+        let events = prefill
+            .step_with_layer_hook(&mut |done: LayerDone<'_>| {
+                for (_seq, ids) in done.completing {
+                    let mut buf = vec![0u8; done.cache.export_len(ids.len())];
+                    done.cache.export_blocks(done.layer, ids, &mut buf)?;
+                    layers.push((done.layer, buf));
+                }
+                Ok(())
+            })
+            .unwrap();
+        first = events.into_iter().next();
+    }
+    assert_eq!(layers.len(), 6);
+    for (layer, bytes) in &layers {
+        decode.import_layer(SeqId(1), *layer, bytes).unwrap();
+    }
+    let first = first.unwrap();
+    let mut ids = vec![first.token.token_id];
+    assert!(decode.activate(SeqId(1), first.token).unwrap().is_none());
+    assert_eq!(used(&decode), vec![blocks, live]);
+    while decode.has_work() {
+        for ev in decode.step().unwrap() {
+            ids.push(ev.token.token_id);
+        }
+    }
+    assert_eq!(ids, colocated.ids, "the same ids as the colocated run");
+    assert_eq!(used(&decode), vec![0, 0]);
+
+    // A reservation released before its KV arrives frees both groups' blocks.
+    decode.reserve(greedy(2, tokens, NEW_TOKENS)).unwrap();
+    assert_eq!(used(&decode), vec![blocks, live]);
+    assert!(decode.release_reservation(SeqId(2)));
+    assert_eq!(used(&decode), vec![0, 0]);
 }

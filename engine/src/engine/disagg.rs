@@ -10,9 +10,11 @@ use super::{Engine, Request};
 use crate::error::{EngineError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv::cache::KvCache;
+use crate::kv::groups::{first_live_block, NO_BLOCK};
 use crate::sampling::SampledToken;
 use crate::scheduler::{Batch, NewSequence};
 use crate::stopping::FinishReason;
+use kv_types::KvLayout;
 
 /// One layer's KV is in the cache for every sequence of the step.
 pub struct LayerDone<'a> {
@@ -29,13 +31,17 @@ pub type LayerHook<'a> = dyn FnMut(LayerDone<'_>) -> Result<()> + 'a;
 pub(super) struct Reservation {
     request: Request,
     blocks: Vec<BlockId>,
+    /// Per sliding-window group: the index of the first block its layers receive (the first
+    /// decode query's window), and the blocks that take them.
+    windows: Vec<(usize, Vec<BlockId>)>,
 }
 
 impl Engine {
     /// Decode node: validates `req` and sets aside blocks for its prompt's KV. `OutOfBlocks`
-    /// means busy: the reservation pool or the free blocks are exhausted.
+    /// means busy: the reservation pool or the free blocks are exhausted. The blocks returned
+    /// are the full-attention group's; a sliding-window group takes only the blocks of the
+    /// first decode query's window ([`import_layer`](Self::import_layer)).
     pub fn reserve(&mut self, req: Request) -> Result<Vec<BlockId>> {
-        self.check_one_kv_group()?;
         self.validate(&req)?;
         if let Some(spec) = &req.grammar {
             // Fail now rather than when the KV has arrived; the constraint is built again then.
@@ -53,15 +59,75 @@ impl Engine {
                 free: free.min(self.max_reserved_blocks.saturating_sub(held)),
             });
         }
+        let windows: Vec<(usize, usize)> = self
+            .cache
+            .groups()
+            .windows()
+            .iter()
+            .map(|&w| first_live_block(req.prompt_ids.len(), w, self.block_size))
+            .map(|from| (from, n - from))
+            .collect();
+        for (g, &(_, k)) in windows.iter().enumerate() {
+            let free = self.scheduler.window_allocator_mut(g + 1).num_free();
+            if k > free {
+                return Err(EngineError::OutOfBlocks { needed: k, free });
+            }
+        }
         let blocks = self.scheduler.allocator_mut().allocate_n(n)?;
+        let windows = windows
+            .into_iter()
+            .enumerate()
+            .map(|(g, (from, k))| {
+                let pool = self.scheduler.window_allocator_mut(g + 1);
+                (from, pool.allocate_n(k).expect("checked against num_free"))
+            })
+            .collect();
         self.reserved.insert(
             req.seq_id,
             Reservation {
                 request: req,
                 blocks: blocks.clone(),
+                windows,
             },
         );
         Ok(blocks)
+    }
+
+    /// Decode node: one layer's pushed KV for reservation `seq_id`, as the prefill node
+    /// exported it over the reservation's blocks ([`KvCache::export_blocks`] layout). A
+    /// sliding-window layer keeps only the blocks of the first decode query's window.
+    pub fn import_layer(&mut self, seq_id: SeqId, layer: usize, payload: &[u8]) -> Result<()> {
+        let r = self
+            .reserved
+            .get(&seq_id)
+            .ok_or(EngineError::UnknownSequence(seq_id))?;
+        let group = match layer < self.cache.num_layers() {
+            true => self.cache.groups().group_of(layer),
+            false => 0, // import_blocks names the bad layer
+        };
+        if group == 0 {
+            return self.cache.import_blocks(layer, &r.blocks, payload);
+        }
+        let (from, blocks) = &r.windows[group - 1];
+        let layout = self.cache.layout();
+        let suffix = window_suffix(payload, r.blocks.len(), *from, &layout)?;
+        self.cache.import_blocks(layer, blocks, &suffix)
+    }
+
+    /// Frees every block a reservation holds, in every group.
+    fn free_reserved(&mut self, blocks: Vec<BlockId>, windows: Vec<(usize, Vec<BlockId>)>) {
+        for b in blocks {
+            if let Err(e) = self.scheduler.allocator_mut().free(b) {
+                tracing::error!(error = %e, "freeing a reserved block");
+            }
+        }
+        for (g, (_, ids)) in windows.into_iter().enumerate() {
+            for b in ids {
+                if let Err(e) = self.scheduler.window_allocator_mut(g + 1).free(b) {
+                    tracing::error!(error = %e, "freeing a reserved window block");
+                }
+            }
+        }
     }
 
     /// Frees a reservation's blocks (lease expiry, cancellation, failed transfer).
@@ -69,11 +135,7 @@ impl Engine {
         let Some(r) = self.reserved.remove(&seq_id) else {
             return false;
         };
-        for b in r.blocks {
-            if let Err(e) = self.scheduler.allocator_mut().free(b) {
-                tracing::error!(%seq_id, error = %e, "freeing a reserved block");
-            }
-        }
+        self.free_reserved(r.blocks, r.windows);
         true
     }
 
@@ -102,28 +164,33 @@ impl Engine {
             max_new_tokens,
         };
         if let Err(e) = self.track(r.request, false) {
-            for b in r.blocks {
-                self.scheduler.allocator_mut().free(b)?;
-            }
+            self.free_reserved(r.blocks, r.windows);
             return Err(e);
         }
         let ends_now = max_new_tokens < 2;
         if !ends_now {
-            if let Err(e) = self
-                .scheduler
-                .add_prefilled(new_seq, r.blocks.clone(), first.token_id)
-            {
+            let window_tables = r
+                .windows
+                .iter()
+                .map(|(from, ids)| {
+                    let mut table = vec![NO_BLOCK; *from];
+                    table.extend_from_slice(ids);
+                    table
+                })
+                .collect();
+            if let Err(e) = self.scheduler.add_prefilled_windows(
+                new_seq,
+                r.blocks.clone(),
+                window_tables,
+                first.token_id,
+            ) {
                 self.states.remove(&seq_id);
-                for b in r.blocks {
-                    self.scheduler.allocator_mut().free(b)?;
-                }
+                self.free_reserved(r.blocks, r.windows);
                 return Err(e);
             }
         } else {
             // Nothing left to decode: give the blocks back before emitting.
-            for b in r.blocks {
-                self.scheduler.allocator_mut().free(b)?;
-            }
+            self.free_reserved(r.blocks, r.windows);
         }
         let state = self.states.get_mut(&seq_id).expect("tracked just above");
         // The prefill node computed the prompt and reported its logprobs.
@@ -172,6 +239,7 @@ impl Engine {
     /// Prefill node: queues `req` to compute its prompt and sample one token. The sequence
     /// leaves the engine after that token (its blocks stay in the prefix cache).
     pub fn add_prefill_request(&mut self, req: Request) -> Result<()> {
+        // The push exports the full-attention table for every layer.
         self.check_one_kv_group()?;
         self.validate(&req)?;
         let new_seq = NewSequence {
@@ -199,8 +267,8 @@ impl Engine {
 }
 
 impl Engine {
-    /// The push and the import carry one block table a sequence: an engine whose sliding
-    /// layers free their blocks ([`Engine::new`]) cannot take part; [`Engine::with_full_kv`]
+    /// The push exports one block table a sequence: an engine whose sliding layers free their
+    /// blocks ([`Engine::new`]) cannot prefill for another node; [`Engine::with_full_kv`]
     /// builds one that can.
     fn check_one_kv_group(&self) -> Result<()> {
         let groups = self.cache.groups().num_groups();
@@ -208,7 +276,7 @@ impl Engine {
             return Err(EngineError::InvalidConfig {
                 reason: format!(
                     "this engine keeps {groups} KV layer groups (sliding windows free their \
-                     blocks); a node that pushes or imports KV is built with Engine::with_full_kv"
+                     blocks); a node that pushes KV is built with Engine::with_full_kv"
                 ),
             });
         }
@@ -219,4 +287,25 @@ impl Engine {
     pub fn is_reserved(&self, seq_id: SeqId) -> bool {
         self.reserved.contains_key(&seq_id)
     }
+}
+
+/// The part of a layer's payload over `n` blocks (`[K, V]`, each its blocks' elements then
+/// their scales: [`KvCache::export_blocks`]) that covers blocks `from..n`, in the same layout.
+fn window_suffix(payload: &[u8], n: usize, from: usize, layout: &KvLayout) -> Result<Vec<u8>> {
+    let block = layout.block_bytes() as usize;
+    let scales = layout.block_scale_bytes() as usize;
+    let elems = block - scales;
+    if n == 0 || from > n || payload.len() != 2 * n * block {
+        return Err(EngineError::InvalidParameter {
+            field: "import buffer",
+            reason: format!("must be {} bytes", 2 * n * block),
+            given: payload.len().to_string(),
+        });
+    }
+    let mut out = Vec::with_capacity(2 * (n - from) * block);
+    for half in payload.chunks_exact(n * block) {
+        out.extend_from_slice(&half[from * elems..n * elems]);
+        out.extend_from_slice(&half[n * elems + from * scales..n * elems + n * scales]);
+    }
+    Ok(out)
 }

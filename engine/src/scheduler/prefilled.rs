@@ -6,6 +6,7 @@ use super::sequence::{NewSequence, Sequence, SequenceStatus};
 use super::Scheduler;
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
+use crate::kv::groups::{first_live_block, NO_BLOCK};
 
 impl Scheduler {
     /// Adds a running sequence whose `prompt_ids` KV sits in `block_table` (blocks allocated
@@ -17,16 +18,38 @@ impl Scheduler {
         block_table: Vec<BlockId>,
         first_token: u32,
     ) -> Result<()> {
+        self.add_prefilled_windows(seq, block_table, Vec::new(), first_token)
+    }
+
+    /// [`add_prefilled`](Self::add_prefilled) with a table per sliding-window group, each as
+    /// long as `block_table`, holding this group's blocks from the window of the first decode
+    /// query (at the prompt's length) on and [`NO_BLOCK`] before it.
+    pub fn add_prefilled_windows(
+        &mut self,
+        seq: NewSequence,
+        block_table: Vec<BlockId>,
+        window_tables: Vec<Vec<BlockId>>,
+        first_token: u32,
+    ) -> Result<()> {
         if self.seqs.contains_key(&seq.seq_id) {
             return Err(EngineError::DuplicateSequence { seq_id: seq.seq_id });
         }
-        if !self.windows.is_empty() {
-            // Its window groups' KV would have to arrive too: a node that imports KV keeps
-            // every layer in one group (`KvGroups::new(.., false)`).
+        let bs = self.allocator.block_size();
+        let covered = window_tables.len() == self.windows.len()
+            && window_tables.iter().zip(&self.windows).all(|(t, p)| {
+                let from = first_live_block(seq.prompt_ids.len(), p.window, bs);
+                t.len() == block_table.len()
+                    && t[from.min(t.len())..].iter().all(|&b| b != NO_BLOCK)
+            });
+        if !covered {
             return Err(EngineError::InvalidParameter {
-                field: "block_table",
-                reason: "imported KV needs every layer in one block table".into(),
-                given: format!("{} sliding-window groups", self.windows.len()),
+                field: "window_tables",
+                reason: format!(
+                    "must hold, for each of the {} sliding-window groups, the blocks of the \
+                     first decode query's window",
+                    self.windows.len()
+                ),
+                given: format!("{} tables", window_tables.len()),
             });
         }
         let needed = seq.prompt_ids.len().div_ceil(self.allocator.block_size());
@@ -54,6 +77,7 @@ impl Scheduler {
         s.num_computed_tokens = s.prompt_ids.len();
         s.output_ids.push(first_token);
         s.block_table = block_table;
+        s.window_tables = window_tables;
         s.status = SequenceStatus::Running;
         self.running.insert(arrival, seq_id);
         self.seqs.insert(seq_id, s);

@@ -80,6 +80,11 @@ impl Scheduler {
         }
     }
 
+    /// The pool of KV group `group` (1 for the first window group).
+    pub fn window_allocator_mut(&mut self, group: usize) -> &mut BlockAllocator {
+        &mut self.windows[group - 1].allocator
+    }
+
     /// The most blocks one sequence holds at once in the window group of `window`.
     pub(super) fn window_cap(&self, window: usize) -> usize {
         let chunk = self
