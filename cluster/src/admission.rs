@@ -1,7 +1,8 @@
 //! Which registered nodes are members: nodes whose KV the others can read.
 //!
-//! A node is refused, with a log line saying why, when its model fingerprint, KV layout or KV
-//! transport differs from the cluster's, or, for the shared-memory transport, its host: KV
+//! A node is refused, with a log line saying why, when its model fingerprint, weight type (one
+//! checkpoint loaded as f32 and as int8 computes different KV), KV layout (its dtype among
+//! them) or KV transport differs from the cluster's, or, for the shared-memory transport, its host: KV
 //! computed by one could not be read by another, or could not even reach it. The cluster's model is the expected fingerprint when the follower
 //! was given one (a gateway that has the weights). The rest (and the model, when none is
 //! expected) is the profile most registered nodes share; the current profile stays while any
@@ -18,6 +19,7 @@ use crate::record::{NodeKey, NodeRecord};
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Profile {
     fingerprint: String,
+    weight_dtype: String,
     layout: KvLayout,
     kv_transport: String,
     /// The host, for a transport that reaches only its own (shared memory): a node on another
@@ -33,6 +35,7 @@ impl Profile {
             .is_ok_and(|b| b.same_host_only());
         Profile {
             fingerprint: r.model_fingerprint.clone(),
+            weight_dtype: r.weight_dtype.clone(),
             layout: r.kv_layout,
             kv_transport: r.kv_transport.clone(),
             host: same_host_only.then(|| r.host_id.clone()),
@@ -40,12 +43,20 @@ impl Profile {
     }
 
     /// Why a node with profile `other` cannot join a cluster with this one.
-    fn mismatch(&self, other: &Profile, model_id: &str) -> String {
+    /// The architecture is named, not compared: the fingerprint covers it (config.json is
+    /// hashed).
+    fn mismatch(&self, other: &Profile, model_id: &str, architecture: &str) -> String {
         let mut why = Vec::new();
         if other.fingerprint != self.fingerprint {
             why.push(format!(
-                "model fingerprint {} (model {model_id}) differs from the cluster's {}",
+                "model fingerprint {} (model {model_id}, {architecture}) differs from the cluster's {}",
                 other.fingerprint, self.fingerprint
+            ));
+        }
+        if other.weight_dtype != self.weight_dtype {
+            why.push(format!(
+                "weights in {:?} differ from the cluster's {:?}",
+                other.weight_dtype, self.weight_dtype
             ));
         }
         if other.layout != self.layout {
@@ -183,7 +194,9 @@ impl Admission {
             }
         }
         match &self.profile {
-            Some(p) if *p != Profile::of(r) => Err(p.mismatch(&Profile::of(r), &r.model_id)),
+            Some(p) if *p != Profile::of(r) => {
+                Err(p.mismatch(&Profile::of(r), &r.model_id, &r.architecture))
+            }
             _ => Ok(()),
         }
     }
@@ -215,6 +228,8 @@ mod tests {
             total_kv_blocks: 10,
             kv_transport: "quic".into(),
             host_id: String::new(),
+            architecture: String::new(),
+            weight_dtype: String::new(),
             draining: false,
         }
     }
@@ -255,6 +270,50 @@ mod tests {
         assert!(why(&a, "d").contains("KV transport"), "{}", why(&a, "d"));
         assert!(why(&a, "e").contains("block_size=32"), "{}", why(&a, "e"));
         assert_eq!(a.refused().count(), 4);
+    }
+
+    /// Issues 32, 33: the same checkpoint loaded in another weight type, or with another KV
+    /// cache dtype, computes KV the cluster's nodes cannot use; the refusal names the types
+    /// and the architecture.
+    #[test]
+    fn other_weight_and_kv_types_are_refused_by_name() {
+        let typed = |id: &str, weights: &str, kv: kv_types::KvDtype| NodeRecord {
+            architecture: "Qwen3ForCausalLM".into(),
+            weight_dtype: weights.into(),
+            kv_layout: KvLayout {
+                dtype: kv,
+                ..record(id, "f", 64).kv_layout
+            },
+            ..record(id, "f", 64)
+        };
+        use kv_types::KvDtype::{Bf16, Int8};
+        let mut a = Admission::new(Some("f".into()));
+        let got = a.admit(&records(&[
+            typed("a", "q4_k", Bf16),
+            typed("b", "q4_k", Bf16),
+            typed("c", "f32", Bf16),
+            typed("d", "q4_k", Int8),
+        ]));
+        assert_eq!(ids(&got), vec!["a", "b"]);
+        assert!(
+            why(&a, "c").contains(r#"weights in "f32" differ from the cluster's "q4_k""#),
+            "{}",
+            why(&a, "c")
+        );
+        assert!(why(&a, "d").contains("KV layout int8"), "{}", why(&a, "d"));
+        let mut other = typed("e", "q4_k", Bf16);
+        other.model_fingerprint = "g".into();
+        let mut a = Admission::new(None);
+        a.admit(&records(&[
+            typed("a", "q4_k", Bf16),
+            typed("b", "q4_k", Bf16),
+            other,
+        ]));
+        assert!(
+            why(&a, "e").contains("Qwen3ForCausalLM"),
+            "{}",
+            why(&a, "e")
+        );
     }
 
     #[test]

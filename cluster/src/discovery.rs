@@ -276,6 +276,8 @@ mod tests {
             total_kv_blocks: 10,
             kv_transport: "tcp".into(),
             host_id: String::new(),
+            architecture: String::new(),
+            weight_dtype: String::new(),
             draining: false,
         }
     }

@@ -54,6 +54,15 @@ pub struct NodeRecord {
     /// field existed.
     #[serde(default)]
     pub host_id: String,
+    /// The architecture served (config.json's `architectures[0]`). Empty in records written
+    /// before the field existed.
+    #[serde(default)]
+    pub architecture: String,
+    /// The weights' type as they run (`f32`, `bf16`, `int8`, `q4_k`, ...): nodes that load one
+    /// checkpoint in different types compute different KV. Empty in records written before
+    /// the field existed.
+    #[serde(default)]
+    pub weight_dtype: String,
     /// A draining node takes no new requests.
     pub draining: bool,
 }

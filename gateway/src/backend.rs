@@ -37,4 +37,36 @@ pub trait Backend: Send + Sync + 'static {
 
     /// What `/info` reports under `backend`: nodes, their roles and state, and the like.
     fn describe(&self) -> serde_json::Value;
+
+    /// What the nodes serve, as the first ready node that reports it says (see
+    /// [`ModelTypes`]); `None` when no node has said.
+    fn model_types(&self) -> Option<ModelTypes> {
+        None
+    }
+}
+
+/// The architecture and the weight and KV cache types the nodes serve: the ones admission
+/// holds every member to (issues 32, 33).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ModelTypes {
+    pub architecture: String,
+    pub weight_dtype: String,
+    pub kv_cache_dtype: String,
+}
+
+impl ModelTypes {
+    /// A node's, from its `Info`; `None` from a node too old to say.
+    pub fn of(info: &proto::v1::NodeInfo) -> Option<ModelTypes> {
+        let kv_cache_dtype = info
+            .layout
+            .as_ref()
+            .and_then(|l| kv_types::KvLayout::try_from(l).ok())
+            .map(|l| l.dtype.to_string())
+            .unwrap_or_default();
+        (!info.architecture.is_empty()).then(|| ModelTypes {
+            architecture: info.architecture.clone(),
+            weight_dtype: info.weight_dtype.clone(),
+            kv_cache_dtype,
+        })
+    }
 }

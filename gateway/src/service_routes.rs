@@ -24,6 +24,12 @@ pub(crate) struct Info {
     /// why.
     #[serde(skip_serializing_if = "Option::is_none")]
     chat_template_stand_in: Option<String>,
+    /// The architecture served (config.json's `architectures[0]`), and the weight and KV
+    /// cache types, as the nodes report them; the architecture from the gateway's own
+    /// config.json before any node has.
+    architecture: Option<String>,
+    weight_dtype: Option<String>,
+    kv_cache_dtype: Option<String>,
     router: &'static str,
     version: &'static str,
     /// The admission queue: its limits and what waits in it now.
@@ -35,6 +41,7 @@ pub(crate) struct Info {
 pub(crate) async fn info(State(state): State<AppState>) -> axum::Json<Info> {
     let config = state.config();
     let limits = state.limits();
+    let types = served_types(&state);
     axum::Json(Info {
         model_id: config.model_id.clone(),
         max_input_tokens: limits.max_input_tokens,
@@ -47,6 +54,9 @@ pub(crate) async fn info(State(state): State<AppState>) -> axum::Json<Info> {
             .validator()
             .chat_template_stand_in()
             .map(str::to_string),
+        architecture: types.architecture,
+        weight_dtype: types.weight_dtype,
+        kv_cache_dtype: types.kv_cache_dtype,
         router: "fission-gateway",
         version: env!("CARGO_PKG_VERSION"),
         queue: state.queue().describe(),
@@ -139,11 +149,43 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+/// What `/info` and `/v1/models` say is served; each field `None` while unknown.
+struct ServedTypes {
+    architecture: Option<String>,
+    weight_dtype: Option<String>,
+    kv_cache_dtype: Option<String>,
+}
+
+fn served_types(state: &AppState) -> ServedTypes {
+    let nonempty = |s: String| Some(s).filter(|s| !s.is_empty());
+    match state.backend().model_types() {
+        Some(t) => ServedTypes {
+            architecture: nonempty(t.architecture),
+            weight_dtype: nonempty(t.weight_dtype),
+            kv_cache_dtype: nonempty(t.kv_cache_dtype),
+        },
+        None => ServedTypes {
+            architecture: own_architecture(state),
+            weight_dtype: None,
+            kv_cache_dtype: None,
+        },
+    }
+}
+
+/// `architectures[0]` of the config.json beside the gateway's tokenizer, when there is one.
+fn own_architecture(state: &AppState) -> Option<String> {
+    let dir = state.config().tokenizer_path.parent()?;
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).ok()?).ok()?;
+    config["architectures"][0].as_str().map(str::to_string)
+}
+
 /// The served model under its id and each alias (`--served-model-name`), with the context
-/// the cluster really holds.
+/// the cluster really holds, its architecture and its weight and KV cache types.
 #[utoipa::path(get, path = "/v1/models", tag = "OpenAI", responses((status = 200, description = "The served model and its aliases")))]
 pub(crate) async fn models(State(state): State<AppState>) -> axum::Json<serde_json::Value> {
     let max_model_len = state.limits().max_total_tokens;
+    let types = served_types(&state);
     let data: Vec<serde_json::Value> = state
         .config()
         .model_names()
@@ -156,6 +198,9 @@ pub(crate) async fn models(State(state): State<AppState>) -> axum::Json<serde_js
                 "owned_by": "fission",
                 "root": state.config().model_id,
                 "max_model_len": max_model_len,
+                "architecture": types.architecture,
+                "weight_dtype": types.weight_dtype,
+                "kv_cache_dtype": types.kv_cache_dtype,
             })
         })
         .collect();

@@ -130,6 +130,8 @@ fn node_record(node_id: &str) -> NodeRecord {
         total_kv_blocks: 64,
         kv_transport: "tcp".into(),
         host_id: String::new(),
+        architecture: String::new(),
+        weight_dtype: String::new(),
         draining: false,
     }
 }

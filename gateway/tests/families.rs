@@ -415,3 +415,22 @@ async fn gemma_3_calls_in_bare_or_fenced_json() {
     )
     .await;
 }
+
+/// Issues 32, 33: before any node reports, `/info` and `/v1/models` name the architecture from
+/// the gateway's own config.json (stories260K's, beside its tokenizer), the types unknown.
+#[tokio::test]
+async fn info_and_models_name_the_architecture() {
+    let server = TestServer::start(config(), script("Hi", 1)).await;
+    let info: Value = server.get("/info").await.json().await.unwrap();
+    assert_eq!(info["architecture"], "LlamaForCausalLM", "{info}");
+    assert!(
+        info["weight_dtype"].is_null() && info["kv_cache_dtype"].is_null(),
+        "{info}"
+    );
+    let models: Value = server.get("/v1/models").await.json().await.unwrap();
+    assert_eq!(
+        models["data"][0]["architecture"], "LlamaForCausalLM",
+        "{models}"
+    );
+    server.stop().await;
+}

@@ -23,6 +23,7 @@ pub mod kv;
 pub mod launch;
 pub mod membership;
 pub mod metrics_http;
+pub mod model_types;
 pub mod node;
 pub mod node_service;
 #[cfg(any(test, feature = "test-util"))]

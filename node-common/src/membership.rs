@@ -155,6 +155,8 @@ pub fn node_record(
         total_kv_blocks: u64::from(info.total_kv_blocks),
         kv_transport: kv_transport.as_str().to_string(),
         host_id: host_id(),
+        architecture: info.architecture.clone(),
+        weight_dtype: info.weight_dtype.clone(),
         draining: false,
     }
 }

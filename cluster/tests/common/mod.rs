@@ -53,6 +53,8 @@ pub fn record(node_id: &str, role: Role, fingerprint: &str) -> NodeRecord {
         total_kv_blocks: 1024,
         kv_transport: "tcp".into(),
         host_id: String::new(),
+        architecture: String::new(),
+        weight_dtype: String::new(),
         draining: false,
     }
 }

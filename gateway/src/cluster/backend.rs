@@ -69,6 +69,14 @@ impl Backend for ClusterBackend {
             .min()
     }
 
+    fn model_types(&self) -> Option<crate::backend::ModelTypes> {
+        self.pools
+            .all()
+            .iter()
+            .filter(|n| n.is_ready())
+            .find_map(|n| n.info().as_ref().and_then(crate::backend::ModelTypes::of))
+    }
+
     fn describe(&self) -> serde_json::Value {
         let nodes: Vec<serde_json::Value> = self
             .pools
@@ -84,6 +92,7 @@ impl Backend for ClusterBackend {
                     "registered": n.registered,
                     "in_flight": n.in_flight(),
                     "max_context": n.info().map(|i| i.max_context),
+                    "model_types": n.info().as_ref().and_then(crate::backend::ModelTypes::of),
                     "cached_blocks": self.pools.cached_blocks(n),
                     "load": self.pools.load(n).map(|l| serde_json::json!({
                         "free_blocks": l.free_blocks,

@@ -74,6 +74,8 @@ fn static_record(role: Role, i: usize, grpc_endpoint: &str) -> NodeRecord {
         total_kv_blocks: 0,
         kv_transport: String::new(),
         host_id: String::new(),
+        architecture: String::new(),
+        weight_dtype: String::new(),
         draining: false,
     }
 }

@@ -371,3 +371,21 @@ async fn thousands_of_clients_that_leave_mid_stream_cost_no_other_request() {
     let read = drain(backend.generate(request(4)).await.expect("served")).await;
     assert_eq!((read.ids, read.indices), complete(4), "{:?}", read.error);
 }
+
+/// Issues 32, 33: `/info` and `/v1/models` name what the nodes serve, from their `Info`.
+#[tokio::test]
+async fn the_backend_reports_the_nodes_architecture_and_types() {
+    let prefill = fake_nodes::prefill(PrefillScript::Push).await;
+    let decode = fake_nodes::decode(DecodeScript::Serve).await;
+    let backend = fake_nodes::backend(&[&prefill], &[&decode]).await;
+    let expected = crate::backend::ModelTypes {
+        architecture: "LlamaForCausalLM".into(),
+        weight_dtype: "f32".into(),
+        kv_cache_dtype: "f32".into(),
+    };
+    assert_eq!(backend.model_types(), Some(expected.clone()));
+    for node in backend.describe()["nodes"].as_array().expect("nodes") {
+        assert_eq!(node["model_types"]["architecture"], "LlamaForCausalLM");
+        assert_eq!(node["model_types"]["kv_cache_dtype"], "f32");
+    }
+}

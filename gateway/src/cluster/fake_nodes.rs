@@ -409,6 +409,7 @@ impl Prefill for FakePrefill {
         self.freeze.running().await;
         let r = r.into_inner();
         let dest = r.dest.unwrap_or_default();
+        let (decode_endpoint, dest) = (dest.decode_endpoint, dest.reserved.unwrap_or_default());
         let spec = r.spec.unwrap_or_default();
         self.calls.push(
             "prefill",
@@ -447,7 +448,7 @@ impl Prefill for FakePrefill {
                 return;
             }
             let done = async {
-                let mut client = DecodeClient::connect(format!("http://{}", dest.decode_endpoint))
+                let mut client = DecodeClient::connect(format!("http://{decode_endpoint}"))
                     .await
                     .map_err(|e| Status::unavailable(e.to_string()))?;
                 client
@@ -500,6 +501,8 @@ impl NodeRpc for FakeNodeRpc {
             role: self.role.to_string(),
             layout: Some(kv_types::KvLayout::SMOLLM2_135M_F32.into()),
             total_kv_blocks: 64,
+            architecture: "LlamaForCausalLM".into(),
+            weight_dtype: "f32".into(),
             ..Default::default()
         }))
     }
