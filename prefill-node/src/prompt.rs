@@ -95,7 +95,7 @@ impl Prompt {
             let (done_tx, pushed) = oneshot::channel();
             let renewal = Renewal {
                 clients: clients.clone(),
-                endpoint: d.job.dest.decode_endpoint.clone(),
+                endpoint: d.job.decode_endpoint.clone(),
                 xfer_id: d.job.xfer_id,
                 epoch: d.job.dest.epoch,
                 every: (d.lease / 4).max(Duration::from_millis(50)),

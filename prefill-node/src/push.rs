@@ -10,8 +10,8 @@ use kv_types::{KvLayout, TransferId};
 use kvtransfer::{
     BackendTransport, FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader,
 };
+use proto::v1;
 use proto::v1::decode_client::DecodeClient;
-use proto::v1::{self, KvDestination};
 use proto::ErrorCode;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
@@ -161,7 +161,10 @@ pub struct PushJob {
     pub transport: Arc<Transport>,
     pub clients: DecodeClients,
     pub xfer_id: TransferId,
-    pub dest: KvDestination,
+    /// The decode node's reservation, as it sent it.
+    pub dest: v1::Reserved,
+    /// The decode node's gRPC endpoint, for Done and Renew.
+    pub decode_endpoint: String,
     /// This node's cache geometry, which the destination's matches.
     pub layout: KvLayout,
     pub request_id: String,
@@ -292,12 +295,12 @@ async fn push(
     };
     let first = first_rx.await.map_err(|_| PushError::PrefillEnded)?;
     let mut client = {
-        let (clients, endpoint) = (job.clients.clone(), dest.decode_endpoint.clone());
+        let (clients, endpoint) = (job.clients.clone(), job.decode_endpoint.clone());
         outside_span(async move { clients.get(&endpoint).await })
             .await
             .map_err(PushError::Task)?
             .map_err(|e| PushError::Connect {
-                endpoint: dest.decode_endpoint.clone(),
+                endpoint: job.decode_endpoint.clone(),
                 reason: e.to_string(),
             })?
     };
@@ -313,7 +316,7 @@ async fn push(
         .await
         .map_err(PushError::Task)?
         .map_err(|status| PushError::Done {
-            endpoint: dest.decode_endpoint.clone(),
+            endpoint: job.decode_endpoint.clone(),
             xfer_id: dest.xfer_id,
             status,
         })?;
@@ -452,14 +455,14 @@ mod tests {
             transport: Arc::new(Transport::Tcp(kvtransfer::TcpTransport::default())),
             clients: DecodeClients::new(GrpcSecurity::Insecure),
             xfer_id: TransferId(xfer_id),
-            dest: KvDestination {
+            dest: v1::Reserved {
                 kv_endpoint: p.kv_endpoint.clone(),
                 xfer_id,
                 epoch: 1,
                 block_ids: vec![0],
-                decode_endpoint: p.decode_endpoint.clone(),
                 ..Default::default()
             },
+            decode_endpoint: p.decode_endpoint.clone(),
             layout: LAYOUT,
             request_id: format!("req-{xfer_id}"),
         };

@@ -110,7 +110,16 @@ impl PrefillService {
         let request_id = spec.request_id.clone();
         let seq_id = SeqId(self.next_seq.fetch_add(1, Ordering::Relaxed));
         let dest = match r.dest {
-            Some(dest) => {
+            Some(v1::KvDestination {
+                decode_endpoint,
+                reserved,
+            }) => {
+                let dest = reserved.ok_or_else(|| {
+                    Failure::new(
+                        ErrorCode::Validation,
+                        "KvDestination without its reservation",
+                    )
+                })?;
                 self.check_layout(dest.layout.as_ref())?;
                 let needed = self.layout.blocks_for(num_tokens);
                 if dest.block_ids.len() != needed {
@@ -130,6 +139,7 @@ impl PrefillService {
                         clients: self.clients.clone(),
                         xfer_id: TransferId(dest.xfer_id),
                         dest,
+                        decode_endpoint,
                         layout: self.layout,
                         request_id,
                     },

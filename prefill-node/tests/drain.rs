@@ -17,7 +17,7 @@ use proto::v1::node_client::NodeClient;
 use proto::v1::prefill_client::PrefillClient;
 use proto::v1::{
     prefill_event, CacheEventsRequest, DrainRequest, GenerationSpec, InfoRequest, KvDestination,
-    PrefillRequest, StoppingCriteria,
+    PrefillRequest, Reserved, StoppingCriteria,
 };
 use testkit::metrics::{assert_exposition, scrape};
 use testkit::serving::wait_until_serving;
@@ -94,13 +94,15 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
         .prefill(prompt(
             "pushing",
             Some(KvDestination {
-                kv_endpoint,
-                xfer_id: 1,
-                epoch: 1,
-                block_ids: vec![0, 1],
                 decode_endpoint: "127.0.0.1:1".into(),
-                layout: info.layout,
-                lease_ms: 10_000,
+                reserved: Some(Reserved {
+                    kv_endpoint,
+                    xfer_id: 1,
+                    epoch: 1,
+                    block_ids: vec![0, 1],
+                    layout: info.layout,
+                    lease_ms: 10_000,
+                }),
             }),
         ))
         .await

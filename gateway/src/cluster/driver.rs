@@ -434,13 +434,8 @@ impl Driver {
             let request = v1::PrefillRequest {
                 spec: Some(spec(&self.request, &self.emitted)),
                 dest: Some(v1::KvDestination {
-                    kv_endpoint: reserved.kv_endpoint.clone(),
-                    xfer_id: reserved.xfer_id,
-                    epoch: reserved.epoch,
-                    block_ids: reserved.block_ids.clone(),
                     decode_endpoint: call.node.entry.grpc_endpoint.clone(),
-                    layout: reserved.layout,
-                    lease_ms: reserved.lease_ms,
+                    reserved: Some(reserved.clone()),
                 }),
             };
             let span = tracing::Span::current();
