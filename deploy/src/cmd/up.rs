@@ -60,6 +60,10 @@ pub struct UpArgs {
     /// Every node's forward pass: auto, host, or tensor (the device-generic path).
     #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
     pub forward_path: engine::device::ForwardPath,
+    /// On CUDA, the share of each GPU's memory a node may use; its KV cache gets the free
+    /// part after the weights (the nodes' default when not given).
+    #[arg(long, env = "FISSION_GPU_MEMORY_UTILIZATION")]
+    pub gpu_memory_utilization: Option<f64>,
     /// Extra flags for every node (e.g. `--num-kv-blocks=512`), repeatable.
     #[arg(long = "node-arg", allow_hyphen_values = true)]
     pub node_args: Vec<String>,
@@ -291,6 +295,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         "--path".into(),
         args.forward_path.to_string(),
     ]);
+    if let Some(u) = args.gpu_memory_utilization {
+        engine_flags.extend(["--gpu-memory-utilization".into(), u.to_string()]);
+    }
     let mut join = format!(
         "fission node start --role decode|prefill --model {} --etcd {etcd} --cluster {} --kv-transport {}",
         dir.display(),
