@@ -42,5 +42,28 @@ for cu in kernels/cuda/*.cu; do
     failed=1
   fi
 done
+echo "check-cuda: PTX in $(( $(date +%s) - start )) s"
+
+# Then the Rust side: `cargo check --features cuda` of the crates that launch the kernels
+# (engine's device ops, node-common's GPU memory sizing, the binaries), against the full PyPI
+# toolkit of ../shared/cuda (cudarc and candle's build scripts need cublas, curand and nvrtc
+# too). Measured 507 s from an empty target dir on 2 shared cores (candle's kernels are most
+# of it), so it stays out of ./deploy/test.sh. FISSION_CHECK_CUDA_CARGO=0 skips it.
+if [ "${FISSION_CHECK_CUDA_CARGO:-1}" = 1 ]; then
+  t0=$(date +%s)
+  TOOLKIT=${CUDA_TOOLKIT_DIR:-.peers/cuda-toolkit}
+  if [ ! -f "$TOOLKIT/env.sh" ]; then
+    cargo fetch
+    ../shared/cuda/setup-cuda-toolkit.sh "$TOOLKIT"
+  fi
+  # shellcheck disable=SC1091
+  if (source "$TOOLKIT/env.sh" && CARGO_TARGET_DIR=target/cuda-check \
+        cargo check --release --features cuda -p kernels -p engine -p node-common -p deploy); then
+    echo "ok   cargo check --features cuda ($(( $(date +%s) - t0 )) s)"
+  else
+    echo "FAIL cargo check --features cuda"
+    failed=1
+  fi
+fi
 echo "check-cuda: $(( $(date +%s) - start )) s"
 exit $failed
