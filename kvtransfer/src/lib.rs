@@ -69,6 +69,34 @@
 //!   memory window and invalidate it) before the blocks are reused; that is what
 //!   [`TransferRegistry::deregister`]'s fence provides for the stream backends.
 //!
+//! # From device memory, and what GPUDirect RDMA would change
+//!
+//! The transports move host bytes. A node whose KV cache is on a GPU (`--device cuda`) goes
+//! through host staging: the prefill node gathers each finished layer's blocks into one
+//! buffer on the device (`engine::model::device_ops::gather_blocks`, the layout of
+//! `kernels::gather_blocks`, which is the wire layout) and copies it to pinned host memory
+//! (`kernels::cuda::PinnedStaging`) on its own stream while the next layer computes; that host
+//! buffer is what `send_layer` sends, as the CPU's export buffer is today. The decode node's
+//! [`KvSink`] copies a received layer to the device and scatters it into its blocks
+//! (`device_ops::scatter_blocks`). On the CPU the staging is the export buffer itself and the
+//! same code runs. Each byte crosses PCIe twice (device → host on the sender, host → device
+//! on the receiver) besides the wire.
+//!
+//! With GPUDirect RDMA the NIC reads and writes GPU memory over PCIe peer-to-peer, so:
+//! - the decode node registers its device K/V cache (`nvidia-peermem`/dma-buf, `ibv_reg_mr`
+//!   on the device pointer) once at start-up, and the reservation carries device addresses
+//!   and the rkey as above: the NIC writes straight into the device blocks, with no host
+//!   staging, no receive copy and no scatter kernel;
+//! - the prefill node registers its device gather buffer (or the cache itself, posting one
+//!   WRITE per contiguous block run instead of gathering), and the send needs no device →
+//!   host copy; the gather, if kept, must complete (a CUDA event) before the WRITE is posted;
+//! - completion means the bytes are in GPU memory but not yet visible to kernels on another
+//!   stream: the receiver orders its first attention read after the completion (a flush or
+//!   an event), which the stream backends get for free from their host copy;
+//! - it needs the NIC and the GPU under one PCIe switch (or root complex) to be fast, and
+//!   pinned device memory counts against the cache: the registration is per cache, not per
+//!   transfer, so it costs nothing per request.
+//!
 //! # Errors
 //!
 //! One [`KvTransferError`]; [`KvTransferError::verdict`] maps errors to wire verdicts and
