@@ -71,8 +71,10 @@
 //!
 //! # From device memory, and what GPUDirect RDMA would change
 //!
-//! The transports move host bytes. A node whose KV cache is on a GPU (`--device cuda`) goes
-//! through host staging: the prefill node gathers each finished layer's blocks into one
+//! The transports move host bytes. The plan for a node whose KV cache is on a GPU (issue 35:
+//! the device ops below exist and are tested on the CPU; the engine's cache is still host
+//! memory, so the push does not yet take this route) goes through host staging: the prefill
+//! node gathers each finished layer's blocks into one
 //! buffer on the device (`engine::model::device_ops::gather_blocks`, the layout of
 //! `kernels::gather_blocks`, which is the wire layout) and copies it to pinned host memory
 //! (`kernels::cuda::PinnedStaging`) on its own stream while the next layer computes; that host
