@@ -456,25 +456,30 @@ unsafe fn micro<
                 let s = t.sum16.add((r * t.ldb + b) * 2);
                 (*s, *s.add(1))
             };
-            let seeds: [i32; SUB] = if SUB == 2 {
-                std::array::from_fn(|h| -t.zero * if h == 0 { lo } else { hi })
+            // No closures in this body: one would be compiled without the wrapper's target
+            // features, and every intrinsic in it would become a call (3x slower, measured).
+            let seeds = if SUB == 2 {
+                [d.seed(-t.zero * lo), d.seed(-t.zero * hi)]
             } else {
-                [-t.zero * (lo + hi); SUB]
+                [d.seed(-t.zero * (lo + hi)); 2]
             };
             for v in row.iter_mut() {
-                *v = seeds.map(|s| d.seed(s));
+                for (h, x) in v.iter_mut().enumerate() {
+                    *x = seeds[h];
+                }
             }
         }
         for v in 0..4 {
-            // SAFETY: the caller's contract for w.
-            let lines: [D::W; P] = std::array::from_fn(|q| unsafe {
-                d.load_w(t.w.add(q * t.panel_bytes + b * rec + v * 64))
-            });
+            // SAFETY (both): the caller's contract for w.
+            let mut lines = [unsafe { d.load_w(t.w.add(b * rec + v * 64)) }; P];
+            for (q, l) in lines.iter_mut().enumerate().skip(1) {
+                *l = unsafe { d.load_w(t.w.add(q * t.panel_bytes + b * rec + v * 64)) };
+            }
             for half in 0..2 {
                 let g = v + 4 * half;
-                let wv: [D::W; P] = std::array::from_fn(|q| {
-                    let line = lines[q];
-                    let mut u = if half == 0 { d.lo(line) } else { d.hi(line) };
+                let mut wv = lines;
+                for (q, w) in wv.iter_mut().enumerate() {
+                    let mut u = if half == 0 { d.lo(*w) } else { d.hi(*w) };
                     if HB > 0 {
                         let per = 8 / HB;
                         // SAFETY: the caller's contract for w.
@@ -483,8 +488,8 @@ unsafe fn micro<
                         };
                         u = d.or(u, d.top(h, (HB * (g % per)) as u32, HB as u32));
                     }
-                    u
-                });
+                    *w = u;
+                }
                 let sub = if SUB == 2 { half } else { 0 };
                 for (r, row) in dots.iter_mut().enumerate() {
                     // SAFETY: the caller's contract for a: 4 bytes of row r, block b, group g.
