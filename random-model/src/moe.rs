@@ -42,7 +42,8 @@ impl MoeSpec {
     pub fn is_sparse(&self, arch: Architecture, i: usize) -> bool {
         match arch {
             Architecture::Qwen3Moe => {
-                !self.mlp_only_layers.contains(&i) && (i + 1) % self.decoder_sparse_step == 0
+                !self.mlp_only_layers.contains(&i)
+                    && (i + 1).is_multiple_of(self.decoder_sparse_step)
             }
             _ => true,
         }

@@ -101,7 +101,7 @@ impl MoeFields {
                     norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
                     expert_ffn: self.moe_intermediate_size.unwrap_or(768),
                     sparse_layers: (0..num_layers)
-                        .map(|i| experts > 0 && !dense.contains(&i) && (i + 1) % step == 0)
+                        .map(|i| experts > 0 && !dense.contains(&i) && (i + 1).is_multiple_of(step))
                         .collect(),
                 }
             }
