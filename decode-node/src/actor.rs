@@ -308,11 +308,10 @@ impl Task {
             return;
         }
         let started = Instant::now();
-        match self
-            .engine
-            .cache_mut()
-            .import_blocks(layer, blocks, payload)
-        {
+        // `blocks` are the reservation's full-attention blocks; the engine maps a sliding
+        // layer to its own group's blocks and keeps only its window's part of the payload.
+        debug_assert!(self.engine.is_reserved(seq_id) && !blocks.is_empty());
+        match self.engine.import_layer(seq_id, layer, payload) {
             Ok(()) => {
                 metrics::counter!("fission_decode_kv_received_bytes_total")
                     .increment(payload.len() as u64);

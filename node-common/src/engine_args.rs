@@ -215,7 +215,13 @@ impl EngineArgs {
                 // where sequences write, so it costs the blocks in use, not the whole.
                 config.num_kv_blocks = config.num_kv_blocks.or(Some(m.cost().node.kv_blocks));
             }
-            let engine = engine::engine::Engine::with_full_kv(model, config)?;
+            // A decode node's sliding-window layers hold only their windows (it imports just
+            // those); a prefill node exports one table for every layer (issue 32).
+            let engine = if role == "decode" {
+                engine::engine::Engine::new(model, config)?
+            } else {
+                engine::engine::Engine::with_full_kv(model, config)?
+            };
             let info = proto::v1::NodeInfo {
                 node_id,
                 role,
