@@ -115,6 +115,10 @@ async fn tools_are_checked_with_auto_too() {
     let (_dir, template) = chat_tokenizer_config();
     let mut config = config();
     config.tokenizer_config_path = Some(template);
+    // ChatML's template takes no tools: the gateway describes them in the user's turn
+    // (chat_tools.rs), which needs more room than the small test limits.
+    config.max_input_tokens = 2000;
+    config.max_total_tokens = 4000;
     let server = TestServer::start(config, FakeScript::default()).await;
     let with_tool = |name: &str, parameters: Value| {
         json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
