@@ -138,9 +138,7 @@ pub(crate) fn take_quantized(weight: &Tensor) -> Result<Option<StoredBlocks>> {
         let mut r = 0;
         while r < n {
             let Some(next) = kept.iter().find(|e| {
-                e.raw.cols == k
-                    && r + e.raw.rows <= n
-                    && e.hashes[..] == hashes[r..r + e.raw.rows]
+                e.raw.cols == k && r + e.raw.rows <= n && e.hashes[..] == hashes[r..r + e.raw.rows]
             }) else {
                 return Ok(None);
             };
@@ -164,9 +162,9 @@ pub(crate) fn take_quantized(weight: &Tensor) -> Result<Option<StoredBlocks>> {
                 data: &p.data,
             });
         }
-        Ok(Some(StoredBlocks::KQuant(kernels::KQuantWeight::from_gguf(
-            k, &list,
-        )?)))
+        Ok(Some(StoredBlocks::KQuant(
+            kernels::KQuantWeight::from_gguf(k, &list)?,
+        )))
     })
 }
 

@@ -243,8 +243,11 @@ impl KQuantWeight {
         let mut n = 0;
         for p in parts {
             let bi = p.ty.block_inputs();
-            let need = p.rows.checked_mul(k / bi.max(1)).map(|b| b * p.ty.block_bytes());
-            if k == 0 || k % bi != 0 || need != Some(p.data.len()) {
+            let need = p
+                .rows
+                .checked_mul(k / bi.max(1))
+                .map(|b| b * p.ty.block_bytes());
+            if k == 0 || !k.is_multiple_of(bi) || need != Some(p.data.len()) {
                 return Err(KernelError::Invalid(format!(
                     "{} weight of {} rows x {k} inputs: {} bytes, or inputs not a multiple of {bi}",
                     p.ty.name(),
@@ -261,7 +264,9 @@ impl KQuantWeight {
             n += p.rows;
         }
         if n == 0 {
-            return Err(KernelError::Invalid("a quantised weight with no outputs".into()));
+            return Err(KernelError::Invalid(
+                "a quantised weight with no outputs".into(),
+            ));
         }
         Ok(KQuantWeight {
             k,
@@ -291,7 +296,8 @@ impl KQuantWeight {
         out: &mut [f32],
         add: bool,
     ) -> Result<(), KernelError> {
-        for (what, expected, given) in [("x", m * self.k, x.len()), ("out", m * self.n, out.len())] {
+        for (what, expected, given) in [("x", m * self.k, x.len()), ("out", m * self.n, out.len())]
+        {
             if expected != given {
                 return Err(KernelError::BadLength {
                     what,
@@ -341,8 +347,7 @@ impl KQuantWeight {
         let byte = QLayout::Quads.byte(c, jj);
         let mut u = (rec[(g % 4) * 64 + byte] >> (4 * (g / 4))) & 0xF;
         let hb = ty.hi_bits();
-        if hb > 0 {
-            let per = 8 / hb;
+        if let Some(per) = 8usize.checked_div(hb) {
             let h = rec[256 + (g / per) * 64 + byte] >> (hb * (g % per));
             u |= (h & ((1 << hb) - 1)) << 4;
         }
@@ -384,8 +389,7 @@ fn pack(ty: KQuantType, k: usize, rows: usize, data: &[u8]) -> Vec<u8> {
                         let u = dec.u[sb * Q8_BLOCK + g * GROUP_INPUTS + j];
                         let byte = QLayout::Quads.byte(c, j);
                         rec[(g % 4) * 64 + byte] |= (u & 0xF) << (4 * (g / 4));
-                        if hb > 0 {
-                            let per = 8 / hb;
+                        if let Some(per) = 8usize.checked_div(hb) {
                             rec[256 + (g / per) * 64 + byte] |= (u >> 4) << (hb * (g % per));
                         }
                     }
@@ -410,7 +414,9 @@ fn pack(ty: KQuantType, k: usize, rows: usize, data: &[u8]) -> Vec<u8> {
 /// engine's.
 #[doc(hidden)]
 pub fn random_blocks(ty: KQuantType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut next = move || {
         state = state
             .wrapping_mul(6364136223846793005)
@@ -453,8 +459,15 @@ mod tests {
         ] {
             let (rows, k) = (21, 512);
             let raw = random_blocks(ty, rows, k, 3);
-            let w = KQuantWeight::from_gguf(k, &[KQuantPart { ty, rows, data: &raw }])
-                .expect("pack");
+            let w = KQuantWeight::from_gguf(
+                k,
+                &[KQuantPart {
+                    ty,
+                    rows,
+                    data: &raw,
+                }],
+            )
+            .expect("pack");
             let row_bytes = k / ty.block_inputs() * ty.block_bytes();
             for j in 0..rows {
                 for (gb, blk) in raw[j * row_bytes..(j + 1) * row_bytes]

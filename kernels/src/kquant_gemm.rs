@@ -15,9 +15,9 @@
 use std::cell::RefCell;
 
 use crate::kquant::{KQuantType, KQuantWeight, KSegment};
-use crate::kquant_simd::{KDot, KPortable};
 #[cfg(target_arch = "x86_64")]
 use crate::kquant_simd::{KAvx2, KAvx512Bw, KVnni};
+use crate::kquant_simd::{KDot, KPortable};
 use crate::pool;
 use crate::q8::{quantize_row, GROUPS, GROUP_INPUTS, Q8_BLOCK};
 use crate::q8_simd::QIsa;
@@ -480,8 +480,7 @@ unsafe fn micro<
                 let mut wv = lines;
                 for (q, w) in wv.iter_mut().enumerate() {
                     let mut u = if half == 0 { d.lo(*w) } else { d.hi(*w) };
-                    if HB > 0 {
-                        let per = 8 / HB;
+                    if let Some(per) = 8usize.checked_div(HB) {
                         // SAFETY: the caller's contract for w.
                         let h = unsafe {
                             d.load_w(t.w.add(q * t.panel_bytes + b * rec + 256 + (g / per) * 64))
@@ -673,7 +672,11 @@ mod tests {
     fn mixed_segments_fill_their_own_columns() {
         // A Q4_K_M q/k/v: Q4_K, Q4_K then Q6_K rows, sizes not multiples of a panel.
         check(
-            &[(KQuantType::Q4K, 40), (KQuantType::Q4K, 8), (KQuantType::Q6K, 24)],
+            &[
+                (KQuantType::Q4K, 40),
+                (KQuantType::Q4K, 8),
+                (KQuantType::Q6K, 24),
+            ],
             5,
             512,
             9,
@@ -695,7 +698,11 @@ mod tests {
             let mut raw = random_blocks(ty, 16, k, 5);
             let bb = ty.block_bytes();
             for blk in raw.chunks_exact_mut(bb) {
-                let data = if ty == KQuantType::Q6K { 0..192 } else { 16..144 };
+                let data = if ty == KQuantType::Q6K {
+                    0..192
+                } else {
+                    16..144
+                };
                 blk[data].fill(0xFF);
             }
             let w = KQuantWeight::from_gguf(

@@ -328,8 +328,14 @@ mod x86 {
                 let a = _mm256_set1_epi32(a);
                 let ones = _mm256_set1_epi16(1);
                 [
-                    _mm256_add_epi32(acc[0], _mm256_madd_epi16(_mm256_maddubs_epi16(w[0], a), ones)),
-                    _mm256_add_epi32(acc[1], _mm256_madd_epi16(_mm256_maddubs_epi16(w[1], a), ones)),
+                    _mm256_add_epi32(
+                        acc[0],
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(w[0], a), ones),
+                    ),
+                    _mm256_add_epi32(
+                        acc[1],
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(w[1], a), ones),
+                    ),
                 ]
             }
         }
@@ -371,7 +377,10 @@ mod x86 {
         fn sub_min(self, acc: Self::F, mn: Self::F, x: f32) -> Self::F {
             unsafe {
                 let x = _mm256_set1_ps(x);
-                [_mm256_fnmadd_ps(mn[0], x, acc[0]), _mm256_fnmadd_ps(mn[1], x, acc[1])]
+                [
+                    _mm256_fnmadd_ps(mn[0], x, acc[0]),
+                    _mm256_fnmadd_ps(mn[1], x, acc[1]),
+                ]
             }
         }
     }
