@@ -76,6 +76,19 @@ for model in models:
             cells = [spread([x for x in (get(v, key) for v in q[e].values()) if x]) for e in INT8_ENGINES]
             print(f"| {label} | {cells[0]} | {cells[1]} | "
                   f"{ratio(q['fission_int8'], q['llamacpp_q8_0'], key)} | {ratio(q['fission_int8'], data['fission'], key)} |")
+    # The GGUF rows (issue 33): Fission on llama.cpp's own Q4_K_M and Q8_0 files, as stored.
+    for fis, lla, label in [("fission_gguf_q4_k_m", "llamacpp_q4_k_m", "Q4_K_M"),
+                            ("fission_gguf_q8_0", "llamacpp_q8_0", "Q8_0")]:
+        g = {e: load_rounds(e, model) for e in (fis, lla)}
+        if not g[fis]:
+            continue
+        print(f"\n### {model}, {label} GGUF (tokens/s, both engines on the same file, "
+              f"median of {len(g[fis])} alternating rounds, min-max)\n")
+        print(f"| measurement | Fission {label} | llama.cpp {label} | Fission / llama.cpp |")
+        print("|---|---:|---:|---:|")
+        for row_label, key in ROWS:
+            cells = [spread([x for x in (get(v, key) for v in g[e].values()) if x]) for e in (fis, lla)]
+            print(f"| {row_label} | {cells[0]} | {cells[1]} | {ratio(g[fis], g[lla], key)} |")
 if limits:
     reads = [l["read_gb_s"] for l in limits]
     peaks = [l["gemm_peak_gflops"] for l in limits]

@@ -5,6 +5,7 @@
 #   ROUNDS=7 MODELS=smollm2 engine/benches/run_engine_bench.sh
 #   INT8=0 engine/benches/run_engine_bench.sh    # without the int8 rows
 #   ISA=avx2 engine/benches/run_engine_bench.sh  # every engine on AVX2 without AVX-512
+#   KQUANT=0 engine/benches/run_engine_bench.sh  # without the GGUF rows
 #
 # ISA=avx2 measures the path a CPU without AVX-512 takes, on one that has it: Fission under
 # FISSION_MAX_ISA=avx2, llama.cpp built for AVX2 (setup.sh's LLAMA_ISA=avx2, .peers/llama.cpp/
@@ -20,6 +21,9 @@
 # make_table.py prints, per figure, the median over rounds, the min-max spread, and the
 # ratio of medians with the spread of per-round ratios; the table goes to $OUT/table.md and
 # `lscpu` to $OUT/lscpu.txt.
+# With KQUANT=1 (the default) each round also runs Fission and llama.cpp on the same GGUF files,
+# Q4_K_M (llama-quantize from the f32 conversion) and Q8_0, alternating like the rest (issue 33):
+# Fission keeps their blocks as stored (k-quant kernels; Q8_0 on the int8 panels).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ISA="${ISA:-native}"
@@ -40,6 +44,7 @@ echo "$ISA" > "$OUT/isa.txt"
 PY=.peers/venv/bin/python
 ROUNDS="${ROUNDS:-5}"
 INT8="${INT8:-1}"
+KQUANT="${KQUANT:-1}"
 declare -A MODEL_DIRS=([stories260K]=../shared/models/stories260K [smollm2]="$M")
 MODELS="${MODELS:-stories260K smollm2}"
 
@@ -49,6 +54,10 @@ run_one() { # engine model_dir out.json
     fission_int8) target/release/fission bench engine --model "$2" --quantize int8 --repeats 1 --out "$3" >/dev/null ;;
     llamacpp) $PY engine/benches/peers/bench_llamacpp.py --build "$LLAMA_BUILD" --model "$2" --repeats 1 --out "$3" >/dev/null ;;
     llamacpp_q8_0) $PY engine/benches/peers/bench_llamacpp.py --build "$LLAMA_BUILD" --model "$2" --outtype q8_0 --repeats 1 --out "$3" >/dev/null ;;
+    llamacpp_q4_k_m) $PY engine/benches/peers/bench_llamacpp.py --build "$LLAMA_BUILD" --model "$2" --outtype q4_k_m --repeats 1 --out "$3" >/dev/null ;;
+    fission_gguf_q8_0|fission_gguf_q4_k_m)
+      gguf=$($PY engine/benches/peers/bench_llamacpp.py --build "$LLAMA_BUILD" --model "$2" --outtype "${1#fission_gguf_}" --convert-only --out /dev/null)
+      target/release/fission bench engine --model "$gguf" --repeats 1 --out "$3" >/dev/null ;;
     transformers) $PY engine/benches/peers/bench_transformers.py --model "$2" --repeats 1 --out "$3" >/dev/null ;;
   esac
 }
@@ -58,6 +67,10 @@ for r in $(seq 1 "$ROUNDS"); do
   if (( r % 2 )); then order="fission llamacpp transformers"; else order="transformers llamacpp fission"; fi
   if [[ "$INT8" == 1 ]]; then
     if (( r % 2 )); then order="$order fission_int8 llamacpp_q8_0"; else order="llamacpp_q8_0 fission_int8 $order"; fi
+  fi
+  if [[ "$KQUANT" == 1 ]]; then
+    if (( r % 2 )); then order="$order fission_gguf_q4_k_m llamacpp_q4_k_m fission_gguf_q8_0";
+    else order="fission_gguf_q8_0 llamacpp_q4_k_m fission_gguf_q4_k_m $order"; fi
   fi
   for key in $MODELS; do
     model="${MODEL_DIRS[$key]}"

@@ -77,6 +77,18 @@ def model_key(model_dir: Path) -> str:
 
 
 def convert(model_dir: Path, peers: Path, python: str, outtype: str) -> tuple[Path, float | None]:
+    if outtype == "q4_k_m":
+        # llama-quantize from the f32 file, as users make Q4_K_M (Q6_K and fallbacks included).
+        src, _ = convert(model_dir, peers, python, "f32")
+        out = src.with_name(src.stem + "-q4_k_m.gguf")
+        if out.exists():
+            log(f"using cached {out}")
+            return out, None
+        t0 = time.perf_counter()
+        tmp = out.with_suffix(".gguf.tmp")
+        run_cmd([str(peers / "llama.cpp" / "build" / "bin" / "llama-quantize"), str(src), str(tmp), "Q4_K_M", "2"])
+        tmp.rename(out)
+        return out, time.perf_counter() - t0
     suffix = "" if outtype == "f32" else f"-{outtype}"
     out = peers / "gguf" / f"{model_dir.name}-{model_key(model_dir)}{suffix}.gguf"
     if out.exists():
@@ -120,8 +132,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model directory")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
-    ap.add_argument("--outtype", choices=["f32", "q8_0"], default="f32",
+    ap.add_argument("--outtype", choices=["f32", "q8_0", "q4_k_m"], default="f32",
                     help="weights of the GGUF: f32, or q8_0 (llama.cpp's int8 with a scale per 32)")
+    ap.add_argument("--convert-only", action="store_true",
+                    help="print the GGUF's path (converting it if needed) and exit: the file Fission runs too")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None,
                     help="llama-bench -r and llama-batched-bench runs (default: 5 and 3; --quick: 1)")
@@ -155,6 +169,9 @@ def main() -> int:
     details: dict = {}
 
     gguf, convert_s = convert(model_dir, peers, python, args.outtype)
+    if args.convert_only:
+        print(gguf)
+        return 0
     details["gguf"] = str(gguf)
     if convert_s is not None:
         details["convert_s"] = round(convert_s, 1)

@@ -95,7 +95,7 @@ if [[ ! -f "$LLAMA_DIR/convert_hf_to_gguf.py" ]]; then
 fi
 
 # 4. build llama-bench and llama-batched-bench --------------------------------------------------
-if [[ -x "$BUILD_DIR/bin/llama-bench" && -x "$BUILD_DIR/bin/llama-batched-bench" ]]; then
+if [[ -x "$BUILD_DIR/bin/llama-bench" && -x "$BUILD_DIR/bin/llama-batched-bench" && -x "$BUILD_DIR/bin/llama-quantize" ]]; then
     log "llama.cpp tools already built in $BUILD_DIR/bin"
 else
     log "building llama.cpp (Release, ${ISA_FLAGS[*]}, -j$JOBS); this takes several minutes"
@@ -104,7 +104,7 @@ else
         if [[ ! -f "$BUILD_NAME/build.ninja" ]]; then
             cmake -B "$BUILD_NAME" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF
         fi
-        nice -n 10 cmake --build "$BUILD_NAME" --target llama-batched-bench llama-bench -j"$JOBS"
+        nice -n 10 cmake --build "$BUILD_NAME" --target llama-batched-bench llama-bench llama-quantize -j"$JOBS"
     )
 fi
 
