@@ -42,6 +42,9 @@ pub struct GenerateArgs {
     /// none, or int8 (llama.cpp's Q8_0 layout, quantised at load).
     #[arg(long, default_value = "none")]
     pub quantize: Quantize,
+    /// The KV cache's element type: f32, bf16, f16 or int8; by default the model's dtype.
+    #[arg(long)]
+    pub kv_cache_dtype: Option<kvtransfer::KvDtype>,
     /// Where the model runs: cpu, or cuda[:N] (a binary built with `--features cuda`).
     #[arg(long, env = "FISSION_DEVICE", default_value = "cpu")]
     pub device: engine::device::DeviceSpec,
@@ -75,6 +78,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         model.clone(),
         EngineConfig {
             num_kv_blocks: Some(blocks.max(4)),
+            kv_cache_dtype: args.kv_cache_dtype,
             ..Default::default()
         },
     )?;
