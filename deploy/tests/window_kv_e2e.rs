@@ -57,7 +57,9 @@ fn prompts() -> Vec<String> {
         .iter()
         .map(|r| r["prompt"].as_str().unwrap().to_string())
         .collect();
-    (1..=3).map(|n| refs[..n].join(" ").repeat(22 / n)).collect()
+    (1..=3)
+        .map(|n| refs[..n].join(" ").repeat(22 / n))
+        .collect()
 }
 
 async fn generate_ids(client: &::reqwest::Client, url: &str, prompt: &str) -> Vec<u64> {

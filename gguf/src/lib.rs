@@ -28,6 +28,8 @@ pub use error::{GgufError, Result};
 pub use file::{read_header, GgufFile, Metadata};
 pub use header::{check_header, Header, TensorEntry};
 pub use sidecar::{default_cache_root, is_gguf, materialize, WEIGHTS_LINK};
-pub use tensors::{hf_name, load_tensors, load_tensors_keeping, type_counts, weight_type, RawTensor};
+pub use tensors::{
+    hf_name, load_tensors, load_tensors_keeping, type_counts, weight_type, RawTensor,
+};
 pub use tokenizer::{generation_config, tokenizer, tokenizer_config, tokenizer_json};
 pub use types::GgmlType;
