@@ -10,9 +10,18 @@
 //! - the same prompts as text on `/generate` with `details`: the ids must equal an in-process
 //!   engine's on the tokenized text, that engine having given transformers' ids on the
 //!   references first.
+//!
+//! Then the MoE model on 1 prefill and 2 decode nodes: decode-0 is killed mid-stream, and the
+//! streams the gateway migrates to decode-1 must still carry the in-process engine's ids.
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
+
+// The fault suite's cluster of separate processes, so one decode node can be killed; this
+// file uses only part of it.
+#[allow(dead_code)]
+#[path = "fault_suite/harness.rs"]
+mod harness;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -33,20 +42,25 @@ struct Reference {
     output_ids: Vec<u32>,
 }
 
-/// Writes `name`'s model into `dir`, checks it is the one the references came from, and
-/// returns its references.
-fn materialize(name: &str, dir: &std::path::Path) -> Vec<Reference> {
+fn variant(name: &str) -> Value {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../engine/tests/reference/arch_refs.json"
     );
     let refs: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let v = refs["variants"]
+    refs["variants"]
         .as_array()
         .unwrap()
         .iter()
         .find(|v| v["name"] == name)
-        .unwrap_or_else(|| panic!("arch_refs.json has no variant {name:?}"));
+        .unwrap_or_else(|| panic!("arch_refs.json has no variant {name:?}"))
+        .clone()
+}
+
+/// Writes `name`'s model into `dir`, checks it is the one the references came from, and
+/// returns its references.
+fn materialize(name: &str, dir: &std::path::Path) -> Vec<Reference> {
+    let v = &variant(name);
     let spec: ModelSpec = serde_json::from_value(v["spec"].clone()).unwrap();
     write_model(dir, &spec, &stories_dir()).unwrap();
     assert_eq!(
@@ -264,4 +278,100 @@ async fn a_sliding_window_variant_serves_the_transformers_ids_through_1p_1d() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mixture_of_experts_serves_the_transformers_ids_through_1p_1d() {
     serves_the_references("qwen3_moe").await;
+}
+
+const STREAMS: usize = 4;
+const STREAM_TOKENS: usize = 200;
+
+fn stream_body(client: usize) -> Value {
+    harness::body(
+        &format!("Stream {client}: the little dog ran to the park"),
+        STREAM_TOKENS,
+    )
+}
+
+#[test]
+fn a_mixture_of_experts_keeps_its_ids_across_a_decode_migration_mid_stream() {
+    // Slow steps, so the kill lands mid-stream (read by the node processes started below).
+    std::env::set_var("FISSION_DEBUG_STEP_DELAY_MS", "10");
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("qwen3-moe");
+    let mut spec: ModelSpec = serde_json::from_value(variant("qwen3_moe")["spec"].clone()).unwrap();
+    spec.max_pos = 1024;
+    write_model(&model_dir, &spec, &stories_dir()).unwrap();
+    let model = LoadedModel::load(
+        &ModelSource::Local(model_dir.clone()),
+        None,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            num_kv_blocks: Some(512),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let want: Vec<Vec<u64>> = (0..STREAMS)
+        .map(|i| {
+            let text = stream_body(i)["inputs"].as_str().unwrap().to_string();
+            let ids = model
+                .tokenizer
+                .encode(text.as_str(), true)
+                .unwrap()
+                .get_ids()
+                .to_vec();
+            let out = engine
+                .generate(vec![Request::greedy_fixed_length(
+                    SeqId(i as u64),
+                    ids,
+                    STREAM_TOKENS,
+                )])
+                .unwrap();
+            out[0].output_ids.iter().map(|&x| u64::from(x)).collect()
+        })
+        .collect();
+
+    let mut c = harness::Cluster::start(
+        dir.path(),
+        &model_dir,
+        vec![
+            harness::node("prefill", "prefill-0", &[]),
+            harness::node("decode", "decode-0", &[]),
+            harness::node("decode", "decode-1", &[]),
+        ],
+        &[],
+    );
+    let url = c.url.clone();
+    let load = std::thread::spawn(move || {
+        testkit::streams::run(&url, STREAMS, 1, Duration::from_secs(60), |client, _| {
+            stream_body(client)
+        })
+    });
+    let m = c.node("decode-0").metrics.clone();
+    testkit::wait_until("decode-0 generating", Duration::from_secs(30), || {
+        testkit::fission::metric(&m, "fission_decode_generated_tokens_total") >= 20.0
+            && testkit::fission::metric(&m, "fission_decode_running_sequences") >= 1.0
+    });
+    c.node("decode-0").signal(libc::SIGKILL);
+    let mut records = load.join().unwrap();
+    records.sort_by_key(|r| r.client);
+    harness::assert_all_ok(&records, "across decode-0's death");
+    for (r, want) in records.iter().zip(&want) {
+        assert_eq!(
+            r.token_ids.len(),
+            STREAM_TOKENS,
+            "no token twice, none missing"
+        );
+        assert_eq!(
+            &r.token_ids, want,
+            "stream {}: the in-process engine's ids across the migration",
+            r.client
+        );
+    }
+    let migrations = c.gateway_metric("fission_gateway_migrations_total");
+    assert!(migrations >= 1.0, "the gateway migrated nothing");
+    c.assert_kv_released();
+    println!("qwen3_moe on 1P+2D, decode-0 killed mid-stream: {migrations} migrations, {STREAMS} streams of {STREAM_TOKENS} ids equal to the in-process engine's");
 }
