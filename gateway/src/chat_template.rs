@@ -18,7 +18,6 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 
-use crate::chat_tools::ToolsInput;
 use crate::error::GatewayError;
 use crate::openai::family::OutputFamily;
 
@@ -255,6 +254,29 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
             });
     }
     Ok(Value::from_safe_string(text))
+}
+
+/// What a template reads of the tools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ToolsInput {
+    /// The `tools` list in the context.
+    Context,
+    /// A JSON text in the system message's `tools` field (Phi-4-mini).
+    SystemMessage,
+    /// Nothing: the gateway describes them in the last user message.
+    Instructions,
+}
+
+impl ToolsInput {
+    pub(crate) fn of_template(source: &str) -> Self {
+        if source.contains("message['tools']") || source.contains("message.tools") {
+            ToolsInput::SystemMessage
+        } else if source.contains("tools") {
+            ToolsInput::Context
+        } else {
+            ToolsInput::Instructions
+        }
+    }
 }
 
 /// `value` as Python's `json.dumps(value, ensure_ascii=False)` writes it.

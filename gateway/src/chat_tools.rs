@@ -14,33 +14,12 @@ use std::borrow::Cow;
 
 use serde_json::{json, Value};
 
-use crate::chat_template::{python_json, ChatMessage};
-
-/// What a template reads of the tools.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ToolsInput {
-    /// The `tools` list in the context.
-    Context,
-    /// A JSON text in the system message's `tools` field (Phi-4-mini).
-    SystemMessage,
-    /// Nothing: the gateway describes them in the last user message.
-    Instructions,
-}
+use crate::chat_template::{python_json, ChatMessage, ToolsInput};
 
 /// Phi-4-mini's system message when the request has none (its model card's).
 const PHI_SYSTEM: &str = "You are a helpful assistant with some tools.";
 
 impl ToolsInput {
-    pub(crate) fn of_template(source: &str) -> Self {
-        if source.contains("message['tools']") || source.contains("message.tools") {
-            ToolsInput::SystemMessage
-        } else if source.contains("tools") {
-            ToolsInput::Context
-        } else {
-            ToolsInput::Instructions
-        }
-    }
-
     /// The messages as the template should see them, and the `tools` for its context.
     pub(crate) fn prepare<'a>(
         self,

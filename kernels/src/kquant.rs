@@ -276,42 +276,6 @@ impl KQuantWeight {
         })
     }
 
-    /// `out[m, n] = x[m, k] @ W` (or `+=` with `add`), on the best kernel this CPU runs.
-    pub fn matmul(
-        &self,
-        x: &[f32],
-        m: usize,
-        out: &mut [f32],
-        add: bool,
-    ) -> Result<(), KernelError> {
-        self.matmul_on(crate::q8_simd::QIsa::detect(), x, m, out, add)
-    }
-
-    /// [`matmul`](Self::matmul) on a given instruction set (this CPU's or one it implies).
-    pub(crate) fn matmul_on(
-        &self,
-        isa: crate::q8_simd::QIsa,
-        x: &[f32],
-        m: usize,
-        out: &mut [f32],
-        add: bool,
-    ) -> Result<(), KernelError> {
-        for (what, expected, given) in [("x", m * self.k, x.len()), ("out", m * self.n, out.len())]
-        {
-            if expected != given {
-                return Err(KernelError::BadLength {
-                    what,
-                    expected,
-                    given,
-                });
-            }
-        }
-        if m > 0 {
-            crate::kquant_gemm::kquant_matmul(isa, x, m, self, out, add);
-        }
-        Ok(())
-    }
-
     /// Inputs.
     pub fn k(&self) -> usize {
         self.k

@@ -14,6 +14,7 @@
 
 use std::cell::RefCell;
 
+use crate::error::KernelError;
 use crate::kquant::{KQuantType, KQuantWeight, KSegment};
 #[cfg(target_arch = "x86_64")]
 use crate::kquant_simd::{KAvx2, KAvx512Bw, KVnni};
@@ -22,6 +23,48 @@ use crate::pool;
 use crate::q8::{quantize_row, GROUPS, GROUP_INPUTS, Q8_BLOCK};
 use crate::q8_simd::QIsa;
 use crate::simd::LANES;
+
+// The weight's own entry points live beside the GEMM they run, so the weight's file
+// (layout, decoding) does not import the kernels.
+impl KQuantWeight {
+    /// `out[m, n] = x[m, k] @ W` (or `+=` with `add`), on the best kernel this CPU runs.
+    pub fn matmul(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        add: bool,
+    ) -> Result<(), KernelError> {
+        self.matmul_on(QIsa::detect(), x, m, out, add)
+    }
+
+    /// [`matmul`](Self::matmul) on a given instruction set (this CPU's or one it implies).
+    pub(crate) fn matmul_on(
+        &self,
+        isa: QIsa,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        add: bool,
+    ) -> Result<(), KernelError> {
+        for (what, expected, given) in [
+            ("x", m * self.k(), x.len()),
+            ("out", m * self.n(), out.len()),
+        ] {
+            if expected != given {
+                return Err(KernelError::BadLength {
+                    what,
+                    expected,
+                    given,
+                });
+            }
+        }
+        if m > 0 {
+            kquant_matmul(isa, x, m, self, out, add);
+        }
+        Ok(())
+    }
+}
 
 /// Blocks per run: 24 records of two panels (at most 21 KiB) stay in L1.
 const KB: usize = 24;

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use memmap2::{Mmap, MmapMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -287,21 +287,6 @@ async fn offer_region(
         .await
         .map_err(io(peer, "region mapped"))?;
     Ok(region)
-}
-
-/// Copies `len` bytes out of `region` into a buffer of the receiver's own, computing their
-/// CRC-32C piece by piece while each piece is in cache.
-pub(crate) fn copy_out(region: &[u8], len: usize) -> Option<(Bytes, u32)> {
-    const PIECE: usize = 256 << 10;
-    let src = region.get(..len)?;
-    let mut buf = BytesMut::with_capacity(len);
-    let mut crc = 0;
-    for piece in src.chunks(PIECE) {
-        let start = buf.len();
-        buf.extend_from_slice(piece);
-        crc = crc32c::crc32c_append(crc, &buf[start..]);
-    }
-    Some((buf.freeze(), crc))
 }
 
 /// Sends layers through shared memory, with a pool of connections per endpoint.

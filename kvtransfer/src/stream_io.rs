@@ -139,6 +139,21 @@ pub(crate) fn io_error(peer: &str, what: &'static str, source: std::io::Error) -
     }
 }
 
+/// Copies `len` bytes out of `region` into a buffer of the receiver's own, computing their
+/// CRC-32C piece by piece while each piece is in cache.
+pub(crate) fn copy_out(region: &[u8], len: usize) -> Option<(Bytes, u32)> {
+    const PIECE: usize = 256 << 10;
+    let src = region.get(..len)?;
+    let mut buf = BytesMut::with_capacity(len);
+    let mut crc = 0;
+    for piece in src.chunks(PIECE) {
+        let start = buf.len();
+        buf.extend_from_slice(piece);
+        crc = crc32c::crc32c_append(crc, &buf[start..]);
+    }
+    Some((buf.freeze(), crc))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

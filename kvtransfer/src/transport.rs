@@ -252,7 +252,7 @@ where
         let read = match early {
             EarlyRefusal::Region(region) => usize::try_from(frame.payload_len)
                 .ok()
-                .and_then(|len| crate::shm::copy_out(region, len))
+                .and_then(|len| stream_io::copy_out(region, len))
                 .ok_or_else(|| KvTransferError::PayloadTooLarge {
                     xfer_id: frame.header.xfer_id,
                     layer: frame.header.layer,

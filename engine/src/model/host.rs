@@ -14,10 +14,10 @@ use kernels::{KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
 use super::llama::{Layer, Llama};
-use super::mlp::{gate_act_rows, Mlp};
+use super::mlp::Mlp;
 use super::norm::RmsNorm;
 use super::op_timing::{timed, Op};
-use super::ops::{self, with_slice, AttnDims, LayerAttn};
+use super::ops::{self, gate_act_rows, with_slice, AttnDims, LayerAttn};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::{KvCache, LayerKvMut};
 

@@ -13,9 +13,8 @@ use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
 use super::linear::Linear;
-use super::mlp::gate_act_rows;
 use super::op_timing::{timed, Op};
-use super::ops;
+use super::ops::{self, gate_act_rows};
 use crate::config::{Activation, ModelConfig, MoeConfig, MoeLayout};
 use crate::error::Result;
 use crate::quantize::Quantize;

@@ -397,3 +397,18 @@ pub(crate) fn for_rows<T: Send>(
         }
     });
 }
+
+/// `out = act(gate) * up` over `n` host rows of fused `[gate | up]`, `f` wide each: the host
+/// path's gating, dense or expert.
+pub(crate) fn gate_act_rows(gate_up: &[f32], n: usize, f: usize, act: Activation, out: &mut [f32]) {
+    match act {
+        Activation::Silu => {
+            let body = |row: usize, o: &mut [f32]| {
+                let (g, u) = gate_up[row * 2 * f..(row + 1) * 2 * f].split_at(f);
+                kernels::silu_mul(g, u, o);
+            };
+            for_rows(out, n, f, 8, &body);
+        }
+        Activation::GeluTanh => gate_mul_rows(gate_up, n, f, act, out),
+    }
+}

@@ -6,7 +6,6 @@
 use serde_json::Value;
 
 use super::family::{MISTRAL_ARGS, MISTRAL_CALL_ID, MISTRAL_OPEN, PHI_CLOSE, PHI_OPEN};
-use super::tools::{array_calls, ParsedCall};
 
 /// `[TOOL_CALLS][{"name", "arguments"}, ...]` (Mistral Nemo, v3 tokenizers) or
 /// `[TOOL_CALLS]name[ARGS]{...}` repeated, with an optional `[CALL_ID]id` before `[ARGS]`
@@ -114,6 +113,91 @@ pub(crate) fn may_open_fence(text: &str) -> bool {
 /// Whether `text` opens with `marker`, or is the start of it.
 pub(crate) fn opens_with(text: &str, marker: &str) -> bool {
     marker.starts_with(text) || text.starts_with(marker)
+}
+
+/// One parsed call, in OpenAI's shape apart from the id.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ParsedCall {
+    pub name: String,
+    /// The arguments as a JSON text, as OpenAI sends them.
+    pub arguments: String,
+}
+
+/// The calls of a JSON list, `text` starting at its `[`: each item once a `,` or the `]`
+/// ends it (or the text ends, with `at_end`). Clean when the list closed with nothing after.
+pub(super) fn array_calls(text: &str, at_end: bool) -> (Vec<ParsedCall>, bool) {
+    let (items, closed_at) = array_items(text);
+    let mut items: Vec<&str> = items;
+    if closed_at.is_none() && at_end {
+        let tail_start = items.last().map_or(1, |last| {
+            last.as_ptr() as usize - text.as_ptr() as usize + last.len() + 1
+        });
+        if let Some(tail) = text.get(tail_start..).filter(|t| !t.trim().is_empty()) {
+            items.push(tail);
+        }
+    }
+    let mut calls = Vec::with_capacity(items.len());
+    for item in items {
+        match serde_json::from_str::<Value>(item.trim())
+            .ok()
+            .and_then(|v| call_from(&v))
+        {
+            Some(call) => calls.push(call),
+            None => return (calls, false),
+        }
+    }
+    let clean = !calls.is_empty() && closed_at.is_some_and(|end| text[end..].trim().is_empty());
+    (calls, clean)
+}
+
+/// The items of the JSON list `text` opens, each ended by a `,` or the closing `]` at the
+/// list's own depth (strings and nested values skipped), and where the list closed.
+fn array_items(text: &str) -> (Vec<&str>, Option<usize>) {
+    let mut items = Vec::new();
+    let (mut depth, mut in_string, mut escaped, mut start) = (0usize, false, false, 1);
+    for (i, b) in text.bytes().enumerate().skip(1) {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' if depth > 0 => depth -= 1,
+            b',' if depth == 0 => {
+                items.push(&text[start..i]);
+                start = i + 1;
+            }
+            b']' => {
+                if !text[start..i].trim().is_empty() {
+                    items.push(&text[start..i]);
+                }
+                return (items, Some(i + 1));
+            }
+            _ => {}
+        }
+    }
+    (items, None)
+}
+
+/// `{"name": ..., "arguments" | "parameters": {...} or a JSON text}`.
+pub(super) fn call_from(value: &Value) -> Option<ParsedCall> {
+    let name = value.get("name")?.as_str()?.to_string();
+    let arguments = match value.get("arguments").or_else(|| value.get("parameters")) {
+        None => "{}".to_string(),
+        Some(Value::String(text)) => {
+            serde_json::from_str::<Value>(text).ok()?;
+            text.clone()
+        }
+        Some(args @ Value::Object(_)) => args.to_string(),
+        Some(_) => return None,
+    };
+    Some(ParsedCall { name, arguments })
 }
 
 #[cfg(test)]
