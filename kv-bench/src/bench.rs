@@ -632,9 +632,11 @@ mod tests {
             },
         });
         let report = run_bench(cfg).await.unwrap();
-        assert_eq!(report.rows.len(), 6);
+        // The default backends (shared memory among them) and the QUIC row added above.
+        assert_eq!(report.rows.len(), 7);
         let table = report.to_string();
         assert!(table.contains("raw tcp (baseline)"), "{table}");
+        assert!(table.contains("shm, 8 conns"), "{table}");
         assert!(table.contains("1.00x"), "{table}");
         // Moving bytes costs CPU: a figure of zero would mean the clock was not read.
         for r in &report.rows {
