@@ -102,6 +102,7 @@ async fn draining_node_refuses_prompts_and_exits_with_a_cache_events_stream_open
                     block_ids: vec![0, 1],
                     layout: info.layout,
                     lease_ms: 10_000,
+                    ..Default::default()
                 }),
             }),
         ))

@@ -382,6 +382,7 @@ fn reserved(xfer_id: u64, epoch: u64) -> v1::Reserved {
         kv_endpoint: "127.0.0.1:1".into(),
         lease_ms: 10_000,
         layout: None,
+        ..Default::default()
     }
 }
 
