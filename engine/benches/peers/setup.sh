@@ -4,7 +4,7 @@
 #                                gguf, sentencepiece, protobuf (+ cmake, ninja when the system lacks them)
 #   .peers/sdist/                the llama-cpp-python sdist (source only, no wheel)
 #   .peers/llama.cpp/            the llama.cpp tree vendored in that sdist (convert_hf_to_gguf.py lives here)
-#   .peers/llama.cpp/build/bin/  llama-bench, llama-batched-bench
+#   .peers/llama.cpp/build/bin/  llama-bench, llama-batched-bench, llama-quantize, llama-perplexity
 #   .peers/llama.cpp/build-avx2/bin/  the same, built for AVX2 without AVX-512 (LLAMA_ISA=avx2)
 #
 # Idempotent: every step is skipped when its output already exists. Safe to re-run after a failure.
@@ -94,8 +94,9 @@ if [[ ! -f "$LLAMA_DIR/convert_hf_to_gguf.py" ]]; then
     rm -rf "$tmp"
 fi
 
-# 4. build llama-bench and llama-batched-bench --------------------------------------------------
-if [[ -x "$BUILD_DIR/bin/llama-bench" && -x "$BUILD_DIR/bin/llama-batched-bench" && -x "$BUILD_DIR/bin/llama-quantize" ]]; then
+# 4. build llama-bench, llama-batched-bench, llama-quantize, llama-perplexity (KL, issue 33) ---
+if [[ -x "$BUILD_DIR/bin/llama-bench" && -x "$BUILD_DIR/bin/llama-batched-bench" && -x "$BUILD_DIR/bin/llama-quantize"
+      && -x "$BUILD_DIR/bin/llama-perplexity" ]]; then
     log "llama.cpp tools already built in $BUILD_DIR/bin"
 else
     log "building llama.cpp (Release, ${ISA_FLAGS[*]}, -j$JOBS); this takes several minutes"
@@ -104,7 +105,7 @@ else
         if [[ ! -f "$BUILD_NAME/build.ninja" ]]; then
             cmake -B "$BUILD_NAME" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF
         fi
-        nice -n 10 cmake --build "$BUILD_NAME" --target llama-batched-bench llama-bench llama-quantize -j"$JOBS"
+        nice -n 10 cmake --build "$BUILD_NAME" --target llama-batched-bench llama-bench llama-quantize llama-perplexity -j"$JOBS"
     )
 fi
 
