@@ -31,6 +31,9 @@ pub type LayerHook<'a> = dyn FnMut(LayerDone<'_>) -> Result<()> + 'a;
 pub(super) struct Reservation {
     request: Request,
     blocks: Vec<BlockId>,
+    /// Leading `blocks` linked from the prefix cache: they hold their KV already, and the push
+    /// fills the rest.
+    cached: usize,
     /// Per sliding-window group: the index of the first block its layers receive (the first
     /// decode query's window), and the blocks that take them.
     windows: Vec<(usize, Vec<BlockId>)>,
@@ -42,6 +45,20 @@ impl Engine {
     /// are the full-attention group's; a sliding-window group takes only the blocks of the
     /// first decode query's window ([`import_layer`](Self::import_layer)).
     pub fn reserve(&mut self, req: Request) -> Result<Vec<BlockId>> {
+        self.reserve_blocks(req, false).map(|(blocks, _)| blocks)
+    }
+
+    /// [`reserve`](Self::reserve), linking the leading blocks of the prompt this node holds in
+    /// its prefix cache (a previous turn of the conversation) into the reservation, so that a
+    /// prefill node pushes only the rest. Returns the blocks of the whole prompt and how many
+    /// of them were linked: the push fills `blocks[cached..]`
+    /// ([`import_layer`](Self::import_layer)). The last block is always left to push. Nothing
+    /// is linked on an engine with sliding-window groups or without prefix caching.
+    pub fn reserve_linking(&mut self, req: Request) -> Result<(Vec<BlockId>, usize)> {
+        self.reserve_blocks(req, true)
+    }
+
+    fn reserve_blocks(&mut self, req: Request, link: bool) -> Result<(Vec<BlockId>, usize)> {
         self.validate(&req)?;
         if let Some(spec) = &req.grammar {
             // Fail now rather than when the KV has arrived; the constraint is built again then.
@@ -51,11 +68,28 @@ impl Engine {
             )?;
         }
         let n = req.prompt_ids.len().div_ceil(self.block_size);
+        let linkable = link
+            && self.cache.groups().windows().is_empty()
+            && self.scheduler.config().enable_prefix_caching;
+        let mut hashes = match linkable {
+            true => crate::kv::prefix::block_hashes(&req.prompt_ids, self.block_size),
+            false => Vec::new(),
+        };
+        // A push always carries the last block: every layer then has a frame, and the
+        // prefill node's first token follows the KV it pushed.
+        hashes.truncate((req.prompt_ids.len() - 1) / self.block_size);
+        let alloc = self.scheduler.allocator();
+        let cached = alloc.count_cached_prefix(&hashes);
+        // Reviving cached blocks takes them out of the free count too.
+        let revived = hashes[..cached]
+            .iter()
+            .filter(|&&h| alloc.lookup(h).is_some_and(|id| alloc.ref_count(id) == 0))
+            .count();
         let held: usize = self.reserved.values().map(|r| r.blocks.len()).sum();
-        let free = self.scheduler.allocator().num_free();
-        if held + n > self.max_reserved_blocks || n > free {
+        let free = alloc.num_free();
+        if held + n > self.max_reserved_blocks || n - cached + revived > free {
             return Err(EngineError::OutOfBlocks {
-                needed: n,
+                needed: n - cached + revived,
                 free: free.min(self.max_reserved_blocks.saturating_sub(held)),
             });
         }
@@ -73,7 +107,11 @@ impl Engine {
                 return Err(EngineError::OutOfBlocks { needed: k, free });
             }
         }
-        let blocks = self.scheduler.allocator_mut().allocate_n(n)?;
+        let alloc = self.scheduler.allocator_mut();
+        let mut blocks = alloc.acquire_cached_prefix(&hashes[..cached]);
+        debug_assert_eq!(blocks.len(), cached);
+        alloc.count_prefix_misses(hashes.len() - cached);
+        blocks.extend(alloc.allocate_n(n - cached)?);
         let windows = windows
             .into_iter()
             .enumerate()
@@ -87,15 +125,17 @@ impl Engine {
             Reservation {
                 request: req,
                 blocks: blocks.clone(),
+                cached,
                 windows,
             },
         );
-        Ok(blocks)
+        Ok((blocks, cached))
     }
 
     /// Decode node: one layer's pushed KV for reservation `seq_id`, as the prefill node
-    /// exported it over the reservation's blocks ([`KvCache::export_blocks`] layout). A
-    /// sliding-window layer keeps only the blocks of the first decode query's window.
+    /// exported it over the reservation's blocks to fill ([`KvCache::export_blocks`] layout;
+    /// the blocks after its linked prefix). A sliding-window layer keeps only the blocks of
+    /// the first decode query's window.
     pub fn import_layer(&mut self, seq_id: SeqId, layer: usize, payload: &[u8]) -> Result<()> {
         let r = self
             .reserved
@@ -106,7 +146,9 @@ impl Engine {
             false => 0, // import_blocks names the bad layer
         };
         if group == 0 {
-            return self.cache.import_blocks(layer, &r.blocks, payload);
+            return self
+                .cache
+                .import_blocks(layer, &r.blocks[r.cached..], payload);
         }
         let (from, blocks) = &r.windows[group - 1];
         let layout = self.cache.layout();
