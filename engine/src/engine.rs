@@ -183,6 +183,7 @@ impl Engine {
             block_size: cfg.block_size as u32,
             num_kv_heads: mc.num_kv_heads as u32,
             head_dim: mc.head_dim as u32,
+            windows: Default::default(),
         };
         layout
             .validate()
@@ -237,7 +238,7 @@ impl Engine {
         let pool_blocks: Vec<usize> = std::iter::once(num_blocks)
             .chain(window_pools.iter().copied())
             .collect();
-        let mut cache = KvCache::with_groups(layout, groups.clone(), &pool_blocks);
+        let mut cache = KvCache::for_model(&model.model, layout, groups.clone(), &pool_blocks)?;
         if cfg.prefault_kv {
             cache.prefault();
         }

@@ -3,10 +3,19 @@
 //! It can export any set of blocks of one layer as contiguous bytes and import them back, with
 //! a described layout, which is what KV transfer between nodes sends.
 //!
+//! Where a layer's KV lives follows the model ([`KvCache::for_model`]): host vectors for the
+//! host path, or one tensor per layer on the model's device for the tensor path, read and
+//! written through `model::device_ops` (on the CPU, a CPU tensor: the same code a GPU runs).
+//! The allocator, the prefix cache and the block tables stay on the host either way. A device
+//! cache exports through a staging tensor (`device_ops::gather_blocks`, copied to host bytes)
+//! and imports the other way (`device_ops::scatter_blocks`), in the byte layout the host
+//! cache's exports have, so the push and the nodes do not know which one they hold.
+//!
 //! An int8 cache (`KvDtype::Int8`) also holds one f32 scale per token slot and kv head beside
 //! each layer's K and V (see `kernels::quantize_row_int8` for why per row); its exports carry
 //! the scales after the elements, as `KvLayout::layer_payload_bytes` counts them.
 
+use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
 use kernels::{CacheShape, Int8KvMut, KvDtype, KvElem};
 use kv_types::KvLayout;
@@ -14,6 +23,7 @@ use kv_types::KvLayout;
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
 use crate::kv::groups::KvGroups;
+use crate::model::{device_ops, Model};
 
 /// One layer's K or V storage, in the cache dtype.
 #[derive(Debug)]
@@ -83,6 +93,16 @@ struct LayerKv {
     v: KvBuf,
 }
 
+/// Where the layers' K and V live.
+#[derive(Debug)]
+enum Layers {
+    /// Host vectors, for the host path (and an int8 cache on the CPU's tensor path).
+    Host(Vec<LayerKv>),
+    /// One `[2, layer_elems]` tensor a layer (K then V) on the model's device, for the tensor
+    /// path's device ops.
+    Device(Vec<Tensor>),
+}
+
 /// The whole paged cache of one engine.
 #[derive(Debug)]
 pub struct KvCache {
@@ -90,7 +110,7 @@ pub struct KvCache {
     layout: KvLayout,
     /// One layer's K (or V) storage, as the kernels index it.
     shape: CacheShape,
-    layers: Vec<LayerKv>,
+    layers: Layers,
     /// Which layers share a block table ([`crate::kv::groups`]), and each layer's storage:
     /// a sliding-window group's pool is smaller than `shape`'s.
     groups: KvGroups,
@@ -124,9 +144,82 @@ impl KvCache {
         KvCache {
             layout,
             shape,
-            layers,
+            layers: Layers::Host(layers),
             groups,
             layer_shapes,
+        }
+    }
+
+    /// [`with_groups`](Self::with_groups) where `model` will read it: on the model's device
+    /// when the model runs the tensor path, on the host for the host path and the mock. An
+    /// int8 cache on the CPU's tensor path stays on the host (the tensor path then reads it
+    /// as host slices: the device ops have no int8 yet); on a GPU it is refused.
+    pub fn for_model(
+        model: &Model,
+        layout: KvLayout,
+        groups: KvGroups,
+        pool_blocks: &[usize],
+    ) -> Result<Self> {
+        match model {
+            Model::Llama(m) if !m.runs_host_path() => {
+                Self::with_groups_on(layout, groups, pool_blocks, m.device())
+            }
+            _ => Ok(Self::with_groups(layout, groups, pool_blocks)),
+        }
+    }
+
+    /// [`with_groups`](Self::with_groups) with every layer a zeroed tensor on `device`.
+    pub fn with_groups_on(
+        layout: KvLayout,
+        groups: KvGroups,
+        pool_blocks: &[usize],
+        device: &Device,
+    ) -> Result<Self> {
+        let dtype = match layout.dtype {
+            KvDtype::F32 => DType::F32,
+            KvDtype::Bf16 => DType::BF16,
+            KvDtype::F16 => DType::F16,
+            KvDtype::Int8 if device.is_cpu() => {
+                return Ok(Self::with_groups(layout, groups, pool_blocks))
+            }
+            KvDtype::Int8 => {
+                return Err(EngineError::InvalidConfig {
+                    reason: "an int8 KV cache has no device kernels yet: use --kv-cache-dtype \
+                             bf16 (or f16, f32) on a GPU"
+                        .into(),
+                })
+            }
+        };
+        let mut cache = Self::with_groups(
+            layout,
+            groups,
+            &vec![0; pool_blocks.len()], // no host storage; the shapes are set below
+        );
+        let shape = CacheShape::new(&layout, pool_blocks[0]);
+        let layer_shapes: Vec<CacheShape> = (0..layout.num_layers as usize)
+            .map(|l| CacheShape::new(&layout, pool_blocks[cache.groups.group_of(l)]))
+            .collect();
+        let layers = layer_shapes
+            .iter()
+            .map(|s| device_ops::layer_cache(s, dtype, device))
+            .collect::<Result<Vec<_>>>()?;
+        cache.shape = shape;
+        cache.layer_shapes = layer_shapes;
+        cache.layers = Layers::Device(layers);
+        Ok(cache)
+    }
+
+    /// Whether the layers live in device tensors ([`layer_tensor`](Self::layer_tensor)), not
+    /// host vectors ([`layer_mut`](Self::layer_mut)).
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.layers, Layers::Device(_))
+    }
+
+    /// `layer`'s `[2, layer_elems]` tensor (K then V) when the cache lives on a device.
+    pub fn layer_tensor(&self, layer: usize) -> Option<&Tensor> {
+        match &self.layers {
+            Layers::Device(t) => t.get(layer),
+            Layers::Host(_) => None,
         }
     }
 
@@ -141,8 +234,12 @@ impl KvCache {
     }
 
     /// Maps in every page of the storage now, by writing the zero each page already holds.
+    /// A device cache is left as it is: the device allocator zeroed it.
     pub fn prefault(&mut self) {
-        for layer in &mut self.layers {
+        let Layers::Host(layers) = &mut self.layers else {
+            return;
+        };
+        for layer in layers {
             for buf in [&mut layer.k, &mut layer.v] {
                 match buf {
                     KvBuf::F32(v) => touch_pages(v),
@@ -177,7 +274,7 @@ impl KvCache {
     }
 
     pub fn num_layers(&self) -> usize {
-        self.layers.len()
+        self.layer_shapes.len()
     }
 
     /// Total bytes held by the cache, scales included.
@@ -189,8 +286,13 @@ impl KvCache {
             .sum()
     }
 
+    /// `layer`'s host K and V. The host path's view: a cache it reads is made on the host
+    /// ([`for_model`](Self::for_model)), so a device cache here is a bug, not an input.
     pub fn layer_mut(&mut self, layer: usize) -> LayerKvMut<'_> {
-        let l = &mut self.layers[layer];
+        let Layers::Host(layers) = &mut self.layers else {
+            panic!("the host view of a KV cache that lives on a device (see KvCache::for_model)")
+        };
+        let l = &mut layers[layer];
         match (&mut l.k, &mut l.v) {
             (KvBuf::F32(k), KvBuf::F32(v)) => LayerKvMut::F32(k, v),
             (KvBuf::Bf16(k), KvBuf::Bf16(v)) => LayerKvMut::Bf16(k, v),
@@ -244,6 +346,11 @@ impl KvCache {
             });
         }
         let shape = self.layer_shapes[layer];
+        if let Layers::Device(t) = &self.layers {
+            // Gathered on the device into one staging tensor, then copied to `dst`.
+            let staging = device_ops::gather_blocks(&t[layer], &shape, &ids)?;
+            return copy_to_bytes(&staging.to_device(&Device::Cpu)?, dst);
+        }
         match self.layer_mut(layer) {
             LayerKvMut::F32(k, v) => gather::<f32>(&shape, k, v, &ids, dst),
             LayerKvMut::Bf16(k, v) => gather::<bf16>(&shape, k, v, &ids, dst),
@@ -271,6 +378,13 @@ impl KvCache {
             });
         }
         let shape = self.layer_shapes[layer];
+        if let Layers::Device(t) = &self.layers {
+            // The bytes as one staging tensor on the device, scattered into the blocks.
+            let kv = &t[layer];
+            let n = src.len() / kv.dtype().size_in_bytes();
+            let staging = Tensor::from_raw_buffer(src, kv.dtype(), &[n], kv.device())?;
+            return device_ops::scatter_blocks(kv, &staging, &shape, &ids);
+        }
         match self.layer_mut(layer) {
             LayerKvMut::F32(k, v) => scatter::<f32>(&shape, k, v, &ids, src),
             LayerKvMut::Bf16(k, v) => scatter::<bf16>(&shape, k, v, &ids, src),
@@ -280,14 +394,31 @@ impl KvCache {
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
-        if layer >= self.layers.len() {
+        if layer >= self.num_layers() {
             return Err(EngineError::InvalidParameter {
                 field: "layer",
-                reason: format!("must be < {}", self.layers.len()),
+                reason: format!("must be < {}", self.num_layers()),
                 given: layer.to_string(),
             });
         }
         Ok(())
+    }
+}
+
+/// Copies a contiguous CPU tensor's elements into `dst` as native-endian bytes.
+fn copy_to_bytes(t: &Tensor, dst: &mut [u8]) -> Result<()> {
+    fn copy<T: candle_core::WithDType + bytemuck::Pod>(t: &Tensor, dst: &mut [u8]) -> Result<()> {
+        crate::model::with_cpu_slice::<T, _>(t, |s| {
+            dst.copy_from_slice(bytemuck::cast_slice(s));
+        })
+    }
+    match t.dtype() {
+        DType::F32 => copy::<f32>(t, dst),
+        DType::BF16 => copy::<bf16>(t, dst),
+        DType::F16 => copy::<f16>(t, dst),
+        other => Err(EngineError::UnsupportedDtype {
+            dtype: format!("{other:?}"),
+        }),
     }
 }
 
@@ -345,6 +476,7 @@ mod tests {
                 block_size: 4,
                 num_kv_heads: 2,
                 head_dim: 4,
+                windows: Default::default(),
             };
             let mut a = KvCache::new(layout, 8);
             // Fill layer 1 with distinct values through the typed view.

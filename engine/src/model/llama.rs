@@ -10,6 +10,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 
 use super::batch::ForwardBatch;
+use super::device_attn::{self, DeviceRope};
+use super::device_ops;
 use super::linear::Linear;
 use super::mlp::Mlp;
 use super::norm::RmsNorm;
@@ -244,6 +246,12 @@ impl Llama {
             x = x.broadcast_mul(&scale)?;
         }
         let ropes = self.rope_tables(&batch.positions);
+        // A cache on the device (what `KvCache::for_model` makes for this path) goes through
+        // the device ops; an int8 cache on the CPU stays host slices (`ops::attention`).
+        let device = match cache.is_on_device() {
+            true => Some(DeviceStep::new(&ropes, batch, cache, &self.device)?),
+            false => None,
+        };
         let dims = AttnDims {
             num_heads: self.cfg.num_heads,
             num_kv_heads: self.cfg.num_kv_heads,
@@ -267,7 +275,14 @@ impl Llama {
                 dims,
                 opts: layer.attn,
             };
-            let attn = ops::attention(&qkv, &at, cache.layer_mut(i))?;
+            let attn = match (&device, cache.layer_tensor(i)) {
+                (Some(step), Some(kv)) => {
+                    let group = cache.groups().group_of(i);
+                    let rope = step.rope(layer);
+                    device_attn::attention(&qkv, &at, rope, &step.seqs[group], kv)?
+                }
+                _ => ops::attention(&qkv, &at, cache.layer_mut(i))?,
+            };
             let mut o = layer.o_proj.forward(&attn)?;
             if let Some(norm) = &layer.post_attn_norm {
                 o = norm.forward(&o)?;
@@ -305,6 +320,41 @@ impl Llama {
         StepRopes {
             global: self.rope.tables(positions),
             local: self.local_rope.as_ref().map(|r| r.tables(positions)),
+        }
+    }
+}
+
+/// One step's inputs to the device ops, uploaded once and shared by every layer: the rope
+/// tables, and each KV group's sequences.
+struct DeviceStep {
+    global: DeviceRope,
+    local: Option<DeviceRope>,
+    seqs: Vec<Vec<device_ops::SeqRows>>,
+}
+
+impl DeviceStep {
+    fn new(
+        ropes: &StepRopes,
+        batch: &ForwardBatch,
+        cache: &KvCache,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(DeviceStep {
+            global: DeviceRope::new(&ropes.global, device)?,
+            local: match &ropes.local {
+                Some(t) => Some(DeviceRope::new(t, device)?),
+                None => None,
+            },
+            seqs: (0..cache.groups().num_groups())
+                .map(|g| device_attn::seq_rows(batch.for_group(g)))
+                .collect(),
+        })
+    }
+
+    fn rope(&self, layer: &Layer) -> &DeviceRope {
+        match (&self.local, layer.local_rope) {
+            (Some(local), true) => local,
+            _ => &self.global,
         }
     }
 }

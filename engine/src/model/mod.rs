@@ -1,6 +1,7 @@
 //! Model loading and the forward pass.
 
 pub mod batch;
+mod device_attn;
 pub mod device_ops;
 mod host;
 mod linear;
@@ -20,6 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use batch::{ForwardBatch, SeqSlice};
+pub(crate) use ops::with_slice as with_cpu_slice;
 pub use llama::Llama;
 pub use mock::{MockModel, MockSpec};
 

@@ -301,6 +301,16 @@ fn rope_head<S: KvElem, T: KvElem>(
 pub(crate) fn gate_mul(gate_up: &Tensor, act: Activation) -> Result<Tensor> {
     let (t, two_f) = gate_up.dims2()?;
     let f = two_f / 2;
+    if !gate_up.device().is_cpu() {
+        // Off the CPU, as tensor ops (the device's own rounding; the CPU keeps the loop
+        // below, which is transformers' to the bit).
+        let (g, u) = (gate_up.narrow(1, 0, f)?, gate_up.narrow(1, f, f)?);
+        let a = match act {
+            Activation::Silu => candle_nn::ops::silu(&g)?,
+            Activation::GeluTanh => g.gelu()?,
+        };
+        return Ok((a * u)?);
+    }
     match gate_up.dtype() {
         DType::F32 => gate_mul_typed::<f32>(gate_up, t, f, act),
         DType::BF16 => gate_mul_typed::<half::bf16>(gate_up, t, f, act),

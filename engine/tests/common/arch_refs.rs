@@ -156,6 +156,8 @@ pub fn check_variant(name: &str, path: Path) {
             v.max_new_tokens.unwrap_or(refs.max_new_tokens)
         );
         let mut e = engine(&model, small(EngineConfig::default()));
+        // The tensor path's cache is a device tensor a layer, read through the device ops.
+        assert_eq!(e.cache().is_on_device(), path == Path::Tensor, "{name}");
         let out = e
             .generate(vec![greedy(0, r.input_ids.clone(), r.output_ids.len())])
             .expect("generates");
