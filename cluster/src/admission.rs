@@ -224,6 +224,7 @@ mod tests {
                 block_size: 16,
                 num_kv_heads: 2,
                 head_dim,
+                windows: Default::default(),
             },
             total_kv_blocks: 10,
             kv_transport: "quic".into(),

@@ -272,6 +272,7 @@ mod tests {
                 block_size: 16,
                 num_kv_heads: 2,
                 head_dim: 64,
+                windows: Default::default(),
             },
             total_kv_blocks: 10,
             kv_transport: "tcp".into(),

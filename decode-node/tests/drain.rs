@@ -44,6 +44,7 @@ async fn check_metrics_while_draining(
             block_size: 4,
             num_kv_heads: 1,
             head_dim: 4,
+            windows: Default::default(),
         },
         block_ids: Arc::from(vec![0u32]),
         traceparent: None,

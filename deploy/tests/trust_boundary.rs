@@ -148,6 +148,7 @@ async fn push_one_layer(identity: &TlsIdentity, endpoint: &str) -> Result<(), Kv
             block_size: 2,
             num_kv_heads: 1,
             head_dim: 4,
+            windows: Default::default(),
         },
         block_ids: vec![0u32].into(),
         traceparent: None,

@@ -205,6 +205,7 @@ pub fn device_kv_blocks(
         block_size: cfg.block_size as u32,
         num_kv_heads: mc.num_kv_heads as u32,
         head_dim: mc.head_dim as u32,
+        windows: Default::default(),
     };
     Ok(Some(kv_blocks_in(
         free,

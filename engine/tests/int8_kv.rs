@@ -37,6 +37,7 @@ fn run(
         block_size: BLOCK as u32,
         num_kv_heads: mc.num_kv_heads as u32,
         head_dim: mc.head_dim as u32,
+        windows: Default::default(),
     };
     let total = prompt.len() + decode.len();
     let blocks = total.div_ceil(BLOCK);

@@ -3,6 +3,12 @@
 //! Per layer, K and V each have shape `[num_blocks, block_size, num_kv_heads, head_dim]`. A
 //! layer's payload for a transfer of `n` blocks is `[K of the n blocks, V of the n blocks]`,
 //! contiguous: `2 * n * block_bytes()` bytes.
+//!
+//! A sliding-window layer's push carries only the blocks its window still reads at the
+//! prompt's last position, so two nodes exchange KV only when they agree on which layers slide
+//! and how far: [`LayerWindows`], a digest of each layer's window, is part of the layout. The
+//! KV frames carry the geometry alone ([`KvLayout::same_geometry`]); the windows are agreed
+//! on the control plane (registration, admission, the reservation's layout).
 
 use std::fmt;
 
@@ -24,6 +30,46 @@ pub struct KvLayout {
     pub block_size: u32,
     pub num_kv_heads: u32,
     pub head_dim: u32,
+    /// Which layers keep (and push) only a sliding window of blocks. Absent from a record
+    /// written before it existed, which then reads as [`LayerWindows::NONE`].
+    #[serde(default, skip_serializing_if = "LayerWindows::is_none")]
+    pub windows: LayerWindows,
+}
+
+/// A digest of a cache's per-layer sliding windows: [`NONE`](Self::NONE) when every layer
+/// keeps every block of a sequence (full attention, or a node that does not free windows),
+/// otherwise a 64-bit FNV-1a hash of each layer's window in layer order. Two nodes whose
+/// digests differ would cut a sliding layer's push at different blocks, so they are refused
+/// as any other layout mismatch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct LayerWindows(pub u64);
+
+impl LayerWindows {
+    /// Every layer keeps every block.
+    pub const NONE: LayerWindows = LayerWindows(0);
+
+    /// The digest of `windows`, one entry a layer (`None`: the layer keeps every block).
+    pub fn of(windows: &[Option<usize>]) -> Self {
+        if windows.iter().all(Option::is_none) {
+            return Self::NONE;
+        }
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for w in windows {
+            // 0 for a full layer, so that no window's value stands for one.
+            let v = w.map_or(0, |w| w as u64 + 1);
+            for byte in v.to_le_bytes() {
+                hash ^= u64::from(byte);
+                hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        }
+        // 0 is NONE's; a sliding layout never digests to it.
+        LayerWindows(hash.max(1))
+    }
+
+    pub fn is_none(&self) -> bool {
+        *self == Self::NONE
+    }
 }
 
 /// A layout field outside its range.
@@ -55,7 +101,20 @@ impl KvLayout {
         block_size: 16,
         num_kv_heads: 3,
         head_dim: 64,
+        windows: LayerWindows::NONE,
     };
+
+    /// Whether `other` has this layout's geometry (dtype and every dimension), its windows
+    /// aside: what a KV frame, which carries no windows, is checked against.
+    pub fn same_geometry(&self, other: &KvLayout) -> bool {
+        KvLayout {
+            windows: LayerWindows::NONE,
+            ..*self
+        } == KvLayout {
+            windows: LayerWindows::NONE,
+            ..*other
+        }
+    }
 
     /// Checks every dimension against its range, so the byte counts below cannot overflow.
     pub fn validate(&self) -> Result<(), InvalidLayout> {
@@ -125,7 +184,11 @@ impl fmt::Display for KvLayout {
             f,
             "{} layers={} block_size={} num_kv_heads={} head_dim={}",
             self.dtype, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim
-        )
+        )?;
+        if !self.windows.is_none() {
+            write!(f, " windows={:016x}", self.windows.0)?;
+        }
+        Ok(())
     }
 }
 
@@ -181,6 +244,44 @@ mod tests {
         l.head_dim = 64;
         l.num_layers = MAX_NUM_LAYERS + 1;
         assert_eq!(l.validate().unwrap_err().field, "num_layers");
+    }
+
+    #[test]
+    fn differing_windows_are_different_layouts_of_one_geometry() {
+        let full = KvLayout {
+            num_layers: 6,
+            ..KvLayout::SMOLLM2_135M_F32
+        };
+        let gemma3 = |window: usize| {
+            let layers: Vec<Option<usize>> = (0..6)
+                .map(|l| (l % 6 != 5).then_some(window))
+                .collect();
+            KvLayout {
+                windows: LayerWindows::of(&layers),
+                ..full
+            }
+        };
+        assert_eq!(LayerWindows::of(&[None; 6]), LayerWindows::NONE);
+        assert_eq!(gemma3(512), gemma3(512));
+        assert_ne!(gemma3(512), gemma3(1024));
+        assert_ne!(gemma3(512), full);
+        // Which layer slides counts, not only the windows.
+        let mut moved = vec![Some(512); 6];
+        moved[0] = None;
+        assert_ne!(LayerWindows::of(&moved), gemma3(512).windows);
+        assert!(gemma3(512).same_geometry(&full) && gemma3(512).same_geometry(&gemma3(1024)));
+        assert!(!gemma3(512).same_geometry(&KvLayout {
+            block_size: 32,
+            ..gemma3(512)
+        }));
+        assert!(gemma3(512).to_string().contains(" windows="), "{}", gemma3(512));
+        assert!(!full.to_string().contains("windows"), "{full}");
+        // A record without windows reads as NONE; one with them keeps them.
+        let json = serde_json::to_string(&full).unwrap();
+        assert!(!json.contains("windows"), "{json}");
+        assert_eq!(serde_json::from_str::<KvLayout>(&json).unwrap(), full);
+        let json = serde_json::to_string(&gemma3(512)).unwrap();
+        assert_eq!(serde_json::from_str::<KvLayout>(&json).unwrap(), gemma3(512));
     }
 
     #[test]

@@ -20,4 +20,4 @@ mod layout;
 pub use backend::{KvBackend, UnknownBackend};
 pub use dtype::{KvDtype, UnknownDtype};
 pub use ids::TransferId;
-pub use layout::{InvalidLayout, KvLayout, MAX_DIM, MAX_NUM_LAYERS};
+pub use layout::{InvalidLayout, KvLayout, LayerWindows, MAX_DIM, MAX_NUM_LAYERS};

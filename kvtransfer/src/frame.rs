@@ -216,6 +216,7 @@ impl FrameHeader {
                     block_size,
                     num_kv_heads,
                     head_dim,
+                    windows: Default::default(),
                 },
                 block_ids: Arc::from(block_ids),
                 traceparent,
@@ -437,6 +438,7 @@ mod tests {
             block_size: 2,
             num_kv_heads: 2,
             head_dim: 4,
+            windows: Default::default(),
         }
     }
 
@@ -594,6 +596,7 @@ mod tests {
                             block_size: bs,
                             num_kv_heads: heads,
                             head_dim: dim,
+                            windows: Default::default(),
                         },
                         block_ids: ids.into(),
                         traceparent: trace,

@@ -659,6 +659,7 @@ mod tests {
             block_size: 2,
             num_kv_heads: 1,
             head_dim: 4,
+            windows: Default::default(),
         };
         let header = LayerHeader {
             xfer_id: TransferId(99),

@@ -1,7 +1,8 @@
 //! The decode node's book of open reservations, which every incoming frame is checked against.
 //!
 //! A frame is admitted only if its `xfer_id` is registered, its epoch is the registered epoch,
-//! its layout, `num_layers` and `block_ids` match the reservation, and its layer has not arrived
+//! its layout's geometry, `num_layers` and `block_ids` (all, or a sliding layer's suffix) match
+//! the reservation, and its layer has not arrived
 //! and is not arriving on another stream. Frames with an older epoch, and frames for a transfer
 //! that was deregistered, are ignored and counted: they are what a retried or cancelled sender
 //! leaves in flight, not faults of the connection.
@@ -443,7 +444,9 @@ impl TransferRegistry {
                 given: h.layout.num_layers.to_string(),
             });
         }
-        if h.layout != e.layout {
+        // A frame carries the geometry; the layers' windows were agreed when the nodes were
+        // paired (the reservation's layout), and cut which blocks a sliding layer carries.
+        if !h.layout.same_geometry(&e.layout) {
             return Err(KvTransferError::ReservationMismatch {
                 xfer_id,
                 layer,
@@ -452,7 +455,10 @@ impl TransferRegistry {
                 given: h.layout.to_string(),
             });
         }
-        if h.block_ids[..] != e.block_ids[..] {
+        // A sliding-window layer carries the blocks its window still reads at the prompt's
+        // end: a suffix of the reservation's. Which suffix a layer takes is the engine's to
+        // check when it imports the layer (it knows the windows and the prompt).
+        if h.block_ids.is_empty() || !e.block_ids.ends_with(&h.block_ids) {
             return Err(KvTransferError::BlockIdsMismatch {
                 xfer_id,
                 layer,
@@ -483,7 +489,7 @@ impl TransferRegistry {
             xfer_id,
             layer,
             generation: e.generation,
-            block_ids: e.block_ids.clone(),
+            block_ids: h.block_ids.clone(),
             done: false,
         }))
     }
@@ -528,6 +534,7 @@ mod tests {
         block_size: 2,
         num_kv_heads: 1,
         head_dim: 2,
+        windows: kv_types::LayerWindows::NONE,
     };
 
     fn reservation(xfer_id: TransferId, epoch: u64) -> Reservation {
@@ -568,6 +575,39 @@ mod tests {
             Admission::Accept(claim) => Ok(claim.complete(sink, &f.0, f.1.clone())?.verdict()),
             Admission::Ignore(i) => Ok(i.verdict()),
         }
+    }
+
+    /// A sliding-window layer's frame carries the tail of the reservation's blocks; any other
+    /// part of them is refused, and the sink writes the blocks the frame names.
+    #[tokio::test]
+    async fn a_layer_may_carry_a_suffix_of_the_reserved_blocks_and_nothing_else() {
+        let reg = TransferRegistry::default();
+        let sink = MemorySink::new(2, 4, LAYOUT);
+        reg.register(reservation(TransferId(7), 1)).await.unwrap();
+        let with_blocks = |layer: u32, ids: Vec<u32>| {
+            let (mut h, _) = frame(TransferId(7), 1, layer);
+            h.header.block_ids = ids.into();
+            let len = h.header.expected_payload_bytes().unwrap() as usize;
+            let payload = Bytes::from(vec![9u8; len]);
+            (FrameHeader::for_payload(h.header, &payload), payload)
+        };
+        for refused in [vec![3], vec![1, 3], vec![1, 1], vec![0, 3, 1]] {
+            let err = deliver(&reg, &sink, &with_blocks(0, refused.clone())).unwrap_err();
+            assert!(
+                matches!(err, KvTransferError::BlockIdsMismatch { .. }),
+                "{refused:?}: {err}"
+            );
+        }
+        assert_eq!(
+            deliver(&reg, &sink, &with_blocks(0, vec![1])).unwrap(),
+            Verdict::Accepted
+        );
+        assert_eq!(sink.layer_bytes(TransferId(7), 0), Some(2 * LAYOUT.block_bytes()));
+        // The windows are agreed when nodes pair; a frame's layout is its geometry.
+        let mut windowed = with_blocks(1, vec![3, 1]);
+        windowed.0.header.layout.windows = kv_types::LayerWindows(5);
+        assert_eq!(deliver(&reg, &sink, &windowed).unwrap(), Verdict::Accepted);
+        assert!(reg.status(TransferId(7)).is_complete());
     }
 
     #[tokio::test]

@@ -201,6 +201,7 @@ mod tests {
             block_size: 1,
             num_kv_heads: 1,
             head_dim: 2,
+            windows: Default::default(),
         };
         let sink = MemorySink::new(1, 5, layout);
         let payload: Vec<u8> = (0..16).collect();

@@ -173,6 +173,7 @@ mod tests {
                 block_size: 2,
                 num_kv_heads: 2,
                 head_dim: 4,
+                windows: Default::default(),
             },
             block_ids: block_ids.into(),
             traceparent: trace.map(str::to_owned),

@@ -455,6 +455,7 @@ mod tests {
         block_size: 2,
         num_kv_heads: 1,
         head_dim: 4,
+        windows: kv_types::LayerWindows::NONE,
     };
 
     fn header(xfer_id: TransferId, layer: u32) -> LayerHeader {

@@ -18,6 +18,7 @@ const INT8: KvLayout = KvLayout {
     block_size: 16,
     num_kv_heads: 3,
     head_dim: 64,
+    windows: kv_types::LayerWindows::NONE,
 };
 
 fn header(layout: KvLayout) -> LayerHeader {

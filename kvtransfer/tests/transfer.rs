@@ -30,6 +30,7 @@ const LAYOUT: KvLayout = KvLayout {
     block_size: 4,
     num_kv_heads: 2,
     head_dim: 8,
+    windows: kv_types::LayerWindows::NONE,
 };
 const NUM_LAYERS: u32 = 6;
 const CACHE_BLOCKS: usize = 32;

@@ -26,6 +26,7 @@ const LAYOUT: KvLayout = KvLayout {
     block_size: 4,
     num_kv_heads: 2,
     head_dim: 8,
+    windows: kv_types::LayerWindows::NONE,
 };
 const BLOCKS: &[u32] = &[2, 5];
 

@@ -344,6 +344,7 @@ mod tests {
         block_size: 2,
         num_kv_heads: 1,
         head_dim: 4,
+        windows: kv_types::LayerWindows::NONE,
     };
 
     /// What the fake decode node was called with: the RPC, its traceparent, the xfer id and

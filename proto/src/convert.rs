@@ -50,6 +50,7 @@ impl From<KvLayout> for v1::KvLayout {
             block_size: l.block_size,
             num_kv_heads: l.num_kv_heads,
             head_dim: l.head_dim,
+            windows: l.windows.0,
         }
     }
 }
@@ -68,6 +69,7 @@ impl TryFrom<&v1::KvLayout> for KvLayout {
             block_size: l.block_size,
             num_kv_heads: l.num_kv_heads,
             head_dim: l.head_dim,
+            windows: kv_types::LayerWindows(l.windows),
         };
         layout.validate()?;
         Ok(layout)
@@ -93,6 +95,11 @@ mod tests {
             let wire = v1::KvLayout::from(l);
             assert_eq!(layout(Some(&wire)), Ok(l));
         }
+        let windowed = KvLayout {
+            windows: kv_types::LayerWindows::of(&[Some(512), None]),
+            ..KvLayout::SMOLLM2_135M_F32
+        };
+        assert_eq!(layout(Some(&windowed.into())), Ok(windowed));
         assert_eq!(layout(None), Err(LayoutError::Missing));
         let mut wire = v1::KvLayout::from(KvLayout::SMOLLM2_135M_F32);
         wire.dtype = 0;

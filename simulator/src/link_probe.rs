@@ -69,6 +69,7 @@ impl LinkProbe<'_> {
             block_size: self.block_size as u32,
             num_kv_heads: self.shape.num_kv_heads as u32,
             head_dim: self.shape.head_dim as u32,
+            windows: Default::default(),
         })
     }
 

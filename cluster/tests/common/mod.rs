@@ -49,6 +49,7 @@ pub fn record(node_id: &str, role: Role, fingerprint: &str) -> NodeRecord {
             block_size: 16,
             num_kv_heads: 2,
             head_dim: 64,
+            windows: Default::default(),
         },
         total_kv_blocks: 1024,
         kv_transport: "tcp".into(),

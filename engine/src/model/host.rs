@@ -417,6 +417,7 @@ mod tests {
                 block_size: 16,
                 num_kv_heads: cfg.num_kv_heads as u32,
                 head_dim: cfg.head_dim as u32,
+                windows: Default::default(),
             },
             8,
         )

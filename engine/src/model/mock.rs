@@ -310,6 +310,7 @@ mod tests {
             block_size: 16,
             num_kv_heads: 2,
             head_dim: 8,
+            windows: Default::default(),
         };
         let mut cache = KvCache::new(layout, 4);
         let mut fb = ForwardBatch::default();

@@ -70,6 +70,7 @@ fn static_record(role: Role, i: usize, grpc_endpoint: &str) -> NodeRecord {
             block_size: 0,
             num_kv_heads: 0,
             head_dim: 0,
+            windows: Default::default(),
         },
         total_kv_blocks: 0,
         kv_transport: String::new(),
