@@ -1,8 +1,9 @@
 //! The real [`Backend`]: routes each request to a decode node (and, unless it is short or no
-//! prefill node is up, a prefill node) and streams the tokens back. The decision is
-//! [`super::route`]'s, placement on a decode node [`super::placement`]'s, the request's life
-//! after it (prefill attempts, stall deadlines, migration) [`super::driver`]'s, which failures
-//! are retried [`super::retry`]'s, and the wire conversions [`super::wire`]'s.
+//! prefill node is up, a prefill node) and streams the tokens back. The checks and the route's
+//! metrics are [`super::route`]'s; the request's life from its first placement (ranking and
+//! placing it, prefill attempts, stall deadlines, migration) [`super::driver`]'s, opening it on
+//! a decode node [`super::placement`]'s, which failures are retried [`super::retry`]'s, and the
+//! wire conversions [`super::wire`]'s.
 
 use std::sync::Arc;
 

@@ -1,5 +1,7 @@
-//! One request's life on the cluster once it is placed: the task that reads its decode stream
-//! and, for remote prefill, its prefill call, and hands the tokens to the client's stream.
+//! One request's life on the cluster from its first placement: the driver ranks the decode
+//! nodes and places the request ([`Driver::placement`], [`Driver::place_once`]), the same way
+//! the first time and every time it moves, then reads its decode stream and, for remote prefill,
+//! its prefill call on a task of its own, and hands the tokens to the client's stream.
 //!
 //! Every hop has a progress deadline. Nodes heartbeat while they have nothing else to say, so
 //! silence for `max_stall` means a hung or dead node; while a decode node generates, a token is
@@ -30,7 +32,9 @@ use proto::v1::{self, generate_down, generate_up, prefill_event};
 use proto::ErrorCode;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
+use tracing::Instrument;
 
 use super::config::ClusterConfig;
 use super::discovery::Role;
@@ -41,7 +45,7 @@ use super::retry::{node_failed, MAX_PREFILL_ATTEMPTS};
 use super::routing::RoutingPolicy;
 use super::wire::{generated, spec, upstream};
 use crate::error::GatewayError;
-use crate::request::{GeneratedToken, ValidRequest};
+use crate::request::{GeneratedToken, TokenStream, ValidRequest};
 
 /// How long a request may look for a new decode node after it lost one.
 pub(crate) const MIGRATION_TIMEOUT: Duration = Duration::from_secs(10);
@@ -84,22 +88,29 @@ impl PrefillAttempt {
 }
 
 pub(crate) struct Driver {
-    pub(crate) pools: Arc<Pools>,
-    pub(crate) policy: Arc<dyn RoutingPolicy>,
-    pub(crate) config: ClusterConfig,
-    pub(crate) request: ValidRequest,
+    pools: Arc<Pools>,
+    policy: Arc<dyn RoutingPolicy>,
+    config: ClusterConfig,
+    request: ValidRequest,
     /// The ids of the tokens the client has been sent, in order.
-    pub(crate) emitted: Vec<u32>,
+    emitted: Vec<u32>,
     /// The request's attempt: one more on every prefill retry and every migration.
-    pub(crate) epoch: u64,
-    pub(crate) migrations: usize,
-    pub(crate) prefill_attempts: usize,
+    epoch: u64,
+    migrations: usize,
+    prefill_attempts: usize,
     /// The prefill node chosen with the last Reprefill, to fill the reservation it brings.
-    pub(crate) next_prefill: Option<Arc<Node>>,
+    next_prefill: Option<Arc<Node>>,
     /// The `kv_identity` the reservation's current epoch is bound to on the decode node
     /// (empty: none, and the first prefill certificate to push binds it).
-    pub(crate) bound: Vec<u8>,
-    pub(crate) out: Out,
+    bound: Vec<u8>,
+    out: Out,
+}
+
+/// Where the request goes next, as it stands now (its prompt plus every token streamed): the
+/// ready decode nodes in the policy's order, and whether the decode node prefills it itself.
+pub(crate) struct Placement {
+    pub(crate) decodes: Ranked,
+    pub(crate) local_prefill: bool,
 }
 
 /// The prefill node's `kv_identity`: the hash of the certificate it pushes KV with, by which
@@ -110,8 +121,72 @@ fn kv_identity(node: &Node) -> Vec<u8> {
 }
 
 impl Driver {
+    /// The driver of `request`, placed nowhere yet, and the stream its tokens come out on.
+    pub(crate) fn new(
+        pools: &Arc<Pools>,
+        policy: &Arc<dyn RoutingPolicy>,
+        config: &ClusterConfig,
+        request: ValidRequest,
+    ) -> (Driver, TokenStream) {
+        // Room for every token the request may produce and an error, so that the driver never
+        // waits on a slow client: it reads the node's stream at once. Tokens a driver left
+        // unread stay in h2's buffers, where ~10,000 small frames over a connection (its budget
+        // for them) close it with GOAWAY ENHANCE_YOUR_CALM, failing every request on it.
+        let (out, tokens) = mpsc::channel(request.stopping.max_new_tokens + 2);
+        let driver = Driver {
+            pools: Arc::clone(pools),
+            policy: Arc::clone(policy),
+            config: config.clone(),
+            request,
+            emitted: Vec::new(),
+            epoch: 1,
+            migrations: 0,
+            prefill_attempts: 0,
+            next_prefill: None,
+            bound: Vec::new(),
+            out,
+        };
+        (driver, Box::pin(ReceiverStream::new(tokens)))
+    }
+
+    pub(crate) fn request(&self) -> &ValidRequest {
+        &self.request
+    }
+
+    /// Ranks the ready decode nodes for the request as it stands now, and says whether the
+    /// decode node is to prefill it itself. Ranking takes a turn of the policy (round robin's),
+    /// so each placement ranks once.
+    pub(crate) fn placement(&self) -> Placement {
+        Placement {
+            decodes: self.ranked(Role::Decode),
+            local_prefill: self.prefill_locally(),
+        }
+    }
+
+    /// One placement: opens the request, at its current epoch and with every token streamed
+    /// so far, on the first of `placement`'s decode nodes that takes it. The first placement
+    /// and every later one (a migration, a lost reservation) come here.
+    pub(crate) async fn place_once(&self, placement: Placement) -> Result<DecodeCall, NotPlaced> {
+        let start = v1::GenerateStart {
+            spec: Some(spec(&self.request, &self.emitted)),
+            local_prefill: placement.local_prefill,
+            epoch: self.epoch,
+        };
+        place(&placement.decodes.nodes, start, self.config.max_stall).await
+    }
+
+    /// The first placement. Placed, the driver serves the request to its end on a task of its
+    /// own; `Err`, no node holds it (every node out of room: the queue holds it and comes back).
+    pub(crate) async fn start(self, placement: Placement) -> Result<(), NotPlaced> {
+        let call = self.place_once(placement).await?;
+        let span = tracing::Span::current();
+        span.record("decode_node", call.node.entry.node_id.as_str());
+        tokio::spawn(self.run(call).instrument(span));
+        Ok(())
+    }
+
     /// Serves the request from `call` to its end, migrating as needed.
-    pub(crate) async fn run(mut self, mut call: DecodeCall) {
+    async fn run(mut self, mut call: DecodeCall) {
         loop {
             let node = Arc::clone(&call.node);
             let served = self.serve(call).await;
@@ -170,14 +245,7 @@ impl Driver {
     async fn replace(&mut self) -> Result<DecodeCall, GatewayError> {
         let deadline = Instant::now() + MIGRATION_TIMEOUT;
         loop {
-            let decodes = self.ranked(Role::Decode).nodes;
-            let local = self.prefill_locally();
-            let start = v1::GenerateStart {
-                spec: Some(spec(&self.request, &self.emitted)),
-                local_prefill: local,
-                epoch: self.epoch,
-            };
-            match place(&decodes, start, self.config.max_stall).await {
+            match self.place_once(self.placement()).await {
                 Ok(call) => return Ok(call),
                 Err(NotPlaced::Refused(e)) => return Err(e),
                 Err(not_placed) if Instant::now() >= deadline => {
@@ -198,7 +266,7 @@ impl Driver {
 
     /// Local prefill when the prompt is short, when no prefill node is ready, or when the
     /// request has used up its prefill attempts.
-    pub(crate) fn prefill_locally(&self) -> bool {
+    fn prefill_locally(&self) -> bool {
         self.request.prompt_ids.len() + self.emitted.len() < self.config.max_local_prefill_tokens
             || self.prefill_attempts >= MAX_PREFILL_ATTEMPTS
             || self.pools.ready(Role::Prefill).is_empty()

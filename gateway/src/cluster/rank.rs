@@ -1,6 +1,6 @@
 //! Ranking the ready nodes of one role for a request with the routing policy, from their
-//! published load, in-flight counts and cached prefix blocks. The route ranks decode nodes
-//! when it places a request; the driver ranks again when it starts a prefill or migrates.
+//! published load, in-flight counts and cached prefix blocks. The driver ranks the decode nodes
+//! at each placement of a request, the prefill nodes when it starts a prefill.
 
 use std::sync::Arc;
 
