@@ -32,7 +32,8 @@ pub type TokenTx = tmpsc::UnboundedSender<TokenMsg>;
 enum Command {
     Reserve {
         req: Request,
-        reply: oneshot::Sender<Result<Vec<BlockId>, EngineError>>,
+        link: bool,
+        reply: oneshot::Sender<Result<(Vec<BlockId>, usize), EngineError>>,
     },
     Import {
         xfer_id: TransferId,
@@ -72,10 +73,17 @@ impl EngineHandle {
         }
     }
 
-    pub async fn reserve(&self, req: Request) -> Result<Vec<BlockId>, NodeError> {
+    /// Blocks for `req`'s prompt, and how many of the leading ones hold their KV already:
+    /// with `link`, the prefix this node caches is linked in and only the rest is pushed
+    /// ([`Engine::reserve_linking`]).
+    pub async fn reserve(
+        &self,
+        req: Request,
+        link: bool,
+    ) -> Result<(Vec<BlockId>, usize), NodeError> {
         Ok(self
             .commands
-            .call(|reply| Command::Reserve { req, reply })
+            .call(|reply| Command::Reserve { req, link, reply })
             .await??)
     }
 
@@ -180,8 +188,8 @@ impl EngineTask for Task {
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Reserve { req, reply } => {
-                let _ = reply.send(self.reserve(req));
+            Command::Reserve { req, link, reply } => {
+                let _ = reply.send(self.reserve(req, link));
             }
             Command::Import {
                 xfer_id,
@@ -274,7 +282,7 @@ impl Task {
     /// grew and preempted them in a storm (594 preemptions for 200 requests on 128 blocks).
     /// `OutOfBlocks` (busy) keeps the request in the gateway's queue until room comes back.
     /// An idle node takes any request the engine takes.
-    fn reserve(&mut self, req: Request) -> Result<Vec<BlockId>, EngineError> {
+    fn reserve(&mut self, req: Request, link: bool) -> Result<(Vec<BlockId>, usize), EngineError> {
         let seq_id = req.seq_id;
         let block_size = self.engine.scheduler().allocator().block_size().max(1);
         let need = (req.prompt_ids.len() + req.remaining_new_tokens()).div_ceil(block_size);
@@ -290,9 +298,12 @@ impl Task {
                 free: total.saturating_sub(committed),
             });
         }
-        let blocks = self.engine.reserve(req)?;
+        let reserved = match link {
+            true => self.engine.reserve_linking(req)?,
+            false => (self.engine.reserve(req)?, 0),
+        };
         self.committed.insert(seq_id, need);
-        Ok(blocks)
+        Ok(reserved)
     }
 
     fn import(

@@ -49,6 +49,11 @@ pub struct DecodeConfig {
     /// gateway tells a slow request from a hung node.
     #[arg(long, env = "FISSION_HEARTBEAT_MS", default_value_t = 500)]
     pub heartbeat_ms: u64,
+    /// Link the prompt blocks this node already holds in its prefix cache (an earlier turn of
+    /// the conversation) into each reservation, so that the prefill node pushes only the
+    /// blocks after them. `false` pushes every prompt in full (the A/B baseline).
+    #[arg(long, env = "FISSION_KV_DELTA", default_value_t = true, action = clap::ArgAction::Set)]
+    pub kv_delta: bool,
 }
 
 /// The decode role, for [`node_common::launch::launch`].
@@ -117,6 +122,7 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
             kv_endpoint: kv_endpoint.clone(),
             lease: Duration::from_millis(config.lease_ms),
             heartbeat: Duration::from_millis(config.heartbeat_ms.max(1)),
+            kv_delta: config.kv_delta,
             stop: s.stop_streams,
         }),
         info: info.clone(),

@@ -33,6 +33,11 @@ pub fn describe() {
         "Tokens generated; its rate is the node's tokens/s."
     );
     describe_counter!(
+        "fission_decode_kv_linked_blocks_total",
+        Unit::Count,
+        "Prompt blocks of remote prefills linked from this node's prefix cache instead of pushed (--kv-delta)."
+    );
+    describe_counter!(
         "fission_decode_kv_late_imports_total",
         "KV layers that arrived after their reservation ended, dropped."
     );

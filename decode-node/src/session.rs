@@ -49,6 +49,9 @@ pub(crate) struct SessionCtx {
     pub lease: Duration,
     /// How long a session may send nothing before it sends a heartbeat.
     pub heartbeat: Duration,
+    /// Link the prompt's prefix this node caches into each reservation, so that the prefill
+    /// node pushes only the rest (`--kv-delta`).
+    pub kv_delta: bool,
     /// Cancelled when the node's drain is over: sessions still open end with an error, which
     /// the gateway answers by migrating them.
     pub stop: tokio_util::sync::CancellationToken,
@@ -63,7 +66,10 @@ pub(crate) enum Stage {
         xfer_id: TransferId,
         epoch: u64,
         deadline: Instant,
+        /// The blocks the push fills: those after the cached prefix.
         block_ids: Vec<u32>,
+        /// Prompt tokens linked from this node's prefix cache ([`v1::Reserved::cached_tokens`]).
+        cached_tokens: u32,
     },
     /// Queued or running in the engine; tokens are due.
     Generating { first_token_seen: bool },
@@ -102,7 +108,8 @@ impl Session {
     /// Reserves blocks for a remote prefill at `epoch` and registers the transfer; the first
     /// message down is the reservation.
     pub(crate) async fn reserve(&mut self, epoch: u64) -> Result<Stage, Failure> {
-        let blocks = match self.ctx.handle.reserve(self.request.clone()).await {
+        let link = self.ctx.kv_delta;
+        let (blocks, cached) = match self.ctx.handle.reserve(self.request.clone(), link).await {
             Ok(b) => b,
             Err(e) if e.code() == ErrorCode::Overloaded => {
                 metrics::counter!("fission_decode_reserve_busy_total").increment(1);
@@ -110,20 +117,24 @@ impl Session {
             }
             Err(e) => return Err(e.into()),
         };
-        let block_ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+        let block_ids: Vec<u32> = blocks[cached..].iter().map(|b| b.0).collect();
+        let cached_tokens = (cached * self.ctx.layout.block_size as usize) as u32;
+        metrics::counter!("fission_decode_kv_linked_blocks_total").increment(cached as u64);
         let (events_tx, events_rx) = mpsc::channel(8);
         self.events = Some(events_rx);
         let xfer_id = self.ctx.transfers.open(self.request.seq_id, events_tx);
         self.register(xfer_id, epoch, block_ids.clone(), None)
             .await?;
-        self.send_reserved(xfer_id, epoch, block_ids.clone()).await;
+        self.send_reserved(xfer_id, epoch, block_ids.clone(), cached_tokens)
+            .await;
         let stage = Stage::Reserved {
             xfer_id,
             epoch,
             deadline: Instant::now() + self.ctx.lease,
             block_ids,
+            cached_tokens,
         };
-        tracing::debug!(request_id = %self.request_id, %xfer_id, epoch, "reserved");
+        tracing::debug!(request_id = %self.request_id, %xfer_id, epoch, cached_tokens, "reserved");
         Ok(stage)
     }
 
@@ -149,7 +160,13 @@ impl Session {
             .map_err(|e| Failure::new(ErrorCode::Internal, e.to_string()))
     }
 
-    async fn send_reserved(&self, xfer_id: TransferId, epoch: u64, block_ids: Vec<u32>) {
+    async fn send_reserved(
+        &self,
+        xfer_id: TransferId,
+        epoch: u64,
+        block_ids: Vec<u32>,
+        cached_tokens: u32,
+    ) {
         let reserved = v1::Reserved {
             xfer_id: xfer_id.0,
             epoch,
@@ -157,6 +174,8 @@ impl Session {
             kv_endpoint: self.ctx.kv_endpoint.clone(),
             lease_ms: self.ctx.lease.as_millis() as u32,
             layout: Some(self.ctx.layout.into()),
+            cached_tokens,
+            ..Default::default()
         };
         let _ = self
             .down
@@ -440,6 +459,7 @@ impl Session {
             xfer_id,
             epoch,
             ref block_ids,
+            cached_tokens,
             ..
         } = *stage
         else {
@@ -473,13 +493,14 @@ impl Session {
         let block_ids = block_ids.clone();
         self.register(xfer_id, r.epoch, block_ids.clone(), chosen(&r.prefill)?)
             .await?;
-        self.send_reserved(xfer_id, r.epoch, block_ids.clone())
+        self.send_reserved(xfer_id, r.epoch, block_ids.clone(), cached_tokens)
             .await;
         *stage = Stage::Reserved {
             xfer_id,
             epoch: r.epoch,
             deadline: Instant::now() + self.ctx.lease,
             block_ids,
+            cached_tokens,
         };
         Ok(())
     }
