@@ -28,7 +28,7 @@ mod prompt_logprobs;
 mod row_sampling;
 pub use crate::kv::allocator::CacheEvent;
 pub use config::EngineConfig;
-pub use disagg::{LayerDone, LayerHook};
+pub use disagg::{CompletingWindows, LayerDone, LayerHook};
 pub use observer::{ScheduledSeq, StepObserver};
 
 /// One generation request, already tokenized and validated by the caller's limits.
@@ -158,8 +158,9 @@ impl Engine {
         Self::build(model, cfg, true)
     }
 
-    /// An engine in which every layer keeps every block of a sequence, as a node that pushes
-    /// or imports KV needs: the push and the reservations know one block table a sequence.
+    /// An engine in which every layer keeps every block of a sequence: full attention's
+    /// memory, for comparison (its layout has no windows, so it exchanges KV only with
+    /// another such engine).
     pub fn with_full_kv(model: LoadedModel, cfg: EngineConfig) -> Result<Self> {
         Self::build(model, cfg, false)
     }
@@ -177,7 +178,7 @@ impl Engine {
                 given: "0".into(),
             });
         }
-        let layout = KvLayout {
+        let mut layout = KvLayout {
             dtype,
             num_layers: mc.num_layers as u32,
             block_size: cfg.block_size as u32,
@@ -197,6 +198,8 @@ impl Engine {
         } else {
             KvGroups::single(mc.num_layers)
         };
+        // Which layers free (and push) only their window: a peer must agree (issue 32).
+        layout.windows = kv_types::LayerWindows::of(&groups.layer_windows());
         let budget = cfg
             .num_kv_blocks
             .is_none()
@@ -512,7 +515,8 @@ impl Engine {
                     observer.layer_done(LayerDone {
                         layer,
                         cache,
-                        completing: &completing,
+                        completing: &completing.tables,
+                        windows: &completing.windows,
                     })
                 },
             )?

@@ -1,7 +1,8 @@
 //! Sliding-window KV memory (issue 32): on a Gemma-3-shaped model (five sliding layers of a
 //! 512-token window to one global layer), a 4,096-token prompt holds a window of blocks in
 //! each sliding layer instead of the whole prompt, generates the same ids as an engine that
-//! keeps every block, reuses its prefix exactly, and gives every block back.
+//! keeps every block, reuses its prefix exactly, and gives every block back. A prefill engine
+//! pushes a sliding layer's window only, and a decode engine decodes the same ids from it.
 //!
 //! The block counts come from the engine's counters ([`Engine::kv_usage`]); the expected
 //! counts from the window arithmetic of `kv::groups`. `--nocapture` prints the figures that
@@ -15,9 +16,9 @@ mod common;
 use candle_core::Device;
 use common::arch_refs::{stories_tokenizer, variant};
 use common::greedy;
-use engine::engine::{Engine, EngineConfig, LayerDone};
+use engine::engine::{Engine, EngineConfig, LayerDone, Request, TokenEvent};
 use engine::ids::SeqId;
-use engine::kv::groups::{first_live_block, KvGroups};
+use engine::kv::groups::{first_live_block, first_pushed_block, KvGroups};
 use engine::loader::ModelSource;
 use engine::model::LoadedModel;
 
@@ -204,42 +205,20 @@ fn a_repeated_prompt_reuses_its_prefix_in_every_group_exactly() {
     assert_eq!(again.peak, first.peak);
 }
 
-/// A decode engine with sliding groups takes a prefill engine's push: each sliding layer keeps
-/// only the first decode query's window of the pushed blocks, and the ids are the colocated
-/// run's. A released reservation gives back every group's blocks.
-#[test]
-fn a_decode_engine_keeps_only_the_window_of_a_pushed_prompt() {
-    let (_dir, model) = gemma3_shaped();
-    let tokens = prompt(model.config().vocab_size);
-    let colocated = run(
-        &mut Engine::new(model.clone(), config()).unwrap(),
-        1,
-        &tokens,
-    );
-
-    let mut prefill = Engine::with_full_kv(model.clone(), config()).unwrap();
-    let mut decode = Engine::new(model, config()).unwrap();
-    let req = greedy(1, tokens.clone(), NEW_TOKENS);
-    assert!(
-        prefill.add_prefill_request(req.clone()).is_ok()
-            && Engine::new(prefill.model().clone(), config())
-                .unwrap()
-                .add_prefill_request(req.clone())
-                .is_err(),
-        "only a one-group engine prefills for another node"
-    );
-    let dest = decode.reserve(req.clone()).unwrap();
-    let blocks = PROMPT / BS;
-    let live = blocks - first_live_block(PROMPT, WINDOW, BS);
-    let used =
-        |e: &Engine| -> Vec<usize> { e.kv_usage().iter().map(|u| u.num_blocks_used).collect() };
-    assert_eq!((dest.len(), used(&decode)), (blocks, vec![blocks, live]));
+/// Pushes `req`'s prompt from `prefill` into a reservation on `decode` as a prefill node
+/// does: each finished layer exports the blocks [`LayerDone::pushed_blocks`] names (a sliding
+/// layer's window at the prompt's end), and the decode engine imports them. Returns the bytes
+/// pushed, per layer, and the first token.
+fn push(prefill: &mut Engine, decode: &mut Engine, req: Request) -> (Vec<usize>, TokenEvent) {
+    let seq_id = req.seq_id;
+    prefill.add_prefill_request(req).unwrap();
     let mut layers: Vec<(usize, Vec<u8>)> = Vec::new();
     let mut first = None;
     while first.is_none() {
         let events = prefill
             .step_with_layer_hook(&mut |done: LayerDone<'_>| {
-                for (_seq, ids) in done.completing {
+                for index in 0..done.completing.len() {
+                    let (_, ids) = done.pushed_blocks(index)?;
                     let mut buf = vec![0u8; done.cache.export_len(ids.len())];
                     done.cache.export_blocks(done.layer, ids, &mut buf)?;
                     layers.push((done.layer, buf));
@@ -249,25 +228,112 @@ fn a_decode_engine_keeps_only_the_window_of_a_pushed_prompt() {
             .unwrap();
         first = events.into_iter().next();
     }
-    assert_eq!(layers.len(), 6);
+    let mut sizes = vec![0; decode.cache().num_layers()];
     for (layer, bytes) in &layers {
-        decode.import_layer(SeqId(1), *layer, bytes).unwrap();
+        decode.import_layer(seq_id, *layer, bytes).unwrap();
+        sizes[*layer] += bytes.len();
     }
-    let first = first.unwrap();
+    (sizes, first.unwrap())
+}
+
+/// Decodes an activated sequence to its end; its ids after `first`.
+fn decode_rest(decode: &mut Engine, first: TokenEvent) -> Vec<u32> {
     let mut ids = vec![first.token.token_id];
-    assert!(decode.activate(SeqId(1), first.token).unwrap().is_none());
-    assert_eq!(used(&decode), vec![blocks, live]);
+    assert!(decode.activate(first.seq_id, first.token).unwrap().is_none());
     while decode.has_work() {
         for ev in decode.step().unwrap() {
             ids.push(ev.token.token_id);
         }
     }
+    ids
+}
+
+/// A prefill engine with sliding groups pushes, for each sliding layer, only the blocks of the
+/// first decode query's window, which are the blocks a grouped decode engine reserves for it;
+/// the ids are the colocated run's. A full-attention push of the same prompt is 1 / 0.271 times
+/// as large. Both engines give back every block, a released reservation's included.
+#[test]
+fn a_prefill_engine_pushes_only_the_window_of_a_sliding_layer() {
+    let (_dir, model) = gemma3_shaped();
+    let tokens = prompt(model.config().vocab_size);
+    let colocated = run(
+        &mut Engine::new(model.clone(), config()).unwrap(),
+        1,
+        &tokens,
+    );
+
+    let mut prefill = Engine::new(model.clone(), config()).unwrap();
+    let mut decode = Engine::new(model.clone(), config()).unwrap();
+    // The nodes agree on the windows; an engine keeping every block does not.
+    let full_kv = Engine::with_full_kv(model, config()).unwrap();
+    assert_eq!(prefill.cache().layout(), decode.cache().layout());
+    assert!(!prefill.cache().layout().windows.is_none());
+    assert_ne!(full_kv.cache().layout(), decode.cache().layout());
+    assert!(full_kv.cache().layout().windows.is_none());
+
+    let req = greedy(1, tokens.clone(), NEW_TOKENS);
+    let dest = decode.reserve(req.clone()).unwrap();
+    let blocks = PROMPT / BS;
+    let live = blocks - first_pushed_block(PROMPT, WINDOW, BS);
+    let used =
+        |e: &Engine| -> Vec<usize> { e.kv_usage().iter().map(|u| u.num_blocks_used).collect() };
+    assert_eq!((dest.len(), used(&decode)), (blocks, vec![blocks, live]));
+    let (sizes, first) = push(&mut prefill, &mut decode, req);
+    let layer_block = 2 * decode.cache().layout().block_bytes() as usize;
+    let groups = decode.cache().groups().clone();
+    for (layer, &size) in sizes.iter().enumerate() {
+        let expect = match groups.group_of(layer) {
+            0 => blocks,
+            _ => live,
+        };
+        assert_eq!(size, expect * layer_block, "layer {layer}");
+    }
+    let pushed: usize = sizes.iter().sum();
+    let full = 6 * blocks * layer_block;
+    assert_eq!(pushed, (blocks + 5 * live) * layer_block);
+    let ids = decode_rest(&mut decode, first);
     assert_eq!(ids, colocated.ids, "the same ids as the colocated run");
     assert_eq!(used(&decode), vec![0, 0]);
+    assert_eq!(used(&prefill), vec![0, 0], "the prompt's blocks are back");
+    eprintln!(
+        "pushed for a {PROMPT}-token prompt: windowed {pushed} B vs full attention {full} B: {:.3}",
+        pushed as f64 / full as f64
+    );
+    assert!(pushed as f64 / full as f64 <= 0.40);
 
     // A reservation released before its KV arrives frees both groups' blocks.
     decode.reserve(greedy(2, tokens, NEW_TOKENS)).unwrap();
     assert_eq!(used(&decode), vec![blocks, live]);
     assert!(decode.release_reservation(SeqId(2)));
     assert_eq!(used(&decode), vec![0, 0]);
+}
+
+/// Prompts that end anywhere in a block, shorter and longer than the window, pushed windowed
+/// and also whole (every block of every layer, which the decode engine cuts to the window),
+/// decode the colocated ids; the prefix cache of both engines serves the second push.
+#[test]
+fn pushes_of_any_length_decode_the_colocated_ids() {
+    let (_dir, model) = gemma3_shaped();
+    let vocab = model.config().vocab_size;
+    let mut colocated = Engine::new(model.clone(), config()).unwrap();
+    let mut prefill = Engine::new(model.clone(), config()).unwrap();
+    let mut whole = Engine::with_full_kv(model.clone(), config()).unwrap();
+    let mut decode = Engine::new(model, config()).unwrap();
+    let mut id = 10;
+    for len in [1, 15, 16, 17, 300, 511, 512, 513, 530, 1000, 1031] {
+        let tokens: Vec<u32> = prompt(vocab)[PROMPT - len..].to_vec();
+        let expected = run(&mut colocated, id, &tokens).ids;
+        for round in 0..2 {
+            for from in [&mut prefill, &mut whole] {
+                id += 1;
+                let req = greedy(id, tokens.clone(), NEW_TOKENS);
+                decode.reserve(req.clone()).unwrap();
+                let (_, first) = push(from, &mut decode, req);
+                let ids = decode_rest(&mut decode, first);
+                assert_eq!(ids, expected, "{len} tokens, round {round}");
+                assert!(decode.kv_usage().iter().all(|u| u.num_blocks_used == 0));
+                assert!(from.kv_usage().iter().all(|u| u.num_blocks_used == 0));
+            }
+        }
+    }
 }

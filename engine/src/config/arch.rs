@@ -33,11 +33,11 @@
 //! A sliding window also bounds the KV an engine holds (`kv/groups.rs`): the layers of one
 //! window share a block table per sequence, and the blocks wholly before the window are freed
 //! after each step, exactly, prefix cache included; a decode node keeps only the window of a
-//! pushed sliding layer (`Engine::import_layer`). A prefill node still keeps every block in one
-//! group (`Engine::with_full_kv`) and pushes every layer's blocks. What remains: push only the
-//! window's blocks for sliding layers (the decode registry taking that suffix of the
-//! reservation), group the prefill node's engine, and carry the windows in the KV layout check
-//! (benchmarks/history/2026-11-29-window-kv.md).
+//! pushed sliding layer (`Engine::import_layer`). A prefill node frees its windows' past too,
+//! and pushes a sliding layer's window only (`LayerDone::pushed_blocks`; the decode registry
+//! takes that suffix of the reservation). The KV layout carries the windows (`windows`), so
+//! nodes that cut them differently are refused (benchmarks/history/2026-11-29-window-kv.md,
+//! 2026-11-29-window-push.md).
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
 //! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope,

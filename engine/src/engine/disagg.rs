@@ -5,12 +5,18 @@
 //! joins the sequence to the running batch with the first token the prefill node sampled.
 //! Prefill node: [`Engine::add_prefill_request`] runs a prompt and leaves after its first
 //! token, and [`Engine::step_with_layer_hook`] hands each finished layer to the caller.
+//!
+//! Sliding-window layers: both nodes free the blocks a window has passed
+//! ([`crate::kv::groups`]). A sliding layer's push carries only the blocks its window reads at
+//! the prompt's last position ([`first_pushed_block`]: the first decode query's window), which
+//! are exactly the blocks the decode node reserves for it; the nodes agree on the windows
+//! through their [`KvLayout`]s (`windows`).
 
 use super::{Engine, Request};
 use crate::error::{EngineError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv::cache::KvCache;
-use crate::kv::groups::{first_live_block, NO_BLOCK};
+use crate::kv::groups::{first_pushed_block, NO_BLOCK};
 use crate::sampling::SampledToken;
 use crate::scheduler::{Batch, NewSequence};
 use crate::stopping::FinishReason;
@@ -20,8 +26,60 @@ use kv_types::KvLayout;
 pub struct LayerDone<'a> {
     pub layer: usize,
     pub cache: &'a mut KvCache,
-    /// Sequences whose prompt completes in this step, with the blocks holding it.
+    /// Sequences whose prompt completes in this step, with the blocks holding it (the
+    /// full-attention group's: every block of the prompt).
     pub completing: &'a [(SeqId, Vec<BlockId>)],
+    /// For each of `completing`, in order: its sliding-window groups' tables.
+    pub windows: &'a [CompletingWindows],
+}
+
+/// A completing prompt's length and its sliding-window groups' block tables, as long as its
+/// full-attention table, with [`NO_BLOCK`] before the window of the step's first query.
+#[derive(Debug, Clone, Default)]
+pub struct CompletingWindows {
+    pub prompt_len: usize,
+    pub tables: Vec<Vec<BlockId>>,
+}
+
+/// The prompts a step completes: what [`LayerDone`] lends out.
+pub(super) struct Completing {
+    pub(super) tables: Vec<(SeqId, Vec<BlockId>)>,
+    pub(super) windows: Vec<CompletingWindows>,
+}
+
+impl Completing {
+    pub(super) fn is_empty(&self) -> bool {
+        self.tables.is_empty()
+    }
+}
+
+impl<'a> LayerDone<'a> {
+    /// What this layer pushes for `completing[index]`: the index of its first block in the
+    /// prompt's block list, and the blocks of this node's cache holding them. A full-attention
+    /// layer pushes every block; a sliding-window layer those from [`first_pushed_block`] on,
+    /// which the decode node reserves for it ([`Engine::import_layer`]).
+    pub fn pushed_blocks(&self, index: usize) -> Result<(usize, &'a [BlockId])> {
+        let (completing, windows): (&'a [_], &'a [CompletingWindows]) =
+            (self.completing, self.windows);
+        let blocks = &completing[index].1;
+        let group = self.cache.groups().group_of(self.layer);
+        if group == 0 {
+            return Ok((0, blocks));
+        }
+        let w = &windows[index];
+        let window = self.cache.groups().windows()[group - 1];
+        let block_size = self.cache.layout().block_size as usize;
+        let from = first_pushed_block(w.prompt_len, window, block_size);
+        match w.tables[group - 1].get(from..blocks.len()) {
+            Some(ids) if !ids.is_empty() && !ids.contains(&NO_BLOCK) => Ok((from, ids)),
+            _ => Err(EngineError::InvalidConfig {
+                reason: format!(
+                    "layer {}: the window of a {}-token prompt is not held from block {from}",
+                    self.layer, w.prompt_len
+                ),
+            }),
+        }
+    }
 }
 
 /// Called after each layer of a step in which some prompt completes.
@@ -98,7 +156,7 @@ impl Engine {
             .groups()
             .windows()
             .iter()
-            .map(|&w| first_live_block(req.prompt_ids.len(), w, self.block_size))
+            .map(|&w| first_pushed_block(req.prompt_ids.len(), w, self.block_size))
             .map(|from| (from, n - from))
             .collect();
         for (g, &(_, k)) in windows.iter().enumerate() {
@@ -135,7 +193,9 @@ impl Engine {
     /// Decode node: one layer's pushed KV for reservation `seq_id`, as the prefill node
     /// exported it over the reservation's blocks to fill ([`KvCache::export_blocks`] layout;
     /// the blocks after its linked prefix). A sliding-window layer keeps only the blocks of
-    /// the first decode query's window.
+    /// the first decode query's window: its payload covers those blocks alone (what a prefill
+    /// node pushes, [`LayerDone::pushed_blocks`]) or every block of the prompt, whose head is
+    /// dropped. Any other length is refused.
     pub fn import_layer(&mut self, seq_id: SeqId, layer: usize, payload: &[u8]) -> Result<()> {
         let r = self
             .reserved
@@ -152,6 +212,9 @@ impl Engine {
         }
         let (from, blocks) = &r.windows[group - 1];
         let layout = self.cache.layout();
+        if layout.layer_payload_bytes(blocks.len()) == Some(payload.len() as u64) {
+            return self.cache.import_blocks(layer, blocks, payload);
+        }
         let suffix = window_suffix(payload, r.blocks.len(), *from, &layout)?;
         self.cache.import_blocks(layer, blocks, &suffix)
     }
@@ -281,8 +344,6 @@ impl Engine {
     /// Prefill node: queues `req` to compute its prompt and sample one token. The sequence
     /// leaves the engine after that token (its blocks stay in the prefix cache).
     pub fn add_prefill_request(&mut self, req: Request) -> Result<()> {
-        // The push exports the full-attention table for every layer.
-        self.check_one_kv_group()?;
         self.validate(&req)?;
         let new_seq = NewSequence {
             seq_id: req.seq_id,
@@ -292,39 +353,30 @@ impl Engine {
         self.admit(new_seq, req, true)
     }
 
-    /// Items of `plan` whose chunk ends their prompt, with their blocks.
-    pub(super) fn completing_prompts(&self, plan: &Batch) -> Vec<(SeqId, Vec<BlockId>)> {
-        plan.items
-            .iter()
-            .filter(|i| {
-                i.sample
-                    && self
-                        .scheduler
-                        .sequence(i.seq_id)
-                        .is_some_and(|s| s.output_ids.is_empty())
+    /// Items of `plan` whose chunk ends their prompt, with their blocks in every group.
+    pub(super) fn completing_prompts(&self, plan: &Batch) -> Completing {
+        let items = plan.items.iter().filter(|i| {
+            i.sample
+                && self
+                    .scheduler
+                    .sequence(i.seq_id)
+                    .is_some_and(|s| s.output_ids.is_empty())
+        });
+        let (tables, windows) = items
+            .map(|i| {
+                let windows = CompletingWindows {
+                    // The chunk ends the prompt.
+                    prompt_len: i.context_len,
+                    tables: i.window_tables.clone(),
+                };
+                ((i.seq_id, i.block_table.clone()), windows)
             })
-            .map(|i| (i.seq_id, i.block_table.clone()))
-            .collect()
+            .unzip();
+        Completing { tables, windows }
     }
 }
 
 impl Engine {
-    /// The push exports one block table a sequence: an engine whose sliding layers free their
-    /// blocks ([`Engine::new`]) cannot prefill for another node; [`Engine::with_full_kv`]
-    /// builds one that can.
-    fn check_one_kv_group(&self) -> Result<()> {
-        let groups = self.cache.groups().num_groups();
-        if groups > 1 {
-            return Err(EngineError::InvalidConfig {
-                reason: format!(
-                    "this engine keeps {groups} KV layer groups (sliding windows free their \
-                     blocks); a node that pushes KV is built with Engine::with_full_kv"
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// Whether `seq_id` holds a reservation that has not been activated or released.
     pub fn is_reserved(&self, seq_id: SeqId) -> bool {
         self.reserved.contains_key(&seq_id)

@@ -82,6 +82,15 @@ impl KvGroups {
         &self.windows
     }
 
+    /// Each layer's window as this cache keeps it (`None`: every block), for the layout's
+    /// digest ([`kv_types::LayerWindows`]): an engine that keeps one group reports none.
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.layer_group
+            .iter()
+            .map(|&g| g.checked_sub(1).map(|g| self.windows[g]))
+            .collect()
+    }
+
     /// Layers in `group`.
     pub fn num_layers_in(&self, group: usize) -> usize {
         self.layer_group.iter().filter(|&&g| g == group).count()
@@ -116,6 +125,14 @@ pub fn first_live_block(pos: usize, window: usize, block_size: usize) -> usize {
     (pos + 1).saturating_sub(window) / block_size
 }
 
+/// Index of the first block a sliding layer's push carries for a prompt of `prompt_len`
+/// tokens: the first block the first decode query (at `prompt_len`) reads, and never past
+/// the prompt's last block, so that every layer carries one. The decode node reserves the
+/// blocks from it on; the prefill node exports them.
+pub fn first_pushed_block(prompt_len: usize, window: usize, block_size: usize) -> usize {
+    first_live_block(prompt_len, window, block_size).min(prompt_len.saturating_sub(1) / block_size)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +152,29 @@ mod tests {
         // Every layer sliding: group 0 holds no layer.
         let all = KvGroups::new(&[Some(8), Some(8)], true);
         assert_eq!((all.num_groups(), all.num_layers_in(0)), (2, 0));
+        assert_eq!(
+            g.layer_windows(),
+            vec![Some(512), Some(4), None, Some(512), None]
+        );
+        assert_eq!(off.layer_windows(), vec![None, None]);
+    }
+
+    #[test]
+    fn a_push_carries_the_first_decode_querys_window_and_at_least_the_last_block() {
+        // 4,096 tokens, window 512, blocks of 16: the query at 4,096 reads keys 3,585.. .
+        assert_eq!(first_pushed_block(4096, 512, 16), 224);
+        for bs in [1, 4, 16] {
+            for window in [1, 2, 5, 16, 40] {
+                for len in 1..120 {
+                    let from = first_pushed_block(len, window, bs);
+                    let last = (len - 1) / bs;
+                    assert!(from <= last, "bs {bs} w {window} len {len}");
+                    // Every prompt key the next query reads is in a pushed block.
+                    let first_key = (len + 1).saturating_sub(window);
+                    assert!(first_key >= len || from * bs <= first_key);
+                }
+            }
+        }
     }
 
     #[test]
