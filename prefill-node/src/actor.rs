@@ -49,6 +49,7 @@ enum Command {
     Prefill {
         req: Request,
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
+        push_from: usize,
         reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
         arrival: Arrival,
     },
@@ -72,11 +73,14 @@ impl EngineHandle {
         }
     }
 
-    /// Computes `req`'s prompt; when `layers` is given, each finished layer's KV goes there.
+    /// Computes `req`'s prompt; when `layers` is given, each finished layer's KV goes there,
+    /// over the prompt's blocks from `push_from` on (the decode node holds the ones before in
+    /// its prefix cache).
     pub async fn prefill(
         &self,
         req: Request,
         layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
+        push_from: usize,
         arrival: Arrival,
     ) -> Result<PrefillOutcome, NodeError> {
         Ok(self
@@ -84,6 +88,7 @@ impl EngineHandle {
             .call(|reply| Command::Prefill {
                 req,
                 layers,
+                push_from,
                 reply,
                 arrival,
             })
@@ -97,6 +102,9 @@ impl EngineHandle {
 
 struct Pending {
     layers: Option<tmpsc::UnboundedSender<LayerPayload>>,
+    /// The first prompt block pushed: the decode node links the ones before from its prefix
+    /// cache.
+    push_from: usize,
     reply: oneshot::Sender<Result<PrefillOutcome, EngineError>>,
     arrived: Instant,
     /// Set by the first step that computes part of this prompt.
@@ -131,6 +139,7 @@ impl EngineTask for PrefillTask {
             Command::Prefill {
                 req,
                 layers,
+                push_from,
                 reply,
                 arrival,
             } => {
@@ -142,6 +151,7 @@ impl EngineTask for PrefillTask {
                             seq_id,
                             Pending {
                                 layers,
+                                push_from,
                                 reply,
                                 arrived: arrival.at,
                                 computing_since: None,
@@ -253,6 +263,8 @@ impl StepObserver for StepTracker<'_> {
             let Some(tx) = &p.layers else {
                 continue;
             };
+            // The decode node holds the blocks before `push_from` already (its prefix cache).
+            let blocks = &blocks[p.push_from.min(blocks.len())..];
             let mut buf = BytesMut::zeroed(done.cache.export_len(blocks.len()));
             done.cache.export_blocks(done.layer, blocks, &mut buf)?;
             let payload = LayerPayload {
@@ -374,6 +386,7 @@ mod tests {
                 },
             ),
             layers: None,
+            push_from: 0,
             reply,
             arrival: Arrival {
                 at: arrived,

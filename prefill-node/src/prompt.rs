@@ -30,6 +30,9 @@ pub(crate) type Events = mpsc::Sender<Result<v1::PrefillEvent, tonic::Status>>;
 pub(crate) struct Destination {
     pub job: PushJob,
     pub lease: Duration,
+    /// The first prompt block to push: the decode node holds the ones before in its prefix
+    /// cache (`Reserved.cached_tokens`).
+    pub push_from: usize,
 }
 
 /// What one prompt's task needs.
@@ -89,6 +92,7 @@ impl Prompt {
         // The push runs on its own task, fed layer by layer; it reports its end on `pushed`.
         let mut push = None;
         let mut layers_tx = None;
+        let push_from = dest.as_ref().map_or(0, |d| d.push_from);
         if let Some(d) = dest {
             let (ltx, lrx) = mpsc::unbounded_channel::<LayerPayload>();
             let (first_tx, first_rx) = oneshot::channel();
@@ -113,7 +117,7 @@ impl Prompt {
         }
         let renewal = push.as_ref().map(|(_, _, r)| r);
         let mut keeper = Keeper::new(heartbeat, Phase::Computing);
-        let compute = handle.prefill(request, layers_tx, arrival);
+        let compute = handle.prefill(request, layers_tx, push_from, arrival);
         tokio::pin!(compute);
         let outcome = loop {
             tokio::select! {

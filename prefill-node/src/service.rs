@@ -61,6 +61,25 @@ impl PrefillService {
     }
 }
 
+impl PrefillService {
+    /// The first block of the prompt to push: the decode node holds `cached_tokens` tokens of
+    /// it already, whole blocks and never the last one.
+    fn push_from(&self, cached_tokens: u32, num_tokens: usize) -> Result<usize, Failure> {
+        let block_size = self.layout.block_size.max(1);
+        let cached = cached_tokens as usize;
+        if cached_tokens % block_size != 0 || (cached > 0 && cached >= num_tokens) {
+            return Err(Failure::new(
+                ErrorCode::Validation,
+                format!(
+                    "the decode node holds {cached_tokens} cached tokens of a {num_tokens}-token \
+                     prompt: not whole blocks of {block_size} short of its end"
+                ),
+            ));
+        }
+        Ok((cached_tokens / block_size) as usize)
+    }
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<v1::PrefillEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -121,19 +140,23 @@ impl PrefillService {
                     )
                 })?;
                 self.check_layout(dest.layout.as_ref())?;
-                let needed = self.layout.blocks_for(num_tokens);
+                let push_from = self.push_from(dest.cached_tokens, num_tokens)?;
+                let needed = self.layout.blocks_for(num_tokens) - push_from;
                 if dest.block_ids.len() != needed {
                     return Err(Failure::new(
                         ErrorCode::Validation,
                         format!(
-                            "destination has {} blocks, the prompt needs {needed}",
-                            dest.block_ids.len()
+                            "destination has {} blocks, the prompt needs {needed} after the \
+                             {} tokens the decode node holds",
+                            dest.block_ids.len(),
+                            dest.cached_tokens
                         ),
                     ));
                 }
                 let lease = Duration::from_millis(u64::from(dest.lease_ms.max(1)));
                 Some(Destination {
                     lease,
+                    push_from,
                     job: PushJob {
                         transport: Arc::clone(&self.transport),
                         clients: self.clients.clone(),
