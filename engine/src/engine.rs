@@ -269,6 +269,7 @@ impl Engine {
             ?window_pools,
             block_size = cfg.block_size,
             kv_bytes = cache.kv_bytes(),
+            kv_on_device = cache.is_on_device(),
             "kv cache allocated"
         );
         Ok(Engine {
