@@ -55,19 +55,22 @@ limits = [json.loads(f.read_text()) for f in sorted(run.glob("limits-*.json"))]
 isa_file = run / "isa.txt"
 if isa_file.exists() and isa_file.read_text().strip() != "native":
     print(f"\nEvery engine capped at {isa_file.read_text().strip()} (run_engine_bench.sh ISA=...).")
-models = sorted({re.match(r"fission-(.+)-r\d+\.json$", f.name).group(1) for f in run.glob("fission-*-r*.json")})
+# Every model some Fission run measured: f32, int8, or a GGUF file only (the Llama-3.2-1B shape).
+FISSION_RUN = re.compile(r"^(?:fission|fission_int8|fission_gguf_q4_k_m|fission_gguf_q8_0)-(.+)-r\d+\.json$")
+models = sorted({m.group(1) for f in run.glob("fission*-r*.json") if (m := FISSION_RUN.match(f.name))})
 for model in models:
     data = {e: load_rounds(e, model) for e in ENGINES}
     n = len(data["fission"])
-    print(f"\n### {model} (tokens/s, f32, 2 threads, median of {n} alternating rounds, min-max)\n")
-    print("| measurement | Fission | llama.cpp | transformers | Fission / llama.cpp | Fission / transformers |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for label, key in ROWS:
-        cells = [spread([x for x in (get(v, key) for v in data[e].values()) if x]) for e in ENGINES]
-        print(f"| {label} | {cells[0]} | {cells[1]} | {cells[2]} | "
-              f"{ratio(data['fission'], data['llamacpp'], key)} | {ratio(data['fission'], data['transformers'], key)} |")
+    if n:
+        print(f"\n### {model} (tokens/s, f32, 2 threads, median of {n} alternating rounds, min-max)\n")
+        print("| measurement | Fission | llama.cpp | transformers | Fission / llama.cpp | Fission / transformers |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for label, key in ROWS:
+            cells = [spread([x for x in (get(v, key) for v in data[e].values()) if x]) for e in ENGINES]
+            print(f"| {label} | {cells[0]} | {cells[1]} | {cells[2]} | "
+                  f"{ratio(data['fission'], data['llamacpp'], key)} | {ratio(data['fission'], data['transformers'], key)} |")
     q = {e: load_rounds(e, model) for e in INT8_ENGINES}
-    if q["fission_int8"] or q["llamacpp_q8_0"]:
+    if q["fission_int8"]:
         print(f"\n### {model}, int8 weights (tokens/s, Fission --quantize int8 vs llama.cpp Q8_0, "
               f"median of {len(q['fission_int8'])} alternating rounds, min-max)\n")
         print("| measurement | Fission int8 | llama.cpp Q8_0 | Fission int8 / llama.cpp Q8_0 | Fission int8 / Fission f32 |")
@@ -87,8 +90,20 @@ for model in models:
         print(f"| measurement | Fission {label} | llama.cpp {label} | Fission / llama.cpp |")
         print("|---|---:|---:|---:|")
         for row_label, key in ROWS:
+            if not any(get(v, key) for e in (fis, lla) for v in g[e].values()):
+                continue  # a figure neither engine ran (the 1B rows run three)
             cells = [spread([x for x in (get(v, key) for v in g[e].values()) if x]) for e in (fis, lla)]
             print(f"| {row_label} | {cells[0]} | {cells[1]} | {ratio(g[fis], g[lla], key)} |")
+kl_file = run / "kl.json"
+if kl_file.exists():
+    kl = json.loads(kl_file.read_text())
+    print(f"\n### Q4_K_M's KL divergence from f32 (engine/tests/kl_llama_cpp.rs: {kl['chunks']} chunks of "
+          f"{kl['n_ctx']} tokens of engine/benches/kl_text.txt, the second half of each scored as "
+          f"llama-perplexity does, {kl['positions']} positions, against llama.cpp's f32 base)\n")
+    print("| file | llama.cpp Q4_K_M | Fission Q4_K_M | Fission / llama.cpp | Fission f32 | Fission's own f32 -> Q4_K_M |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| {pathlib.Path(kl['q4_k_m_gguf']).name} | {kl['llama_cpp_q4_k_m_kl']:.4e} | {kl['fission_q4_k_m_kl']:.4e} | "
+          f"**{kl['ratio']:.3f}x** | {kl['fission_f32_kl']:.1e} | {kl['fission_own_f32_to_q4_k_m_kl']:.4e} |")
 if limits:
     reads = [l["read_gb_s"] for l in limits]
     peaks = [l["gemm_peak_gflops"] for l in limits]

@@ -4,7 +4,9 @@
 
 Usage:
     .peers/venv/bin/python engine/benches/peers/bench_llamacpp.py --model DIR --out JSON \
-        [--outtype f32|q8_0] [--threads 2] [--repeats 3] [--quick] [--peers-dir .peers]
+        [--outtype f32|q8_0|q4_k_m] [--threads 2] [--repeats 3] [--quick] [--peers-dir .peers]
+    .peers/venv/bin/python engine/benches/peers/bench_llamacpp.py --gguf FILE --out JSON \
+        [--prefill 512] [--batch 1,32]      # a GGUF file as it is (the Llama-3.2-1B-shaped rows)
 
 Needs engine/benches/peers/setup.sh to have run (venv, .peers/llama.cpp, build/bin tools).
 
@@ -130,7 +132,10 @@ def parse_batched_bench(text: str) -> dict[int, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="HF model directory")
+    ap.add_argument("--model", help="HF model directory (converted to GGUF)")
+    ap.add_argument("--gguf", help="run this GGUF file as it is instead of converting --model")
+    ap.add_argument("--prefill", help="prompt lengths, comma-separated (default 128,512,2048)")
+    ap.add_argument("--batch", help="batch sizes of llama-batched-bench, comma-separated (default 1,8,32,64)")
     ap.add_argument("--out", required=True, help="where to write the JSON result")
     ap.add_argument("--outtype", choices=["f32", "q8_0", "q4_k_m"], default="f32",
                     help="weights of the GGUF: f32, or q8_0 (llama.cpp's int8 with a scale per 32)")
@@ -154,21 +159,32 @@ def main() -> int:
     venv_py = peers / "venv" / "bin" / "python"
     python = str(venv_py) if venv_py.exists() else sys.executable
 
-    model_dir = Path(args.model).resolve()
-    cfg = json.loads((model_dir / "config.json").read_text())
-    max_pos = int(cfg.get("max_position_embeddings", 1 << 30))
+    if (args.model is None) == (args.gguf is None):
+        raise SystemExit("give one of --model DIR and --gguf FILE")
+    model_dir = Path(args.model).resolve() if args.model else None
+    max_pos = 1 << 30
+    if model_dir is not None:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        max_pos = int(cfg.get("max_position_embeddings", max_pos))
 
     bench_reps = args.repeats or (1 if args.quick else 5)
     batched_runs = args.repeats or (1 if args.quick else 3)
     prefill_lens = [128] if args.quick else PREFILL_LENS
+    if args.prefill:
+        prefill_lens = [int(x) for x in args.prefill.split(",")]
     single_new = 32 if args.quick else SINGLE_NEW
     batch_sizes = [1, 8] if args.quick else BATCH_SIZES
+    if args.batch:
+        batch_sizes = [int(x) for x in args.batch.split(",")]
     batch_new = 16 if args.quick else BATCH_NEW
     t = str(args.threads)
     notes: list[str] = []
     details: dict = {}
 
-    gguf, convert_s = convert(model_dir, peers, python, args.outtype)
+    if args.gguf:
+        gguf, convert_s = Path(args.gguf).resolve(), None
+    else:
+        gguf, convert_s = convert(model_dir, peers, python, args.outtype)
     if args.convert_only:
         print(gguf)
         return 0
@@ -179,7 +195,7 @@ def main() -> int:
     bench_t0 = time.perf_counter()
 
     # Prefill -----------------------------------------------------------------------------------
-    prefill: dict[str, float | None] = {str(n): None for n in PREFILL_LENS}
+    prefill: dict[str, float | None] = {str(n): None for n in sorted({*PREFILL_LENS, *prefill_lens})}
     lens = [n for n in prefill_lens if n <= max_pos]
     for n in prefill_lens:
         if n > max_pos:
@@ -224,17 +240,18 @@ def main() -> int:
         for b in batch_sizes:
             per_b[b].append(round(rows[b]["speed_tg"], 2))
         log(f"batched run {i + 1}/{batched_runs}: " + ", ".join(f"B={b}: {rows[b]['speed_tg']:.1f}" for b in batch_sizes))
-    decode_batch: dict[str, float | None] = {str(b): None for b in BATCH_SIZES}
+    decode_batch: dict[str, float | None] = {str(b): None for b in sorted({*BATCH_SIZES, *batch_sizes})}
     for b in batch_sizes:
         decode_batch[str(b)] = round(statistics.median(per_b[b]), 2)
     details["decode_batch_runs"] = {str(b): v for b, v in per_b.items()}
 
     bench_s = time.perf_counter() - bench_t0
+    weights = gguf.name if args.gguf else args.outtype
     load = os.getloadavg()
     from_sdist = (peers / "llama.cpp" / ".from-sdist")
     src = from_sdist.read_text().strip() if from_sdist.exists() else "?"
     notes[:0] = [
-        f"llama.cpp {'' if build in ('unknown', '?') else f'build {build} '}vendored in {src}, {args.outtype} weights, f16 KV cache, {args.threads} threads",
+        f"llama.cpp {'' if build in ('unknown', '?') else f'build {build} '}vendored in {src}, {weights} weights, f16 KV cache, {args.threads} threads",
         f"prefill/single decode: median of llama-bench's {bench_reps} repetition(s); "
         f"batched: median of {batched_runs} llama-batched-bench run(s), S_TG (decode only), -c {ctx}",
         f"bench wall {bench_s:.0f}s (excl. conversion); loadavg at end {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}",
@@ -245,8 +262,8 @@ def main() -> int:
 
     result = {
         "engine": "llama.cpp",
-        "model": model_dir.name,
-        "weights": args.outtype,
+        "model": model_dir.name if model_dir else gguf.stem,
+        "weights": weights,
         "build": args.build,
         "prefill_tok_s": prefill,
         "decode_single_tok_s": decode_single,
