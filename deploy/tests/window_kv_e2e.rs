@@ -1,17 +1,25 @@
 //! Sliding-window KV across real processes (issue 32): `fission up` with 1 prefill and 1 decode
 //! node on a random Gemma-3-shaped model (5 sliding layers of a 32-token window to 1 global).
-//! The prefill node pushes every block; the decode node keeps, for its sliding layers, only the
-//! blocks of the first decode query's window, and frees the rest of each window's past as it
-//! decodes. Greedy ids must equal one in-process engine's (which frees its windows too), and
-//! every block must come back.
+//! The prefill node frees its sliding layers' past as it computes, and pushes, for each sliding
+//! layer, only the blocks of the first decode query's window; the decode node keeps those and
+//! frees the rest of each window's past as it decodes. Greedy ids must equal one in-process
+//! engine's (which frees its windows too), the prefill node's byte counter must read the
+//! windowed amount the layout gives (not full attention's), and every block must come back.
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
+
+// The fault suite's cluster of separate processes, so one decode node can be killed; this
+// file uses only part of it.
+#[allow(dead_code)]
+#[path = "fault_suite/harness.rs"]
+mod harness;
 
 use std::time::Duration;
 
 use engine::engine::{Engine, EngineConfig, Request};
 use engine::ids::SeqId;
+use engine::kv::groups::first_pushed_block;
 use engine::loader::ModelSource;
 use engine::model::LoadedModel;
 use random_model::ModelSpec;
@@ -105,6 +113,12 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
     );
     let prompts = prompts();
     let mut want = Vec::new();
+    // What the pushes of one round carry, from the layout: every block of the global layer,
+    // the window's blocks of each sliding one; and what full attention would push.
+    let layout = engine.cache().layout();
+    let (bs, layer_block) = (layout.block_size as usize, 2 * layout.block_bytes() as usize);
+    let groups = engine.cache().groups().clone();
+    let (mut windowed, mut full) = (0usize, 0usize);
     for (i, p) in prompts.iter().enumerate() {
         let ids = model
             .tokenizer
@@ -113,6 +127,12 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
             .get_ids()
             .to_vec();
         assert!(ids.len() > 3 * WINDOW, "{} tokens", ids.len());
+        let n = ids.len().div_ceil(bs);
+        let live = n - first_pushed_block(ids.len(), WINDOW, bs);
+        for layer in 0..6 {
+            windowed += layer_block * if groups.group_of(layer) == 0 { n } else { live };
+        }
+        full += 6 * n * layer_block;
         let req = Request::greedy_fixed_length(SeqId(i as u64), ids, NEW_TOKENS);
         let out = engine.generate(vec![req]).unwrap();
         want.push(
@@ -138,6 +158,25 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
             );
         }
     }
+    // Every prompt was pushed (none prefilled on the decode node), each carrying the window.
+    let pushes = 2 * prompts.len();
+    wait_until_async(
+        "the prefill node counts every push within 2 s",
+        Duration::from_secs(2),
+        || {
+            let n = cluster.metric("prefill-0", "fission_prefill_kv_transfers_total");
+            async move { n == pushes as f64 }
+        },
+    )
+    .await;
+    let pushed = cluster.metric("prefill-0", "fission_prefill_kv_transfer_bytes_total");
+    assert_eq!(pushed, (2 * windowed) as f64, "full attention: {}", 2 * full);
+    assert!(windowed * 2 < full, "{windowed} of {full}");
+    eprintln!(
+        "pushed {pushed} B for {pushes} prompts; full attention {} B: {:.3}",
+        2 * full,
+        pushed / (2 * full) as f64
+    );
     wait_until_async(
         "every block given back within 2 s",
         Duration::from_secs(2),
@@ -146,6 +185,8 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
                 ("decode-0", "fission_decode_kv_blocks_used"),
                 ("decode-0", "fission_decode_kv_blocks_reserved"),
                 ("prefill-0", "fission_prefill_kv_blocks_used"),
+                // Every layer group's, the sliding windows' included.
+                ("prefill-0", "fission_prefill_kv_bytes_in_use"),
             ]
             .iter()
             .map(|(node, name)| cluster.metric(node, name))
@@ -154,4 +195,102 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
         },
     )
     .await;
+}
+
+const STREAMS: usize = 4;
+const STREAM_TOKENS: usize = 200;
+
+fn stream_body(client: usize) -> Value {
+    harness::body(
+        &format!("Stream {client}: the little dog ran to the park"),
+        STREAM_TOKENS,
+    )
+}
+
+/// 1 prefill and 2 decode nodes; decode-0 is killed mid-stream. The gateway prefills each
+/// stream's prompt and the tokens already sent again (more than a window by then), the prefill
+/// node pushes its sliding layers' windows to decode-1, and the streams carry the in-process
+/// engine's ids throughout.
+#[test]
+fn a_sliding_window_model_keeps_its_ids_across_a_decode_migration_mid_stream() {
+    // Slow steps, so the kill lands mid-stream (read by the node processes started below).
+    std::env::set_var("FISSION_DEBUG_STEP_DELAY_MS", "10");
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("gemma3");
+    gemma3_shaped(&model_dir);
+    let model = LoadedModel::load(
+        &ModelSource::Local(model_dir.clone()),
+        None,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut engine = Engine::new(
+        model.clone(),
+        EngineConfig {
+            num_kv_blocks: Some(512),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let want: Vec<Vec<u64>> = (0..STREAMS)
+        .map(|i| {
+            let text = stream_body(i)["inputs"].as_str().unwrap().to_string();
+            let ids = model
+                .tokenizer
+                .encode(text.as_str(), true)
+                .unwrap()
+                .get_ids()
+                .to_vec();
+            let out = engine
+                .generate(vec![Request::greedy_fixed_length(
+                    SeqId(i as u64),
+                    ids,
+                    STREAM_TOKENS,
+                )])
+                .unwrap();
+            out[0].output_ids.iter().map(|&x| u64::from(x)).collect()
+        })
+        .collect();
+
+    let mut c = harness::Cluster::start(
+        dir.path(),
+        &model_dir,
+        vec![
+            harness::node("prefill", "prefill-0", &[]),
+            harness::node("decode", "decode-0", &[]),
+            harness::node("decode", "decode-1", &[]),
+        ],
+        &[],
+    );
+    let url = c.url.clone();
+    let load = std::thread::spawn(move || {
+        testkit::streams::run(&url, STREAMS, 1, Duration::from_secs(60), |client, _| {
+            stream_body(client)
+        })
+    });
+    let m = c.node("decode-0").metrics.clone();
+    testkit::wait_until("decode-0 generating", Duration::from_secs(30), || {
+        testkit::fission::metric(&m, "fission_decode_generated_tokens_total") >= 2.0 * WINDOW as f64
+            && testkit::fission::metric(&m, "fission_decode_running_sequences") >= 1.0
+    });
+    c.node("decode-0").signal(libc::SIGKILL);
+    let mut records = load.join().unwrap();
+    records.sort_by_key(|r| r.client);
+    harness::assert_all_ok(&records, "across decode-0's death");
+    for (r, want) in records.iter().zip(&want) {
+        assert_eq!(
+            r.token_ids.len(),
+            STREAM_TOKENS,
+            "no token twice, none missing"
+        );
+        assert_eq!(
+            &r.token_ids, want,
+            "stream {}: the in-process engine's ids across the migration",
+            r.client
+        );
+    }
+    let migrations = c.gateway_metric("fission_gateway_migrations_total");
+    assert!(migrations >= 1.0, "the gateway migrated nothing");
+    c.assert_kv_released();
+    println!("gemma3-shaped (window {WINDOW}) on 1P+2D, decode-0 killed mid-stream: {migrations} migrations, {STREAMS} streams of {STREAM_TOKENS} ids equal to the in-process engine's");
 }

@@ -215,13 +215,10 @@ impl EngineArgs {
                 // where sequences write, so it costs the blocks in use, not the whole.
                 config.num_kv_blocks = config.num_kv_blocks.or(Some(m.cost().node.kv_blocks));
             }
-            // A decode node's sliding-window layers hold only their windows (it imports just
-            // those); a prefill node exports one table for every layer (issue 32).
-            let engine = if role == "decode" {
-                engine::engine::Engine::new(model, config)?
-            } else {
-                engine::engine::Engine::with_full_kv(model, config)?
-            };
+            // Every role's sliding-window layers hold only their windows: a prefill node pushes
+            // just those, and a decode node imports just those (issue 32); the layout's
+            // `windows` makes both ends agree on them.
+            let engine = engine::engine::Engine::new(model, config)?;
             let info = proto::v1::NodeInfo {
                 node_id,
                 role,

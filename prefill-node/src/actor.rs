@@ -20,6 +20,9 @@ use node_common::NodeError;
 /// One layer of one prompt, ready to send.
 pub struct LayerPayload {
     pub layer: usize,
+    /// Index of the first of the destination's blocks `bytes` covers: 0 for a full-attention
+    /// layer, the window's first block for a sliding-window layer (issue 32).
+    pub first_block: usize,
     pub bytes: Bytes,
     /// When this layer's compute finished.
     pub computed_at: Instant,
@@ -208,6 +211,8 @@ impl PrefillTask {
 fn publish_gauges(engine: &Engine) {
     let s = engine.stats();
     metrics::gauge!("fission_prefill_kv_blocks_used").set(s.num_blocks_used as f64);
+    // The blocks above are the full-attention group's; this counts every layer group's.
+    metrics::gauge!("fission_prefill_kv_bytes_in_use").set(engine.kv_bytes_in_use() as f64);
     metrics::gauge!("fission_prefill_kv_blocks_capacity").set(s.num_blocks_total as f64);
     metrics::gauge!("fission_prefill_queued_sequences").set((s.num_waiting + s.num_running) as f64);
     // Lifetime counts, as counters: rate(hit) / rate(queried) is the recent hit rate.
@@ -256,19 +261,28 @@ impl StepObserver for StepTracker<'_> {
 
     fn layer_done(&mut self, done: LayerDone<'_>) -> engine::error::Result<()> {
         let now = Instant::now();
-        for (seq_id, blocks) in done.completing {
+        for (index, (seq_id, _)) in done.completing.iter().enumerate() {
             let Some(p) = self.pending.get_mut(seq_id) else {
                 continue;
             };
             let Some(tx) = &p.layers else {
                 continue;
             };
-            // The decode node holds the blocks before `push_from` already (its prefix cache).
-            let blocks = &blocks[p.push_from.min(blocks.len())..];
+            // A sliding-window layer exports only the blocks its window reads at the prompt's
+            // end: what the decode node keeps.
+            let (first_block, blocks) = done.pushed_blocks(index)?;
+            // Without the blocks the decode node holds already (its prefix cache); the first
+            // block counts among the destination's, which start there.
+            let skip = p.push_from.saturating_sub(first_block).min(blocks.len());
+            let (first_block, blocks) = (
+                (first_block + skip).saturating_sub(p.push_from),
+                &blocks[skip..],
+            );
             let mut buf = BytesMut::zeroed(done.cache.export_len(blocks.len()));
             done.cache.export_blocks(done.layer, blocks, &mut buf)?;
             let payload = LayerPayload {
                 layer: done.layer,
+                first_block,
                 bytes: buf.freeze(),
                 computed_at: now,
             };

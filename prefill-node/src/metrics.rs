@@ -54,6 +54,11 @@ pub fn describe() {
         "KV blocks in use."
     );
     describe_gauge!(
+        "fission_prefill_kv_bytes_in_use",
+        Unit::Bytes,
+        "KV bytes the prompts hold now, over every layer and layer group (sliding windows included)."
+    );
+    describe_gauge!(
         "fission_prefill_kv_usage_ratio",
         "Share of KV blocks in use."
     );

@@ -236,12 +236,18 @@ async fn push(
     let mut last_computed = None;
     let mut received = 0u32;
     while let Some(lp) = layers_rx.recv().await {
+        // A sliding-window layer carries the tail of the reservation's blocks that its window
+        // reads at the prompt's end (the engine's `LayerDone::pushed_blocks`).
+        let layer_blocks = match lp.first_block {
+            0 => Arc::clone(&block_ids),
+            from => Arc::from(block_ids.get(from..).unwrap_or_default()),
+        };
         let header = LayerHeader {
             xfer_id: job.xfer_id,
             epoch: dest.epoch,
             layer: lp.layer as u32,
             layout: job.layout,
-            block_ids: Arc::clone(&block_ids),
+            block_ids: layer_blocks,
             traceparent: traceparent.clone(),
         };
         let frame = FrameHeader::for_payload(header, &lp.bytes);
@@ -473,6 +479,7 @@ mod tests {
             layers_tx
                 .send(LayerPayload {
                     layer,
+                    first_block: 0,
                     bytes: bytes::Bytes::from(vec![1u8; payload_len()]),
                     computed_at: Instant::now(),
                 })
