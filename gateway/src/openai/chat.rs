@@ -18,7 +18,7 @@ use crate::chat_template::ChatMessage;
 use crate::error::{GatewayError, OpenAiError};
 use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
-use crate::state::{unix_now, AppState};
+use crate::state::AppState;
 use crate::validation::{FieldNames, Prompt, Validator};
 
 /// OpenAI's largest `top_logprobs`.
@@ -310,13 +310,11 @@ pub(crate) async fn chat_completions(
     )
     .await?;
 
-    let header = ChunkHeader {
-        id: format!("chatcmpl-{}", groups[0].request_id),
-        object: "chat.completion.chunk",
-        created: unix_now(),
-        model: state.config().model_id.clone(),
-        system_fingerprint: state.system_fingerprint(),
-    };
+    let header = ChunkHeader::new(
+        &state,
+        format!("chatcmpl-{}", groups[0].request_id),
+        "chat.completion.chunk",
+    );
     let validator = Arc::clone(state.validator());
 
     if request.common.stream() && plan.parses_calls() {

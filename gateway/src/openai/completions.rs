@@ -13,7 +13,7 @@ use crate::error::{GatewayError, OpenAiError};
 use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
 use crate::sequences::best_first;
-use crate::state::{unix_now, AppState};
+use crate::state::AppState;
 use crate::validation::{FieldNames, Prompt, Validator};
 
 /// `prompt`: a string, a list of strings, a list of token ids, or a list of such lists. Each
@@ -234,13 +234,11 @@ pub(crate) async fn completions(
     )
     .await?;
 
-    let header = ChunkHeader {
-        id: format!("cmpl-{}", groups[0].request_id),
-        object: "text_completion",
-        created: unix_now(),
-        model: state.config().model_id.clone(),
-        system_fingerprint: state.system_fingerprint(),
-    };
+    let header = ChunkHeader::new(
+        &state,
+        format!("cmpl-{}", groups[0].request_id),
+        "text_completion",
+    );
     let with_logprobs = request.logprobs.is_some();
     let validator = Arc::clone(state.validator());
 

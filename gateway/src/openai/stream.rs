@@ -14,6 +14,7 @@ use crate::error::GatewayError;
 use crate::request::GeneratedToken;
 use crate::sequences::Sequences;
 use crate::sse::json_event;
+use crate::state::{unix_now, AppState};
 
 /// What every chunk of one streamed response repeats.
 #[derive(Debug, Clone)]
@@ -40,6 +41,17 @@ struct Chunk<'a, C> {
 }
 
 impl ChunkHeader {
+    /// The header of a response made now by this gateway's model.
+    pub(crate) fn new(state: &AppState, id: String, object: &'static str) -> Self {
+        ChunkHeader {
+            id,
+            object,
+            created: unix_now(),
+            model: state.config().model_id.clone(),
+            system_fingerprint: state.system_fingerprint(),
+        }
+    }
+
     /// A chunk with these choices, and the usage when given.
     pub(crate) fn event<C: Serialize>(&self, choices: Vec<C>, usage: Option<Usage>) -> Event {
         json_event(&Chunk {
