@@ -1,5 +1,6 @@
 //! GGUF, llama.cpp's model file, read into what the engine loads from a transformers
-//! checkpoint: `config.json` from llama.cpp's metadata keys, `tokenizer.json` rebuilt from
+//! checkpoint (architectures llama (and Mistral, and Mixtral with experts), qwen2, qwen3,
+//! qwen3moe, gemma2, gemma3 and phi3): `config.json` from llama.cpp's metadata keys, `tokenizer.json` rebuilt from
 //! `tokenizer.ggml.*` (SentencePiece `llama` and byte-level BPE `gpt2` models),
 //! `tokenizer_config.json` with `tokenizer.chat_template`, and every tensor under
 //! transformers' name, dequantised (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to
@@ -12,6 +13,7 @@
 //! networking. Dequantising at load is this slice; kernels over the quantised blocks as stored
 //! are a later step.
 
+mod arch;
 mod config;
 mod error;
 mod file;
@@ -23,7 +25,8 @@ pub mod test_bytes;
 mod tokenizer;
 mod types;
 
-pub use config::{arch, hf_config, Arch};
+pub use arch::{Arch, ExpertPart, Target};
+pub use config::{arch, hf_config};
 pub use error::{GgufError, Result};
 pub use file::{read_header, GgufFile, Metadata};
 pub use header::{check_header, Header, TensorEntry};

@@ -1,48 +1,27 @@
-//! llama.cpp's tensor names (`token_embd`, `blk.N.attn_q`, ..., `output_norm`, `output`)
-//! mapped to transformers', each tensor dequantised, with llama.cpp's q/k row permutation
-//! undone so the engine's rope (rotate-half) applies to them as to the original checkpoint.
+//! llama.cpp's tensors under transformers' names (each architecture's map is in `arch.rs`),
+//! each dequantised, with what the converter changed undone: the q/k row permutation of the
+//! Llama family (so the engine's rotate-half rope applies to them as to the original
+//! checkpoint), Gemma's `1 +` folded into its norms, and a mixture's experts split out of
+//! their 3-D tensors, one `[out, in]` tensor per expert.
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::Arch;
+use crate::arch::{Arch, Target};
 use crate::error::{GgufError, Result};
 use std::io::{Read, Seek, SeekFrom};
 
 use crate::file::{GgufFile, MetadataExt};
 use crate::types::GgmlType;
 
-/// transformers' name for a llama.cpp tensor name; `None` for tensors the engine does not use.
+/// transformers' name for a Llama file's tensor name; `None` for tensors the engine does not
+/// use. Other architectures: [`Arch::target`].
 pub fn hf_name(gguf: &str) -> Option<String> {
-    let whole = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(n) = whole {
-        return Some(n.to_string());
+    match Arch::Llama.target(gguf)? {
+        Target::One(n) => Some(n),
+        Target::Experts { .. } => None,
     }
-    let rest = gguf.strip_prefix("blk.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
-    let (part, suffix) = rest.rsplit_once('.')?;
-    let hf = match part {
-        "attn_norm" => "input_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "attn_q_norm" => "self_attn.q_norm",
-        "attn_k_norm" => "self_attn.k_norm",
-        "ffn_norm" => "post_attention_layernorm",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
 /// Undoes `convert_hf_to_gguf.py`'s `LlamaModel.permute` on `[heads * head_dim, ...]` rows:
@@ -108,12 +87,12 @@ pub fn load_tensors_keeping(
     let mut out = HashMap::new();
     let mut raw = HashMap::new();
     for entry in file.tensors() {
-        let Some(name) = hf_name(&entry.name) else {
+        let Some(target) = arch.target(&entry.name) else {
             continue;
         };
         let mut t = file.tensor_f32(&mut reader, &entry.name)?;
         let mut heads_of = None;
-        if arch == Arch::Llama && arch.permutes_qk() {
+        if arch.permutes_qk() {
             if entry.name.ends_with(".attn_q.weight") || entry.name.ends_with(".attn_q.bias") {
                 t = unpermute(&t, heads)?;
                 heads_of = Some(heads);
@@ -123,25 +102,74 @@ pub fn load_tensors_keeping(
                 heads_of = Some(kv_heads);
             }
         }
-        if entry.dims.len() == 2 && entry.ggml_type.is_quantized() && keep(entry.ggml_type) {
-            let (cols, rows) = (entry.dims[0] as usize, entry.dims[1] as usize);
+        if arch.norms_store_one_plus() && entry.name.ends_with("norm.weight") {
+            // Exact for the stored values in [0.5, 2^24] (Sterbenz), so the engine's `1 + w`
+            // gives back the stored value bit for bit.
+            t = (t - 1.0)?;
+        }
+        let keep_raw = entry.ggml_type.is_quantized() && keep(entry.ggml_type);
+        let stored = |reader: &mut std::io::BufReader<std::fs::File>| -> Result<Vec<u8>> {
             let mut data = vec![0u8; entry.size_bytes as usize];
             reader
                 .seek(SeekFrom::Start(file.header().data_offset + entry.offset))
                 .and_then(|_| reader.read_exact(&mut data))
                 .map_err(GgufError::Read)?;
-            if let Some(h) = heads_of {
-                data = unpermute_rows(&data, rows, h);
+            Ok(data)
+        };
+        match target {
+            Target::One(name) => {
+                if entry.dims.len() == 2 && keep_raw {
+                    let (cols, rows) = (entry.dims[0] as usize, entry.dims[1] as usize);
+                    let mut data = stored(&mut reader)?;
+                    if let Some(h) = heads_of {
+                        data = unpermute_rows(&data, rows, h);
+                    }
+                    let kept = RawTensor {
+                        ggml_type: entry.ggml_type,
+                        rows,
+                        cols,
+                        data,
+                    };
+                    raw.insert(name.clone(), kept);
+                }
+                out.insert(name, t.to_dtype(dtype)?.to_device(device)?);
             }
-            let kept = RawTensor {
-                ggml_type: entry.ggml_type,
-                rows,
-                cols,
-                data,
-            };
-            raw.insert(name.clone(), kept);
+            Target::Experts { layer, part } => {
+                let [cols, rows, experts] = entry.dims[..] else {
+                    return Err(GgufError::BadTensor {
+                        name: entry.name.clone(),
+                        reason: format!(
+                            "expected 3 dimensions (experts, out, in), found {:?}",
+                            entry.dims
+                        ),
+                    });
+                };
+                let (cols, rows, experts) = (cols as usize, rows as usize, experts as usize);
+                let data = if keep_raw {
+                    Some(stored(&mut reader)?)
+                } else {
+                    None
+                };
+                for e in 0..experts {
+                    let name = arch.expert_name(layer, part, e);
+                    if let Some(data) = &data {
+                        // Blocks never span rows, so each expert's rows are its own bytes.
+                        let per = data.len() / experts;
+                        raw.insert(
+                            name.clone(),
+                            RawTensor {
+                                ggml_type: entry.ggml_type,
+                                rows,
+                                cols,
+                                data: data[e * per..(e + 1) * per].to_vec(),
+                            },
+                        );
+                    }
+                    let x = t.get(e)?.contiguous()?;
+                    out.insert(name, x.to_dtype(dtype)?.to_device(device)?);
+                }
+            }
         }
-        out.insert(name, t.to_dtype(dtype)?.to_device(device)?);
     }
     Ok((out, raw))
 }
