@@ -116,7 +116,10 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
     // What the pushes of one round carry, from the layout: every block of the global layer,
     // the window's blocks of each sliding one; and what full attention would push.
     let layout = engine.cache().layout();
-    let (bs, layer_block) = (layout.block_size as usize, 2 * layout.block_bytes() as usize);
+    let (bs, layer_block) = (
+        layout.block_size as usize,
+        2 * layout.block_bytes() as usize,
+    );
     let groups = engine.cache().groups().clone();
     let (mut windowed, mut full) = (0usize, 0usize);
     for (i, p) in prompts.iter().enumerate() {
@@ -170,7 +173,12 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
     )
     .await;
     let pushed = cluster.metric("prefill-0", "fission_prefill_kv_transfer_bytes_total");
-    assert_eq!(pushed, (2 * windowed) as f64, "full attention: {}", 2 * full);
+    assert_eq!(
+        pushed,
+        (2 * windowed) as f64,
+        "full attention: {}",
+        2 * full
+    );
     assert!(windowed * 2 < full, "{windowed} of {full}");
     eprintln!(
         "pushed {pushed} B for {pushes} prompts; full attention {} B: {:.3}",

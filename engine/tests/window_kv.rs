@@ -239,7 +239,10 @@ fn push(prefill: &mut Engine, decode: &mut Engine, req: Request) -> (Vec<usize>,
 /// Decodes an activated sequence to its end; its ids after `first`.
 fn decode_rest(decode: &mut Engine, first: TokenEvent) -> Vec<u32> {
     let mut ids = vec![first.token.token_id];
-    assert!(decode.activate(first.seq_id, first.token).unwrap().is_none());
+    assert!(decode
+        .activate(first.seq_id, first.token)
+        .unwrap()
+        .is_none());
     while decode.has_work() {
         for ev in decode.step().unwrap() {
             ids.push(ev.token.token_id);

@@ -253,9 +253,8 @@ mod tests {
             ..KvLayout::SMOLLM2_135M_F32
         };
         let gemma3 = |window: usize| {
-            let layers: Vec<Option<usize>> = (0..6)
-                .map(|l| (l % 6 != 5).then_some(window))
-                .collect();
+            let layers: Vec<Option<usize>> =
+                (0..6).map(|l| (l % 6 != 5).then_some(window)).collect();
             KvLayout {
                 windows: LayerWindows::of(&layers),
                 ..full
@@ -274,14 +273,21 @@ mod tests {
             block_size: 32,
             ..gemma3(512)
         }));
-        assert!(gemma3(512).to_string().contains(" windows="), "{}", gemma3(512));
+        assert!(
+            gemma3(512).to_string().contains(" windows="),
+            "{}",
+            gemma3(512)
+        );
         assert!(!full.to_string().contains("windows"), "{full}");
         // A record without windows reads as NONE; one with them keeps them.
         let json = serde_json::to_string(&full).unwrap();
         assert!(!json.contains("windows"), "{json}");
         assert_eq!(serde_json::from_str::<KvLayout>(&json).unwrap(), full);
         let json = serde_json::to_string(&gemma3(512)).unwrap();
-        assert_eq!(serde_json::from_str::<KvLayout>(&json).unwrap(), gemma3(512));
+        assert_eq!(
+            serde_json::from_str::<KvLayout>(&json).unwrap(),
+            gemma3(512)
+        );
     }
 
     #[test]

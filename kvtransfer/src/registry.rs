@@ -602,7 +602,10 @@ mod tests {
             deliver(&reg, &sink, &with_blocks(0, vec![1])).unwrap(),
             Verdict::Accepted
         );
-        assert_eq!(sink.layer_bytes(TransferId(7), 0), Some(2 * LAYOUT.block_bytes()));
+        assert_eq!(
+            sink.layer_bytes(TransferId(7), 0),
+            Some(2 * LAYOUT.block_bytes())
+        );
         // The windows are agreed when nodes pair; a frame's layout is its geometry.
         let mut windowed = with_blocks(1, vec![3, 1]);
         windowed.0.header.layout.windows = kv_types::LayerWindows(5);
