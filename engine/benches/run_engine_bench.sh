@@ -70,7 +70,16 @@ BIN=.peers/llama.cpp/build/bin
 declare -A MODEL_DIRS=([stories260K]=../shared/models/stories260K [smollm2]="$M")
 MODELS="${MODELS:-stories260K smollm2}"
 
-# The Llama-3.2-1B-shaped GGUF files, made once.
+kl_test() { # f32.gguf q4_k_m.gguf out.json log: engine/tests/kl_llama_cpp.rs on these files
+  FISSION_KL_F32_GGUF="$1" FISSION_KL_Q4KM_GGUF="$2" FISSION_LLAMA_CPP_BIN="$BIN" FISSION_KL_OUT="$3" \
+    "$(ls -t target/release/deps/kl_llama_cpp-* | grep -v '\.d$' | head -1)" --nocapture >"$4" 2>&1 \
+    || echo "the KL test failed: see $4" >&2
+  grep -E "positions|skipped" "$4" >&2 || true
+}
+
+# The Llama-3.2-1B-shaped GGUF files, made once; the Q4_K_M file's KL from the f32 one is measured
+# then (llama-quantize's Q4_K and Q6_K throughout, where SmolLM2's 576 columns make it mostly
+# Q5_0), before the f32 files go.
 L1B_DIR=.models/llama32-1b-bench
 L1B_GGUF=.peers/gguf/llama32-1b-bench
 if [[ "$L1B" == 1 && ! ( -f "$L1B_GGUF-q4_k_m.gguf" && -f "$L1B_GGUF-q8_0.gguf" ) ]]; then
@@ -80,6 +89,7 @@ if [[ "$L1B" == 1 && ! ( -f "$L1B_GGUF-q4_k_m.gguf" && -f "$L1B_GGUF-q8_0.gguf" 
     "$BIN/llama-quantize" "$L1B_GGUF-f32.gguf" "$L1B_GGUF-$t.gguf.tmp" "${t^^}" 2
     mv "$L1B_GGUF-$t.gguf.tmp" "$L1B_GGUF-$t.gguf"
   done
+  [[ "$KL" == 1 ]] && kl_test "$L1B_GGUF-f32.gguf" "$L1B_GGUF-q4_k_m.gguf" "$L1B_GGUF-kl.json" "$L1B_GGUF-kl.log"
   rm -f "$L1B_GGUF-f32.gguf" "$L1B_DIR/model.safetensors" # 4.3 GB each: the rows run the quantised files
 fi
 
@@ -112,11 +122,8 @@ name_of() { # model_key: the name in the result files
 
 if [[ "$KL" == 1 ]]; then
   echo "KL: Q4_K_M from f32 on smollm2, Fission and llama-perplexity" >&2
-  FISSION_KL_F32_GGUF=$(gguf_of smollm2 f32) FISSION_KL_Q4KM_GGUF=$(gguf_of smollm2 q4_k_m) \
-    FISSION_LLAMA_CPP_BIN="$BIN" FISSION_KL_OUT="$OUT/kl.json" \
-    "$(ls -t target/release/deps/kl_llama_cpp-* | grep -v '\.d$' | head -1)" --nocapture >"$OUT/kl.log" 2>&1 \
-    || echo "the KL test failed: see $OUT/kl.log" >&2
-  grep -E "positions|skipped" "$OUT/kl.log" >&2 || true
+  kl_test "$(gguf_of smollm2 f32)" "$(gguf_of smollm2 q4_k_m)" "$OUT/kl.json" "$OUT/kl.log"
+  if [[ "$L1B" == 1 && -f "$L1B_GGUF-kl.json" ]]; then cp "$L1B_GGUF-kl.json" "$OUT/kl-llama32-1b.json"; fi
 fi
 
 target/release/fission bench limits --out "$OUT/limits-0.json" >/dev/null
