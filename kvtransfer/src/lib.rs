@@ -71,18 +71,20 @@
 //!
 //! # From device memory, and what GPUDirect RDMA would change
 //!
-//! The transports move host bytes. The plan for a node whose KV cache is on a GPU (issue 35:
-//! the device ops below exist and are tested on the CPU; the engine's cache is still host
-//! memory, so the push does not yet take this route) goes through host staging: the prefill
-//! node gathers each finished layer's blocks into one
+//! The transports move host bytes. A node whose KV cache is on a device (the engine's tensor
+//! path keeps one tensor a layer on the model's device, issue 35) goes through host staging,
+//! inside the engine's `KvCache::export_blocks` / `import_blocks`, so the nodes do not know
+//! where the cache lives: the prefill node gathers each finished layer's blocks into one
 //! buffer on the device (`engine::model::device_ops::gather_blocks`, the layout of
-//! `kernels::gather_blocks`, which is the wire layout) and copies it to pinned host memory
-//! (`kernels::cuda::PinnedStaging`) on its own stream while the next layer computes; that host
-//! buffer is what `send_layer` sends, as the CPU's export buffer is today. The decode node's
-//! [`KvSink`] copies a received layer to the device and scatters it into its blocks
-//! (`device_ops::scatter_blocks`). On the CPU the staging is the export buffer itself and the
-//! same code runs. Each byte crosses PCIe twice (device → host on the sender, host → device
-//! on the receiver) besides the wire.
+//! `kernels::gather_blocks`, which is the wire layout) and copies it to the host buffer that
+//! `send_layer` sends; the decode node's [`KvSink`] hands a received layer to the engine,
+//! which uploads it and scatters it into its blocks (`device_ops::scatter_blocks`). On the
+//! CPU the same code runs with CPU tensors (tested through a 1P+1D cluster). The copy to the
+//! host is candle's, on the model's stream into pageable memory, so it waits for the layer
+//! and is not yet overlapped with the next one; pinned staging on a stream of its own
+//! (`kernels::cuda::PinnedStaging`, measured by `kernels/tests/cuda_kernels.rs`) is the next
+//! step. Each byte crosses PCIe twice (device → host on the sender, host → device on the
+//! receiver) besides the wire.
 //!
 //! With GPUDirect RDMA the NIC reads and writes GPU memory over PCIe peer-to-peer, so:
 //! - the decode node registers its device K/V cache (`nvidia-peermem`/dma-buf, `ibv_reg_mr`
