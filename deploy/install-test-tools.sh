@@ -54,6 +54,16 @@ if ! command -v promtool >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
+# UCX: the UCX KV backend's tests (kvtransfer's transfer tests, deploy/tests/kv_ucx_e2e.rs)
+# load libucp.so.0 at run time; the headers are what kvtransfer's UCX declarations follow.
+if ! ldconfig -p 2>/dev/null | grep -q 'libucp\.so\.0'; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "installing with apt: libucx-dev (UCX, for --kv-transport ucx)" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends libucx-dev >/dev/null
+fi
+
 # kubernetes-validate: the Kubernetes API schemas, offline, for the manifests in deploy/k8s.
 if ! "$venv/bin/python" -c 'import kubernetes_validate' >/dev/null 2>&1; then
   echo "installing kubernetes-validate into $venv" >&2
