@@ -13,9 +13,11 @@
 #                               GPU run. Results under $OUT (default .gpu-check/cpu-out).
 #
 # Steps of `run` (each logged, none stops the others; summary.txt says pass/fail per step):
-#   1. the CUDA kernel tests against their CPU references (kernels/tests/cuda_kernels.rs);
+#   1. the CUDA kernel tests against their CPU references (kernels/tests/cuda_kernels.rs), and
+#      the push's copies device -> pinned host -> device in GB/s (push_copies_bandwidth);
 #   2. stories260K greedy parity in f32 on the GPU: `fission generate --device cuda` against
-#      transformers' reference ids, then through a 1P+1D cluster (`fission up --device cuda`);
+#      transformers' reference ids, then through a 1P+1D cluster (`fission up --device cuda`)
+#      whose nodes must both log their KV cache on the device;
 #   3. the engine bench, bf16, on a random Llama-3.2-1B-shaped model (prefill 512 and 2048,
 #      decode batch 1..128) beside engine/benches/peers/gpu_transformers.py on the same shapes.
 set -uo pipefail
@@ -103,6 +105,11 @@ sys.exit(1 if bad or not ok else 0)
 PY
   kill -INT -- -"$up" 2>/dev/null
   wait "$up" 2>/dev/null
+  # Both nodes' KV caches must be device tensors (engine: "kv cache allocated ... kv_on_device").
+  local on
+  on=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -c 'kv cache allocated.*kv_on_device=true')
+  echo "KV caches on the device: $on of 2"
+  [ "$on" -eq 2 ] || rc=1
   return $rc
 }
 
@@ -121,7 +128,9 @@ run_gpu() {
   export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-} PATH=$PWD/$STAGE:$PATH
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/summary.txt"
   local bin=$STAGE/fission refs=$STAGE/reference_greedy.json
-  step "kernel tests vs CPU references" "$STAGE/cuda_kernels" --test-threads=1
+  step "kernel tests vs CPU references" "$STAGE/cuda_kernels" --test-threads=1 --nocapture
+  # push_copies_bandwidth's line: the KV push device -> pinned host -> device in GB/s.
+  grep -h "KV push copies" "$OUT/check.log" | tee -a "$OUT/summary.txt"
   step "stories260K f32 greedy parity on the GPU" parity "$bin" cuda tensor "$refs"
   step "stories260K f32 greedy parity 1P+1D on the GPU" cluster "$bin" cuda tensor "$refs" 18080 "$OUT/up.log"
   step "random Llama-3.2-1B model" "$bin" make-random-model --shape llama-3.2-1b --out /tmp/l1b

@@ -324,3 +324,70 @@ fn copies_are_bit_exact() {
     });
     check_copies::<f32>(odd);
 }
+
+/// The push's copies on the device, measured (issue 35): one Llama-3.2-1B-shaped layer (8 KV
+/// heads of 64, 16-token blocks, bf16) of a 2,048-token prompt, gathered into pinned host
+/// staging and scattered back from it, as a prefill node sends a layer and a decode node
+/// receives it. Prints GB/s of K+V bytes each way (the GPU run's "KV push device -> host ->
+/// device"); asserts only that the round trip is bit-exact.
+#[test]
+fn push_copies_bandwidth() {
+    let layout = CacheShape {
+        num_blocks: 256,
+        block_size: 16,
+        num_kv_heads: 8,
+        head_dim: 64,
+    };
+    let blocks = 128;
+    let gpu = gpu();
+    let stream = gpu.stream();
+    let mut rng = StdRng::seed_from_u64(35);
+    let kc: Vec<bf16> = random(&mut rng, layout.layer_elems());
+    let vc: Vec<bf16> = random(&mut rng, layout.layer_elems());
+    let (dk, dv) = (
+        stream.clone_htod(&kc).expect("up"),
+        stream.clone_htod(&vc).expect("up"),
+    );
+    let mut ids: Vec<u32> = (0..layout.num_blocks as u32).collect();
+    ids.shuffle(&mut rng);
+    let (from, to) = (&ids[..blocks], &ids[blocks..2 * blocks]);
+    let (mut ek, mut ev) = (
+        stream.alloc_zeros::<bf16>(kc.len()).expect("alloc"),
+        stream.alloc_zeros::<bf16>(vc.len()).expect("alloc"),
+    );
+    let mut staging = PinnedStaging::<bf16>::new(&gpu, &layout, blocks).expect("pinned");
+    let bytes = (2 * blocks * layout.block_elems() * 2) as f64;
+    let (mut down, mut up) = (Vec::new(), Vec::new());
+    for _ in 0..20 {
+        let t = std::time::Instant::now();
+        gpu.gather_blocks_to_host(&layout, &dk, &dv, from, &mut staging)
+            .expect("gather");
+        staging.host().expect("host");
+        down.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+        let t = std::time::Instant::now();
+        gpu.scatter_blocks_from_host(&layout, &mut ek, &mut ev, to, &mut staging)
+            .expect("scatter");
+        stream.synchronize().expect("sync");
+        up.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "KV push copies, {:.1} MiB a layer: device -> pinned host {:.1} GB/s, pinned host -> \
+         device {:.1} GB/s (medians of 20)",
+        bytes / (1 << 20) as f64,
+        median(&mut down),
+        median(&mut up)
+    );
+    let mut again = vec![bf16::default(); 2 * blocks * layout.block_elems()];
+    let (hk, hv) = (
+        stream.clone_dtoh(&ek).expect("down"),
+        stream.clone_dtoh(&ev).expect("down"),
+    );
+    kernels::gather_blocks(&layout, &hk, &hv, to, &mut again).expect("cpu");
+    let mut want = vec![bf16::default(); again.len()];
+    kernels::gather_blocks(&layout, &kc, &vc, from, &mut want).expect("cpu");
+    assert_eq!(bits(&again), bits(&want));
+}

@@ -201,7 +201,12 @@ impl KvCache {
             .collect();
         let layers = layer_shapes
             .iter()
-            .map(|s| device_ops::layer_cache(s, dtype, device))
+            .map(|s| match device {
+                // Zeros mapped in lazily, as the host cache's are: a cache sized for the
+                // machine costs the blocks in use (candle writes every bf16 zero).
+                Device::Cpu => lazy_zeros(layout.dtype, 2 * s.layer_elems()),
+                _ => device_ops::layer_cache(s, dtype, device),
+            })
             .collect::<Result<Vec<_>>>()?;
         cache.shape = shape;
         cache.layer_shapes = layer_shapes;
@@ -403,6 +408,16 @@ impl KvCache {
         }
         Ok(())
     }
+}
+
+/// A `[2, n / 2]` CPU tensor of zeros from lazily mapped memory ([`KvBuf::zeros`]).
+fn lazy_zeros(dtype: KvDtype, n: usize) -> Result<Tensor> {
+    let shape = (2, n / 2);
+    Ok(match dtype {
+        KvDtype::Bf16 => Tensor::from_vec(zeroed_u16_vec::<bf16>(n), shape, &Device::Cpu)?,
+        KvDtype::F16 => Tensor::from_vec(zeroed_u16_vec::<f16>(n), shape, &Device::Cpu)?,
+        _ => Tensor::from_vec(vec![0f32; n], shape, &Device::Cpu)?,
+    })
 }
 
 /// Copies a contiguous CPU tensor's elements into `dst` as native-endian bytes.

@@ -296,23 +296,28 @@ impl Llama {
             x = (x + d)?;
             on_layer(i, cache)?;
         }
+        // Logits go back on the host, where sampling reads them (`model::logits_rows`).
         if batch.logits_rows.is_empty() {
             return Ok(Tensor::zeros(
                 (0, self.cfg.vocab_size),
                 DType::F32,
-                &self.device,
+                &Device::Cpu,
             )?);
         }
         let rows = Tensor::from_slice(&batch.logits_rows, batch.logits_rows.len(), &self.device)?;
         let last = self.norm.forward(&x.index_select(&rows, 0)?)?;
-        let logits = self.lm_head.forward(&last)?.to_dtype(DType::F32)?;
+        let logits = self
+            .lm_head
+            .forward(&last)?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
         if self.cfg.final_softcap.is_none() {
             return Ok(logits.contiguous()?);
         }
         let shape = logits.shape().clone();
         let mut flat = logits.flatten_all()?.to_vec1::<f32>()?;
         ops::softcap_logits(&mut flat, self.cfg.final_softcap);
-        Ok(Tensor::from_vec(flat, shape, &self.device)?)
+        Ok(Tensor::from_vec(flat, shape, &Device::Cpu)?)
     }
 
     /// The step's rope tables: the model's, and the sliding layers' own when they have one.
