@@ -14,13 +14,21 @@ pub enum KvBackend {
     Tcp,
     /// Shared memory, for two nodes on one host. No TLS; the peer must run as the same user.
     Shm,
+    /// UCX one-sided puts into registered memory (RDMA verbs, or UCX's TCP and shared-memory
+    /// transports). No TLS; a peer on the same host must run as the same user.
+    Ucx,
 }
 
 impl KvBackend {
     /// Every backend, in the order `--help` lists them.
-    pub const ALL: [KvBackend; 3] = [KvBackend::Quic, KvBackend::Tcp, KvBackend::Shm];
+    pub const ALL: [KvBackend; 4] = [
+        KvBackend::Quic,
+        KvBackend::Tcp,
+        KvBackend::Shm,
+        KvBackend::Ucx,
+    ];
     /// Their names, as [`KvBackend::as_str`] spells them.
-    pub const NAMES: [&'static str; 3] = ["quic", "tcp", "shm"];
+    pub const NAMES: [&'static str; 4] = ["quic", "tcp", "shm", "ucx"];
 
     /// The name nodes publish in their registration and take on the command line.
     pub fn as_str(self) -> &'static str {
@@ -28,6 +36,7 @@ impl KvBackend {
             KvBackend::Quic => "quic",
             KvBackend::Tcp => "tcp",
             KvBackend::Shm => "shm",
+            KvBackend::Ucx => "ucx",
         }
     }
 

@@ -17,6 +17,7 @@ use crate::shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport};
 use crate::sink::KvSink;
 use crate::tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
 use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat};
+use crate::ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 
 /// Each backend's settings; a node takes the defaults and sets what it knows (its address,
 /// the name its peers' certificates carry).
@@ -25,6 +26,7 @@ pub struct BackendConfig {
     pub quic: QuicConfig,
     pub tcp: TcpConfig,
     pub shm: ShmConfig,
+    pub ucx: UcxConfig,
 }
 
 impl BackendConfig {
@@ -35,6 +37,7 @@ impl BackendConfig {
         c.quic.client_bind_addr = SocketAddr::new(bind_ip, 0);
         c.quic.server_name = server_name;
         c.tcp.bind_ip = Some(bind_ip);
+        c.ucx.bind_ip = Some(bind_ip);
         c
     }
 }
@@ -51,6 +54,7 @@ pub enum BackendServer {
     Quic(QuicServer),
     Tcp(TcpServer),
     Shm(ShmServer),
+    Ucx(UcxServer),
 }
 
 impl BackendServer {
@@ -68,6 +72,8 @@ impl BackendServer {
                 Self::Quic(QuicServer::bind(addr, identity, config.quic)?)
             }
             KvBackend::Tcp => Self::Tcp(TcpServer::bind(addr, config.tcp).await?),
+            // Its control socket on `addr`; the data moves as UCX puts.
+            KvBackend::Ucx => Self::Ucx(UcxServer::bind(addr, config.ucx).await?),
             // A Unix socket of its own in `config.shm.dir`; `addr` is the network's.
             KvBackend::Shm => Self::Shm(ShmServer::bind(config.shm)?),
         })
@@ -86,6 +92,7 @@ impl BackendServer {
             Self::Quic(_) => KvBackend::Quic,
             Self::Tcp(_) => KvBackend::Tcp,
             Self::Shm(_) => KvBackend::Shm,
+            Self::Ucx(_) => KvBackend::Ucx,
         }
     }
 }
@@ -96,6 +103,7 @@ impl KvServer for BackendServer {
             Self::Quic(s) => s.local_addr(),
             Self::Tcp(s) => s.local_addr(),
             Self::Shm(s) => s.local_addr(),
+            Self::Ucx(s) => s.local_addr(),
         }
     }
 
@@ -104,6 +112,7 @@ impl KvServer for BackendServer {
             Self::Quic(s) => s.refusal_observer(),
             Self::Tcp(s) => s.refusal_observer(),
             Self::Shm(s) => s.refusal_observer(),
+            Self::Ucx(s) => s.refusal_observer(),
         }
     }
 
@@ -117,6 +126,7 @@ impl KvServer for BackendServer {
             Self::Quic(s) => s.serve(registry, sink, shutdown).await,
             Self::Tcp(s) => s.serve(registry, sink, shutdown).await,
             Self::Shm(s) => s.serve(registry, sink, shutdown).await,
+            Self::Ucx(s) => s.serve(registry, sink, shutdown).await,
         }
     }
 }
@@ -126,6 +136,7 @@ pub enum BackendTransport {
     Quic(QuicTransport),
     Tcp(TcpTransport),
     Shm(ShmTransport),
+    Ucx(UcxTransport),
 }
 
 impl BackendTransport {
@@ -141,6 +152,7 @@ impl BackendTransport {
                 Self::Quic(QuicTransport::new(identity, config.quic)?)
             }
             KvBackend::Tcp => Self::Tcp(TcpTransport::new(config.tcp)),
+            KvBackend::Ucx => Self::Ucx(UcxTransport::new(config.ucx)),
             KvBackend::Shm => Self::Shm(ShmTransport::new(config.shm)),
         })
     }
@@ -150,6 +162,7 @@ impl BackendTransport {
             Self::Quic(_) => KvBackend::Quic,
             Self::Tcp(_) => KvBackend::Tcp,
             Self::Shm(_) => KvBackend::Shm,
+            Self::Ucx(_) => KvBackend::Ucx,
         }
     }
 }
@@ -162,6 +175,7 @@ impl KvTransport for BackendTransport {
             Self::Quic(t) => BackendConnection::Quic(t.connect(endpoint).await?),
             Self::Tcp(t) => BackendConnection::Tcp(t.connect(endpoint).await?),
             Self::Shm(t) => BackendConnection::Shm(t.connect(endpoint).await?),
+            Self::Ucx(t) => BackendConnection::Ucx(t.connect(endpoint).await?),
         })
     }
 }
@@ -172,6 +186,7 @@ pub enum BackendConnection {
     Quic(QuicConnection),
     Tcp(TcpConnection),
     Shm(ShmConnection),
+    Ucx(UcxConnection),
 }
 
 impl KvConnection for BackendConnection {
@@ -180,6 +195,7 @@ impl KvConnection for BackendConnection {
             Self::Quic(c) => c.endpoint(),
             Self::Tcp(c) => c.endpoint(),
             Self::Shm(c) => c.endpoint(),
+            Self::Ucx(c) => c.endpoint(),
         }
     }
 
@@ -192,6 +208,7 @@ impl KvConnection for BackendConnection {
             Self::Quic(c) => c.send_frame(frame, payload).await,
             Self::Tcp(c) => c.send_frame(frame, payload).await,
             Self::Shm(c) => c.send_frame(frame, payload).await,
+            Self::Ucx(c) => c.send_frame(frame, payload).await,
         }
     }
 }

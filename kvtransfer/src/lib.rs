@@ -34,6 +34,9 @@
 //!   per endpoint, for networks that block UDP.
 //! - [`ShmServer`] / [`ShmTransport`]: for two nodes on one host, the same frames on a Unix
 //!   socket with each payload in a memory region both map (no TLS; see the module).
+//! - [`UcxServer`] / [`UcxTransport`]: each payload as a UCX one-sided put into memory the
+//!   receiver registered once (verbs where there is RDMA hardware, TCP or shared memory
+//!   here), the frame header on a TCP control socket (no TLS; see the module).
 //! - [`BackendServer`] / [`BackendTransport`]: any of them, chosen by a [`KvBackend`], so
 //!   the nodes build their data plane without matching on the backend.
 //!
@@ -120,6 +123,7 @@ mod sink;
 mod stream_io;
 mod tcp;
 mod transport;
+mod ucx;
 mod verdict;
 mod version;
 
@@ -142,4 +146,5 @@ pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
 pub use transport::{
     send_all_layers, KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat,
 };
+pub use ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 pub use verdict::Verdict;

@@ -1,8 +1,9 @@
-//! Component tests: real QUIC and TCP servers on 127.0.0.1:0 and shared-memory servers on a
-//! Unix socket, one process.
+//! Component tests: real QUIC, TCP and UCX servers on 127.0.0.1:0 and shared-memory servers
+//! on a Unix socket, one process.
 //!
 //! Each scenario is written once against the transport traits and run on every backend
-//! (`on_every_backend!`), the shared-memory one through a Unix socket in /dev/shm.
+//! (`on_every_backend!`), the shared-memory one through a Unix socket in /dev/shm, UCX on
+//! the transports it picks (libucx0 must be installed).
 
 // Helpers outside `#[test]` functions unwrap too; a failure there is a test failure.
 #![allow(clippy::unwrap_used)]
@@ -18,7 +19,7 @@ use kvtransfer::{
     send_all_layers, FrameHeader, KvConnection, KvDtype, KvLayout, KvServer, KvTransferError,
     KvTransport, LayerHeader, MemorySink, QuicConfig, QuicServer, QuicTransport, Reservation,
     ShmConfig, ShmServer, ShmTransport, TcpConfig, TcpServer, TcpTransport, TransferRegistry,
-    TransferStatus, Verdict,
+    TransferStatus, UcxConfig, UcxServer, UcxTransport, Verdict,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
@@ -133,6 +134,30 @@ fn shm_harness() -> Harness<ShmTransport> {
         shutdown,
         server,
     }
+}
+
+async fn ucx_harness_with(transports: Option<&str>) -> Harness<UcxTransport> {
+    let config = UcxConfig {
+        connections_per_endpoint: 4,
+        transports: transports.map(str::to_owned),
+        ..UcxConfig::default()
+    };
+    let server = UcxServer::bind(loopback(), config.clone()).await.unwrap();
+    let endpoint = server.local_addr().unwrap().to_string();
+    let (endpoint, registry, sink, shutdown, server) = start_server(server, endpoint);
+    Harness {
+        registry,
+        sink,
+        transport: UcxTransport::new(config),
+        endpoint,
+        shutdown,
+        server,
+    }
+}
+
+/// UCX with its own choice of transports (shared memory or TCP on one host).
+async fn ucx_harness() -> Harness<UcxTransport> {
+    ucx_harness_with(None).await
 }
 
 fn reservation(xfer_id: TransferId, epoch: u64, block_ids: &[u32]) -> Reservation {
@@ -396,7 +421,8 @@ async fn concurrent_transfers_share_the_endpoint<T: KvTransport>(
 
 // ---- every scenario on every backend ------------------------------------------------------
 
-/// Runs `$scenario` on QUIC, TCP and shared memory, as `$scenario::{quic, tcp, shm}`.
+/// Runs `$scenario` on QUIC, TCP, shared memory and UCX, as
+/// `$scenario::{quic, tcp, shm, ucx}`.
 macro_rules! on_every_backend {
     ($($scenario:ident),* $(,)?) => {$(
         mod $scenario {
@@ -431,6 +457,16 @@ macro_rules! on_every_backend {
                 })
                 .await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ucx() {
+                with_timeout(async {
+                    let h = ucx_harness().await;
+                    super::$scenario(&h).await;
+                    h.stop().await;
+                })
+                .await;
+            }
         }
     )*};
 }
@@ -444,6 +480,131 @@ on_every_backend!(
     late_frames_after_deregistration_are_dropped,
     concurrent_transfers_share_the_endpoint,
 );
+
+// ---- UCX ----------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_over_tcp_and_over_shared_memory_each_carry_every_scenario() {
+    // The same puts on UCX's TCP transport (what runs across hosts without RDMA) and on its
+    // shared-memory ones, chosen by name as an operator's UCX_TLS would.
+    for transports in ["tcp", "sm,self"] {
+        with_timeout(async {
+            let h = ucx_harness_with(Some(transports)).await;
+            all_layers_arrive_bit_exact(&h).await;
+            corrupted_payload_is_rejected(&h).await;
+            old_epoch_is_ignored_while_current_proceeds(&h).await;
+            concurrent_transfers_share_the_endpoint(&h).await;
+            h.stop().await;
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_refuses_a_peer_of_another_user_before_naming_any_region() {
+    use std::os::unix::process::CommandExt;
+    // The check needs a second user: as root, run the peer as `nobody`.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run a peer as another user");
+        return;
+    }
+    with_timeout(async {
+        let h = ucx_harness().await;
+        let endpoint = h.endpoint.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let (host, port) = endpoint.rsplit_once(':').unwrap();
+            std::process::Command::new("python3")
+                .arg("-c")
+                .arg("import socket,sys; s=socket.create_connection((sys.argv[1], int(sys.argv[2]))); print(len(s.recv(64)))")
+                .args([host, port])
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // The connection closed with nothing said: no worker address, no key.
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0");
+        // A peer of the node's own user still transfers.
+        all_layers_arrive_bit_exact(&h).await;
+        h.stop().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_names_its_region_to_its_own_user_and_a_payload_too_large_for_it_is_refused() {
+    with_timeout(async {
+        // Regions as large as the largest frame: a larger payload cannot be put.
+        let limits = kvtransfer::FrameLimits {
+            max_payload_bytes: 1 << 10,
+            ..kvtransfer::FrameLimits::default()
+        };
+        let config = UcxConfig {
+            limits,
+            ..UcxConfig::default()
+        };
+        let server = UcxServer::bind(loopback(), config.clone()).await.unwrap();
+        let endpoint = server.local_addr().unwrap().to_string();
+        let (endpoint, registry, _sink, shutdown, server) = start_server(server, endpoint);
+        // The hello: magic, worker address, region address and size, remote key.
+        let mut raw = tokio::net::TcpStream::connect(&endpoint).await.unwrap();
+        let mut magic = [0u8; 4];
+        raw.read_exact(&mut magic).await.unwrap();
+        assert_eq!(&magic, b"FKUX");
+        let mut len = [0u8; 4];
+        raw.read_exact(&mut len).await.unwrap();
+        let mut address = vec![0u8; u32::from_le_bytes(len) as usize];
+        raw.read_exact(&mut address).await.unwrap();
+        let mut region = [0u8; 16];
+        raw.read_exact(&mut region).await.unwrap();
+        assert_eq!(u64::from_le_bytes(region[8..].try_into().unwrap()), 1 << 10);
+        drop(raw);
+        let blocks = [1u32, 2, 3, 4, 5];
+        registry
+            .register(reservation(TransferId(40), 1, &blocks))
+            .await
+            .unwrap();
+        // A sender whose own limit would take it.
+        let conn = UcxTransport::default().connect(&endpoint).await.unwrap();
+        // Five blocks of this layout are 1,280 bytes.
+        let big = payloads(40, blocks.len()).swap_remove(0);
+        assert!(big.len() > 1 << 10);
+        let err = conn
+            .send_layer(header(TransferId(40), 1, 0, &blocks), big)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
+        assert_eq!(registry.stats().frames_accepted, 0);
+        shutdown.cancel();
+        server.await.unwrap().unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_shutdown_ends_the_server_promptly() {
+    with_timeout(async {
+        let h = ucx_harness().await;
+        let _conn = h.conn().await;
+        // A sender stalled halfway through a header.
+        let mut stalled = tokio::net::TcpStream::connect(&h.endpoint).await.unwrap();
+        let mut magic = [0u8; 4];
+        stalled.read_exact(&mut magic).await.unwrap();
+        let start = Instant::now();
+        h.shutdown.cancel();
+        h.server.await.unwrap().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+    })
+    .await;
+}
 
 // ---- QUIC ---------------------------------------------------------------------------------
 

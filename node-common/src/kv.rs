@@ -11,8 +11,9 @@ use crate::error::NodeError;
 #[derive(Args, Debug, Clone)]
 pub struct KvArgs {
     /// The KV data plane: quic (mutual TLS, the default), tcp (plain, for networks that
-    /// block UDP; needs --insecure) or shm (shared memory, nodes on one host; needs
-    /// --insecure).
+    /// block UDP; needs --insecure), shm (shared memory, nodes on one host; needs
+    /// --insecure) or ucx (UCX puts into registered memory: RDMA verbs, or UCX's TCP and
+    /// shared-memory transports, UCX_TLS; needs --insecure and libucx0).
     #[arg(
         long,
         env = "FISSION_KV_TRANSPORT",
@@ -45,6 +46,13 @@ impl KvArgs {
                 tracing::warn!("--kv-transport shm: KV blocks move through memory shared with a peer of this node's user on this host, without TLS; a reservation is not bound to the chosen prefill node's certificate");
                 Ok(None)
             }
+            KvBackend::Ucx if tls.insecure => {
+                tracing::warn!("--kv-transport ucx: KV blocks move as UCX puts without TLS; a peer on this host must run as this node's user, one on another host is not authenticated; a reservation is not bound to the chosen prefill node's certificate");
+                Ok(None)
+            }
+            KvBackend::Ucx => Err(NodeError::Config(
+                "the UCX KV transport has no TLS: it needs --insecure (a trusted network only), or use the default --kv-transport quic".into(),
+            )),
             KvBackend::Shm => Err(NodeError::Config(
                 "the shm KV transport has no TLS: it needs --insecure (peers of this node's user on this host only), or use the default --kv-transport quic".into(),
             )),

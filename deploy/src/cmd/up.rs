@@ -40,7 +40,7 @@ pub struct UpArgs {
     /// The gateway's HTTP port.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// kv transport: quic, tcp or shm (shared memory, one host).
+    /// kv transport: quic, tcp, shm (shared memory, one host) or ucx (UCX puts, libucx0).
     #[arg(long, default_value = "quic")]
     pub kv_transport: String,
     /// Prompts shorter than this are prefilled on the decode node.
@@ -211,11 +211,11 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     let dir = model_dir(&args.model)?;
     let work = tempfile::Builder::new().prefix("fission-up-").tempdir()?;
     match (args.kv_transport.as_str(), args.insecure) {
-        (backend @ ("tcp" | "shm"), false) => bail!(
+        (backend @ ("tcp" | "shm" | "ucx"), false) => bail!(
             "--kv-transport {backend} has no TLS: add --insecure to say plaintext is acceptable here"
         ),
         ("quic", true) => {
-            bail!("the QUIC KV transport is always TLS: --insecure needs --kv-transport tcp or shm")
+            bail!("the QUIC KV transport is always TLS: --insecure needs --kv-transport tcp, shm or ucx")
         }
         _ => {}
     }

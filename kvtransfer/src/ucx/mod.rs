@@ -1,0 +1,98 @@
+//! UCX backend: each layer is one one-sided put into memory the decode node registered once,
+//! over whatever UCX finds (InfiniBand or RoCE verbs where the hardware is, its TCP and
+//! shared-memory transports here).
+//!
+//! The decode node listens on a TCP control socket (`host:port`, advertised like TCP's). For
+//! each connection, once the peer is admitted (below), it leases a region of registered
+//! memory (`ucp_mem_map`, done once per region: regions are kept and reused by later
+//! connections) and sends the sender its UCX worker address, the region's address and
+//! size, and the packed remote key. The sender opens a UCP endpoint to that worker and, for
+//! each frame, puts the payload at the start of the region (`ucp_put_nbx`), flushes the
+//! endpoint (`ucp_ep_flush_nbx`: the bytes are in the receiver's memory), then sends the
+//! usual frame header on the control socket (checksum, epoch, trace context). The receiver
+//! copies the payload out of the region, computing its CRC-32C on the way, checks it as
+//! every backend does and answers with the verdict. Like TCP and shm, a connection carries
+//! one frame at a time and each endpoint gets a small pool of them.
+//!
+//! UCX itself is loaded at run time ([`ffi`]): no build needs it, and a node without
+//! `libucx0` fails when it builds this backend. One UCP context and worker per server or
+//! transport run on a thread of their own ([`worker`]).
+//!
+//! # Trust
+//!
+//! UCX carries no TLS and no authentication: a peer that holds the worker address and the
+//! remote key can write the region, and the receiver cannot tell who wrote it. So the
+//! receiver admits a peer on the control socket before it tells it anything:
+//! - a peer on this host must run as this node's user, read from the kernel's socket table
+//!   (`/proc/net/tcp`, the TCP analogue of shm's `SO_PEERCRED`, see [`peer`]);
+//! - a peer on another host (or network namespace) is accepted only when
+//!   [`UcxConfig::remote_peers`] says so, and nodes run UCX only under `--insecure`.
+//!
+//! As with TCP and shm, a reservation's binding to the gateway's chosen prefill node is not
+//! checked (there is no certificate): run it where the nodes' network is trusted. The epoch
+//! rule and the checksums hold as on every backend, since a payload reaches the cache only
+//! through the checked frame; a stale or hostile write into a region can only fail the
+//! frame that region carries.
+//!
+//! # GPUDirect
+//!
+//! Here the registered memory is host memory and the receiver copies each layer out into
+//! its cache. With CUDA, `ucp_mem_map` takes device memory (UCX's `cuda` and `gdr_copy`
+//! transports, `nvidia-peermem` or dma-buf for the NIC): registering the decode node's
+//! device K/V cache once at start-up and carrying, per reservation, the device address of
+//! each block run instead of one region would let the NIC write straight into the blocks,
+//! with no host staging, no receive copy and no scatter kernel, and a sender that registers
+//! its device gather buffer would need no device-to-host copy either. The receiver must
+//! then order its first attention read after the flush (a CUDA event), and the epoch fence
+//! needs the remote key invalidated before blocks are reused (a per-reservation
+//! registration, or UCX's `ucp_mem_unmap` of it), since the payload no longer passes
+//! through a checked copy. See the crate's "What GPUDirect RDMA would change".
+
+pub(crate) mod ffi;
+mod peer;
+mod server;
+mod transport;
+mod worker;
+
+use crate::frame::FrameLimits;
+
+pub use server::UcxServer;
+pub use transport::{UcxConnection, UcxTransport};
+
+#[derive(Clone, Debug)]
+pub struct UcxConfig {
+    /// Client: most connections per endpoint, so most layers in flight to one node.
+    pub connections_per_endpoint: usize,
+    pub connect_timeout_ms: u64,
+    /// Client: how long one put and its flush may take before the connection is dropped.
+    pub put_timeout_ms: u64,
+    /// Client: the local address control connections leave from, or the system's choice.
+    pub bind_ip: Option<std::net::IpAddr>,
+    /// Server: connections served at once.
+    pub max_connections: usize,
+    /// Server: whether peers outside this host are admitted. Such a peer cannot be
+    /// authenticated; nodes run UCX only under `--insecure`, which is what allows it.
+    pub remote_peers: bool,
+    /// UCX transports (`UCX_TLS`, e.g. `tcp`, `sm`, `rc`); UCX's own choice, or the
+    /// environment's `UCX_TLS`, when unset.
+    pub transports: Option<String>,
+    /// The largest payload a frame may carry is also each region's size: a region is
+    /// anonymous memory, so only the pages the largest layer touched take memory. Over
+    /// verbs the registration pins it, so lower this to the largest layer there.
+    pub limits: FrameLimits,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        Self {
+            connections_per_endpoint: 8,
+            connect_timeout_ms: 5_000,
+            put_timeout_ms: 30_000,
+            bind_ip: None,
+            max_connections: 1024,
+            remote_peers: true,
+            transports: None,
+            limits: FrameLimits::default(),
+        }
+    }
+}

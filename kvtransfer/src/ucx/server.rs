@@ -1,0 +1,211 @@
+//! The receiving side: a TCP control socket, and one registered region per connection.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use super::peer::{peer_origin, PeerOrigin};
+use super::worker::{UcxWorker, WorkerOptions};
+use super::UcxConfig;
+use crate::accept::{accept_loop, Accepted};
+use crate::error::KvTransferError;
+use crate::registry::TransferRegistry;
+use crate::sink::KvSink;
+use crate::stream_io;
+use crate::transport::{
+    receive_frame, EarlyRefusal, Handled, KvServer, ReceiveCtx, RefusalObserver,
+};
+
+/// The hello's first bytes.
+pub(crate) const HELLO_MAGIC: [u8; 4] = *b"FKUX";
+
+/// Receives layers through UCX puts into its registered regions.
+pub struct UcxServer {
+    listener: TcpListener,
+    worker: UcxWorker,
+    config: UcxConfig,
+    on_refusal: Option<RefusalObserver>,
+}
+
+impl UcxServer {
+    /// Binds the control socket on `addr` and starts the UCX worker; fails if UCX is not
+    /// installed.
+    pub async fn bind(addr: SocketAddr, config: UcxConfig) -> Result<Self, KvTransferError> {
+        let options = WorkerOptions {
+            transports: config.transports.clone(),
+        };
+        let worker = tokio::task::spawn_blocking(move || UcxWorker::spawn(options))
+            .await
+            .map_err(|e| KvTransferError::Config {
+                field: "kv_transport",
+                reason: format!("UCX worker set-up: {e}"),
+            })??;
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| KvTransferError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+        Ok(Self {
+            listener,
+            worker,
+            config,
+            on_refusal: None,
+        })
+    }
+}
+
+impl KvServer for UcxServer {
+    fn local_addr(&self) -> Result<SocketAddr, KvTransferError> {
+        self.listener
+            .local_addr()
+            .map_err(|source| KvTransferError::Bind {
+                addr: "ucx control listener".to_owned(),
+                source,
+            })
+    }
+
+    fn refusal_observer(&mut self) -> &mut Option<RefusalObserver> {
+        &mut self.on_refusal
+    }
+
+    async fn serve<S: KvSink>(
+        self,
+        registry: TransferRegistry,
+        sink: Arc<S>,
+        shutdown: CancellationToken,
+    ) -> Result<(), KvTransferError> {
+        let local_addr = self.local_addr()?;
+        tracing::info!(%local_addr, "kv ucx server listening");
+        let ctx = ReceiveCtx::new(registry, sink, self.config.limits, self.on_refusal);
+        let listener = &self.listener;
+        let shared = Arc::new((self.worker, self.config));
+        accept_loop(
+            shared.1.max_connections,
+            &shutdown,
+            || async {
+                match listener.accept().await {
+                    Ok((stream, peer)) => Accepted::Connection((stream, peer)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "kv ucx accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Accepted::Retry
+                    }
+                }
+            },
+            |(stream, peer), shutdown| {
+                run_connection(stream, peer, ctx.clone(), shared.clone(), shutdown)
+            },
+        )
+        .await;
+        tracing::info!(%local_addr, "kv ucx server stopped");
+        Ok(())
+    }
+}
+
+fn own_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether `peer` may learn this node's worker address and a remote key.
+fn admit(stream: &TcpStream, peer: SocketAddr, config: &UcxConfig) -> Result<(), String> {
+    let local = stream.local_addr().map_err(|e| e.to_string())?;
+    match peer_origin(peer, local) {
+        PeerOrigin::Local { uid } if uid == own_uid() => Ok(()),
+        PeerOrigin::Local { uid } => Err(format!(
+            "uid {uid} on this host is not this node's uid {}",
+            own_uid()
+        )),
+        PeerOrigin::Remote if config.remote_peers => Ok(()),
+        PeerOrigin::Remote => {
+            Err("a peer on another host, and remote_peers is off (UCX has no TLS)".to_owned())
+        }
+    }
+}
+
+/// The receiving end of one connection: the peer is admitted before any region is named.
+async fn run_connection<S: KvSink>(
+    mut stream: TcpStream,
+    peer_addr: SocketAddr,
+    ctx: Arc<ReceiveCtx<S>>,
+    shared: Arc<(UcxWorker, UcxConfig)>,
+    shutdown: CancellationToken,
+) {
+    let (worker, config) = (&shared.0, &shared.1);
+    let peer = format!("ucx {peer_addr}");
+    if let Err(reason) = admit(&stream, peer_addr, config) {
+        let e = KvTransferError::Stream {
+            endpoint: peer.clone(),
+            what: "peer admission",
+            reason,
+        };
+        tracing::warn!(error = %e, "kv ucx peer refused");
+        ctx.refused(&e);
+        return;
+    }
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(%peer, error = %e, "kv ucx set_nodelay failed");
+    }
+    let setup = async {
+        let region = worker
+            .lease_region(usize::try_from(config.limits.max_payload_bytes).unwrap_or(usize::MAX))
+            .await?;
+        let info = region.info();
+        let address = worker.address();
+        let mut hello = Vec::with_capacity(28 + address.len() + info.rkey.len());
+        hello.extend_from_slice(&HELLO_MAGIC);
+        hello.extend_from_slice(&(address.len() as u32).to_le_bytes());
+        hello.extend_from_slice(address);
+        hello.extend_from_slice(&(info.addr as u64).to_le_bytes());
+        hello.extend_from_slice(&(info.len as u64).to_le_bytes());
+        hello.extend_from_slice(&(info.rkey.len() as u32).to_le_bytes());
+        hello.extend_from_slice(&info.rkey);
+        stream
+            .write_all(&hello)
+            .await
+            .map_err(|e| stream_io::io_error(&peer, "send region", e))?;
+        let mut ack = [0u8; 1];
+        stream
+            .read_exact(&mut ack)
+            .await
+            .map_err(|e| stream_io::io_error(&peer, "endpoint ready", e))?;
+        Ok::<_, KvTransferError>(region)
+    };
+    let region = tokio::select! {
+        _ = shutdown.cancelled() => return,
+        region = setup => match region {
+            Ok(region) => {
+                tracing::info!(%peer, region_bytes = region.info().len, "kv ucx connection ready");
+                region
+            }
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "kv ucx region not set up");
+                return;
+            }
+        },
+    };
+    let mut scratch = Vec::new();
+    loop {
+        let handled = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Region(region.bytes()), &peer, None) => handled,
+        };
+        let (verdict, keep_going) = match handled {
+            Handled::Eof => break,
+            Handled::Answer(v) => (v, true),
+            Handled::Refused(v) | Handled::Fatal(v) => (v, false),
+        };
+        if let Err(e) = stream_io::write_frame(&mut stream, &verdict.encode(), &[], &peer).await {
+            tracing::debug!(%peer, error = %e, "kv ucx verdict not sent");
+            break;
+        }
+        if !keep_going {
+            break;
+        }
+    }
+}
