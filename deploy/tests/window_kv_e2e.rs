@@ -33,6 +33,11 @@ const WINDOW: usize = 32;
 
 /// The engine tests' Gemma 3 spec, with 6 layers (every sixth global) and a 32-token window.
 fn gemma3_shaped(dir: &std::path::Path) {
+    gemma3_with(dir, WINDOW, 6, 1024);
+}
+
+/// The Gemma 3 spec with 6 layers, every `pattern`-th global (1: every layer), a `window`.
+fn gemma3_with(dir: &std::path::Path, window: usize, pattern: usize, max_pos: usize) {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../engine/tests/reference/arch_refs.json"
@@ -47,9 +52,9 @@ fn gemma3_shaped(dir: &std::path::Path) {
         .clone();
     let mut spec: ModelSpec = serde_json::from_value(spec).unwrap();
     spec.layers = 6;
-    spec.sliding_window = Some(WINDOW);
-    spec.sliding_window_pattern = Some(6);
-    spec.max_pos = 1024;
+    spec.sliding_window = Some(window);
+    spec.sliding_window_pattern = Some(pattern);
+    spec.max_pos = max_pos;
     random_model::write_model(dir, &spec, &stories_dir()).unwrap();
 }
 
@@ -301,4 +306,90 @@ fn a_sliding_window_model_keeps_its_ids_across_a_decode_migration_mid_stream() {
     assert!(migrations >= 1.0, "the gateway migrated nothing");
     c.assert_kv_released();
     println!("gemma3-shaped (window {WINDOW}) on 1P+2D, decode-0 killed mid-stream: {migrations} migrations, {STREAMS} streams of {STREAM_TOKENS} ids equal to the in-process engine's");
+}
+
+/// The figure of `benchmarks/history/2026-11-29-window-push.md`: the KV bytes a prefill node
+/// pushes, by its own counter, for one 4,096-token prompt on Gemma 3's shape (5 sliding layers
+/// of a 512-token window to 1 global), against the same model with every layer global (full
+/// attention), each on its own `fission up` 1P+1D. Both must be what the layout gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: cargo test --release -p deploy --test window_kv_e2e -- --ignored --nocapture"]
+async fn measure_the_push_of_a_4096_token_prompt() {
+    const PROMPT: usize = 4096;
+    let mut pushed = Vec::new();
+    for (name, pattern) in [("windowed", 6), ("full attention", 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        gemma3_with(dir.path(), 512, pattern, 8192);
+        let model = LoadedModel::load(
+            &ModelSource::Local(dir.path().into()),
+            None,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let vocab = model.config().vocab_size;
+        let engine = Engine::new(model, EngineConfig::default()).unwrap();
+        let layout = engine.cache().layout();
+        let (bs, layer_block) = (
+            layout.block_size as usize,
+            2 * layout.block_bytes() as usize,
+        );
+        let n = PROMPT.div_ceil(bs);
+        let expected: usize = (0..6)
+            .map(|layer| match engine.cache().groups().group_of(layer) {
+                0 => n * layer_block,
+                _ => (n - first_pushed_block(PROMPT, 512, bs)) * layer_block,
+            })
+            .sum();
+
+        let mut config = UpConfig::new(FISSION, 1, 1);
+        config.model = dir.path().to_path_buf();
+        config.env = vec![
+            ("MAX_INPUT_TOKENS".into(), "8000".into()),
+            ("MAX_TOTAL_TOKENS".into(), "8192".into()),
+        ];
+        let cluster = Up::start(&config);
+        let prompt: Vec<u32> = (0..PROMPT)
+            .map(|i| ((i * 7919 + 13) % (vocab - 3) + 3) as u32)
+            .collect();
+        let resp: Value = ::reqwest::Client::new()
+            .post(format!("{}/v1/completions", cluster.url))
+            .json(
+                &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": true}),
+            )
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(resp["usage"]["prompt_tokens"], PROMPT, "{resp}");
+        wait_until_async("the push counted", Duration::from_secs(5), || {
+            let n = cluster.metric("prefill-0", "fission_prefill_kv_transfers_total");
+            async move { n == 1.0 }
+        })
+        .await;
+        let bytes = cluster.metric("prefill-0", "fission_prefill_kv_transfer_bytes_total");
+        let received = cluster.metric("decode-0", "fission_decode_kv_received_bytes_total");
+        assert_eq!(
+            (bytes, received),
+            (expected as f64, expected as f64),
+            "{name}"
+        );
+        eprintln!("{name}: pushed {bytes} B, received {received} B for {PROMPT} tokens");
+        pushed.push(bytes);
+        wait_until_async("every block given back", Duration::from_secs(5), || {
+            let held = cluster.metric("prefill-0", "fission_prefill_kv_bytes_in_use")
+                + cluster.metric("decode-0", "fission_decode_kv_blocks_used")
+                + cluster.metric("decode-0", "fission_decode_kv_blocks_reserved");
+            async move { held == 0.0 }
+        })
+        .await;
+    }
+    eprintln!(
+        "pushed, windowed / full attention: {} / {} = {:.3}",
+        pushed[0],
+        pushed[1],
+        pushed[0] / pushed[1]
+    );
+    assert!(pushed[0] / pushed[1] <= 0.40);
 }
