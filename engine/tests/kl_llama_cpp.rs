@@ -55,6 +55,10 @@ fn default_files() -> Option<(PathBuf, PathBuf)> {
     Some((q4.with_file_name(name), q4))
 }
 
+fn u32_at(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
+}
+
 /// `llama-perplexity`'s base file: the tokens of every chunk and, per chunk, one row per scored
 /// position of `[scale: f32, min_log_prob: f32, log_prob: u16 x n_vocab]` (padded to even).
 struct Base {
@@ -68,16 +72,16 @@ impl Base {
     fn read(path: &Path) -> Base {
         let b = std::fs::read(path).expect("base file");
         assert_eq!(&b[..8], b"_logits_", "llama-perplexity base file");
-        let word = |i: usize| u32::from_le_bytes(b[8 + 4 * i..12 + 4 * i].try_into().unwrap());
+        let word = |i: usize| u32_at(&b, 8 + 4 * i);
         let (n_ctx, n_vocab, n_chunk) = (word(0) as usize, word(1) as usize, word(2) as usize);
         let tok_end = 20 + 4 * n_ctx * n_chunk;
         let all: Vec<u32> = b[20..tok_end]
             .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .map(|c| u32_at(c, 0))
             .collect();
         let rows: Vec<u16> = b[tok_end..]
             .chunks_exact(2)
-            .map(|c| u16::from_le_bytes(c.try_into().unwrap()))
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
             .collect();
         let base = Base {
             n_ctx,
@@ -319,7 +323,11 @@ fn q4_k_m_kl_from_f32_is_within_a_tenth_of_llama_cpps() {
             "fission_f32_kl": kl_f32, "fission_own_f32_to_q4_k_m_kl": exact,
             "fission_same_top": same_top as f64 / n_f,
         });
-        std::fs::write(out, serde_json::to_string_pretty(&json).unwrap() + "\n").expect("write");
+        std::fs::write(
+            out,
+            serde_json::to_string_pretty(&json).expect("json") + "\n",
+        )
+        .expect("write");
     }
     // The f32 logits match the base's to far below the quantisation's divergence: the chunks,
     // the BOS and the scored positions are llama.cpp's.
