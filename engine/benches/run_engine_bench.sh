@@ -9,6 +9,7 @@
 #   L1B=0 engine/benches/run_engine_bench.sh     # without the Llama-3.2-1B-shaped GGUF rows
 #   KL=0 engine/benches/run_engine_bench.sh      # without the Q4_K_M KL row
 #   F32=0 engine/benches/run_engine_bench.sh     # without the f32 rows (Fission, llama.cpp, transformers)
+#   MODELS=" " F32=0 INT8=0 engine/benches/run_engine_bench.sh  # the 1B GGUF rows and the KL rows only
 #   MODELS=smollm2 F32=0 INT8=0 PREFILL=128 BATCH=1,8 L1B_PREFILL=128 L1B_BATCH=1 ROUNDS=1 \
 #     engine/benches/run_engine_bench.sh         # a smoke run of the GGUF rows (figures not comparable)
 #
@@ -36,7 +37,7 @@
 # alternating like the rest. Its weights (0.67 and 1.1 GB) do not fit in any cache.
 # With KL=1 (the default) the run first measures Q4_K_M's KL divergence from f32 on SmolLM2's
 # files against llama-perplexity's (engine/tests/kl_llama_cpp.rs, written to $OUT/kl.json); it is
-# deterministic, so once per run.
+# deterministic, so once per run (the 1B file's, measured when its files are made, is copied in).
 # PREFILL and BATCH (comma-separated) replace the prompt lengths and batch sizes Fission and
 # llama.cpp run on the other models (transformers keeps its own).
 set -euo pipefail
@@ -66,7 +67,7 @@ KL="${KL:-1}"
 F32="${F32:-1}"
 L1B_PREFILL="${L1B_PREFILL:-512}"
 L1B_BATCH="${L1B_BATCH:-1,32}"
-BIN=.peers/llama.cpp/build/bin
+BIN=".peers/llama.cpp/$LLAMA_BUILD/bin"
 declare -A MODEL_DIRS=([stories260K]=../shared/models/stories260K [smollm2]="$M")
 MODELS="${MODELS:-stories260K smollm2}"
 
