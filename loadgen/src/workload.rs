@@ -15,6 +15,16 @@
 //!   users. A request picks a (system prompt, user) pair; its prompt is the system prompt, the
 //!   user's own context (half of `input_len`, the same on every request of that user) and a
 //!   fresh question (the other half). It exercises prefix caching and cache-aware routing.
+//! - `multi-turn`: chats of [`TURNS`] turns with a growing shared history. Turn `k` of a
+//!   conversation is its system prompt (`prefix_len` tokens), then for each earlier turn the
+//!   user's message (`input_len`) and the assistant's answer (`output_len`), then the new
+//!   message: every turn repeats the conversation so far, as chat APIs resend it. The answers
+//!   in the history are seeded stand-ins of `output_len` tokens, not the server's own (the run
+//!   stays repeatable and its lengths exact), so what a server can reuse from an earlier turn
+//!   is that turn's prompt. Requests go round-robin over `users` conversations: the first
+//!   `users` requests are their first turns, the next `users` their second turns, and so on
+//!   ([`turn_of`]); in a closed loop of at most `users` clients a turn is sent after the
+//!   previous turn of its conversation was.
 //!
 //! For the lognormal workloads `input_len`/`output_len`, when given, replace the means (σ
 //! stays), so the shapes fit small models. Every length is clamped to `[1, max_input_len]` and
@@ -35,6 +45,20 @@ pub enum WorkloadKind {
     Sharegpt,
     Summarise,
     SharedPrefix,
+    MultiTurn,
+}
+
+/// Turns of each `multi-turn` conversation.
+pub const TURNS: usize = 4;
+
+/// The conversation and the turn (0 for the first) of request `index` of a `multi-turn`
+/// workload of `users` conversations at a time.
+pub fn turn_of(index: u64, users: usize) -> (u64, usize) {
+    let users = users.max(1) as u64;
+    let round = index / users;
+    let turn = (round % TURNS as u64) as usize;
+    let conversation = round / TURNS as u64 * users + index % users;
+    (conversation, turn)
 }
 
 /// Lognormal means and spreads (σ of the log) of the built-in shapes; see the module doc.
@@ -105,7 +129,7 @@ impl WorkloadConfig {
             None => Lengths::log_normal(shape),
         };
         let (input, output) = match self.kind {
-            WorkloadKind::Fixed | WorkloadKind::SharedPrefix => (
+            WorkloadKind::Fixed | WorkloadKind::SharedPrefix | WorkloadKind::MultiTurn => (
                 fixed(self.input_len, DEFAULT_INPUT_LEN),
                 fixed(self.output_len, DEFAULT_OUTPUT_LEN),
             ),
@@ -130,6 +154,9 @@ impl WorkloadConfig {
                 "must be at least 1",
                 0,
             ));
+        }
+        if self.kind == WorkloadKind::MultiTurn && self.users == 0 {
+            return Err(LoadError::invalid("users", "must be at least 1", 0));
         }
         if self.kind == WorkloadKind::SharedPrefix && (self.prefixes == 0 || self.users == 0) {
             return Err(LoadError::invalid(
@@ -253,6 +280,9 @@ impl WorkloadSampler {
         // different seeds share no prompts, and no two requests of one run share a prefix
         // unless the workload means them to.
         let unique = mix(self.seed, 1, index);
+        if c.kind == WorkloadKind::MultiTurn {
+            return self.multi_turn_plan(index, input_len, output_len);
+        }
         if c.kind != WorkloadKind::SharedPrefix {
             return RequestPlan {
                 index,
@@ -274,6 +304,26 @@ impl WorkloadSampler {
                 (context_len, mix(self.seed, 3, (group << 32) | user)),
                 (input_len - context_len, unique),
             ],
+            system_segments: 1,
+        }
+    }
+
+    /// Turn `k` of its conversation: the system prompt, `k` exchanges, the new message.
+    fn multi_turn_plan(&self, index: u64, input_len: usize, output_len: usize) -> RequestPlan {
+        let c = &self.config;
+        let (conversation, turn) = turn_of(index, c.users);
+        let seed = |stream, j: usize| mix(self.seed, stream, (conversation << 8) | j as u64);
+        let mut segments = vec![(c.prefix_len, mix(self.seed, 2, conversation))];
+        for j in 0..turn {
+            segments.push((input_len, seed(5, j)));
+            segments.push((output_len, seed(6, j)));
+        }
+        segments.push((input_len, seed(5, turn)));
+        RequestPlan {
+            index,
+            input_len: c.prefix_len + (turn + 1) * input_len + turn * output_len,
+            output_len,
+            segments,
             system_segments: 1,
         }
     }
@@ -447,6 +497,39 @@ mod tests {
         let mut s = fixed.sampler(0).expect("valid");
         let (p, q) = (s.next_plan().token_ids(1000), s.next_plan().token_ids(1000));
         assert_ne!(p[..4], q[..4]);
+    }
+
+    #[test]
+    fn multi_turn_requests_repeat_their_conversation_so_far() {
+        let c = WorkloadConfig {
+            kind: WorkloadKind::MultiTurn,
+            input_len: Some(6),
+            output_len: Some(4),
+            users: 3,
+            prefix_len: 10,
+            ..WorkloadConfig::fixed(1, 1, PromptStyle::Words)
+        };
+        let mut s = c.sampler(2).expect("valid");
+        let reqs: Vec<_> = (0..2 * 3 * TURNS).map(|_| s.next_request()).collect();
+        for (i, r) in reqs.iter().enumerate() {
+            let (conversation, turn) = turn_of(i as u64, 3);
+            assert_eq!(conversation, (i / (3 * TURNS) * 3 + i % 3) as u64);
+            assert_eq!(turn, i / 3 % TURNS);
+            assert_eq!(r.input_len, 10 + (turn + 1) * 6 + turn * 4);
+            assert_eq!(r.prompt.split(' ').count(), r.input_len);
+            if turn > 0 {
+                // The previous turn's prompt, its answer and the new message.
+                let previous = &reqs[i - 3].prompt;
+                assert!(r.prompt.starts_with(previous.as_str()), "turn {turn} of {i}");
+                assert_eq!(r.input_len, reqs[i - 3].input_len + 4 + 6);
+            } else if i >= 3 {
+                // A new conversation shares nothing with the one before it.
+                assert_ne!(r.prompt[..20], reqs[i - 3].prompt[..20]);
+            }
+        }
+        let first: std::collections::BTreeSet<_> =
+            reqs[..3].iter().map(|r| r.system.clone()).collect();
+        assert_eq!(first.len(), 3, "one system prompt per conversation");
     }
 
     #[test]

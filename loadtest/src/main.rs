@@ -124,10 +124,10 @@ pub(crate) struct WorkloadArgs {
     /// shared-prefix: system prompts (N).
     #[arg(long, env = "LOADTEST_PREFIXES", default_value_t = 4)]
     prefixes: usize,
-    /// shared-prefix: users per system prompt (M).
+    /// shared-prefix: users per system prompt (M); multi-turn: conversations at a time.
     #[arg(long, env = "LOADTEST_USERS", default_value_t = 8)]
     users: usize,
-    /// shared-prefix: tokens in each system prompt.
+    /// shared-prefix, multi-turn: tokens in each system prompt.
     #[arg(long, env = "LOADTEST_PREFIX_LEN", default_value_t = 256)]
     prefix_len: usize,
     /// `words`: one-token English words (any model); `extra`: `<extra_N>` tokens (exact, for
