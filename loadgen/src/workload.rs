@@ -520,7 +520,10 @@ mod tests {
             if turn > 0 {
                 // The previous turn's prompt, its answer and the new message.
                 let previous = &reqs[i - 3].prompt;
-                assert!(r.prompt.starts_with(previous.as_str()), "turn {turn} of {i}");
+                assert!(
+                    r.prompt.starts_with(previous.as_str()),
+                    "turn {turn} of {i}"
+                );
                 assert_eq!(r.input_len, reqs[i - 3].input_len + 4 + 6);
             } else if i >= 3 {
                 // A new conversation shares nothing with the one before it.
