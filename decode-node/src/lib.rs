@@ -110,6 +110,23 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
     .await?
     .on_refusal(count_refusal);
     let kv_endpoint = server.endpoint(&s.advertise_host)?;
+    // Shared memory beside the network for prefill nodes on this host, into the same registry
+    // (issue 34): each reservation names it and this host, and such a prefill node picks it.
+    let (kv_shm_endpoint, shm_task) = if s.kv_same_host_shm {
+        let shm = BackendServer::bind(
+            kvtransfer::KvBackend::Shm,
+            config.kv_addr,
+            s.kv_identity.as_ref(),
+            BackendConfig::default(),
+        )
+        .await?
+        .on_refusal(count_refusal);
+        let endpoint = shm.endpoint(&s.advertise_host)?;
+        let task = tokio::spawn(shm.serve(registry.clone(), Arc::clone(&sink), stop.clone()));
+        (endpoint, Some(task))
+    } else {
+        (String::new(), None)
+    };
     let kv_task = tokio::spawn(server.serve(registry.clone(), sink, stop));
     let mut info = s.info;
     info.kv_endpoint = kv_endpoint.clone();
@@ -120,6 +137,8 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
             transfers,
             layout: s.layout,
             kv_endpoint: kv_endpoint.clone(),
+            kv_shm_endpoint,
+            host_id: node_common::membership::host_id(),
             lease: Duration::from_millis(config.lease_ms),
             heartbeat: Duration::from_millis(config.heartbeat_ms.max(1)),
             kv_delta: config.kv_delta,
@@ -133,6 +152,12 @@ async fn build(s: Started, config: &DecodeConfig) -> Result<RoleService, NodeErr
     let kv_task = tokio::spawn(async move {
         if let Ok(Err(error)) = kv_task.await {
             tracing::error!(%error, "kv receiver failed");
+        }
+        if let Some(Ok(Err(error))) = match shm_task {
+            Some(task) => Some(task.await),
+            None => None,
+        } {
+            tracing::error!(%error, "kv shm receiver failed");
         }
     });
     Ok(RoleService {

@@ -45,6 +45,10 @@ pub(crate) struct SessionCtx {
     pub transfers: Transfers,
     pub layout: KvLayout,
     pub kv_endpoint: String,
+    /// The shared-memory endpoint served beside `kv_endpoint` for prefill nodes on this host,
+    /// and this host's id (membership's), both named in every reservation; empty when none.
+    pub kv_shm_endpoint: String,
+    pub host_id: String,
     /// How long a reservation lives without a Renew.
     pub lease: Duration,
     /// How long a session may send nothing before it sends a heartbeat.
@@ -175,7 +179,8 @@ impl Session {
             lease_ms: self.ctx.lease.as_millis() as u32,
             layout: Some(self.ctx.layout.into()),
             cached_tokens,
-            ..Default::default()
+            kv_shm_endpoint: self.ctx.kv_shm_endpoint.clone(),
+            host_id: self.ctx.host_id.clone(),
         };
         let _ = self
             .down

@@ -16,8 +16,8 @@ use crate::registry::TransferRegistry;
 use crate::shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport};
 use crate::sink::KvSink;
 use crate::tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
-use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat};
 use crate::ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
+use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat};
 
 /// Each backend's settings; a node takes the defaults and sets what it knows (its address,
 /// the name its peers' certificates carry).
@@ -38,6 +38,7 @@ impl BackendConfig {
         c.quic.server_name = server_name;
         c.tcp.bind_ip = Some(bind_ip);
         c.ucx.bind_ip = Some(bind_ip);
+        c.shm.server_name = c.quic.server_name.clone();
         c
     }
 }
@@ -58,8 +59,8 @@ pub enum BackendServer {
 }
 
 impl BackendServer {
-    /// Binds `backend`'s receiver on `addr`. QUIC needs the node's `identity`; the backends
-    /// without TLS ignore it.
+    /// Binds `backend`'s receiver on `addr`. QUIC needs the node's `identity`; shm runs
+    /// mutual TLS on its socket when given one; TCP ignores it.
     pub async fn bind(
         backend: KvBackend,
         addr: SocketAddr,
@@ -74,8 +75,15 @@ impl BackendServer {
             KvBackend::Tcp => Self::Tcp(TcpServer::bind(addr, config.tcp).await?),
             // Its control socket on `addr`; the data moves as UCX puts.
             KvBackend::Ucx => Self::Ucx(UcxServer::bind(addr, config.ucx).await?),
-            // A Unix socket of its own in `config.shm.dir`; `addr` is the network's.
-            KvBackend::Shm => Self::Shm(ShmServer::bind(config.shm)?),
+            // A Unix socket of its own in `config.shm.dir`; `addr` is the network's. With an
+            // identity the socket runs mutual TLS.
+            KvBackend::Shm => {
+                let server = ShmServer::bind(config.shm)?;
+                Self::Shm(match identity {
+                    Some(identity) => server.with_identity(identity)?,
+                    None => server,
+                })
+            }
         })
     }
 
@@ -153,7 +161,13 @@ impl BackendTransport {
             }
             KvBackend::Tcp => Self::Tcp(TcpTransport::new(config.tcp)),
             KvBackend::Ucx => Self::Ucx(UcxTransport::new(config.ucx)),
-            KvBackend::Shm => Self::Shm(ShmTransport::new(config.shm)),
+            KvBackend::Shm => {
+                let transport = ShmTransport::new(config.shm);
+                Self::Shm(match identity {
+                    Some(identity) => transport.with_identity(identity)?,
+                    None => transport,
+                })
+            }
         })
     }
 

@@ -33,7 +33,10 @@
 //! - [`TcpServer`] / [`TcpTransport`]: the same frames over TCP with a small connection pool
 //!   per endpoint, for networks that block UDP.
 //! - [`ShmServer`] / [`ShmTransport`]: for two nodes on one host, the same frames on a Unix
-//!   socket with each payload in a memory region both map (no TLS; see the module).
+//!   socket with each payload in a memory region both map (the socket runs mutual TLS when
+//!   the node has an identity; the payloads, in the user's own memory, are not encrypted).
+//! - [`PickingTransport`]: shared memory for a decode node on the sender's host, the network
+//!   backend otherwise, from what the reservation names ([`KvRoute`]).
 //! - [`UcxServer`] / [`UcxTransport`]: each payload as a UCX one-sided put into memory the
 //!   receiver registered once (verbs where there is RDMA hardware, TCP or shared memory
 //!   here), the frame header on a TCP control socket (no TLS; see the module).
@@ -114,11 +117,13 @@ mod backend;
 mod error;
 pub mod frame;
 mod header;
+mod pick;
 mod quic;
 #[cfg(test)]
 mod refusal_log;
 mod registry;
 mod shm;
+mod shm_auth;
 mod sink;
 mod stream_io;
 mod tcp;
@@ -131,6 +136,7 @@ pub use backend::{BackendConfig, BackendConnection, BackendServer, BackendTransp
 pub use error::KvTransferError;
 pub use frame::{decode_frame, FrameHeader, FrameLimits};
 pub use header::LayerHeader;
+pub use pick::{KvRoute, PickingTransport};
 pub use kv_types::{KvBackend, KvDtype, KvLayout, TransferId, MAX_DIM};
 pub use quic::{
     new_endpoint, quic_client_config, quic_server_config, QuicConfig, QuicConnection, QuicServer,
@@ -141,10 +147,11 @@ pub use registry::{
     RegistryConfig, RegistryStats, Reservation, TransferProgress, TransferRegistry, TransferStatus,
 };
 pub use shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport, SHM_SCHEME};
+pub use shm_auth::SHM_ALPN;
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
+pub use ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 pub use transport::{
     send_all_layers, KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat,
 };
-pub use ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 pub use verdict::Verdict;

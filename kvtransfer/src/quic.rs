@@ -77,6 +77,12 @@ pub struct QuicConfig {
     /// UDP payload size used from the first packet, before path-MTU discovery; at least
     /// 1200. Where the path MTU is known (a jumbo-frame fabric), set it and skip the probing.
     pub initial_mtu: u16,
+    /// UDP payload size to a peer on a loopback address (two nodes on one host, the bench),
+    /// from the first packet and without discovery: loopback's MTU is 64 KiB and nothing on
+    /// it drops a large datagram, and most of QUIC's cost is per packet, so fewer, larger
+    /// packets move more bytes per CPU second. At most [`MAX_GSO_MTU`]; 0 uses
+    /// `initial_mtu` and discovery as for any peer. Other peers always keep discovery.
+    pub loopback_mtu: u16,
     /// Round-robin between streams of equal priority. Off (the default), streams go out in
     /// the order they were written: early layers finish first, packets carry fewer stream
     /// frames, and on loopback a whole transfer finished 5-20% sooner.
@@ -104,6 +110,7 @@ impl Default for QuicConfig {
             keep_alive_interval_ms: 10_000,
             mtu_upper_bound: 1452,
             initial_mtu: 1200,
+            loopback_mtu: LOOPBACK_MTU,
             send_fairness: false,
             socket_buffer_bytes: 4 << 20,
             max_connections: 1024,
@@ -149,16 +156,48 @@ impl QuicConfig {
         Ok(t)
     }
 
+    /// [`QuicConfig::transport_config`] for a peer on a loopback address: `loopback_mtu`
+    /// from the first packet, as the floor and the ceiling.
+    fn loopback_transport_config(&self) -> Result<Option<quinn::TransportConfig>, KvTransferError> {
+        if self.loopback_mtu == 0 {
+            return Ok(None);
+        }
+        // quinn batches up to 10 datagrams in one GSO send, and the kernel refuses a send over
+        // 64 KiB with EMSGSIZE, which quinn-udp drops silently as it would an MTU probe: every
+        // such batch would be lost. Datagrams of at most a tenth of that keep GSO. (Larger
+        // ones with GSO off stalled the handshake on this kernel: not used.)
+        let mtu = self.loopback_mtu.clamp(1200, MAX_GSO_MTU);
+        let mut t = self.transport_config()?;
+        let mut discovery = MtuDiscoveryConfig::default();
+        discovery.upper_bound(mtu);
+        t.initial_mtu(mtu)
+            .min_mtu(mtu)
+            .mtu_discovery_config(Some(discovery));
+        Ok(Some(t))
+    }
+
     fn endpoint_config(&self) -> Result<quinn::EndpointConfig, KvTransferError> {
         let mut c = quinn::EndpointConfig::default();
-        c.max_udp_payload_size(self.mtu_upper_bound.max(self.initial_mtu).max(1472))
-            .map_err(|e| KvTransferError::Config {
-                field: "mtu_upper_bound",
-                reason: e.to_string(),
-            })?;
+        c.max_udp_payload_size(
+            self.mtu_upper_bound
+                .max(self.initial_mtu)
+                .max(self.loopback_mtu)
+                .max(1472),
+        )
+        .map_err(|e| KvTransferError::Config {
+            field: "mtu_upper_bound",
+            reason: e.to_string(),
+        })?;
         Ok(c)
     }
 }
+
+/// [`QuicConfig::loopback_mtu`]'s default, measured on loopback in
+/// `benchmarks/history/2026-11-29-quic-shm.md`.
+pub const LOOPBACK_MTU: u16 = MAX_GSO_MTU;
+/// The largest datagram of which quinn's GSO batches (10, `MAX_TRANSMIT_SEGMENTS`) fit one
+/// UDP send (65,507 bytes over IPv4).
+pub const MAX_GSO_MTU: u16 = 6_500;
 
 /// A quinn endpoint bound as the KV transport binds its own (socket buffers, MTU); public for
 /// baselines that time quinn alone on the same sockets (`kv-bench`'s raw QUIC row).
@@ -384,6 +423,8 @@ async fn run_stream_task<S: KvSink>(
 struct Fallback {
     endpoints: Mutex<HashMap<IpAddr, quinn::Endpoint>>,
     client: quinn::ClientConfig,
+    /// For peers on a loopback address ([`QuicConfig::loopback_mtu`]).
+    loopback: Option<quinn::ClientConfig>,
 }
 
 /// Sends layers over QUIC, caching one connection per endpoint.
@@ -401,11 +442,16 @@ impl QuicTransport {
         let mut endpoint = new_endpoint(config.client_bind_addr, &config, None)?;
         let client = quic_client_config(tls, Arc::new(config.transport_config()?))?;
         endpoint.set_default_client_config(client.clone());
+        let loopback = match config.loopback_transport_config()? {
+            Some(t) => Some(quic_client_config(tls, Arc::new(t))?),
+            None => None,
+        };
         Ok(Self {
             endpoint,
             fallback: Box::new(Fallback {
                 endpoints: Mutex::new(HashMap::new()),
                 client,
+                loopback,
             }),
             config,
             connections: Mutex::new(HashMap::new()),
@@ -477,9 +523,14 @@ impl KvTransport for QuicTransport {
         }
         let (addr, host) = resolve(endpoint).await?;
         let server_name = self.config.server_name.as_deref().unwrap_or(&host);
-        let conn = self
-            .endpoint_for(addr)?
-            .connect(addr, server_name)
+        let local = self.endpoint_for(addr)?;
+        let connecting = match self.fallback.loopback.as_ref() {
+            Some(loopback) if addr.ip().is_loopback() => {
+                local.connect_with(loopback.clone(), addr, server_name)
+            }
+            _ => local.connect(addr, server_name),
+        };
+        let conn = connecting
             .map_err(|e| KvTransferError::Connect {
                 endpoint: endpoint.to_owned(),
                 reason: e.to_string(),

@@ -10,10 +10,12 @@
 //! with the verdict. Like TCP, a connection carries one frame at a time and each endpoint
 //! gets a small pool of them.
 //!
-//! Trust: no TLS. The receiver admits only a peer of its own user (`SO_PEERCRED`) before it
-//! creates any region, and the region file is mode 0600. Like TCP, a connection has no
-//! certificate, so a reservation's binding to the gateway's chosen prefill node is not
-//! checked (SECURITY.md): run it where the node's user is trusted, and only on one host.
+//! Trust ([`crate::shm_auth`]): both ends admit only a peer of their own user (`SO_PEERCRED`)
+//! before any region exists, and the region file is mode 0600. With the node's identity
+//! ([`ShmServer::with_identity`], [`ShmTransport::with_identity`]) the socket runs mutual TLS,
+//! and a reservation is bound to the chosen prefill node's certificate as over QUIC; the
+//! payloads themselves never leave the user's memory, so they are not encrypted. Without one
+//! (`--insecure`), like TCP, a reservation's binding is not checked (SECURITY.md).
 //!
 //! The payload is copied out of the region before its checksum is computed, so a peer that
 //! rewrites the region while the receiver reads it can only fail its own frame.
@@ -27,6 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use identity::TlsIdentity;
 use memmap2::{Mmap, MmapMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
@@ -37,7 +40,8 @@ use tracing::Instrument;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
-use crate::registry::TransferRegistry;
+use crate::registry::{PeerKey, TransferRegistry};
+use crate::shm_auth::{check_peer_user, ClientAuth, ServerAuth, Socket};
 use crate::sink::KvSink;
 use crate::stream_io;
 use crate::transport::{
@@ -64,6 +68,9 @@ pub struct ShmConfig {
     /// The largest payload a frame may carry is also each region's size: a region is a
     /// sparse file, so only the pages the largest layer touched take memory.
     pub limits: FrameLimits,
+    /// Client with an identity: the name the receiver's certificate must carry, as QUIC's
+    /// `server_name`; `localhost` when unset (and [`ShmTransport::connect_as`] names another).
+    pub server_name: Option<String>,
 }
 
 impl Default for ShmConfig {
@@ -79,6 +86,7 @@ impl Default for ShmConfig {
             connect_timeout_ms: 5_000,
             max_connections: 1024,
             limits: FrameLimits::default(),
+            server_name: None,
         }
     }
 }
@@ -100,12 +108,6 @@ fn unique_name(prefix: &str, suffix: &str) -> String {
     )
 }
 
-/// The user this process runs as.
-fn own_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 /// Removes the socket file when the server goes.
 struct SocketFile(PathBuf);
 
@@ -120,6 +122,7 @@ pub struct ShmServer {
     listener: UnixListener,
     socket: SocketFile,
     config: ShmConfig,
+    auth: Option<ServerAuth>,
     on_refusal: Option<RefusalObserver>,
 }
 
@@ -135,8 +138,16 @@ impl ShmServer {
             listener,
             socket: SocketFile(path),
             config,
+            auth: None,
             on_refusal: None,
         })
+    }
+
+    /// Runs mutual TLS on every connection's socket with `tls`: only a prefill certificate is
+    /// admitted, and reservations bind to it ([`crate::shm_auth`]).
+    pub fn with_identity(mut self, tls: &TlsIdentity) -> Result<Self, KvTransferError> {
+        self.auth = Some(ServerAuth::new(tls)?);
+        Ok(self)
     }
 
     /// The endpoint senders connect to: `unix:` and the socket's path.
@@ -170,6 +181,7 @@ impl KvServer for ShmServer {
         tracing::info!(%endpoint, "kv shm server listening");
         let ctx = ReceiveCtx::new(registry, sink, self.config.limits, self.on_refusal);
         let listener = &self.listener;
+        let auth = self.auth;
         let config = Arc::new(self.config);
         accept_loop(
             config.max_connections,
@@ -184,7 +196,9 @@ impl KvServer for ShmServer {
                     }
                 }
             },
-            |stream, shutdown| run_connection(stream, ctx.clone(), config.clone(), shutdown),
+            |stream, shutdown| {
+                run_connection(stream, ctx.clone(), config.clone(), auth.clone(), shutdown)
+            },
         )
         .await;
         drop(self.socket);
@@ -193,30 +207,39 @@ impl KvServer for ShmServer {
     }
 }
 
-/// The receiving end of one connection: the peer's user is checked before any region exists.
+/// The receiving end of one connection: the peer's user, and with an identity its
+/// certificate, are checked before any region exists.
 async fn run_connection<S: KvSink>(
-    mut stream: UnixStream,
+    stream: UnixStream,
     ctx: Arc<ReceiveCtx<S>>,
     config: Arc<ShmConfig>,
+    auth: Option<ServerAuth>,
     shutdown: CancellationToken,
 ) {
-    let peer = match stream.peer_cred() {
-        Ok(cred) if cred.uid() == own_uid() => {
-            format!("shm pid {}", cred.pid().unwrap_or_default())
-        }
-        Ok(cred) => {
-            let e = KvTransferError::Stream {
-                endpoint: "shm".into(),
-                what: "peer credentials",
-                reason: format!("uid {} is not this node's uid {}", cred.uid(), own_uid()),
-            };
+    let peer = match check_peer_user(&stream, "shm") {
+        Ok(pid) => format!("shm pid {pid}"),
+        Err(e) => {
             tracing::warn!(error = %e, "kv shm peer refused");
             ctx.refused(&e);
             return;
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "kv shm peer credentials unreadable");
-            return;
+    };
+    let (mut stream, peer_key): (Socket, Option<PeerKey>) = match auth {
+        None => (Box::new(stream), None),
+        Some(auth) => {
+            let timeout = Duration::from_millis(config.connect_timeout_ms);
+            match tokio::time::timeout(timeout, auth.accept(stream, &peer)).await {
+                Ok(Ok((socket, key))) => (socket, Some(key)),
+                Ok(Err(e)) => {
+                    tracing::warn!(%peer, error = %e, "kv shm handshake failed");
+                    ctx.refused(&e);
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(%peer, "kv shm handshake timed out");
+                    return;
+                }
+            }
         }
     };
     let region = match offer_region(&mut stream, &config, &peer).await {
@@ -230,7 +253,7 @@ async fn run_connection<S: KvSink>(
     loop {
         let handled = tokio::select! {
             _ = shutdown.cancelled() => break,
-            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Region(&region), &peer, None) => handled,
+            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Region(&region), &peer, peer_key.as_ref()) => handled,
         };
         let (verdict, keep_going) = match handled {
             Handled::Eof => break,
@@ -250,7 +273,7 @@ async fn run_connection<S: KvSink>(
 /// Creates the connection's region, names it to the peer, and unlinks it once the peer has
 /// mapped it. Hello: magic, region size (u64 LE), name length (u16 LE), name.
 async fn offer_region(
-    stream: &mut UnixStream,
+    stream: &mut Socket,
     config: &ShmConfig,
     peer: &str,
 ) -> Result<Mmap, KvTransferError> {
@@ -281,6 +304,7 @@ async fn offer_region(
         .write_all(&hello)
         .await
         .map_err(io(peer, "send region"))?;
+    stream.flush().await.map_err(io(peer, "send region"))?;
     let mut ack = [0u8; 1];
     stream
         .read_exact(&mut ack)
@@ -292,6 +316,7 @@ async fn offer_region(
 /// Sends layers through shared memory, with a pool of connections per endpoint.
 pub struct ShmTransport {
     config: ShmConfig,
+    auth: Option<ClientAuth>,
     pools: Mutex<HashMap<String, Arc<Pool>>>,
 }
 
@@ -299,21 +324,25 @@ impl ShmTransport {
     pub fn new(config: ShmConfig) -> Self {
         Self {
             config,
+            auth: None,
             pools: Mutex::new(HashMap::new()),
         }
     }
-}
 
-impl Default for ShmTransport {
-    fn default() -> Self {
-        Self::new(ShmConfig::default())
+    /// Runs mutual TLS on every connection's socket with `tls` ([`crate::shm_auth`]).
+    pub fn with_identity(mut self, tls: &TlsIdentity) -> Result<Self, KvTransferError> {
+        self.auth = Some(ClientAuth::new(tls)?);
+        Ok(self)
     }
-}
 
-impl KvTransport for ShmTransport {
-    type Connection = ShmConnection;
-
-    async fn connect(&self, endpoint: &str) -> Result<ShmConnection, KvTransferError> {
+    /// As [`KvTransport::connect`], checking the receiver's certificate by `server_name` (the
+    /// host of its network endpoint, as QUIC checks it) when `config.server_name` is unset.
+    pub async fn connect_as(
+        &self,
+        endpoint: &str,
+        server_name: &str,
+    ) -> Result<ShmConnection, KvTransferError> {
+        let server_name = self.config.server_name.as_deref().unwrap_or(server_name);
         let existing = self
             .pools
             .lock()
@@ -336,6 +365,8 @@ impl KvTransport for ShmTransport {
                     endpoint: endpoint.into(),
                     socket: PathBuf::from(socket),
                     connect_timeout: Duration::from_millis(self.config.connect_timeout_ms),
+                    auth: self.auth.clone(),
+                    server_name: server_name.to_owned(),
                     idle: Mutex::new(Vec::new()),
                     permits: Arc::new(Semaphore::new(self.config.connections_per_endpoint.max(1))),
                 });
@@ -357,9 +388,23 @@ impl KvTransport for ShmTransport {
     }
 }
 
+impl Default for ShmTransport {
+    fn default() -> Self {
+        Self::new(ShmConfig::default())
+    }
+}
+
+impl KvTransport for ShmTransport {
+    type Connection = ShmConnection;
+
+    async fn connect(&self, endpoint: &str) -> Result<ShmConnection, KvTransferError> {
+        self.connect_as(endpoint, "localhost").await
+    }
+}
+
 /// One connection and the region its receiver made for it.
 struct Link {
-    stream: UnixStream,
+    stream: Socket,
     region: MmapMut,
     _file: File,
 }
@@ -368,6 +413,8 @@ struct Pool {
     endpoint: Arc<str>,
     socket: PathBuf,
     connect_timeout: Duration,
+    auth: Option<ClientAuth>,
+    server_name: String,
     idle: Mutex<Vec<Link>>,
     permits: Arc<Semaphore>,
 }
@@ -380,9 +427,16 @@ impl Pool {
             reason,
         };
         let handshake = async {
-            let mut stream = UnixStream::connect(&self.socket)
+            let stream = UnixStream::connect(&self.socket)
                 .await
                 .map_err(|e| connect_err(e.to_string()))?;
+            // The listener's user, from the kernel: a socket another user bound is refused
+            // before any KV is written.
+            check_peer_user(&stream, endpoint)?;
+            let mut stream: Socket = match &self.auth {
+                None => Box::new(stream),
+                Some(auth) => auth.connect(stream, &self.server_name, endpoint).await?,
+            };
             let mut head = [0u8; 14];
             stream
                 .read_exact(&mut head)
@@ -430,6 +484,10 @@ impl Pool {
             let region = unsafe { MmapMut::map_mut(&file) }.map_err(io(endpoint, "map region"))?;
             stream
                 .write_all(&[1])
+                .await
+                .map_err(io(endpoint, "region mapped"))?;
+            stream
+                .flush()
                 .await
                 .map_err(io(endpoint, "region mapped"))?;
             Ok(Link {

@@ -21,9 +21,27 @@ pub struct KvArgs {
         value_parser = PossibleValuesParser::new(KvBackend::NAMES).try_map(|s| s.parse::<KvBackend>())
     )]
     pub kv_transport: KvBackend,
+    /// Beside the network transport, move KV through shared memory between nodes on one host
+    /// (decode nodes serve it, prefill nodes push through it to a decode node whose
+    /// reservation names their own host): on unless set to false. Its Unix socket runs mutual
+    /// TLS with the node's certificate, so it needs no --insecure (with --insecure and no
+    /// certificate, only the peer's user is checked, as for --kv-transport shm).
+    #[arg(
+        long,
+        env = "FISSION_KV_SAME_HOST_SHM",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub kv_same_host_shm: bool,
 }
 
 impl KvArgs {
+    /// Whether the node serves (decode) or uses (prefill) shared memory for peers on its own
+    /// host beside `--kv-transport`: never when shm is the transport already.
+    pub fn same_host_shm(&self) -> bool {
+        self.kv_same_host_shm && self.kv_transport != KvBackend::Shm
+    }
+
     /// Checks the backend against the node's identity: QUIC is mutual TLS and needs the
     /// certificate; TCP has no TLS, so it runs only where `--insecure` says plaintext is
     /// acceptable. Returns the identity QUIC uses.
@@ -46,6 +64,13 @@ impl KvArgs {
                 tracing::warn!("--kv-transport shm: KV blocks move through memory shared with a peer of this node's user on this host, without TLS; a reservation is not bound to the chosen prefill node's certificate");
                 Ok(None)
             }
+            KvBackend::Ucx if tls.insecure => {
+                tracing::warn!("--kv-transport ucx: KV blocks move as UCX puts without TLS; a peer on this host must run as this node's user, one on another host is not authenticated; a reservation is not bound to the chosen prefill node's certificate");
+                Ok(None)
+            }
+            KvBackend::Ucx => Err(NodeError::Config(
+                "the UCX KV transport has no TLS: it needs --insecure (a trusted network only), or use the default --kv-transport quic".into(),
+            )),
             KvBackend::Ucx if tls.insecure => {
                 tracing::warn!("--kv-transport ucx: KV blocks move as UCX puts without TLS; a peer on this host must run as this node's user, one on another host is not authenticated; a reservation is not bound to the chosen prefill node's certificate");
                 Ok(None)

@@ -77,6 +77,9 @@ pub struct Started {
     pub kv_backend: kvtransfer::KvBackend,
     /// The identity the KV transport uses; `None` for the `--insecure` TCP backend.
     pub kv_identity: Option<TlsIdentity>,
+    /// Shared memory for peers on this host beside `kv_backend` (`--kv-same-host-shm`), with
+    /// `kv_identity` on its socket when there is one.
+    pub kv_same_host_shm: bool,
 }
 
 /// What a role built on a [`Started`] node.
@@ -160,6 +163,7 @@ where
         grpc: grpc_security.clone(),
         kv_backend: args.kv.kv_transport,
         kv_identity,
+        kv_same_host_shm: args.kv.same_host_shm(),
     })
     .await?;
     let node_service = NodeService {

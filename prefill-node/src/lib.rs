@@ -100,6 +100,21 @@ fn build(
             },
         ),
     )?;
+    // Shared memory to decode nodes on this host, the network to the others (issue 34).
+    let mut transport = kvtransfer::PickingTransport::from(transport);
+    if s.kv_same_host_shm {
+        let mut shm = BackendConfig::sender(s.listen_ip, None).shm;
+        shm.server_name = match &s.grpc {
+            identity::GrpcSecurity::Mtls { server_name, .. } => server_name.clone(),
+            identity::GrpcSecurity::Insecure => None,
+        };
+        let shm = kvtransfer::ShmTransport::new(shm);
+        let shm = match s.kv_identity.as_ref() {
+            Some(identity) => shm.with_identity(identity)?,
+            None => shm,
+        };
+        transport = transport.with_same_host_shm(shm, node_common::membership::host_id());
+    }
     let service = service::PrefillService {
         handle: actor::EngineHandle::spawn(s.engine, s.state, push_after_prefill),
         transport: Arc::new(transport),

@@ -24,6 +24,10 @@ pub fn describe() {
     );
     describe_counter!("fission_prefill_kv_transfers_total", "KV pushes completed.");
     describe_counter!(
+        "fission_prefill_kv_pushes_total",
+        "KV pushes started, by the transport picked: shm for a decode node on this host, the network transport otherwise."
+    );
+    describe_counter!(
         ERRORS.name(),
         "Failures by error_type: Prefill RPCs answered with an error, and KV pushes that failed."
     );

@@ -273,6 +273,8 @@ fn kv_transfer_span(job: &PushJob, num_tokens: usize) -> Span {
         kv_endpoint = %job.dest.kv_endpoint,
         layers = i64::from(job.layout.num_layers),
         prompt_tokens = num_tokens as i64,
+        // shm for a decode node on this host, else the network transport (push.rs).
+        transport = tracing::field::Empty,
         bytes = tracing::field::Empty,
         tail_ms = tracing::field::Empty,
         error_type = tracing::field::Empty,

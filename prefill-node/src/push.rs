@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use identity::GrpcSecurity;
 use kv_types::{KvLayout, TransferId};
 use kvtransfer::{
-    BackendTransport, FrameHeader, KvConnection, KvTransferError, KvTransport, LayerHeader,
+    FrameHeader, KvConnection, KvRoute, KvTransferError, LayerHeader, PickingTransport,
 };
 use proto::v1;
 use proto::v1::decode_client::DecodeClient;
@@ -20,8 +20,8 @@ use tracing::Instrument;
 
 use crate::actor::LayerPayload;
 
-/// The configured data-plane backend.
-pub type Transport = BackendTransport;
+/// The configured data-plane backend, and shared memory for decode nodes on this host.
+pub type Transport = PickingTransport;
 
 /// Runs `fut` on a task of its own, where no span is current. Connections made there (QUIC
 /// dials, gRPC channels) spawn driver tasks that take the current span as their parent and
@@ -225,10 +225,26 @@ async fn push(
     // the span current at creation as their parent: made outside the `kv_transfer` span, they
     // do not keep it (and the request's trace) open forever.
     let conn = {
-        let (transport, endpoint) = (Arc::clone(&job.transport), dest.kv_endpoint.clone());
-        outside_span(async move { transport.connect(&endpoint).await })
-            .await
-            .map_err(PushError::Task)??
+        let transport = Arc::clone(&job.transport);
+        let (endpoint, shm_endpoint, host_id) = (
+            dest.kv_endpoint.clone(),
+            dest.kv_shm_endpoint.clone(),
+            dest.host_id.clone(),
+        );
+        let (conn, backend) = outside_span(async move {
+            let route = KvRoute {
+                kv_endpoint: &endpoint,
+                kv_shm_endpoint: &shm_endpoint,
+                host_id: &host_id,
+            };
+            transport.connect_route(&route).await
+        })
+        .await
+        .map_err(PushError::Task)??;
+        metrics::counter!("fission_prefill_kv_pushes_total", "transport" => backend.as_str())
+            .increment(1);
+        tracing::Span::current().record("transport", backend.as_str());
+        conn
     };
     let block_ids: Arc<[u32]> = dest.block_ids.clone().into();
     let mut checksums = vec![0u32; num_layers as usize];
@@ -459,7 +475,9 @@ mod tests {
     /// Pushes both layers of one block to `xfer_id` inside a `kv_transfer` span.
     async fn push_two_layers(p: &Peers, xfer_id: u64) -> Result<PushReport, PushError> {
         let job = PushJob {
-            transport: Arc::new(Transport::Tcp(kvtransfer::TcpTransport::default())),
+            transport: Arc::new(Transport::from(kvtransfer::BackendTransport::Tcp(
+                kvtransfer::TcpTransport::default(),
+            ))),
             clients: DecodeClients::new(GrpcSecurity::Insecure),
             xfer_id: TransferId(xfer_id),
             dest: v1::Reserved {
