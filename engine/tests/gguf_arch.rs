@@ -208,38 +208,66 @@ fn every_fixture_has_a_test() {
     assert_eq!(refs, tested);
 }
 
-/// Phi-3's, Mixtral's and Qwen3-MoE's converters keep the SentencePiece tokenizer as the
-/// checkpoint has it: the GGUF tokenizer encodes and decodes as the HF one. (Gemma's converter
-/// writes `add_space_prefix = false`, Gemma's own rule, which this stories tokenizer does not
-/// follow.)
-#[test]
-fn sentencepiece_tokenizers_encode_as_the_hf_tokenizer() {
-    let hf = tokenizers::Tokenizer::from_file(stories_tokenizer().join("tokenizer.json")).unwrap();
-    let texts = [
-        "Once upon a time, there was a little girl named Lily.",
-        "  two leading spaces and trailing  ",
-        "Tom said: \"It's 3:45pm!\" 12345",
-        "line one\nline two\n\n\ttabbed",
-        "caf\u{e9} \u{65e5}\u{672c} \u{1f600}",
-        "",
-    ];
-    for name in ["phi3", "mixtral", "qwen3_moe"] {
+const TEXTS: &[&str] = &[
+    "Once upon a time, there was a little girl named Lily.",
+    "  two leading spaces and trailing  ",
+    "Tom said: \"It's 3:45pm!\" 12345",
+    "line one\nline two\n\n\ttabbed",
+    "caf\u{e9} \u{65e5}\u{672c} \u{1f600}",
+    "<s>inline special</s>",
+    "",
+];
+
+/// The GGUF tokenizer of each fixture in `names` encodes and decodes `TEXTS` as `hf` does.
+fn tokenizers_agree(names: &[&str], hf: &tokenizers::Tokenizer) {
+    for name in names {
         let files = ModelFiles::resolve(&ModelSource::Local(
             fixtures().join(format!("{name}-f32.gguf")),
         ))
         .unwrap();
         let ours = tokenizers::Tokenizer::from_file(&files.tokenizer).unwrap();
-        for text in texts {
-            let a = ours.encode(text, true).unwrap();
-            let b = hf.encode(text, true).unwrap();
-            assert_eq!(a.get_ids(), b.get_ids(), "{name}: {text:?}");
-            assert_eq!(
-                ours.decode(a.get_ids(), true).unwrap(),
-                hf.decode(b.get_ids(), true).unwrap(),
-                "{name}: {text:?}"
-            );
+        for text in TEXTS {
+            for special in [false, true] {
+                let a = ours.encode(*text, special).unwrap();
+                let b = hf.encode(*text, special).unwrap();
+                assert_eq!(a.get_ids(), b.get_ids(), "{name}: {text:?}");
+                for skip in [false, true] {
+                    assert_eq!(
+                        ours.decode(a.get_ids(), skip).unwrap(),
+                        hf.decode(b.get_ids(), skip).unwrap(),
+                        "{name}: {text:?}"
+                    );
+                }
+            }
         }
     }
+}
+
+/// Phi-3's, Mixtral's and Qwen3-MoE's converters keep the SentencePiece tokenizer as the
+/// checkpoint has it: the GGUF tokenizer encodes and decodes as the HF one.
+#[test]
+fn sentencepiece_tokenizers_encode_as_the_hf_tokenizer() {
+    let hf = tokenizers::Tokenizer::from_file(stories_tokenizer().join("tokenizer.json")).unwrap();
+    tokenizers_agree(&["phi3", "phi4_mini", "mixtral", "qwen3_moe"], &hf);
+}
+
+/// Gemma's converter writes `add_space_prefix = false`, Gemma's own rule: the file's tokenizer
+/// is the checkpoint's without the leading `▁` (HF's Gemma tokenizer.json has no `Prepend`
+/// normalizer and no `Strip` decoder).
+#[test]
+fn gemma_tokenizers_add_no_space_prefix() {
+    let path = stories_tokenizer().join("tokenizer.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let without = |list: &mut serde_json::Value, ty: &str| {
+        list.as_array_mut()
+            .unwrap()
+            .retain(|n| n["type"].as_str() != Some(ty));
+    };
+    without(&mut json["normalizer"]["normalizers"], "Prepend");
+    without(&mut json["decoder"]["decoders"], "Strip");
+    let hf: tokenizers::Tokenizer = json.to_string().parse().unwrap();
+    tokenizers_agree(&["gemma2", "gemma3"], &hf);
 }
 
 /// Gemma's norms come back as transformers stores them (the converter's `+ 1` undone), and
