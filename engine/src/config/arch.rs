@@ -40,9 +40,9 @@
 //! 2026-11-29-window-push.md).
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
-//! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope,
-//! Phi-3 GGUF files (llama.cpp's fused `attn_qkv`/`ffn_up`) and MoE GGUF files
-//! (llama.cpp's 3-D `ffn_*_exps`). Each has its place here: a variant of [`NormStyle`] or
+//! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope.
+//! (Every architecture here loads from GGUF too: the `gguf` crate writes llama.cpp's keys and
+//! tensors as this checkpoint layout, `gguf/src/arch.rs`.) Each has its place here: a variant of [`NormStyle`] or
 //! [`Activation`], or a field of `ArchSpec`, so that matching on it exhaustively in both paths
 //! forces both to handle it.
 
