@@ -227,8 +227,9 @@ impl RoutingPolicy for LeastLoaded {
     }
 }
 
-/// Weighs block use against batch size on decode nodes, and discounts the prompt tokens a
-/// prefill node already caches.
+/// Weighs block use against batch size on decode nodes, less the share of the prompt a
+/// decode node already caches (it links those blocks instead of receiving them), and
+/// discounts the prompt tokens a prefill node already caches.
 #[derive(Debug, Default)]
 pub struct CacheAware;
 
@@ -236,6 +237,11 @@ pub struct CacheAware;
 const BLOCK_USE_WEIGHT: f64 = 0.5;
 /// Weight of the batch-size term of the decode cost.
 const BATCH_WEIGHT: f64 = 0.5;
+/// Weight of the share of the prompt a decode node caches, taken off its cost: a later turn of
+/// a chat goes back to the node holding the conversation, whose push then carries only the new
+/// blocks (issue 34), unless that node is much busier (a whole prompt cached is worth half
+/// the batch range).
+const CACHED_WEIGHT: f64 = 0.25;
 
 impl RoutingPolicy for CacheAware {
     fn name(&self) -> &'static str {
@@ -257,17 +263,24 @@ impl RoutingPolicy for CacheAware {
             let used = n.total_blocks.saturating_sub(n.free_blocks) + needed;
             used as f64 / n.total_blocks as f64
         };
+        // The push always carries the prompt's last block.
+        let cached_share = |n: &Candidate| {
+            (n.cached_prefix_blocks as u64).min(needed.saturating_sub(1)) as f64
+                / needed.max(1) as f64
+        };
         let cost = |n: &Candidate| {
             BLOCK_USE_WEIGHT * block_use(n) + BATCH_WEIGHT * batch(n) as f64 / max_batch as f64
+                - CACHED_WEIGHT * cached_share(n)
         };
         let order = rank_by_key(c, |n| (!has_room(n, needed), Cost(cost(n))));
         let best = &c[order[0]];
         let reason = format!(
-            "cache-aware: node {} has decode cost {:.3} (block use {:.2} after {needed} more blocks, batch {} of max {max_batch}){}",
+            "cache-aware: node {} has decode cost {:.3} (block use {:.2} after {needed} more blocks, batch {} of max {max_batch}, {:.0}% of the prompt cached){}",
             best.node_id,
             cost(best),
             block_use(best),
             batch(best),
+            100.0 * cached_share(best),
             no_room_note(best, needed),
         );
         Ranking { order, reason }
@@ -618,6 +631,47 @@ mod tests {
         assert_eq!(
             ids(&CacheAware.rank_decode(16, 16, &c), &c),
             ["b", "c", "a"]
+        );
+    }
+
+    #[test]
+    fn cache_aware_decode_goes_back_to_the_node_holding_the_conversation() {
+        let c = [
+            Candidate {
+                running_sequences: 2,
+                ..node("idle")
+            },
+            Candidate {
+                running_sequences: 3,
+                cached_prefix_blocks: 9,
+                ..node("warm")
+            },
+        ];
+        // 160 tokens: 10 blocks, 9 cached on warm. idle 0.5*0.1 + 0.5*0.67 = 0.383; warm
+        // 0.5*0.1 + 0.5*1 - 0.25*0.9 = 0.325.
+        let ranking = CacheAware.rank_decode(160, 16, &c);
+        assert_eq!(ids(&ranking, &c), ["warm", "idle"]);
+        assert!(
+            ranking.reason.contains("90% of the prompt cached"),
+            "{}",
+            ranking.reason
+        );
+        // A much busier holder loses it: warm 0.5*0.1 + 0.5*1 - 0.225 = 0.325 against idle's
+        // 0.5*0.1 + 0.5*0.25 = 0.175.
+        let busy = [
+            Candidate {
+                running_sequences: 2,
+                ..node("idle")
+            },
+            Candidate {
+                running_sequences: 8,
+                cached_prefix_blocks: 9,
+                ..node("warm")
+            },
+        ];
+        assert_eq!(
+            first(&CacheAware.rank_decode(160, 16, &busy), &busy),
+            "idle"
         );
     }
 
