@@ -71,13 +71,6 @@ impl KvArgs {
             KvBackend::Ucx => Err(NodeError::Config(
                 "the UCX KV transport has no TLS: it needs --insecure (a trusted network only), or use the default --kv-transport quic".into(),
             )),
-            KvBackend::Ucx if tls.insecure => {
-                tracing::warn!("--kv-transport ucx: KV blocks move as UCX puts without TLS; a peer on this host must run as this node's user, one on another host is not authenticated; a reservation is not bound to the chosen prefill node's certificate");
-                Ok(None)
-            }
-            KvBackend::Ucx => Err(NodeError::Config(
-                "the UCX KV transport has no TLS: it needs --insecure (a trusted network only), or use the default --kv-transport quic".into(),
-            )),
             KvBackend::Shm => Err(NodeError::Config(
                 "the shm KV transport has no TLS: it needs --insecure (peers of this node's user on this host only), or use the default --kv-transport quic".into(),
             )),
