@@ -145,6 +145,12 @@ pub fn load_tensors_keeping(
                     });
                 };
                 let (cols, rows, experts) = (cols as usize, rows as usize, experts as usize);
+                if experts == 0 {
+                    return Err(GgufError::BadTensor {
+                        name: entry.name.clone(),
+                        reason: "no experts".into(),
+                    });
+                }
                 let data = if keep_raw {
                     Some(stored(&mut reader)?)
                 } else {
