@@ -18,8 +18,12 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 
+pub(crate) use self::kwargs::TemplateKwargs;
 use crate::error::GatewayError;
 use crate::openai::family::OutputFamily;
+
+#[path = "chat_template_kwargs.rs"]
+mod kwargs;
 
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -66,6 +70,9 @@ struct TemplateContext<'a> {
     /// Absent (undefined in the template) without tools, as transformers leaves it.
     #[serde(skip_serializing_if = "Option::is_none")]
     tools: Option<&'a [serde_json::Value]>,
+    /// The request's `chat_template_kwargs`, whose names never collide with the above.
+    #[serde(flatten)]
+    kwargs: &'a TemplateKwargs,
 }
 
 impl ChatTemplate {
@@ -153,6 +160,17 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
     ) -> Result<String, GatewayError> {
+        self.apply_with(messages, tools, &TemplateKwargs::default())
+    }
+
+    /// Like [`ChatTemplate::apply_with_tools`], with the request's own template variables
+    /// (`chat_template_kwargs`) in the context too.
+    pub(crate) fn apply_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        kwargs: &TemplateKwargs,
+    ) -> Result<String, GatewayError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -165,6 +183,7 @@ impl ChatTemplate {
                 bos_token: &self.bos_token,
                 eos_token: &self.eos_token,
                 tools,
+                kwargs,
             })
             .map_err(template_error)
     }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tokenizers::{Encoding, Tokenizer};
 
-use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::chat_template::{ChatMessage, ChatTemplate, TemplateKwargs};
 use crate::config::GatewayConfig;
 use crate::error::GatewayError;
 use crate::request::{RequestId, SamplingParams, StoppingParams, ValidRequest};
@@ -24,8 +24,9 @@ pub(crate) enum Prompt {
     /// Token ids as the client gave them (OpenAI's `prompt` as a list of ids): taken as they
     /// are, no special tokens added, each checked against the vocabulary.
     Ids(Vec<u32>),
-    /// A chat whose template also renders these tools (OpenAI's `tools` list).
-    ChatWithTools(Vec<ChatMessage>, Vec<serde_json::Value>),
+    /// A chat whose template also renders these tools (OpenAI's `tools` list) and gets the
+    /// request's own variables (`chat_template_kwargs`).
+    ChatWith(Vec<ChatMessage>, Vec<serde_json::Value>, TemplateKwargs),
 }
 
 /// The length limits a request is checked against: the configured ones, lowered to what the
@@ -310,8 +311,12 @@ impl Validator {
     fn prompt_ids(&self, prompt: Prompt, fields: FieldNames) -> Result<Vec<u32>, GatewayError> {
         let (text, add_special_tokens) = match prompt {
             Prompt::Text(text) => (text, true),
-            Prompt::Chat(messages) => self.render_chat(messages, &[], fields)?,
-            Prompt::ChatWithTools(messages, tools) => self.render_chat(messages, &tools, fields)?,
+            Prompt::Chat(messages) => {
+                self.render_chat(messages, &[], &TemplateKwargs::default(), fields)?
+            }
+            Prompt::ChatWith(messages, tools, kwargs) => {
+                self.render_chat(messages, &tools, &kwargs, fields)?
+            }
             Prompt::Ids(ids) => {
                 if ids.is_empty() {
                     return Err(GatewayError::EmptyInput {
@@ -332,12 +337,13 @@ impl Validator {
         self.tokenize_prompt(text, add_special_tokens, fields)
     }
 
-    /// The chat template's prompt for `messages` and `tools`; it writes its own special
+    /// The chat template's prompt for `messages`, `tools` and `kwargs`; it writes its own special
     /// tokens, so none are added when it is tokenized.
     fn render_chat(
         &self,
         messages: Vec<ChatMessage>,
         tools: &[serde_json::Value],
+        kwargs: &TemplateKwargs,
         fields: FieldNames,
     ) -> Result<(String, bool), GatewayError> {
         if messages.is_empty() {
@@ -351,7 +357,7 @@ impl Validator {
             .ok_or_else(|| GatewayError::NoChatTemplate {
                 model_id: self.config.model_id.clone(),
             })?;
-        Ok((template.apply_with_tools(&messages, tools)?, false))
+        Ok((template.apply_with(&messages, tools, kwargs)?, false))
     }
 
     fn tokenize_prompt(

@@ -14,7 +14,7 @@ use super::stream::{stream_choices, ChunkHeader};
 use super::tool_stream::{tool_calls_json, tool_sse_response, ChunkIds, OutputReading};
 use super::tools::{template_tool_calls, ToolChoice, ToolMode, ToolPlan};
 use super::{invalid, start_all, CommonFields, Usage};
-use crate::chat_template::ChatMessage;
+use crate::chat_template::{ChatMessage, TemplateKwargs};
 use crate::error::{GatewayError, OpenAiError};
 use crate::json::OpenAiJson;
 use crate::request::GeneratedToken;
@@ -43,6 +43,15 @@ pub(crate) struct ChatRequest {
     tools: Option<Vec<serde_json::Value>>,
     tool_choice: Option<ToolChoice>,
     parallel_tool_calls: Option<bool>,
+    /// Extra variables for the chat template (vLLM's and SGLang's field), such as Qwen3's
+    /// `{"enable_thinking": false}`. Not the names the gateway passes itself: `messages`,
+    /// `tools`, `documents`, `add_generation_prompt`, `continue_final_message`, `bos_token`,
+    /// `eos_token`, `raise_exception`, `strftime_now`.
+    #[schema(value_type = Option<Object>)]
+    chat_template_kwargs: Option<serde_json::Value>,
+    /// Qwen's top-level spelling of `chat_template_kwargs.enable_thinking`; the object's own
+    /// value wins when both are given.
+    enable_thinking: Option<bool>,
     #[serde(flatten)]
     common: CommonFields,
 }
@@ -251,6 +260,10 @@ pub(crate) async fn chat_completions(
             .into());
         }
     }
+    let mut kwargs = TemplateKwargs::from_request(request.chat_template_kwargs)?;
+    if let Some(enable) = request.enable_thinking {
+        kwargs.set_default("enable_thinking", enable.into());
+    }
     let n = request.common.n();
     let mut parameters = request.common.parameters(
         request.max_completion_tokens.or(request.max_tokens),
@@ -291,10 +304,10 @@ pub(crate) async fn chat_completions(
         .into_iter()
         .map(RequestMessage::into_chat_message)
         .collect::<Result<Vec<_>, _>>()?;
-    let prompt = if plan.tools.is_empty() {
+    let prompt = if plan.tools.is_empty() && kwargs.is_empty() {
         Prompt::Chat(messages)
     } else {
-        Prompt::ChatWithTools(messages, plan.tools.clone())
+        Prompt::ChatWith(messages, plan.tools.clone(), kwargs)
     };
     if n > 1 && request.common.stream() && plan.parses_calls() {
         // Tool calls are held back and parsed per stream; one stream is what that supports.
