@@ -78,8 +78,11 @@ for r in json.load(open(sys.argv[1]))["references"]:
 # the gateway against the reference ids (a prefix of them where the model stops at EOS).
 cluster() {
   local bin=$1 device=$2 path=$3 refs=$4 port=$5 log=$6 rc=0
+  # Both nodes share one GPU: each may use 0.4 of it (its KV cache that share less its weights).
+  local share=()
+  [ "$device" = cpu ] || share=(--gpu-memory-utilization 0.4)
   setsid "$bin" up --device "$device" --path "$path" --port "$port" --node-arg=--dtype=f32 \
-    >"$log" 2>&1 &
+    "${share[@]}" >"$log" 2>&1 &
   local up=$!
   for _ in $(seq 240); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break

@@ -34,7 +34,17 @@ impl DeviceSpec {
         match *self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
             #[cfg(feature = "cuda")]
-            DeviceSpec::Cuda(ordinal) => Ok(Device::new_cuda(ordinal)?),
+            DeviceSpec::Cuda(ordinal) => {
+                let device = Device::new_cuda(ordinal)?;
+                // What is free before this process loads anything: its own use is measured
+                // against it when the KV cache is sized (`device_kv_blocks`).
+                let (free, _) = cuda_memory(ordinal)?;
+                free_at_open()
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .insert(ordinal, free);
+                Ok(device)
+            }
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) => Err(EngineError::NotCompiledWithCuda {
                 device: self.to_string(),
@@ -169,10 +179,36 @@ pub fn on_path(model: LoadedModel, path: ForwardPath) -> Result<LoadedModel> {
     }
 }
 
-/// The KV blocks a CUDA device holds under `--gpu-memory-utilization`, vLLM's meaning: the
-/// process may use `utilization` of the device's total memory, so the KV cache gets what is
-/// free after the weights (loaded by now) less the share it must leave to others. `None` on
-/// the CPU, where `--kv-memory-fraction` of host memory sizes the cache.
+/// Free bytes of each CUDA ordinal when this process opened it ([`DeviceSpec::open`]).
+#[cfg(feature = "cuda")]
+fn free_at_open() -> &'static std::sync::Mutex<std::collections::HashMap<usize, u64>> {
+    static FREE: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<usize, u64>>> =
+        std::sync::OnceLock::new();
+    FREE.get_or_init(Default::default)
+}
+
+#[cfg(feature = "cuda")]
+fn own_use(ordinal: usize, free_now: u64) -> u64 {
+    let before = free_at_open()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&ordinal)
+        .copied()
+        .unwrap_or(free_now);
+    before.saturating_sub(free_now)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn own_use(_ordinal: usize, _free_now: u64) -> u64 {
+    0
+}
+
+/// The KV blocks a CUDA device holds under `--gpu-memory-utilization`, vLLM's meaning: this
+/// process may use `utilization` of the device's total memory, so the KV cache gets that
+/// share less what the process already uses (the weights: free memory at open less free
+/// memory now), and never more than is free. So two nodes on one GPU at 0.45 each both get a
+/// cache, whichever loads first. `None` on the CPU, where `--kv-memory-fraction` of host
+/// memory sizes the cache.
 pub fn device_kv_blocks(
     device: DeviceSpec,
     model: &LoadedModel,
@@ -211,15 +247,16 @@ pub fn device_kv_blocks(
         free,
         total,
         utilization,
+        own_use(ordinal, free),
         layout.bytes_per_block_all_layers(),
     )))
 }
 
-/// Blocks of `block_bytes` in what is free beyond the `1 - utilization` of `total` kept for
-/// others.
-pub fn kv_blocks_in(free: u64, total: u64, utilization: f64, block_bytes: u64) -> usize {
-    let reserved = (total as f64 * (1.0 - utilization)) as u64;
-    (free.saturating_sub(reserved) / block_bytes.max(1)) as usize
+/// Blocks of `block_bytes` in `utilization` of `total` less the `own` bytes the process
+/// already holds, capped by what is `free`.
+pub fn kv_blocks_in(free: u64, total: u64, utilization: f64, own: u64, block_bytes: u64) -> usize {
+    let share = ((total as f64 * utilization) as u64).saturating_sub(own);
+    (share.min(free) / block_bytes.max(1)) as usize
 }
 
 /// `(free, total)` bytes of CUDA device `ordinal`.
@@ -258,13 +295,19 @@ mod tests {
     }
 
     #[test]
-    fn the_device_cache_gets_the_free_memory_beyond_the_reserve() {
+    fn the_device_cache_gets_the_process_share_less_its_own_use() {
         let gib = 1u64 << 30;
-        // 80 GiB card, 60 free after the weights, 0.9: 8 GiB kept for others, 52 for KV.
-        assert_eq!(kv_blocks_in(60 * gib, 80 * gib, 0.9, gib), 52);
-        // Less free than the reserve: no blocks, not an underflow.
-        assert_eq!(kv_blocks_in(5 * gib, 80 * gib, 0.9, gib), 0);
-        assert_eq!(kv_blocks_in(80 * gib, 80 * gib, 1.0, 2 * gib), 40);
+        // 80 GiB card, 20 GiB of weights, 0.9: 72 GiB for the process, 52 for KV.
+        assert_eq!(kv_blocks_in(60 * gib, 80 * gib, 0.9, 20 * gib, gib), 52);
+        // Two nodes at 0.45 on one card, 2 GiB of weights each: the second to load gets as
+        // much as the first, not what the first left beyond a 55% reserve.
+        let first = kv_blocks_in(78 * gib, 80 * gib, 0.45, 2 * gib, gib);
+        assert_eq!(first, 34);
+        let second = kv_blocks_in((78 - 34 - 2) * gib, 80 * gib, 0.45, 2 * gib, gib);
+        assert_eq!(second, 34);
+        // Weights past the share: no blocks, not an underflow; never more than is free.
+        assert_eq!(kv_blocks_in(5 * gib, 80 * gib, 0.1, 9 * gib, gib), 0);
+        assert_eq!(kv_blocks_in(10 * gib, 80 * gib, 1.0, 0, 2 * gib), 5);
     }
 
     #[test]
