@@ -3,13 +3,14 @@
 //!     cargo run --release -p kv-bench --example bench -- [--reps N] [--warmup N]
 //!         [--tokens 128,1024,4096] [--tcp-conns N] [--fairness]
 //!         [--os-socket-buffers] [--windows STREAM,CONN,SEND (MiB)]... [--mtu BYTES]...
-//!         [--only 'PREFIX;PREFIX']
+//!         [--only 'PREFIX;PREFIX'] [--ucx-sm]
 //!
 //! `--mtu`, QUIC with packets of BYTES from the first one (initial MTU and the MTU discovery
 //! bound; loopback's MTU is 65536, a jumbo-frame fabric's 9000); `--only`, just the rows whose
 //! label starts with one of the prefixes (`raw tcp;shm;quic, tuned`), to keep a run short.
 //! The optional rows: `--fairness`, QUIC with stream round-robin on;
-//! `--os-socket-buffers`, QUIC with the OS-default UDP socket buffers instead of 4 MiB.
+//! `--os-socket-buffers`, QUIC with the OS-default UDP socket buffers instead of 4 MiB;
+//! `--ucx-sm`, UCX over its shared-memory transports (the default row is UCX over TCP).
 
 use anyhow::{bail, Context, Result};
 use kv_bench::{run_bench, BenchBackend, BenchConfig};
@@ -38,6 +39,10 @@ fn main() -> Result<()> {
                     }
                 }
             }
+            "--ucx-sm" => cfg.backends.push(BenchBackend::Ucx {
+                transports: Some("sm".to_owned()),
+                connections: 8,
+            }),
             "--fairness" => cfg.backends.push(BenchBackend::Quic {
                 label: "tuned windows, send fairness on".to_owned(),
                 config: QuicConfig {

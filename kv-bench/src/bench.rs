@@ -17,7 +17,8 @@ use kvtransfer::{
     new_endpoint, quic_client_config, quic_server_config, DiscardSink, KvConnection, KvServer,
     KvTransferError, KvTransport, LayerHeader, QuicConfig, QuicConnection, QuicServer,
     QuicTransport, QuicWindows, ShmConfig, ShmConnection, ShmServer, ShmTransport, TcpConfig,
-    TcpConnection, TcpServer, TcpTransport, TransferRegistry,
+    TcpConnection, TcpServer, TcpTransport, TransferRegistry, UcxConfig, UcxConnection, UcxServer,
+    UcxTransport,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -37,6 +38,11 @@ pub enum BenchBackend {
     Shm {
         connections: usize,
     },
+    /// UCX puts, on the UCX transports named (`UCX_TLS`), or UCX's choice.
+    Ucx {
+        transports: Option<String>,
+        connections: usize,
+    },
     Quic {
         label: String,
         config: QuicConfig,
@@ -54,6 +60,13 @@ impl BenchBackend {
             Self::RawTcp => "raw tcp (baseline)".to_owned(),
             Self::Tcp { connections } => format!("tcp, {connections} conns"),
             Self::Shm { connections } => format!("shm, {connections} conns"),
+            Self::Ucx {
+                transports,
+                connections,
+            } => format!(
+                "ucx over {}, {connections} conns",
+                transports.as_deref().unwrap_or("its choice")
+            ),
             Self::Quic { label, .. } => format!("quic, {label}"),
             Self::RawQuic { .. } => "raw quinn streams, tuned windows".to_owned(),
         }
@@ -74,8 +87,8 @@ pub struct BenchConfig {
 
 impl Default for BenchConfig {
     /// SmolLM2-135M in f32 (30 layers, 3 KV heads of 64, 16-token blocks) at 128, 1K and 4K
-    /// tokens; raw TCP, TCP, QUIC with quinn's default and with tuned windows, and raw quinn
-    /// streams.
+    /// tokens; raw TCP, TCP, shared memory, UCX over its TCP transport, QUIC with quinn's
+    /// default and with tuned windows, and raw quinn streams.
     fn default() -> Self {
         Self {
             layout: KvLayout::SMOLLM2_135M_F32,
@@ -86,6 +99,10 @@ impl Default for BenchConfig {
                 BenchBackend::RawTcp,
                 BenchBackend::Tcp { connections: 8 },
                 BenchBackend::Shm { connections: 8 },
+                BenchBackend::Ucx {
+                    transports: Some("tcp".to_owned()),
+                    connections: 8,
+                },
                 BenchBackend::Quic {
                     label: "default windows".to_owned(),
                     config: QuicConfig {
@@ -182,6 +199,7 @@ enum Runner {
     Raw(TcpStream),
     Tcp(TcpConnection),
     Shm(ShmConnection),
+    Ucx(UcxConnection),
     Quic(QuicConnection, Arc<QuicTransport>),
     RawQuic(quinn::Connection, quinn::Endpoint),
 }
@@ -305,6 +323,25 @@ async fn run_with_servers(
                 ));
                 Runner::Shm(ShmTransport::new(config).connect(&endpoint).await?)
             }
+            BenchBackend::Ucx {
+                transports,
+                connections,
+            } => {
+                let config = UcxConfig {
+                    connections_per_endpoint: *connections,
+                    transports: transports.clone(),
+                    ..UcxConfig::default()
+                };
+                let server = UcxServer::bind(loopback, config.clone()).await?;
+                let endpoint = server.local_addr()?.to_string();
+                servers.spawn(serve(
+                    server,
+                    registry.clone(),
+                    sink.clone(),
+                    shutdown.clone(),
+                ));
+                Runner::Ucx(UcxTransport::new(config).connect(&endpoint).await?)
+            }
             BenchBackend::Quic { config, .. } => {
                 let config = config.clone();
                 let server = QuicServer::bind(loopback, &server_tls, config.clone())?;
@@ -359,6 +396,9 @@ async fn run_with_servers(
                         framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
                     }
                     Runner::Shm(conn) => {
+                        framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
+                    }
+                    Runner::Ucx(conn) => {
                         framed_transfer(conn, &registry, &template, &payloads, next_xfer_id).await?
                     }
                     Runner::Quic(conn, _) => {
@@ -632,11 +672,12 @@ mod tests {
             },
         });
         let report = run_bench(cfg).await.unwrap();
-        // The default backends (shared memory among them) and the QUIC row added above.
-        assert_eq!(report.rows.len(), 7);
+        // The default backends (shared memory and UCX among them) and the QUIC row added above.
+        assert_eq!(report.rows.len(), 8);
         let table = report.to_string();
         assert!(table.contains("raw tcp (baseline)"), "{table}");
         assert!(table.contains("shm, 8 conns"), "{table}");
+        assert!(table.contains("ucx over tcp, 8 conns"), "{table}");
         assert!(table.contains("1.00x"), "{table}");
         // Moving bytes costs CPU: a figure of zero would mean the clock was not read.
         for r in &report.rows {
