@@ -170,6 +170,9 @@ impl Cluster {
                     "3",
                 ])
                 .args(["--kv-transport", "quic"])
+                // Namespaces share the kernel (and /dev/shm): each stands for a host of its
+                // own, so the nodes must not pick shared memory between them.
+                .env("FISSION_HOST_ID", node)
                 .arg(format!("--grpc-addr={ip}:{GRPC_PORT}"))
                 .arg(format!("--metrics-addr={ip}:{METRICS_PORT}"))
                 .arg(format!("--advertise-host={ip}"))
@@ -322,6 +325,17 @@ fn serves_the_reference_on_every_host(c: &Cluster) {
         let served =
             testkit::fission::metric_sum(&c.metrics(node), "fission_decode_generated_tokens_total");
         assert!(served >= 1.0, "{node} decoded nothing");
+    }
+    // Across hosts the KV goes over the network, never shared memory (issue 34).
+    for node in ["prefill-0", "prefill-1"] {
+        let pushes = |transport: &str| {
+            metric(
+                &c.metrics(node),
+                &format!("fission_prefill_kv_pushes_total{{transport=\"{transport}\"}}"),
+            )
+        };
+        assert!(pushes("quic") >= 1.0, "{node} pushed nothing over QUIC");
+        assert_eq!(pushes("shm"), 0.0, "{node} pushed through shm across hosts");
     }
 }
 

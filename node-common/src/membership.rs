@@ -164,7 +164,12 @@ pub fn node_record(
 /// This host's identity, `MACHINE_ID/BOOT_ID`: nodes that share it run on one kernel and one
 /// machine, so the shared-memory KV transport can reach one from the other. The boot id tells
 /// apart clones of one image, which share a machine id. Empty parts where a file is missing.
+/// `FISSION_HOST_ID`, when set, replaces it: for nodes that share a kernel but not `/dev/shm`
+/// (containers of one image), or that stand for hosts of their own (network namespaces).
 pub fn host_id() -> String {
+    if let Some(id) = std::env::var("FISSION_HOST_ID").ok().filter(|s| !s.is_empty()) {
+        return id;
+    }
     let read = |path: &str| {
         std::fs::read_to_string(path)
             .map(|s| s.trim().to_owned())
