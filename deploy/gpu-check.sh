@@ -35,6 +35,8 @@ build() {
   mkdir -p .git/info
   grep -qxF "/$STAGE/" .git/info/exclude 2>/dev/null || echo "/$STAGE/" >>.git/info/exclude
   rm -rf "$STAGE" && mkdir -p "$STAGE"
+  # A target dir of its own: the cuda feature in target/ would rebuild everyone's CPU crates.
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
   local t0=$(date +%s)
   cargo build --release --features cuda -p deploy --bin fission
   local kt
@@ -45,7 +47,7 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_kernels":
         print(m["executable"])')
-  cp target/release/fission "$STAGE/fission"
+  cp "$CARGO_TARGET_DIR/release/fission" "$STAGE/fission"
   cp "$kt" "$STAGE/cuda_kernels"
   strip "$STAGE/fission" "$STAGE/cuda_kernels"
   cp "$REFS" "$STAGE/reference_greedy.json"
