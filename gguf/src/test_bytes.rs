@@ -75,6 +75,11 @@ impl GgufBuilder {
         self.meta(key, 9, v)
     }
 
+    pub fn bool_array(self, key: &str, items: &[bool]) -> Self {
+        let body = items.iter().map(|&b| u8::from(b)).collect();
+        self.array(key, 7, items.len() as u64, body)
+    }
+
     pub fn string_array(self, key: &str, items: &[&str]) -> Self {
         let body = items.iter().flat_map(|s| string_bytes(s)).collect();
         self.array(key, 8, items.len() as u64, body)
