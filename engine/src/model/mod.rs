@@ -21,9 +21,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 pub use batch::{ForwardBatch, SeqSlice};
-pub(crate) use ops::with_slice as with_cpu_slice;
 pub use llama::Llama;
 pub use mock::{MockModel, MockSpec};
+pub(crate) use ops::with_slice as with_cpu_slice;
 
 use crate::config::{LlamaConfig, ModelConfig};
 use crate::error::{EngineError, Result};
