@@ -67,7 +67,7 @@ impl PrefillService {
     fn push_from(&self, cached_tokens: u32, num_tokens: usize) -> Result<usize, Failure> {
         let block_size = self.layout.block_size.max(1);
         let cached = cached_tokens as usize;
-        if cached_tokens % block_size != 0 || (cached > 0 && cached >= num_tokens) {
+        if !cached_tokens.is_multiple_of(block_size) || (cached > 0 && cached >= num_tokens) {
             return Err(Failure::new(
                 ErrorCode::Validation,
                 format!(
