@@ -17,6 +17,9 @@ use crate::arch::Arch;
 use crate::error::{GgufError, Result};
 use crate::file::{GgufFile, MetadataExt};
 
+/// More layers than any model has; the bound on `block_count`.
+const MAX_LAYERS: usize = 1 << 16;
+
 /// The file's architecture.
 pub fn arch(file: &GgufFile) -> Result<Arch> {
     let m = file.metadata();
@@ -53,6 +56,13 @@ pub fn hf_config(file: &GgufFile) -> Result<Json> {
         .unwrap_or(heads);
     let hidden = m.usize(&k("embedding_length"))?;
     let layers = m.usize(&k("block_count"))?;
+    if layers > MAX_LAYERS {
+        // Per-layer lists are built from it: an untrusted file must not size them.
+        return Err(GgufError::BadMetadata {
+            key: k("block_count"),
+            reason: format!("{layers} exceeds {MAX_LAYERS} layers"),
+        });
+    }
     let head_dim = match m.opt_u64(&k("attention.key_length"))? {
         Some(d) => d as usize,
         None if heads > 0 => hidden / heads,
@@ -187,11 +197,10 @@ pub fn hf_config(file: &GgufFile) -> Result<Json> {
                 set("num_local_experts", json!(experts));
             } else {
                 // Every layer sparse: llama.cpp's qwen3moe has no dense layers.
+                let names: std::collections::HashSet<&str> =
+                    file.tensors().iter().map(|t| t.name.as_str()).collect();
                 for l in 0..layers {
-                    if file
-                        .tensor_entry(&format!("blk.{l}.ffn_gate_exps.weight"))
-                        .is_none()
-                    {
+                    if !names.contains(format!("blk.{l}.ffn_gate_exps.weight").as_str()) {
                         return Err(GgufError::BadTensor {
                             name: format!("blk.{l}.ffn_gate_exps.weight"),
                             reason: "missing: qwen3moe layers without experts are not supported"

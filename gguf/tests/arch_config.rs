@@ -170,3 +170,12 @@ fn experts_from_llama_and_qwen3moe() {
     let err = config(&moe(&[0])).expect_err("a dense layer");
     assert!(err.to_string().contains("blk.1.ffn_gate_exps"), "{err}");
 }
+
+/// Per-layer lists are sized by `block_count`: an absurd one is refused before any is built.
+#[test]
+fn an_absurd_layer_count_is_refused() {
+    let err =
+        config(&base("gemma3", u32::MAX, 64, 4, 16).u32("gemma3.attention.sliding_window", 10))
+            .expect_err("4 billion layers");
+    assert!(err.to_string().contains("block_count"), "{err}");
+}
