@@ -3,9 +3,9 @@
 //! Loading at run time, not linking, keeps every build and every other backend free of UCX:
 //! only a node started with `--kv-transport ucx` needs the library (Debian's `libucx0`), and
 //! one without it fails at construction with the loader's message. The declarations are
-//! written by hand against UCX 1.13's `ucp.h` (API 1.13); the struct sizes and field offsets
-//! below are the ones that header gives on x86-64 and aarch64 (checked by the tests at the
-//! end with a C compiler where the headers are installed). Only what the backend uses is
+//! written by hand against UCX 1.13's `ucp.h` (API 1.13); the tests at the end pin the struct
+//! sizes and field offsets to the ones `sizeof`/`offsetof` gave for that header on x86-64
+//! Linux (benchmarks/history/2026-11-29-ucx.md). Only what the backend uses is
 //! declared: contexts and workers, endpoints to a worker address, memory registration and
 //! remote keys, one-sided puts and flushes, and the worker's wake-up file descriptor.
 
@@ -182,6 +182,20 @@ fn dl_error() -> String {
     }
 }
 
+/// A symbol's address as the function pointer type `F` the caller declares it with.
+///
+/// # Safety
+/// `F` must be an `extern "C" fn` type matching the symbol's C signature.
+unsafe fn fn_from_symbol<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(
+        std::mem::size_of::<F>(),
+        std::mem::size_of::<*mut c_void>(),
+        "a function pointer is one pointer wide"
+    );
+    // SAFETY: same size (checked above); the caller vouches for the signature.
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
+}
+
 fn load() -> Result<Ucp, String> {
     // SAFETY: dlopen with a NUL-terminated name; the handle is never closed, so the function
     // pointers taken from it stay valid.
@@ -202,7 +216,7 @@ fn load() -> Result<Ucp, String> {
                 return Err(format!("libucp.so.0 has no {}: {}", $name, dl_error()));
             }
             // SAFETY: the symbol has the C signature declared for it in `Ucp` (ucp.h 1.13).
-            unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+            unsafe { fn_from_symbol(p) }
         }};
     }
     Ok(Ucp {
@@ -259,7 +273,7 @@ pub(crate) fn pending(p: StatusPtr) -> Pending {
     let v = p as isize;
     if p.is_null() {
         Pending::Done
-    } else if v < 0 && v >= UCS_ERR_LAST {
+    } else if (UCS_ERR_LAST..0).contains(&v) {
         Pending::Failed(v as Status)
     } else {
         Pending::Request(p)
