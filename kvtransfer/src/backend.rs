@@ -16,8 +16,8 @@ use crate::registry::TransferRegistry;
 use crate::shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport};
 use crate::sink::KvSink;
 use crate::tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
-use crate::ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 use crate::transport::{KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat};
+use crate::ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 
 /// Each backend's settings; a node takes the defaults and sets what it knows (its address,
 /// the name its peers' certificates carry).

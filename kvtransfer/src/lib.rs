@@ -136,11 +136,11 @@ pub use backend::{BackendConfig, BackendConnection, BackendServer, BackendTransp
 pub use error::KvTransferError;
 pub use frame::{decode_frame, FrameHeader, FrameLimits};
 pub use header::LayerHeader;
-pub use pick::{KvRoute, PickingTransport};
 pub use kv_types::{KvBackend, KvDtype, KvLayout, TransferId, MAX_DIM};
+pub use pick::{KvRoute, PickingTransport};
 pub use quic::{
     new_endpoint, quic_client_config, quic_server_config, QuicConfig, QuicConnection, QuicServer,
-    QuicTransport, QuicWindows, ALPN,
+    QuicTransport, QuicWindows, ALPN, LOOPBACK_MTU, MAX_GSO_MTU,
 };
 pub use registry::{
     peer_fingerprint, Admission, Ignored, LayerClaim, Outcome, PeerFingerprint, PeerKey,
@@ -150,8 +150,8 @@ pub use shm::{ShmConfig, ShmConnection, ShmServer, ShmTransport, SHM_SCHEME};
 pub use shm_auth::SHM_ALPN;
 pub use sink::{DiscardSink, KvSink, MemorySink};
 pub use tcp::{TcpConfig, TcpConnection, TcpServer, TcpTransport};
-pub use ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 pub use transport::{
     send_all_layers, KvConnection, KvServer, KvTransport, RefusalObserver, TransferStat,
 };
+pub use ucx::{UcxConfig, UcxConnection, UcxServer, UcxTransport};
 pub use verdict::Verdict;
