@@ -41,10 +41,10 @@
 //!
 //! Not yet supported, and refused when config.json asks for them (see `resolve` in
 //! `config.rs`): any other `hidden_act`, rope types other than linear, llama3 and longrope.
-//! (Every architecture here loads from GGUF too: the `gguf` crate writes llama.cpp's keys and
-//! tensors as this checkpoint layout, `gguf/src/arch.rs`.) Each has its place here: a variant of [`NormStyle`] or
-//! [`Activation`], or a field of `ArchSpec`, so that matching on it exhaustively in both paths
-//! forces both to handle it.
+//! Each has its place here: a variant of [`NormStyle`] or [`Activation`], or a field of
+//! `ArchSpec`, so that matching on it exhaustively in both paths forces both to handle it.
+//! Every architecture here also loads from GGUF: the `gguf` crate writes llama.cpp's keys and
+//! tensors in this checkpoint layout (`gguf/src/arch.rs`).
 
 use super::moe::MoeLayout;
 use crate::error::{EngineError, Result};
