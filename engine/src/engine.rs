@@ -241,7 +241,10 @@ impl Engine {
         let pool_blocks: Vec<usize> = std::iter::once(num_blocks)
             .chain(window_pools.iter().copied())
             .collect();
-        let mut cache = KvCache::for_model(&model.model, layout, groups.clone(), &pool_blocks)?;
+        let mut cache = match model.model.kv_device() {
+            Some(device) => KvCache::with_groups_on(layout, groups.clone(), &pool_blocks, device)?,
+            None => KvCache::with_groups(layout, groups.clone(), &pool_blocks),
+        };
         if cfg.prefault_kv {
             cache.prefault();
         }

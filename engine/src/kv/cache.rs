@@ -3,7 +3,7 @@
 //! It can export any set of blocks of one layer as contiguous bytes and import them back, with
 //! a described layout, which is what KV transfer between nodes sends.
 //!
-//! Where a layer's KV lives follows the model ([`KvCache::for_model`]): host vectors for the
+//! Where a layer's KV lives follows the model (`Model::kv_device`): host vectors for the
 //! host path, or one tensor per layer on the model's device for the tensor path, read and
 //! written through `model::device_ops` (on the CPU, a CPU tensor: the same code a GPU runs).
 //! The allocator, the prefix cache and the block tables stay on the host either way. A device
@@ -23,7 +23,8 @@ use kv_types::KvLayout;
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
 use crate::kv::groups::KvGroups;
-use crate::model::{device_ops, Model};
+use crate::model::cpu_slice::with_slice;
+use crate::model::device_ops;
 
 /// One layer's K or V storage, in the cache dtype.
 #[derive(Debug)]
@@ -147,24 +148,6 @@ impl KvCache {
             layers: Layers::Host(layers),
             groups,
             layer_shapes,
-        }
-    }
-
-    /// [`with_groups`](Self::with_groups) where `model` will read it: on the model's device
-    /// when the model runs the tensor path, on the host for the host path and the mock. An
-    /// int8 cache on the CPU's tensor path stays on the host (the tensor path then reads it
-    /// as host slices: the device ops have no int8 yet); on a GPU it is refused.
-    pub fn for_model(
-        model: &Model,
-        layout: KvLayout,
-        groups: KvGroups,
-        pool_blocks: &[usize],
-    ) -> Result<Self> {
-        match model {
-            Model::Llama(m) if !m.runs_host_path() => {
-                Self::with_groups_on(layout, groups, pool_blocks, m.device())
-            }
-            _ => Ok(Self::with_groups(layout, groups, pool_blocks)),
         }
     }
 
@@ -292,10 +275,10 @@ impl KvCache {
     }
 
     /// `layer`'s host K and V. The host path's view: a cache it reads is made on the host
-    /// ([`for_model`](Self::for_model)), so a device cache here is a bug, not an input.
+    /// (`Model::kv_device`), so a device cache here is a bug, not an input.
     pub fn layer_mut(&mut self, layer: usize) -> LayerKvMut<'_> {
         let Layers::Host(layers) = &mut self.layers else {
-            panic!("the host view of a KV cache that lives on a device (see KvCache::for_model)")
+            panic!("the host view of a KV cache that lives on a device (see Model::kv_device)")
         };
         let l = &mut layers[layer];
         match (&mut l.k, &mut l.v) {
@@ -423,7 +406,7 @@ fn lazy_zeros(dtype: KvDtype, n: usize) -> Result<Tensor> {
 /// Copies a contiguous CPU tensor's elements into `dst` as native-endian bytes.
 fn copy_to_bytes(t: &Tensor, dst: &mut [u8]) -> Result<()> {
     fn copy<T: candle_core::WithDType + bytemuck::Pod>(t: &Tensor, dst: &mut [u8]) -> Result<()> {
-        crate::model::with_cpu_slice::<T, _>(t, |s| {
+        with_slice::<T, _>(t, |s| {
             dst.copy_from_slice(bytemuck::cast_slice(s));
         })
     }

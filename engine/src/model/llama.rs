@@ -246,7 +246,7 @@ impl Llama {
             x = x.broadcast_mul(&scale)?;
         }
         let ropes = self.rope_tables(&batch.positions);
-        // A cache on the device (what `KvCache::for_model` makes for this path) goes through
+        // A cache on the device (what `Model::kv_device` puts it on for this path) goes through
         // the device ops; an int8 cache on the CPU stays host slices (`ops::attention`).
         let device = match cache.is_on_device() {
             true => Some(DeviceStep::new(&ropes, batch, cache, &self.device)?),

@@ -1,6 +1,7 @@
 //! Model loading and the forward pass.
 
 pub mod batch;
+pub(crate) mod cpu_slice;
 mod device_attn;
 pub mod device_ops;
 mod host;
@@ -23,7 +24,6 @@ use candle_nn::VarBuilder;
 pub use batch::{ForwardBatch, SeqSlice};
 pub use llama::Llama;
 pub use mock::{MockModel, MockSpec};
-pub(crate) use ops::with_slice as with_cpu_slice;
 
 use crate::config::{LlamaConfig, ModelConfig};
 use crate::error::{EngineError, Result};
@@ -53,6 +53,17 @@ pub enum Model {
 }
 
 impl Model {
+    /// Where this model reads its KV cache: the model's device when it runs the tensor path,
+    /// `None` (host vectors) for the host path and the mock. An int8 cache on the CPU's tensor
+    /// path stays on the host even so (`KvCache::with_groups_on` decides: the device ops have
+    /// no int8 yet); on a GPU it is refused.
+    pub fn kv_device(&self) -> Option<&Device> {
+        match self {
+            Model::Llama(m) if !m.runs_host_path() => Some(m.device()),
+            _ => None,
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         match self {
             Model::Llama(m) => m.config(),

@@ -1,7 +1,7 @@
 //! CPU operations that run on raw slices of candle tensors, where a fused loop beats a chain
 //! of tensor ops: rope + KV write + paged attention, and SiLU-gated multiply.
 
-use candle_core::{DType, Device, Storage, Tensor, WithDType};
+use candle_core::{DType, Device, Tensor, WithDType};
 use kernels::{AttnOptions, CacheShape, Int8Kv, Int8KvMut, KvElem, SeqAttn};
 
 use super::batch::ForwardBatch;
@@ -10,28 +10,12 @@ use crate::config::Activation;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::LayerKvMut;
 
+pub(crate) use super::cpu_slice::with_slice;
+
 /// Token rows from which rope and the Q/K/V split run on every kernel thread.
 const ROPE_PARALLEL_ROWS: usize = 16;
 /// Token rows from which they are cut into several tasks per thread.
 const ROPE_BALANCED_ROWS: usize = 64;
-
-/// Runs `f` on the contiguous CPU slice behind `t`.
-pub(crate) fn with_slice<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cpu) => {
-            let data = cpu.as_slice::<T>()?;
-            let (a, b) = layout
-                .contiguous_offsets()
-                .expect("tensor was made contiguous above");
-            Ok(f(&data[a..b]))
-        }
-        _ => Err(EngineError::InvalidConfig {
-            reason: "the CPU attention path was given a non-CPU tensor".into(),
-        }),
-    }
-}
 
 /// Attention dimensions of one model.
 #[derive(Debug, Clone, Copy)]
