@@ -37,7 +37,8 @@ pub struct EngineArgs {
     #[arg(long = "path", env = "FISSION_PATH", default_value = "auto")]
     pub forward_path: ForwardPath,
     /// On CUDA, the share of the GPU's total memory this process may use (vLLM's meaning): the
-    /// KV cache gets what is free after the weights, less the rest. Ignored on the CPU
+    /// KV cache gets that share less what the process already holds (its weights), and never
+    /// more than is free, so two nodes at 0.45 each share one GPU. Ignored on the CPU
     /// (`--kv-memory-fraction`) and when `--num-kv-blocks` is given.
     #[arg(long, env = "FISSION_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
