@@ -101,8 +101,17 @@ fn io<'a>(
 /// Files this process created, numbered apart.
 fn unique_name(prefix: &str, suffix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
+    // The process's start time besides its pid: a file left by a killed process whose pid is
+    // reused would otherwise make bind (or create_new) fail with "already in use".
+    static STARTED: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+    let started = STARTED.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default()
+    });
     format!(
-        "{prefix}-{}-{}{suffix}",
+        "{prefix}-{}-{started:x}-{}{suffix}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
