@@ -1,6 +1,7 @@
 //! The UCX KV transport across real processes: `fission up --kv-transport ucx` with 1 prefill
 //! and 1 decode node serves the reference tokens, with each layer put by UCX over its TCP
-//! transport into memory the decode node registered, and gives every block back (issue 34).
+//! transport into memory the decode node registered (every push counted under
+//! `transport="ucx"`), and gives every block back (issue 34).
 //! Needs libucx0 (deploy/install-test-tools.sh installs it).
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
@@ -92,6 +93,15 @@ async fn serves_reference_tokens() {
     let log = std::fs::read_to_string(dir.path().join("cluster.log")).unwrap();
     assert!(log.contains("kv ucx server listening"), "{log}");
     assert!(log.contains("kv ucx connection ready"), "{log}");
+    // Every push went over UCX: none through shared memory beside it.
+    let pushes = |transport: &str| {
+        cluster.metric(
+            "prefill-0",
+            &format!("fission_prefill_kv_pushes_total{{transport=\"{transport}\"}}"),
+        )
+    };
+    assert!(pushes("ucx") > 0.0, "{}", pushes("ucx"));
+    assert_eq!(pushes("shm"), 0.0);
     wait_until_async(
         "every block given back within 2 s",
         Duration::from_secs(2),
