@@ -3,7 +3,8 @@
 //!
 //!     cargo run --release -p kv-bench --example quic_ab -- [TOKENS,..] [REPEATS] [MTU,..]
 //!
-//! Each MTU is a `loopback_mtu` row (0: quinn's 1452-byte path MTU, as before issue 34).
+//! Each MTU is a `loopback_mtu` row (0: quinn's 1452-byte path MTU, as before issue 34; at
+//! most `MAX_GSO_MTU`), each with Cubic and with BBR (`loopback_bbr`).
 
 use kv_bench::{run_bench, BenchBackend, BenchConfig};
 use kvtransfer::QuicConfig;
@@ -18,16 +19,22 @@ fn main() -> anyhow::Result<()> {
     };
     let tokens = list(args.next(), "1024,4096");
     let repeats = list(args.next(), "7").first().copied().unwrap_or(7) as usize;
-    let mtus = list(args.next(), "0,8952,16384,32768,65000");
+    let mtus = list(args.next(), "0,4096,6500");
     let mut backends = vec![BenchBackend::RawTcp, BenchBackend::Shm { connections: 8 }];
     for mtu in mtus {
-        backends.push(BenchBackend::Quic {
-            label: format!("loopback_mtu {mtu}"),
-            config: QuicConfig {
-                loopback_mtu: mtu as u16,
-                ..QuicConfig::default()
-            },
-        });
+        for bbr in [false, true] {
+            if mtu == 0 && bbr {
+                continue;
+            }
+            backends.push(BenchBackend::Quic {
+                label: format!("loopback_mtu {mtu}{}", if bbr { ", bbr" } else { "" }),
+                config: QuicConfig {
+                    loopback_mtu: mtu as u16,
+                    loopback_bbr: bbr,
+                    ..QuicConfig::default()
+                },
+            });
+        }
     }
     let cfg = BenchConfig {
         prompt_tokens: tokens.into_iter().map(|t| t as usize).collect(),

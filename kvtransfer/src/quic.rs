@@ -83,6 +83,10 @@ pub struct QuicConfig {
     /// packets move more bytes per CPU second. At most [`MAX_GSO_MTU`]; 0 uses
     /// `initial_mtu` and discovery as for any peer. Other peers always keep discovery.
     pub loopback_mtu: u16,
+    /// BBR instead of Cubic to a peer on a loopback address (with `loopback_mtu`). Off: on
+    /// loopback it lost more datagrams and was slower in 5 of 6 A/B rows
+    /// (`benchmarks/history/2026-11-29-quic-shm.md`).
+    pub loopback_bbr: bool,
     /// Round-robin between streams of equal priority. Off (the default), streams go out in
     /// the order they were written: early layers finish first, packets carry fewer stream
     /// frames, and on loopback a whole transfer finished 5-20% sooner.
@@ -111,6 +115,7 @@ impl Default for QuicConfig {
             mtu_upper_bound: 1452,
             initial_mtu: 1200,
             loopback_mtu: LOOPBACK_MTU,
+            loopback_bbr: false,
             send_fairness: false,
             socket_buffer_bytes: 4 << 20,
             max_connections: 1024,
@@ -173,6 +178,9 @@ impl QuicConfig {
         t.initial_mtu(mtu)
             .min_mtu(mtu)
             .mtu_discovery_config(Some(discovery));
+        if self.loopback_bbr {
+            t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+        }
         Ok(Some(t))
     }
 
