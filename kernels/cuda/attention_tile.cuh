@@ -48,6 +48,8 @@ struct AttnParams {
     int num_partitions;   // gridDim.z
     float scale_log2;     // softmax scale * log2(e)
     int cap;              // query vectors per tile: WARPS * QPW of the launched kernel
+    int window;           // sliding window: row at pos sees keys pos + 1 - window..=pos; 0: none
+    float softcap;        // attention-logit soft-cap: s -> cap * tanh(s / cap); 0: none
 };
 
 // Tile table entry: first query row (in q/out), rows in the tile, absolute position of the first
@@ -136,14 +138,23 @@ __device__ void attend_tile(const AttnParams& p) {
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < QPW; ++i) {
-            // Both conditions are the same on every lane, so the warp stays converged.
-            if (!valid[i] || k0 > pos[i]) continue;
+            // The first key this row sees (its window's start; 0 without a window).
+            const int lo = p.window > 0 ? pos[i] + 1 - p.window : 0;
+            // Every condition is the same on every lane, so the warp stays converged. A tile
+            // wholly before the window is skipped, so it costs no FMAs.
+            if (!valid[i] || k0 > pos[i] || k0 + n - 1 < lo) continue;
             const float* qv = qs + (warp * QPW + i) * hd;
             const float* kr = kt + lane * ks;
             float s = 0.f;
             for (int d = 0; d < hd; ++d) s = fmaf(qv[d], kr[d], s);
-            if (lane >= n || k0 + lane > pos[i]) s = -INFINITY;
-            // Lane 0's key k0 <= pos is visible, so the tile max is finite.
+            if (p.softcap > 0.f) {
+                // s is scale * q.k in base 2; the cap applies to the natural-base score.
+                const float nat = s * 0.69314718f;
+                s = p.softcap * tanhf(nat / p.softcap) * 1.44269504f;
+            }
+            if (lane >= n || k0 + lane > pos[i] || k0 + lane < lo) s = -INFINITY;
+            // Some key of max(k0, lo)..=min(k0 + n - 1, pos) is visible (k0 <= pos, lo <= pos
+            // and k0 + n - 1 >= lo), so the tile max is finite.
             const float m_new = fmaxf(m[i], warp_max(s));
             const float pr = exp2f(s - m_new);
             const float corr = exp2f(m[i] - m_new);
@@ -176,7 +187,7 @@ __device__ void attend_tile(const AttnParams& p) {
             }
             if (lane == 0) {
                 float* ml = reinterpret_cast<float*>(p.partial_ml) + pv * 2;
-                ml[0] = m[i];  // -inf when every key of this part lies after the row
+                ml[0] = m[i];  // -inf when every key of this part lies after the row or before its window
                 ml[1] = l[i];
             }
         } else {

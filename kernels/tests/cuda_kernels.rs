@@ -10,7 +10,7 @@
 use half::{bf16, f16};
 use kernels::cuda::{AttentionKernel, CudaKernels, CudaKvElem, PinnedStaging};
 use kernels::reference::paged_attention_reference;
-use kernels::{CacheShape, KernelError, KvElem, SeqAttn};
+use kernels::{AttnOptions, CacheShape, KernelError, KvElem, SeqAttn};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -91,20 +91,36 @@ impl<T: CudaKvElem> Batch<T> {
     }
 
     /// GPU against the CPU reference, for every kernel, within `tolerance * (1 + |want|)`.
-    fn check(&self, gpu: &CudaKernels, scale: f32, tolerance: f32) {
+    /// Without a window or soft-cap the reference is the plain one; with them, the CPU
+    /// kernels' `paged_attention_with`, which the CPU tests hold to its own reference.
+    fn check(&self, gpu: &CudaKernels, opts: AttnOptions, tolerance: f32) {
         let seqs = self.seq_attn();
         let mut want = vec![T::default(); self.q.len()];
-        paged_attention_reference(
-            &self.layout,
-            &self.k,
-            &self.v,
-            &self.q,
-            &mut want,
-            self.num_heads,
-            &seqs,
-            scale,
-        )
-        .expect("valid batch");
+        if opts.window.is_none() && opts.softcap.is_none() {
+            paged_attention_reference(
+                &self.layout,
+                &self.k,
+                &self.v,
+                &self.q,
+                &mut want,
+                self.num_heads,
+                &seqs,
+                opts.scale,
+            )
+            .expect("valid batch");
+        } else {
+            kernels::paged_attention_with(
+                &self.layout,
+                &self.k,
+                &self.v,
+                &self.q,
+                &mut want,
+                self.num_heads,
+                &seqs,
+                opts,
+            )
+            .expect("valid batch");
+        }
         let stream = gpu.stream();
         let k = stream.clone_htod(&self.k).expect("upload");
         let v = stream.clone_htod(&self.v).expect("upload");
@@ -120,7 +136,7 @@ impl<T: CudaKvElem> Batch<T> {
         ];
         for kernel in kernels {
             let mut out = stream.alloc_zeros::<T>(self.q.len()).expect("alloc");
-            gpu.paged_attention(
+            gpu.paged_attention_with(
                 &self.layout,
                 &k,
                 &v,
@@ -128,7 +144,7 @@ impl<T: CudaKvElem> Batch<T> {
                 &mut out,
                 self.num_heads,
                 &seqs,
-                scale,
+                opts,
                 kernel,
             )
             .expect("valid batch");
@@ -154,11 +170,48 @@ fn check_all_dtypes(
 ) {
     let gpu = gpu();
     for scale in [1.0 / (head_dim as f32).sqrt(), 1.5] {
-        Batch::<f32>::new(seed, group, kv_heads, head_dim, shapes).check(&gpu, scale, 1e-4);
-        // Same inputs as the reference; only the f32 summation order and the final rounding
-        // differ, so one or two units in the last place.
-        Batch::<bf16>::new(seed, group, kv_heads, head_dim, shapes).check(&gpu, scale, 1.6e-2);
-        Batch::<f16>::new(seed, group, kv_heads, head_dim, shapes).check(&gpu, scale, 2e-3);
+        let opts = AttnOptions {
+            scale,
+            window: None,
+            softcap: None,
+        };
+        check_dtypes(&gpu, seed, group, kv_heads, head_dim, shapes, opts);
+    }
+}
+
+fn check_dtypes(
+    gpu: &CudaKernels,
+    seed: u64,
+    group: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    shapes: &[(usize, usize)],
+    opts: AttnOptions,
+) {
+    Batch::<f32>::new(seed, group, kv_heads, head_dim, shapes).check(gpu, opts, 1e-4);
+    // Same inputs as the reference; only the f32 summation order and the final rounding
+    // differ, so one or two units in the last place.
+    Batch::<bf16>::new(seed, group, kv_heads, head_dim, shapes).check(gpu, opts, 1.6e-2);
+    Batch::<f16>::new(seed, group, kv_heads, head_dim, shapes).check(gpu, opts, 2e-3);
+}
+
+#[test]
+fn windowed_and_soft_capped_batches_match_the_cpu_kernels() {
+    // Gemma's options: windows shorter and longer than a staged tile of 32 keys and than the
+    // split-K parts, a prefill chunk past its window beside decode rows, with and without a cap.
+    let gpu = gpu();
+    let shapes = [(70, 700), (1, 300), (1, 20), (33, 64)];
+    for (window, softcap) in [
+        (Some(16), None),
+        (Some(100), Some(50.0)),
+        (None, Some(20.0)),
+    ] {
+        let opts = AttnOptions {
+            scale: 0.125,
+            window,
+            softcap,
+        };
+        check_dtypes(&gpu, 9, 2, 2, 64, &shapes, opts);
     }
 }
 

@@ -110,11 +110,6 @@ pub(super) fn paged_attention(
         kv: &CudaStorage,
         kv_l: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        if op.opts.window.is_some() || op.opts.softcap.is_some() {
-            candle_core::bail!(
-                "paged-attention: the CUDA kernels have no sliding window or soft-cap yet"
-            );
-        }
         let stream = kv.device.cuda_stream();
         let kernels = kernels_for(&stream)?;
         let ((qa, qb), (a, b)) = (offsets(q_l)?, offsets(kv_l)?);
@@ -125,7 +120,7 @@ pub(super) fn paged_attention(
         let mut out = stream.alloc_zeros::<T>(qb - qa).map_err(err)?;
         let seqs: Vec<SeqAttn<'_>> = op.seqs.iter().map(SeqRows::attn).collect();
         kernels
-            .paged_attention(
+            .paged_attention_with(
                 &op.layout,
                 &k,
                 &v,
@@ -133,7 +128,7 @@ pub(super) fn paged_attention(
                 &mut out,
                 op.num_heads,
                 &seqs,
-                op.opts.scale,
+                op.opts,
                 AttentionKernel::Auto,
             )
             .map_err(err)?;

@@ -6,7 +6,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKern
 use super::{dtype_name, CudaKernels, CudaKvElem, PREFILL_QPW};
 use crate::attention::validate_attention;
 use crate::gpu_plan::{attention_smem_bytes, head_dim_bucket, plan_attention, WARPS};
-use crate::{CacheShape, KernelError, SeqAttn};
+use crate::{AttnOptions, CacheShape, KernelError, SeqAttn};
 
 /// Keys per split-K part when [`AttentionKernel::Auto`] splits.
 const AUTO_PARTITION_KEYS: usize = 512;
@@ -50,6 +50,10 @@ struct AttnParams {
     num_partitions: i32,
     scale_log2: f32,
     cap: i32,
+    /// A sliding layer's window (keys `pos + 1 - window..=pos`); 0 for none.
+    window: i32,
+    /// Attention-logit soft-cap (Gemma 2); 0 for none.
+    softcap: f32,
 }
 
 // SAFETY: a #[repr(C)] struct of integers and floats with the same field order and types as
@@ -84,6 +88,47 @@ impl CudaKernels {
         scale: f32,
         kernel: AttentionKernel,
     ) -> Result<(), KernelError> {
+        let opts = AttnOptions {
+            scale,
+            window: None,
+            softcap: None,
+        };
+        self.paged_attention_with(
+            layout, k_cache, v_cache, q, out, num_heads, seqs, opts, kernel,
+        )
+    }
+
+    /// [`Self::paged_attention`] with a sliding window and soft-capping as `opts` says, the
+    /// contract of [`crate::paged_attention_with`]. Every kernel takes both (0 for none): a
+    /// row skips the staged key tiles wholly before its window, so a window costs no reads.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_with<T: CudaKvElem>(
+        &self,
+        layout: &CacheShape,
+        k_cache: &impl DevicePtr<T>,
+        v_cache: &impl DevicePtr<T>,
+        q: &impl DevicePtr<T>,
+        out: &mut impl DevicePtrMut<T>,
+        num_heads: usize,
+        seqs: &[SeqAttn<'_>],
+        opts: AttnOptions,
+        kernel: AttentionKernel,
+    ) -> Result<(), KernelError> {
+        let AttnOptions {
+            scale,
+            window,
+            softcap,
+        } = opts;
+        let window = match window {
+            None => 0,
+            Some(w) if w > 0 && w <= i32::MAX as usize => w as i32,
+            Some(w) => return Err(KernelError::Invalid(format!("sliding window {w}"))),
+        };
+        let softcap = match softcap {
+            None => 0.0,
+            Some(c) if c.is_finite() && c > 0.0 => c,
+            Some(c) => return Err(KernelError::Invalid(format!("soft-cap {c}"))),
+        };
         let lens = [k_cache.len(), v_cache.len(), q.len(), out.len()];
         validate_attention(layout, lens, num_heads, seqs, scale)?;
         let bucket = head_dim_bucket(layout.head_dim)?;
@@ -164,6 +209,8 @@ impl CudaKernels {
             num_partitions: plan.num_partitions as i32,
             scale_log2: scale * std::f32::consts::LOG2_E,
             cap: plan.cap as i32,
+            window,
+            softcap,
         };
         let threads = (WARPS * 32) as u32;
         let cfg = LaunchConfig {
