@@ -167,7 +167,10 @@ pub fn node_record(
 /// `FISSION_HOST_ID`, when set, replaces it: for nodes that share a kernel but not `/dev/shm`
 /// (containers of one image), or that stand for hosts of their own (network namespaces).
 pub fn host_id() -> String {
-    if let Some(id) = std::env::var("FISSION_HOST_ID").ok().filter(|s| !s.is_empty()) {
+    if let Some(id) = std::env::var("FISSION_HOST_ID")
+        .ok()
+        .filter(|s| !s.is_empty())
+    {
         return id;
     }
     let read = |path: &str| {
