@@ -459,6 +459,9 @@ impl Task {
         metrics::gauge!("fission_decode_kv_blocks_capacity").set(s.num_blocks_total as f64);
         metrics::gauge!("fission_decode_kv_blocks_used")
             .set((s.num_blocks_used - self.engine.num_reserved_blocks()) as f64);
+        // The blocks above are the full-attention group's; this counts every layer group's,
+        // the sliding windows' included (reservations too).
+        metrics::gauge!("fission_decode_kv_bytes_in_use").set(self.engine.kv_bytes_in_use() as f64);
         metrics::gauge!("fission_decode_kv_blocks_reserved")
             .set(self.engine.num_reserved_blocks() as f64);
         metrics::gauge!("fission_decode_reservations_outstanding")

@@ -82,6 +82,11 @@ pub fn describe() {
         "KV blocks held by running sequences."
     );
     describe_gauge!(
+        "fission_decode_kv_bytes_in_use",
+        Unit::Bytes,
+        "KV bytes held now, running sequences and reservations, over every layer and layer group (sliding windows included)."
+    );
+    describe_gauge!(
         "fission_decode_kv_usage_ratio",
         "Share of KV blocks in use or reserved."
     );

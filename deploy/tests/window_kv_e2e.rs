@@ -197,6 +197,7 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
             let held = [
                 ("decode-0", "fission_decode_kv_blocks_used"),
                 ("decode-0", "fission_decode_kv_blocks_reserved"),
+                ("decode-0", "fission_decode_kv_bytes_in_use"),
                 ("prefill-0", "fission_prefill_kv_blocks_used"),
                 // Every layer group's, the sliding windows' included.
                 ("prefill-0", "fission_prefill_kv_bytes_in_use"),
@@ -208,6 +209,17 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
         },
     )
     .await;
+    // A gauge that is not exported reads 0 above: make sure the every-group ones are there.
+    for (node, name) in [
+        ("decode-0", "fission_decode_kv_bytes_in_use"),
+        ("prefill-0", "fission_prefill_kv_bytes_in_use"),
+    ] {
+        let page = testkit::fission::http_get(cluster.metrics_url(node)).unwrap_or_default();
+        assert!(
+            page.lines().any(|l| l.starts_with(&format!("{name} "))),
+            "{node} exports no {name}"
+        );
+    }
 }
 
 const STREAMS: usize = 4;

@@ -119,10 +119,14 @@ async fn read_full<R: AsyncRead + Unpin>(
 ) -> Result<usize, KvTransferError> {
     let mut got = 0;
     while got < buf.len() {
-        let n = r
-            .read(&mut buf[got..])
-            .await
-            .map_err(|source| io_error(peer, "read header", source))?;
+        let n = match r.read(&mut buf[got..]).await {
+            Ok(n) => n,
+            // A TLS stream (shm's) whose peer closed between frames without close_notify,
+            // as a prefill node does when it exits: the same clean end as a plain EOF. Inside
+            // a header it is still truncation, which the caller reports.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
+            Err(source) => return Err(io_error(peer, "read header", source)),
+        };
         if n == 0 {
             break;
         }
@@ -214,6 +218,42 @@ mod tests {
             .await
             .unwrap()
             .is_none());
+    }
+
+    /// Reads `bytes`, then fails as a TLS stream does whose peer left without close_notify.
+    struct EofAfter(Vec<u8>);
+
+    impl AsyncRead for EofAfter {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            if self.0.is_empty() {
+                return std::task::Poll::Ready(Err(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            let n = self.0.len().min(buf.remaining());
+            buf.put_slice(&self.0[..n]);
+            self.0.drain(..n);
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_peer_gone_without_close_notify_is_a_clean_end_between_frames_only() {
+        let (h, p) = frame(vec![8, 1], None);
+        let wire = encode(&h, &p);
+        let limits = FrameLimits::default();
+        let mut scratch = Vec::new();
+        let mut r = EofAfter(Vec::new());
+        let got = read_header(&mut r, &limits, &mut scratch, "test").await;
+        assert!(matches!(got, Ok(None)), "{got:?}");
+        let mut r = EofAfter(wire[..PREFIX_LEN + 5].to_vec());
+        let got = read_header(&mut r, &limits, &mut scratch, "test").await;
+        assert!(
+            matches!(got, Err(KvTransferError::Truncated { .. })),
+            "{got:?}"
+        );
     }
 
     #[tokio::test]
