@@ -8,12 +8,15 @@
 //! `serving` talk to a service a test started on 127.0.0.1.
 
 pub mod certs;
+pub mod cluster_builder;
 pub mod fission;
+pub mod kv_gauges;
 pub mod metrics;
 pub mod netns;
 pub mod phoenix;
 pub mod promtool;
 pub mod python;
+pub mod references;
 pub mod serving;
 pub mod span_capture;
 pub mod wait;
