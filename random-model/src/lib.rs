@@ -6,7 +6,9 @@
 //!
 //! `fission make-random-model` writes benchmark models with it, and the engine's tests build
 //! the models they load with it; it depends on nothing of Fission's, so the engine's tests do
-//! not check the loader against itself. Tooling, not a serving path: its errors are `anyhow`.
+//! not check the loader against itself, except [`gguf_out`], which writes GGUF files with the
+//! `gguf` crate's name table read backwards and is held to llama.cpp's own files byte for byte.
+//! Tooling, not a serving path: its errors are `anyhow`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,6 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+pub mod gguf_out;
 mod moe;
 mod tokenizer;
 
