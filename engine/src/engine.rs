@@ -23,6 +23,7 @@ mod cache_events;
 mod config;
 mod constrain;
 mod disagg;
+mod layer_push;
 mod observer;
 mod prompt_logprobs;
 mod row_sampling;
@@ -476,7 +477,7 @@ impl Engine {
 
     /// Runs one forward step over the scheduled batch and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
-        self.step_with_layer_hook(&mut |_| Ok(()))
+        self.step_with_observer(&mut observer::NoLayers)
     }
 
     /// Like [`step`](Self::step), calling `hook` after each layer with the sequences whose
@@ -509,21 +510,18 @@ impl Engine {
         }
         let (fb, row_uses) = self.forward_batch(&plan);
         let completing = self.completing_prompts(&plan);
-        let logits = if completing.is_empty() {
+        let logits = if completing.is_empty() || !observer.takes_layers() {
             self.model.model.forward(&fb, &mut self.cache)?
         } else {
-            self.model.model.forward_with_layer_hook(
+            // A device cache's layers are staged and handed over one layer late (layer_push).
+            let mut push = layer_push::LayerPipeline::new(&completing, &mut self.cache);
+            let logits = self.model.model.forward_with_layer_hook(
                 &fb,
                 &mut self.cache,
-                &mut |layer, cache| {
-                    observer.layer_done(LayerDone {
-                        layer,
-                        cache,
-                        completing: &completing.tables,
-                        windows: &completing.windows,
-                    })
-                },
-            )?
+                &mut |layer, cache| push.layer_done(layer, cache, observer),
+            )?;
+            push.finish(&mut self.cache, observer)?;
+            logits
         };
         let vocab = self.model.config().vocab_size;
         let (states, scheduler, scratch) =

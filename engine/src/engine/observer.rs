@@ -28,8 +28,24 @@ pub trait StepObserver {
     fn scheduled(&mut self, _seqs: &[ScheduledSeq]) {}
 
     /// After each layer of a step in which some prompt completes; an error fails the step.
+    /// On a device cache a layer arrives once the next one is computed and its own blocks are
+    /// staged for the push (`layer_push`).
     fn layer_done(&mut self, _done: LayerDone<'_>) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether [`layer_done`](Self::layer_done) is wanted: without it a step stages nothing.
+    fn takes_layers(&self) -> bool {
+        true
+    }
+}
+
+/// [`Engine::step`](super::Engine::step)'s observer: nothing to push.
+pub(super) struct NoLayers;
+
+impl StepObserver for NoLayers {
+    fn takes_layers(&self) -> bool {
+        false
     }
 }
 

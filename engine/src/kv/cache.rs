@@ -23,6 +23,7 @@ use kv_types::KvLayout;
 use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
 use crate::kv::groups::KvGroups;
+use crate::kv::staging::{BlockBytes, PushStaging, StagingStats};
 use crate::model::cpu_slice::with_slice;
 use crate::model::device_ops;
 
@@ -116,6 +117,8 @@ pub struct KvCache {
     /// a sliding-window group's pool is smaller than `shape`'s.
     groups: KvGroups,
     layer_shapes: Vec<CacheShape>,
+    /// A device cache's finished layers, gathered ahead for the push ([`crate::kv::staging`]).
+    staging: PushStaging,
 }
 
 impl KvCache {
@@ -148,6 +151,7 @@ impl KvCache {
             layers: Layers::Host(layers),
             groups,
             layer_shapes,
+            staging: PushStaging::default(),
         }
     }
 
@@ -335,6 +339,13 @@ impl KvCache {
         }
         let shape = self.layer_shapes[layer];
         if let Layers::Device(t) = &self.layers {
+            let block = BlockBytes {
+                elems: shape.block_elems() * self.layout.dtype.size_bytes(),
+                scales: self.layout.block_scale_bytes() as usize,
+            };
+            if self.staging.serve(layer, &ids, block, dst)? {
+                return Ok(());
+            }
             // Gathered on the device into one staging tensor, then copied to `dst`.
             let staging = device_ops::gather_blocks(&t[layer], &shape, &ids)?;
             return copy_to_bytes(&staging.to_device(&Device::Cpu)?, dst);
@@ -367,6 +378,8 @@ impl KvCache {
         }
         let shape = self.layer_shapes[layer];
         if let Layers::Device(t) = &self.layers {
+            // Blocks a staged layer holds may change now.
+            self.staging.clear();
             // The bytes as one staging tensor on the device, scattered into the blocks.
             let kv = &t[layer];
             let n = src.len() / kv.dtype().size_in_bytes();
@@ -379,6 +392,35 @@ impl KvCache {
             LayerKvMut::F16(k, v) => scatter::<f16>(&shape, k, v, &ids, src),
             LayerKvMut::Int8(k, v) => Ok(kernels::scatter_blocks_int8(&shape, k, v, &ids, src)?),
         }
+    }
+
+    /// Prefill: gathers blocks `block_ids` of the finished `layer` into the push's staging, for
+    /// [`export_blocks`](Self::export_blocks) to send from ([`crate::kv::staging`]). On a GPU
+    /// the copy is queued on its own stream and this returns at once. A host cache has nothing
+    /// to stage: its exports read the cache itself.
+    pub fn stage_layer(&mut self, layer: usize, block_ids: &[BlockId]) -> Result<()> {
+        self.check_layer(layer)?;
+        let Layers::Device(t) = &self.layers else {
+            return Ok(());
+        };
+        let shape = self.layer_shapes[layer];
+        self.staging
+            .stage(layer, &t[layer], &shape, &raw_ids(block_ids))
+    }
+
+    /// Forgets the staged layers: their blocks may be written from now on.
+    pub fn clear_staged(&mut self) {
+        self.staging.clear();
+    }
+
+    /// The layers the push's staging holds (at most two).
+    pub fn staged_layers(&self) -> Vec<usize> {
+        self.staging.layers()
+    }
+
+    /// How this cache's exports were served: from the staging, or gathered directly.
+    pub fn staging_stats(&self) -> StagingStats {
+        self.staging.stats()
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -404,7 +446,7 @@ fn lazy_zeros(dtype: KvDtype, n: usize) -> Result<Tensor> {
 }
 
 /// Copies a contiguous CPU tensor's elements into `dst` as native-endian bytes.
-fn copy_to_bytes(t: &Tensor, dst: &mut [u8]) -> Result<()> {
+pub(super) fn copy_to_bytes(t: &Tensor, dst: &mut [u8]) -> Result<()> {
     fn copy<T: candle_core::WithDType + bytemuck::Pod>(t: &Tensor, dst: &mut [u8]) -> Result<()> {
         with_slice::<T, _>(t, |s| {
             dst.copy_from_slice(bytemuck::cast_slice(s));

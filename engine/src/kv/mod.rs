@@ -4,3 +4,6 @@ pub mod allocator;
 pub mod cache;
 pub mod groups;
 pub mod prefix;
+pub mod staging;
+#[cfg(feature = "cuda")]
+mod staging_cuda;
