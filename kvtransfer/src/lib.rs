@@ -85,12 +85,14 @@
 //! `kernels::gather_blocks`, which is the wire layout) and copies it to the host buffer that
 //! `send_layer` sends; the decode node's [`KvSink`] hands a received layer to the engine,
 //! which uploads it and scatters it into its blocks (`device_ops::scatter_blocks`). On the
-//! CPU the same code runs with CPU tensors (tested through a 1P+1D cluster). The copy to the
-//! host is candle's, on the model's stream into pageable memory, so it waits for the layer
-//! and is not yet overlapped with the next one; pinned staging on a stream of its own
-//! (`kernels::cuda::PinnedStaging`, measured by `kernels/tests/cuda_kernels.rs`) is the next
-//! step. Each byte crosses PCIe twice (device → host on the sender, host → device on the
-//! receiver) besides the wire.
+//! CPU the same code runs with CPU tensors (tested through a 1P+1D cluster). On a GPU the
+//! prefill node's gather and copy run on a copy stream of their own into pinned host memory
+//! (`kernels::cuda::PinnedStaging`, two buffers that alternate: `engine::kv::staging`): the
+//! copy stream waits on an event recorded after the layer's reshape-and-cache, and the engine
+//! hands layer N to the push once layer N + 1 is queued, so layer N crosses PCIe and is sent
+//! while N + 1 computes. Each byte crosses PCIe twice (device → host on the sender, host →
+//! device on the receiver) besides the wire, and is copied once more on each host (pinned
+//! buffer to the send buffer; the received bytes to the upload).
 //!
 //! With GPUDirect RDMA the NIC reads and writes GPU memory over PCIe peer-to-peer, so:
 //! - the decode node registers its device K/V cache (`nvidia-peermem`/dma-buf, `ibv_reg_mr`
