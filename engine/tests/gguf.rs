@@ -1,5 +1,6 @@
-//! GGUF files converted by llama.cpp's own `convert_hf_to_gguf.py` from stories260K
-//! (`gguf/tests/fixtures`), loaded through `--model FILE.gguf`'s path: the same greedy ids as
+//! GGUF files as llama.cpp's own `convert_hf_to_gguf.py` converts stories260K (written on
+//! first use by `random_model::gguf_out`, checked byte for byte against the files the converter
+//! made: `gguf/tests/fixtures/manifest.json`), loaded through `--model FILE.gguf`'s path: the same greedy ids as
 //! the safetensors checkpoint (F32), the agreement of Q8_0, the same tokenizer, and clear
 //! errors for bad files.
 
@@ -16,10 +17,13 @@ use engine::quantize::Quantize;
 use common::agreement::{compare, prompts};
 use common::{engine, greedy, references, shared_model};
 
+/// A GGUF fixture, written on first use to be byte for byte the file llama.cpp's converter
+/// made (`random_model::gguf_out::fixtures`); other names are files in `gguf/tests/fixtures`.
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../gguf/tests/fixtures")
-        .join(name)
+    if name.ends_with(".gguf") {
+        return random_model::gguf_out::fixtures::path(name);
+    }
+    random_model::gguf_out::fixtures::sources_dir().join(name)
 }
 
 fn load(path: &Path, quantize: Quantize) -> engine::error::Result<LoadedModel> {

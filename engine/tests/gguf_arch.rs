@@ -1,6 +1,8 @@
 //! Every architecture the engine supports, from GGUF files that llama.cpp's own
 //! `convert_hf_to_gguf.py` (F32) and `llama-quantize` (Q8_0) made from tiny random models
-//! (`gguf/tests/fixtures/arch`: `specs.json`, `make.py`): Gemma 2, Gemma 3, Phi-3, Phi-4-mini
+//! (`gguf/tests/fixtures/arch`: `specs.json`, `make.py`; the files are not committed:
+//! `random_model::gguf_out` writes them on first use and checks them byte for byte against
+//! llama.cpp's, `gguf/tests/fixtures/manifest.json`): Gemma 2, Gemma 3, Phi-3, Phi-4-mini
 //! (partial rotary, LongRoPE), Mixtral and Qwen3-MoE. Llama, Qwen2 and Qwen3 are `gguf.rs`'s
 //! stories260K and the bench's files; Mistral is a `llama` file (llama.cpp's converter drops its
 //! sliding window, so a windowed Mistral GGUF runs as llama.cpp runs it: without one).
@@ -34,8 +36,15 @@ use serde::Deserialize;
 use common::arch_refs::{argmax, first_position_logits, stories_tokenizer, F32_LOGIT_TOL};
 use common::{engine, greedy};
 
+/// `gguf/tests/fixtures/arch`: the specs and llama.cpp's ids (no weights).
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../gguf/tests/fixtures/arch")
+    random_model::gguf_out::fixtures::sources_dir().join("arch")
+}
+
+/// GGUF fixture `file` (`NAME-f32.gguf`, `NAME-q8_0.gguf`), written on first use to be byte for
+/// byte the file llama.cpp made (`random_model::gguf_out::fixtures`).
+fn gguf_file(file: &str) -> PathBuf {
+    random_model::gguf_out::fixtures::path(&format!("arch/{file}"))
 }
 
 #[derive(Deserialize)]
@@ -102,7 +111,7 @@ fn check_f32(name: &str) {
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), spec, &stories_tokenizer()).unwrap();
     let st = load(dir.path(), Quantize::None);
-    let gguf = load(&fixtures().join(format!("{name}-f32.gguf")), Quantize::None);
+    let gguf = load(&gguf_file(&format!("{name}-f32.gguf")), Quantize::None);
     // The Llama-family converter writes a tied output twice (`token_embd`, `output`).
     let mut want = st.config().clone();
     want.tie_word_embeddings = gguf.config().tie_word_embeddings;
@@ -148,9 +157,9 @@ fn check_q8_0(name: &str) {
     let refs = llama_cpp();
     let file = format!("{name}-q8_0.gguf");
     let theirs = &refs.models[name].files[&file].ids;
-    let f32_model = load(&fixtures().join(format!("{name}-f32.gguf")), Quantize::None);
+    let f32_model = load(&gguf_file(&format!("{name}-f32.gguf")), Quantize::None);
     for quantize in [Quantize::None, Quantize::Dequant] {
-        let q8 = load(&fixtures().join(&file), quantize);
+        let q8 = load(&gguf_file(&file), quantize);
         let (mut steps, mut flips) = (0, 0);
         for (prompt, ids) in refs.prompts.iter().zip(theirs) {
             let mut seq = prompt.clone();
@@ -221,10 +230,9 @@ const TEXTS: &[&str] = &[
 /// The GGUF tokenizer of each fixture in `names` encodes and decodes `TEXTS` as `hf` does.
 fn tokenizers_agree(names: &[&str], hf: &tokenizers::Tokenizer) {
     for name in names {
-        let files = ModelFiles::resolve(&ModelSource::Local(
-            fixtures().join(format!("{name}-f32.gguf")),
-        ))
-        .unwrap();
+        let files =
+            ModelFiles::resolve(&ModelSource::Local(gguf_file(&format!("{name}-f32.gguf"))))
+                .unwrap();
         let ours = tokenizers::Tokenizer::from_file(&files.tokenizer).unwrap();
         for text in TEXTS {
             for special in [false, true] {
@@ -298,7 +306,7 @@ fn gemma_norms_and_experts_load_as_the_checkpoint_stores_them() {
         let st = candle_core::safetensors::load(dir.path().join("model.safetensors"), &Device::Cpu)
             .unwrap();
         let want = st[tensor].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let file = gguf::GgufFile::open(&fixtures().join(format!("{name}-f32.gguf"))).unwrap();
+        let file = gguf::GgufFile::open(&gguf_file(&format!("{name}-f32.gguf"))).unwrap();
         let got = gguf::load_tensors(&file, DType::F32, &Device::Cpu).unwrap();
         let got_t = &got[tensor];
         if let Some(dims) = check {

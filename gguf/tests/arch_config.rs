@@ -1,6 +1,7 @@
 //! config.json from each architecture's llama.cpp keys, where the file is silent as llama.cpp
-//! reads it, and clear errors for what neither llama.cpp nor the engine runs. (The fixtures in
-//! `tests/fixtures/arch` check real converted files end to end: engine/tests/gguf_arch.rs.)
+//! reads it, and clear errors for what neither llama.cpp nor the engine runs. (The fixtures of
+//! `tests/fixtures/arch`, written on first use byte for byte as llama.cpp's converter wrote
+//! them, check real converted files end to end: engine/tests/gguf_arch.rs.)
 
 use gguf::test_bytes::GgufBuilder;
 use serde_json::{json, Value};
