@@ -22,6 +22,8 @@
 #[allow(dead_code)]
 #[path = "fault_suite/harness.rs"]
 mod harness;
+#[path = "fault_suite/migration.rs"]
+mod migration;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -32,8 +34,9 @@ use engine::loader::ModelSource;
 use engine::model::LoadedModel;
 use random_model::{fingerprint, write_model, ModelSpec};
 use serde_json::{json, Value};
-use testkit::fission::{stories_dir, Up, UpConfig};
-use testkit::wait_until_async;
+use testkit::cluster_builder::ClusterBuilder;
+use testkit::fission::stories_dir;
+use testkit::references::{arch_variant, generate_ids};
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 
@@ -42,25 +45,10 @@ struct Reference {
     output_ids: Vec<u32>,
 }
 
-fn variant(name: &str) -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../engine/tests/reference/arch_refs.json"
-    );
-    let refs: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    refs["variants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == name)
-        .unwrap_or_else(|| panic!("arch_refs.json has no variant {name:?}"))
-        .clone()
-}
-
 /// Writes `name`'s model into `dir`, checks it is the one the references came from, and
 /// returns its references.
 fn materialize(name: &str, dir: &std::path::Path) -> Vec<Reference> {
-    let v = &variant(name);
+    let v = &arch_variant(name);
     let spec: ModelSpec = serde_json::from_value(v["spec"].clone()).unwrap();
     write_model(dir, &spec, &stories_dir()).unwrap();
     assert_eq!(
@@ -123,25 +111,6 @@ async fn completion_token_texts(
         .collect()
 }
 
-/// `/generate` with `details`: the generated ids (the gateway stops at end of text).
-async fn generate_ids(client: &::reqwest::Client, url: &str, prompt: &str, n: usize) -> Vec<u32> {
-    let resp: Value = client
-        .post(format!("{url}/generate"))
-        .json(&json!({"inputs": prompt, "parameters": {"max_new_tokens": n, "details": true}}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    resp["details"]["tokens"]
-        .as_array()
-        .unwrap_or_else(|| panic!("details in {resp}"))
-        .iter()
-        .map(|t| u32::try_from(t["id"].as_u64().unwrap()).unwrap())
-        .collect()
-}
-
 /// Serves `name`'s references twice through 1P+1D (the second round hits the prefix cache),
 /// then waits for every KV gauge to return to 0.
 async fn serves_the_references(name: &str) {
@@ -201,9 +170,7 @@ async fn serves_the_references(name: &str) {
             .push(id);
     }
 
-    let mut config = UpConfig::new(FISSION, 1, 1);
-    config.model = dir.path().to_path_buf();
-    let cluster = Up::start(&config);
+    let cluster = ClusterBuilder::new(FISSION).model(dir.path()).start();
     let client = ::reqwest::Client::new();
     let mut exact = 0;
     for round in 0..2 {
@@ -232,7 +199,11 @@ async fn serves_the_references(name: &str) {
     let mut by_id = 0;
     for round in 0..2 {
         for (i, (text, want)) in text_prompts.iter().enumerate() {
-            let got = generate_ids(&client, &cluster.url, text, want.len()).await;
+            let got: Vec<u32> = generate_ids(&client, &cluster.url, text, want.len())
+                .await
+                .into_iter()
+                .map(|id| u32::try_from(id).unwrap())
+                .collect();
             assert!(
                 !got.is_empty() && want.starts_with(&got),
                 "{name} round {round} text prompt {i}: cluster {got:?}, in-process {want:?}"
@@ -248,22 +219,7 @@ async fn serves_the_references(name: &str) {
         cluster.metric("decode-0", "fission_decode_generated_tokens_total") >= 1.0,
         "{name}: the decode node generated nothing"
     );
-    wait_until_async(
-        "every block given back within 2 s",
-        Duration::from_secs(2),
-        || {
-            let held = [
-                ("decode-0", "fission_decode_kv_blocks_used"),
-                ("decode-0", "fission_decode_kv_blocks_reserved"),
-                ("prefill-0", "fission_prefill_kv_blocks_used"),
-            ]
-            .iter()
-            .map(|(node, name)| cluster.metric(node, name))
-            .sum::<f64>();
-            async move { held == 0.0 }
-        },
-    )
-    .await;
+    cluster.wait_kv_released(Duration::from_secs(2)).await;
     println!(
         "{name} through 1P+1D: {total} tokens of transformers' text ({exact} of a text only \
          their id has), {by_id} ids equal to the in-process engine's"
@@ -280,98 +236,19 @@ async fn a_mixture_of_experts_serves_the_transformers_ids_through_1p_1d() {
     serves_the_references("qwen3_moe").await;
 }
 
-const STREAMS: usize = 4;
-const STREAM_TOKENS: usize = 200;
-
-fn stream_body(client: usize) -> Value {
-    harness::body(
-        &format!("Stream {client}: the little dog ran to the park"),
-        STREAM_TOKENS,
-    )
-}
-
 #[test]
 fn a_mixture_of_experts_keeps_its_ids_across_a_decode_migration_mid_stream() {
-    // Slow steps, so the kill lands mid-stream (read by the node processes started below).
-    std::env::set_var("FISSION_DEBUG_STEP_DELAY_MS", "10");
     let dir = tempfile::tempdir().unwrap();
     let model_dir = dir.path().join("qwen3-moe");
-    let mut spec: ModelSpec = serde_json::from_value(variant("qwen3_moe")["spec"].clone()).unwrap();
+    let mut spec: ModelSpec =
+        serde_json::from_value(arch_variant("qwen3_moe")["spec"].clone()).unwrap();
     spec.max_pos = 1024;
     write_model(&model_dir, &spec, &stories_dir()).unwrap();
-    let model = LoadedModel::load(
-        &ModelSource::Local(model_dir.clone()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let want: Vec<Vec<u64>> = (0..STREAMS)
-        .map(|i| {
-            let text = stream_body(i)["inputs"].as_str().unwrap().to_string();
-            let ids = model
-                .tokenizer
-                .encode(text.as_str(), true)
-                .unwrap()
-                .get_ids()
-                .to_vec();
-            let out = engine
-                .generate(vec![Request::greedy_fixed_length(
-                    SeqId(i as u64),
-                    ids,
-                    STREAM_TOKENS,
-                )])
-                .unwrap();
-            out[0].output_ids.iter().map(|&x| u64::from(x)).collect()
-        })
-        .collect();
-
-    let mut c = harness::Cluster::start(
-        dir.path(),
-        &model_dir,
-        vec![
-            harness::node("prefill", "prefill-0", &[]),
-            harness::node("decode", "decode-0", &[]),
-            harness::node("decode", "decode-1", &[]),
-        ],
-        &[],
+    let migrations = migration::ids_survive_a_decode_kill(dir.path(), &model_dir, 20.0);
+    println!(
+        "qwen3_moe on 1P+2D, decode-0 killed mid-stream: {migrations} migrations, {} streams \
+         of {} ids equal to the in-process engine's",
+        migration::STREAMS,
+        migration::STREAM_TOKENS
     );
-    let url = c.url.clone();
-    let load = std::thread::spawn(move || {
-        testkit::streams::run(&url, STREAMS, 1, Duration::from_secs(60), |client, _| {
-            stream_body(client)
-        })
-    });
-    let m = c.node("decode-0").metrics.clone();
-    testkit::wait_until("decode-0 generating", Duration::from_secs(30), || {
-        testkit::fission::metric(&m, "fission_decode_generated_tokens_total") >= 20.0
-            && testkit::fission::metric(&m, "fission_decode_running_sequences") >= 1.0
-    });
-    c.node("decode-0").signal(libc::SIGKILL);
-    let mut records = load.join().unwrap();
-    records.sort_by_key(|r| r.client);
-    harness::assert_all_ok(&records, "across decode-0's death");
-    for (r, want) in records.iter().zip(&want) {
-        assert_eq!(
-            r.token_ids.len(),
-            STREAM_TOKENS,
-            "no token twice, none missing"
-        );
-        assert_eq!(
-            &r.token_ids, want,
-            "stream {}: the in-process engine's ids across the migration",
-            r.client
-        );
-    }
-    let migrations = c.gateway_metric("fission_gateway_migrations_total");
-    assert!(migrations >= 1.0, "the gateway migrated nothing");
-    c.assert_kv_released();
-    println!("qwen3_moe on 1P+2D, decode-0 killed mid-stream: {migrations} migrations, {STREAMS} streams of {STREAM_TOKENS} ids equal to the in-process engine's");
 }

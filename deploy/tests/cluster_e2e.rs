@@ -10,16 +10,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{json, Value};
-use testkit::fission::{http_get, stories_dir, KillOnDrop, Up, UpConfig};
-use testkit::{wait_until, wait_until_async};
-
-fn references() -> Vec<Value> {
-    let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(stories_dir().join("reference_greedy.json")).expect("reference"),
-    )
-    .expect("json");
-    v["references"].as_array().expect("array").clone()
-}
+use testkit::cluster_builder::ClusterBuilder;
+use testkit::fission::{http_get, KillOnDrop, Up};
+use testkit::references::{assert_concurrent_references, generate_ids, references};
+use testkit::wait_until;
 
 /// One cluster at a time: two at once on a 2-core CI machine would only test the scheduler.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -28,45 +22,9 @@ const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 
 /// `fission up` with `prefill` and `decode` nodes (KV over QUIC), `env` and `args`.
 fn start(prefill: usize, decode: usize, env: &[(&str, &str)], args: &[&str]) -> Up {
-    let mut config = UpConfig::new(FISSION, prefill, decode);
-    config.env = env
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    config.args = args.iter().map(|a| a.to_string()).collect();
-    Up::start(&config)
-}
-
-async fn generate_ids(
-    client: &::reqwest::Client,
-    url: &str,
-    prompt: &str,
-    max_new: usize,
-) -> Vec<u64> {
-    let resp: Value = client
-        .post(format!("{url}/generate"))
-        .json(
-            &json!({"inputs": prompt, "parameters": {"max_new_tokens": max_new, "details": true}}),
-        )
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
-    resp["details"]["tokens"]
-        .as_array()
-        .unwrap_or_else(|| panic!("details in {resp}"))
-        .iter()
-        .map(|t| t["id"].as_u64().expect("id"))
-        .collect()
-}
-
-fn expected(r: &Value, n: usize) -> Vec<u64> {
-    r["output_ids"].as_array().expect("ids")[..n]
-        .iter()
-        .map(|x| x.as_u64().expect("id"))
-        .collect()
+    let builder = ClusterBuilder::new(FISSION).nodes(prefill, decode);
+    let builder = env.iter().fold(builder, |b, (k, v)| b.env(k, v));
+    args.iter().fold(builder, |b, a| b.arg(*a)).start()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -76,36 +34,15 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     let client = ::reqwest::Client::new();
     let refs = references();
     for r in &refs {
-        let ids = generate_ids(
-            &client,
-            &cluster.url,
-            r["prompt"].as_str().expect("prompt"),
-            32,
-        )
-        .await;
-        assert_eq!(ids, expected(r, 32), "prompt {}", r["prompt"]);
+        let ids = generate_ids(&client, &cluster.url, &r.prompt, 32).await;
+        assert_eq!(ids, r.expected(32), "prompt {}", r.prompt);
     }
     // 16 concurrent requests of mixed prompt and output lengths.
-    let jobs: Vec<_> = (0..16)
-        .map(|i| {
-            let r = refs[i % refs.len()].clone();
-            let n = 8 + (i * 5) % 25;
-            let (client, url) = (client.clone(), cluster.url.clone());
-            tokio::spawn(async move {
-                let ids =
-                    generate_ids(&client, &url, r["prompt"].as_str().expect("prompt"), n).await;
-                (ids, expected(&r, n))
-            })
-        })
-        .collect();
-    for j in jobs {
-        let (got, want) = j.await.expect("join");
-        assert_eq!(got, want);
-    }
+    assert_concurrent_references(&cluster.url, 16, |i| 8 + (i * 5) % 25).await;
     // SSE: every event is JSON; tokens arrive in order and the last event closes the stream.
     let resp = client
         .post(format!("{}/generate_stream", cluster.url))
-        .json(&json!({"inputs": refs[0]["prompt"], "parameters": {"max_new_tokens": 12}}))
+        .json(&json!({"inputs": refs[0].prompt, "parameters": {"max_new_tokens": 12}}))
         .send()
         .await
         .expect("stream");
@@ -121,7 +58,7 @@ async fn disaggregated_cluster_serves_reference_tokens() {
         .iter()
         .map(|e| e["token"]["id"].as_u64().expect("id"))
         .collect();
-    assert_eq!(ids, expected(&refs[0], 12));
+    assert_eq!(ids, refs[0].expected(12));
     let last = events.last().expect("last");
     assert_eq!(last["details"]["finish_reason"], "length");
     assert!(last["generated_text"].is_string());
@@ -215,14 +152,8 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     wait_until("prefill-0 to leave", Duration::from_secs(30), || {
         !cluster.gateway_nodes().iter().any(|n| n == "prefill-0")
     });
-    let ids = generate_ids(
-        &client,
-        &cluster.url,
-        refs[0]["prompt"].as_str().unwrap(),
-        16,
-    )
-    .await;
-    assert_eq!(ids, expected(&refs[0], 16));
+    let ids = generate_ids(&client, &cluster.url, &refs[0].prompt, 16).await;
+    assert_eq!(ids, refs[0].expected(16));
     // The push task counts its bytes once Done is answered, which may be just after the
     // request has ended.
     wait_until(
@@ -239,14 +170,8 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     // Colocated (no prefill node): the same ids.
     let colocated = start(0, 1, &[], &[]);
     for r in &refs {
-        let ids = generate_ids(
-            &client,
-            &colocated.url,
-            r["prompt"].as_str().expect("prompt"),
-            32,
-        )
-        .await;
-        assert_eq!(ids, expected(r, 32), "colocated prompt {}", r["prompt"]);
+        let ids = generate_ids(&client, &colocated.url, &r.prompt, 32).await;
+        assert_eq!(ids, r.expected(32), "colocated prompt {}", r.prompt);
     }
     assert_eq!(
         colocated.metric("decode-0", "fission_decode_kv_received_bytes_total"),
@@ -258,14 +183,8 @@ async fn disaggregated_cluster_serves_reference_tokens() {
     // still prefilled on the decode node.
     let conditional = start(1, 1, &[], &["--max-local-prefill-tokens", "100"]);
     let r = &refs[1];
-    let ids = generate_ids(
-        &client,
-        &conditional.url,
-        r["prompt"].as_str().expect("prompt"),
-        32,
-    )
-    .await;
-    assert_eq!(ids, expected(r, 32));
+    let ids = generate_ids(&client, &conditional.url, &r.prompt, 32).await;
+    assert_eq!(ids, r.expected(32));
     assert!(conditional.metric("decode-0", "fission_decode_local_prefill_total") >= 1.0);
     assert_eq!(
         conditional.metric("decode-0", "fission_decode_kv_received_bytes_total"),
@@ -300,7 +219,7 @@ async fn client_disconnect_frees_blocks_on_both_nodes() {
         "mid-stream blocks are held"
     );
     drop(body);
-    wait_blocks_freed(&cluster, "every block freed within 2 s of the disconnect").await;
+    cluster.wait_kv_released(Duration::from_secs(2)).await;
     assert!(
         cluster.metric("decode-0", "fission_decode_cancelled_total") >= 1.0,
         "the decode node saw the cancellation"
@@ -313,40 +232,7 @@ async fn client_disconnect_frees_blocks_on_both_nodes() {
 async fn pushing_after_the_prefill_serves_the_same_tokens() {
     let _serial = SERIAL.lock().await;
     let cluster = start(1, 1, &[], &["--prefill-arg=--push-after-prefill"]);
-    let client = ::reqwest::Client::new();
-    let refs = references();
-    let jobs: Vec<_> = (0..6)
-        .map(|i| {
-            let r = refs[i % refs.len()].clone();
-            let (client, url) = (client.clone(), cluster.url.clone());
-            tokio::spawn(async move {
-                let ids =
-                    generate_ids(&client, &url, r["prompt"].as_str().expect("prompt"), 24).await;
-                (ids, expected(&r, 24))
-            })
-        })
-        .collect();
-    for j in jobs {
-        let (got, want) = j.await.expect("join");
-        assert_eq!(got, want);
-    }
+    assert_concurrent_references(&cluster.url, 6, |_| 24).await;
     assert!(cluster.metric("decode-0", "fission_decode_kv_received_bytes_total") > 0.0);
-    wait_blocks_freed(&cluster, "every block given back within 2 s").await;
-}
-
-/// Waits up to 2 s for the decode node's used and reserved blocks and the prefill node's
-/// used blocks to be 0.
-async fn wait_blocks_freed(cluster: &Up, what: &str) {
-    wait_until_async(what, Duration::from_secs(2), || {
-        let held = [
-            ("decode-0", "fission_decode_kv_blocks_used"),
-            ("decode-0", "fission_decode_kv_blocks_reserved"),
-            ("prefill-0", "fission_prefill_kv_blocks_used"),
-        ]
-        .iter()
-        .map(|(node, name)| cluster.metric(node, name))
-        .sum::<f64>();
-        async move { held == 0.0 }
-    })
-    .await;
+    cluster.wait_kv_released(Duration::from_secs(2)).await;
 }

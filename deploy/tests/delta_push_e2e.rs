@@ -18,7 +18,9 @@ use std::time::Duration;
 use engine::loader::ModelSource;
 use engine::model::LoadedModel;
 use serde_json::{json, Value};
-use testkit::fission::{stories_dir, Up, UpConfig};
+use testkit::cluster_builder::ClusterBuilder;
+use testkit::fission::{stories_dir, Up};
+use testkit::references::reference_prompts;
 use testkit::wait_until_async;
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");
@@ -43,20 +45,6 @@ async fn generate(client: &::reqwest::Client, url: &str, prompt: &str) -> (Strin
         .map(|t| t["id"].as_u64().unwrap() as u32)
         .collect();
     (resp["generated_text"].as_str().unwrap().to_string(), ids)
-}
-
-/// The reference prompts of stories260K, the user's turns.
-fn user_turns() -> Vec<String> {
-    let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(stories_dir().join("reference_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    v["references"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["prompt"].as_str().unwrap().to_string())
-        .collect()
 }
 
 /// What one turn did, from the client and the nodes' counters.
@@ -130,22 +118,7 @@ impl Chat<'_> {
     }
 
     async fn wait_for_empty_caches(&self) {
-        wait_until_async(
-            "every KV block given back within 5 s",
-            Duration::from_secs(5),
-            || {
-                let held = [
-                    ("decode-0", "fission_decode_kv_blocks_used"),
-                    ("decode-0", "fission_decode_kv_blocks_reserved"),
-                    ("prefill-0", "fission_prefill_kv_blocks_used"),
-                ]
-                .iter()
-                .map(|(node, name)| self.cluster.metric(node, name))
-                .sum::<f64>();
-                async move { held == 0.0 }
-            },
-        )
-        .await;
+        self.cluster.wait_kv_released(Duration::from_secs(5)).await;
     }
 }
 
@@ -166,14 +139,11 @@ fn common_blocks(a: &[u32], b: &[u32]) -> usize {
         .count()
 }
 
-fn config(delta: bool, blocks: usize) -> UpConfig {
-    let mut c = UpConfig::new(FISSION, 1, 1);
-    c.node_args = vec![
-        format!("--num-kv-blocks={blocks}"),
-        format!("--block-size={BS}"),
-    ];
-    c.env.push(("FISSION_KV_DELTA".into(), delta.to_string()));
-    c
+fn config(delta: bool, blocks: usize) -> ClusterBuilder {
+    ClusterBuilder::new(FISSION)
+        .num_kv_blocks(blocks)
+        .node_arg(format!("--block-size={BS}"))
+        .env("FISSION_KV_DELTA", &delta.to_string())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,9 +154,9 @@ async fn later_turns_push_only_the_blocks_the_decode_node_lacks() {
         &candle_core::Device::Cpu,
     )
     .unwrap();
-    let users = user_turns();
+    let users = reference_prompts();
 
-    let full_cluster = Up::start(&config(false, 512));
+    let full_cluster = config(false, 512).start();
     let full_chat = Chat {
         cluster: &full_cluster,
         client: ::reqwest::Client::new(),
@@ -195,7 +165,7 @@ async fn later_turns_push_only_the_blocks_the_decode_node_lacks() {
     full_chat.wait_for_empty_caches().await;
     drop(full_cluster);
 
-    let cluster = Up::start(&config(true, 512));
+    let cluster = config(true, 512).start();
     let chat = Chat {
         cluster: &cluster,
         client: ::reqwest::Client::new(),
@@ -254,9 +224,9 @@ async fn an_evicted_conversation_is_pushed_in_full() {
         &candle_core::Device::Cpu,
     )
     .unwrap();
-    let users = user_turns();
+    let users = reference_prompts();
     // 48 blocks of 16 tokens: a few other prompts evict the first turn.
-    let cluster = Up::start(&config(true, 48));
+    let cluster = config(true, 48).start();
     let chat = Chat {
         cluster: &cluster,
         client: ::reqwest::Client::new(),
@@ -283,7 +253,7 @@ async fn an_evicted_conversation_is_pushed_in_full() {
     drop(cluster);
 
     // The same turn on a cluster that never evicted it: the same ids, linked this time.
-    let cluster = Up::start(&config(true, 512));
+    let cluster = config(true, 512).start();
     let chat = Chat {
         cluster: &cluster,
         client: ::reqwest::Client::new(),

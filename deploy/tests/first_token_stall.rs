@@ -199,15 +199,6 @@ fn body(client: usize, i: usize) -> Value {
            "parameters": {"max_new_tokens": 16, "ignore_eos": true}})
 }
 
-/// The slowest request's time from its start to its end.
-fn slowest(records: &[Record]) -> Duration {
-    records
-        .iter()
-        .map(|r| r.end() - r.started)
-        .max()
-        .unwrap_or_default()
-}
-
 #[test]
 fn requests_arriving_at_a_decode_node_with_a_cut_link_move_within_the_stall_deadline() {
     let Some(lab) = lab_or_skip() else {
@@ -229,7 +220,7 @@ fn requests_arriving_at_a_decode_node_with_a_cut_link_move_within_the_stall_dead
         });
         streams::run(&c.url, 6, 2, Duration::from_secs(60), body)
     });
-    let during = slowest(&records);
+    let during = streams::slowest(&records);
     eprintln!(
         "decode-0's link cut for {CUT:?}: {} requests arriving during the cut, the slowest took {during:.2?}",
         records.len()

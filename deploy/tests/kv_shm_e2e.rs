@@ -7,83 +7,15 @@
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
-use testkit::fission::{stories_dir, Up, UpConfig};
-use testkit::wait_until_async;
+use testkit::cluster_builder::ClusterBuilder;
+use testkit::references::assert_concurrent_references;
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 
-fn references() -> Vec<Value> {
-    let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(stories_dir().join("reference_greedy.json")).expect("reference"),
-    )
-    .expect("json");
-    v["references"].as_array().expect("array").clone()
-}
-
-async fn generate_ids(client: &reqwest::Client, url: &str, prompt: &str, n: usize) -> Vec<u64> {
-    let resp: Value = client
-        .post(format!("{url}/generate"))
-        .json(&json!({"inputs": prompt, "parameters": {"max_new_tokens": n, "details": true}}))
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
-    resp["details"]["tokens"]
-        .as_array()
-        .unwrap_or_else(|| panic!("details in {resp}"))
-        .iter()
-        .map(|t| t["id"].as_u64().expect("id"))
-        .collect()
-}
-
-fn expected(r: &Value, n: usize) -> Vec<u64> {
-    r["output_ids"].as_array().expect("ids")[..n]
-        .iter()
-        .map(|x| x.as_u64().expect("id"))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_over_shared_memory_serves_reference_tokens() {
-    let mut config = UpConfig::new(FISSION, 1, 1);
-    config.kv_transport = "shm".into();
-    let cluster = Up::start(&config);
-    let client = reqwest::Client::new();
-    let refs = references();
-    let jobs: Vec<_> = (0..8)
-        .map(|i| {
-            let r = refs[i % refs.len()].clone();
-            let n = 8 + (i * 7) % 25;
-            let (client, url) = (client.clone(), cluster.url.clone());
-            tokio::spawn(async move {
-                let ids =
-                    generate_ids(&client, &url, r["prompt"].as_str().expect("prompt"), n).await;
-                (ids, expected(&r, n))
-            })
-        })
-        .collect();
-    for j in jobs {
-        let (got, want) = j.await.expect("join");
-        assert_eq!(got, want);
-    }
+    let cluster = ClusterBuilder::new(FISSION).transport("shm").start();
+    assert_concurrent_references(&cluster.url, 8, |i| 8 + (i * 7) % 25).await;
     assert!(cluster.metric("decode-0", "fission_decode_kv_received_bytes_total") > 0.0);
-    wait_until_async(
-        "every block given back within 2 s",
-        Duration::from_secs(2),
-        || {
-            let held = [
-                ("decode-0", "fission_decode_kv_blocks_used"),
-                ("decode-0", "fission_decode_kv_blocks_reserved"),
-                ("prefill-0", "fission_prefill_kv_blocks_used"),
-            ]
-            .iter()
-            .map(|(node, name)| cluster.metric(node, name))
-            .sum::<f64>();
-            async move { held == 0.0 }
-        },
-    )
-    .await;
+    cluster.wait_kv_released(Duration::from_secs(2)).await;
 }

@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Context;
-use testkit::fission::{Up, UpConfig};
+use testkit::cluster_builder::ClusterBuilder;
 use testkit::phoenix::{Phoenix, PhoenixSpan};
 
 const CLIENT_SPAN_ID: &str = "00f067aa0ba902b7";
@@ -196,24 +196,19 @@ fn requests_are_traces_across_services_named_per_process() -> anyhow::Result<()>
     let Some(phoenix) = Phoenix::start()? else {
         return Ok(());
     };
-    let mut config = UpConfig::new(env!("CARGO_BIN_EXE_fission"), 1, 1);
-    config.node_args = vec!["--num-kv-blocks=256".into()];
-    config.args = vec![
-        format!("--max-local-prefill-tokens={MAX_LOCAL_PREFILL_TOKENS}"),
-        "--otlp-endpoint".into(),
-        phoenix.otlp_grpc_endpoint(),
-    ];
     // The flag must beat both variables in every process, and every process must report
     // under its own name whatever `OTEL_SERVICE_NAME` says.
-    config.env = [
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", DEAD_ENDPOINT),
-        ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", DEAD_ENDPOINT),
-        ("OTEL_SERVICE_NAME", LEAKED_SERVICE_NAME),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
-    let up = Up::start(&config);
+    let up = ClusterBuilder::new(env!("CARGO_BIN_EXE_fission"))
+        .num_kv_blocks(256)
+        .arg(format!(
+            "--max-local-prefill-tokens={MAX_LOCAL_PREFILL_TOKENS}"
+        ))
+        .arg("--otlp-endpoint")
+        .arg(phoenix.otlp_grpc_endpoint())
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", DEAD_ENDPOINT)
+        .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", DEAD_ENDPOINT)
+        .env("OTEL_SERVICE_NAME", LEAKED_SERVICE_NAME)
+        .start();
     let url = up.url.clone();
 
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -14,6 +14,8 @@
 #[allow(dead_code)]
 #[path = "fault_suite/harness.rs"]
 mod harness;
+#[path = "fault_suite/migration.rs"]
+mod migration;
 
 use std::time::Duration;
 
@@ -24,7 +26,9 @@ use engine::loader::ModelSource;
 use engine::model::LoadedModel;
 use random_model::ModelSpec;
 use serde_json::{json, Value};
-use testkit::fission::{stories_dir, Up, UpConfig};
+use testkit::cluster_builder::ClusterBuilder;
+use testkit::fission::stories_dir;
+use testkit::references::{arch_variant, generate_ids, reference_prompts};
 use testkit::wait_until_async;
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");
@@ -38,18 +42,7 @@ fn gemma3_shaped(dir: &std::path::Path) {
 
 /// The Gemma 3 spec with 6 layers, every `pattern`-th global (1: every layer), a `window`.
 fn gemma3_with(dir: &std::path::Path, window: usize, pattern: usize, max_pos: usize) {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../engine/tests/reference/arch_refs.json"
-    );
-    let refs: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let spec = refs["variants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == "gemma3")
-        .unwrap()["spec"]
-        .clone();
+    let spec = arch_variant("gemma3")["spec"].clone();
     let mut spec: ModelSpec = serde_json::from_value(spec).unwrap();
     spec.layers = 6;
     spec.sliding_window = Some(window);
@@ -60,36 +53,9 @@ fn gemma3_with(dir: &std::path::Path, window: usize, pattern: usize, max_pos: us
 
 /// Prompts of several windows' length, ending mid-block.
 fn prompts() -> Vec<String> {
-    let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(stories_dir().join("reference_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let refs: Vec<String> = v["references"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["prompt"].as_str().unwrap().to_string())
-        .collect();
+    let refs = reference_prompts();
     (1..=3)
         .map(|n| refs[..n].join(" ").repeat(22 / n))
-        .collect()
-}
-
-async fn generate_ids(client: &::reqwest::Client, url: &str, prompt: &str) -> Vec<u64> {
-    let resp: Value = client
-        .post(format!("{url}/generate"))
-        .json(&json!({"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": true}}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    resp["details"]["tokens"]
-        .as_array()
-        .unwrap_or_else(|| panic!("details in {resp}"))
-        .iter()
-        .map(|t| t["id"].as_u64().unwrap())
         .collect()
 }
 
@@ -152,13 +118,11 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
         );
     }
 
-    let mut config = UpConfig::new(FISSION, 1, 1);
-    config.model = dir.path().to_path_buf();
-    let cluster = Up::start(&config);
+    let cluster = ClusterBuilder::new(FISSION).model(dir.path()).start();
     let client = ::reqwest::Client::new();
     for round in 0..2 {
         for (p, want) in prompts.iter().zip(&want) {
-            let got = generate_ids(&client, &cluster.url, p).await;
+            let got = generate_ids(&client, &cluster.url, p, NEW_TOKENS).await;
             // The gateway stops at end of text; the colocated run does not.
             assert!(
                 !got.is_empty() && want.starts_with(&got),
@@ -190,46 +154,8 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
         2 * full,
         pushed / (2 * full) as f64
     );
-    wait_until_async(
-        "every block given back within 2 s",
-        Duration::from_secs(2),
-        || {
-            let held = [
-                ("decode-0", "fission_decode_kv_blocks_used"),
-                ("decode-0", "fission_decode_kv_blocks_reserved"),
-                ("decode-0", "fission_decode_kv_bytes_in_use"),
-                ("prefill-0", "fission_prefill_kv_blocks_used"),
-                // Every layer group's, the sliding windows' included.
-                ("prefill-0", "fission_prefill_kv_bytes_in_use"),
-            ]
-            .iter()
-            .map(|(node, name)| cluster.metric(node, name))
-            .sum::<f64>();
-            async move { held == 0.0 }
-        },
-    )
-    .await;
-    // A gauge that is not exported reads 0 above: make sure the every-group ones are there.
-    for (node, name) in [
-        ("decode-0", "fission_decode_kv_bytes_in_use"),
-        ("prefill-0", "fission_prefill_kv_bytes_in_use"),
-    ] {
-        let page = testkit::fission::http_get(cluster.metrics_url(node)).unwrap_or_default();
-        assert!(
-            page.lines().any(|l| l.starts_with(&format!("{name} "))),
-            "{node} exports no {name}"
-        );
-    }
-}
-
-const STREAMS: usize = 4;
-const STREAM_TOKENS: usize = 200;
-
-fn stream_body(client: usize) -> Value {
-    harness::body(
-        &format!("Stream {client}: the little dog ran to the park"),
-        STREAM_TOKENS,
-    )
+    // Every layer group's gauges, the sliding windows' included, each checked to be exported.
+    cluster.wait_kv_released(Duration::from_secs(2)).await;
 }
 
 /// 1 prefill and 2 decode nodes; decode-0 is killed mid-stream. The gateway prefills each
@@ -238,86 +164,17 @@ fn stream_body(client: usize) -> Value {
 /// engine's ids throughout.
 #[test]
 fn a_sliding_window_model_keeps_its_ids_across_a_decode_migration_mid_stream() {
-    // Slow steps, so the kill lands mid-stream (read by the node processes started below).
-    std::env::set_var("FISSION_DEBUG_STEP_DELAY_MS", "10");
     let dir = tempfile::tempdir().unwrap();
     let model_dir = dir.path().join("gemma3");
     gemma3_shaped(&model_dir);
-    let model = LoadedModel::load(
-        &ModelSource::Local(model_dir.clone()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let want: Vec<Vec<u64>> = (0..STREAMS)
-        .map(|i| {
-            let text = stream_body(i)["inputs"].as_str().unwrap().to_string();
-            let ids = model
-                .tokenizer
-                .encode(text.as_str(), true)
-                .unwrap()
-                .get_ids()
-                .to_vec();
-            let out = engine
-                .generate(vec![Request::greedy_fixed_length(
-                    SeqId(i as u64),
-                    ids,
-                    STREAM_TOKENS,
-                )])
-                .unwrap();
-            out[0].output_ids.iter().map(|&x| u64::from(x)).collect()
-        })
-        .collect();
-
-    let mut c = harness::Cluster::start(
-        dir.path(),
-        &model_dir,
-        vec![
-            harness::node("prefill", "prefill-0", &[]),
-            harness::node("decode", "decode-0", &[]),
-            harness::node("decode", "decode-1", &[]),
-        ],
-        &[],
+    let migrations =
+        migration::ids_survive_a_decode_kill(dir.path(), &model_dir, 2.0 * WINDOW as f64);
+    println!(
+        "gemma3-shaped (window {WINDOW}) on 1P+2D, decode-0 killed mid-stream: {migrations} \
+         migrations, {} streams of {} ids equal to the in-process engine's",
+        migration::STREAMS,
+        migration::STREAM_TOKENS
     );
-    let url = c.url.clone();
-    let load = std::thread::spawn(move || {
-        testkit::streams::run(&url, STREAMS, 1, Duration::from_secs(60), |client, _| {
-            stream_body(client)
-        })
-    });
-    let m = c.node("decode-0").metrics.clone();
-    testkit::wait_until("decode-0 generating", Duration::from_secs(30), || {
-        testkit::fission::metric(&m, "fission_decode_generated_tokens_total") >= 2.0 * WINDOW as f64
-            && testkit::fission::metric(&m, "fission_decode_running_sequences") >= 1.0
-    });
-    c.node("decode-0").signal(libc::SIGKILL);
-    let mut records = load.join().unwrap();
-    records.sort_by_key(|r| r.client);
-    harness::assert_all_ok(&records, "across decode-0's death");
-    for (r, want) in records.iter().zip(&want) {
-        assert_eq!(
-            r.token_ids.len(),
-            STREAM_TOKENS,
-            "no token twice, none missing"
-        );
-        assert_eq!(
-            &r.token_ids, want,
-            "stream {}: the in-process engine's ids across the migration",
-            r.client
-        );
-    }
-    let migrations = c.gateway_metric("fission_gateway_migrations_total");
-    assert!(migrations >= 1.0, "the gateway migrated nothing");
-    c.assert_kv_released();
-    println!("gemma3-shaped (window {WINDOW}) on 1P+2D, decode-0 killed mid-stream: {migrations} migrations, {STREAMS} streams of {STREAM_TOKENS} ids equal to the in-process engine's");
 }
 
 /// The figure of `benchmarks/history/2026-11-29-window-push.md`: the KV bytes a prefill node
@@ -353,13 +210,11 @@ async fn measure_the_push_of_a_4096_token_prompt() {
             })
             .sum();
 
-        let mut config = UpConfig::new(FISSION, 1, 1);
-        config.model = dir.path().to_path_buf();
-        config.env = vec![
-            ("MAX_INPUT_TOKENS".into(), "8000".into()),
-            ("MAX_TOTAL_TOKENS".into(), "8192".into()),
-        ];
-        let cluster = Up::start(&config);
+        let cluster = ClusterBuilder::new(FISSION)
+            .model(dir.path())
+            .env("MAX_INPUT_TOKENS", "8000")
+            .env("MAX_TOTAL_TOKENS", "8192")
+            .start();
         let prompt: Vec<u32> = (0..PROMPT)
             .map(|i| ((i * 7919 + 13) % (vocab - 3) + 3) as u32)
             .collect();
@@ -389,13 +244,7 @@ async fn measure_the_push_of_a_4096_token_prompt() {
         );
         eprintln!("{name}: pushed {bytes} B, received {received} B for {PROMPT} tokens");
         pushed.push(bytes);
-        wait_until_async("every block given back", Duration::from_secs(5), || {
-            let held = cluster.metric("prefill-0", "fission_prefill_kv_bytes_in_use")
-                + cluster.metric("decode-0", "fission_decode_kv_blocks_used")
-                + cluster.metric("decode-0", "fission_decode_kv_blocks_reserved");
-            async move { held == 0.0 }
-        })
-        .await;
+        cluster.wait_kv_released(Duration::from_secs(5)).await;
     }
     eprintln!(
         "pushed, windowed / full attention: {} / {} = {:.3}",

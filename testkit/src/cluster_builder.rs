@@ -45,7 +45,19 @@ impl ClusterBuilder {
         self
     }
 
-    /// A flag for every node, after the defaults (`--num-kv-blocks=512`), which it beats.
+    /// Every node's `--num-kv-blocks` (512 by default).
+    pub fn num_kv_blocks(mut self, blocks: usize) -> Self {
+        self.config
+            .node_args
+            .retain(|a| !a.starts_with("--num-kv-blocks"));
+        self.config
+            .node_args
+            .push(format!("--num-kv-blocks={blocks}"));
+        self
+    }
+
+    /// A flag for every node (one that [`Self::num_kv_blocks`] or [`Self::kv_dtype`] does not
+    /// set: a node takes each flag once).
     pub fn node_arg(mut self, arg: impl Into<String>) -> Self {
         self.config.node_args.push(arg.into());
         self

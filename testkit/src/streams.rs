@@ -198,3 +198,12 @@ pub fn summary(records: &[Record]) -> String {
         .collect::<Vec<_>>()
         .join("\n")
 }
+
+/// The slowest request's time from its start to its end.
+pub fn slowest(records: &[Record]) -> Duration {
+    records
+        .iter()
+        .map(|r| r.end() - r.started)
+        .max()
+        .unwrap_or_default()
+}

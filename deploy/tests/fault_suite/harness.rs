@@ -124,6 +124,20 @@ impl Cluster {
         c
     }
 
+    /// `prefill-0`, `decode-0` and `decode-1` on `model`: the cluster of every decode-node fault.
+    pub fn one_prefill_two_decode(dir: &Path, model: &Path, gateway_args: &[&str]) -> Cluster {
+        Cluster::start(
+            dir,
+            model,
+            vec![
+                node("prefill", "prefill-0", &[]),
+                node("decode", "decode-0", &[]),
+                node("decode", "decode-1", &[]),
+            ],
+            gateway_args,
+        )
+    }
+
     pub fn add(&mut self, s: Spec) {
         let mut args = vec!["--lease-ttl-s".to_string(), LEASE_TTL_S.to_string()];
         let role = if s.role == "decode" {
@@ -182,16 +196,7 @@ impl Cluster {
             if n.child.try_wait().expect("try_wait").is_some() {
                 continue;
             }
-            let gauges: &[&str] = if id.starts_with("decode") {
-                &[
-                    "fission_decode_kv_blocks_used",
-                    "fission_decode_kv_blocks_reserved",
-                    "fission_decode_reservations_outstanding",
-                ]
-            } else {
-                &["fission_prefill_kv_blocks_used"]
-            };
-            for g in gauges {
+            for g in testkit::kv_gauges::for_node(id) {
                 wait_until(
                     &format!("{id} {g} back to 0"),
                     Duration::from_secs(15),

@@ -114,17 +114,7 @@ fn a_prefill_node_killed_mid_push_costs_no_request() {
 
 /// 1 prefill + 2 decode nodes on the long model; `gateway_args` on the gateway.
 fn two_decode_cluster(dir: &std::path::Path, gateway_args: &[&str]) -> Cluster {
-    let model = long_model(dir);
-    Cluster::start(
-        dir,
-        &model,
-        vec![
-            node("prefill", "prefill-0", &[]),
-            node("decode", "decode-0", &[]),
-            node("decode", "decode-1", &[]),
-        ],
-        gateway_args,
-    )
+    Cluster::one_prefill_two_decode(dir, &long_model(dir), gateway_args)
 }
 
 const STREAMS: usize = 6;
@@ -238,15 +228,6 @@ fn a_hung_decode_node_is_detected_and_its_streams_continue_elsewhere() {
     c.assert_serves();
 }
 
-/// The slowest request's time from its start to its end.
-fn slowest(records: &[streams::Record]) -> Duration {
-    records
-        .iter()
-        .map(|r| r.end() - r.started)
-        .max()
-        .unwrap_or_default()
-}
-
 #[test]
 fn requests_arriving_at_a_stopped_decode_node_move_within_the_stall_deadline() {
     let _serial = serial();
@@ -275,7 +256,7 @@ fn requests_arriving_at_a_stopped_decode_node_move_within_the_stall_deadline() {
     );
     eprintln!(
         "the slowest request arriving during the stop took {:.2?}",
-        slowest(&records)
+        streams::slowest(&records)
     );
     assert_all_ok(&records, "arriving during the stop");
     for r in &records {
