@@ -121,6 +121,7 @@ pub mod frame;
 mod header;
 mod pick;
 mod quic;
+mod receive;
 #[cfg(test)]
 mod refusal_log;
 mod registry;

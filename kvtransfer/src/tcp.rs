@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -23,12 +23,13 @@ use tracing::Instrument;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
+use crate::receive::{serve_frames, FrameLoop};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
 use crate::stream_io;
 use crate::transport::{
-    receive_frame, resolve, source_for, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport,
-    ReceiveCtx, RefusalObserver, TransferStat,
+    resolve, source_for, EarlyRefusal, KvConnection, KvServer, KvTransport, ReceiveCtx,
+    RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
 
@@ -138,39 +139,13 @@ async fn run_connection_task<S: KvSink>(
         tracing::debug!(%peer, error = %e, "kv tcp set_nodelay failed");
     }
     tracing::debug!(%peer, "kv tcp connection accepted");
-    let mut scratch = Vec::new();
-    loop {
-        let handled = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Discard, &peer, None) => handled,
-        };
-        let (verdict, keep_going) = match handled {
-            Handled::Eof => break,
-            Handled::Answer(v) => (v, true),
-            Handled::Refused(v) | Handled::Fatal(v) => (v, false),
-        };
-        let ack = verdict.encode();
-        if let Err(e) = stream_io::write_frame(&mut stream, &ack, &[], &peer).await {
-            tracing::debug!(%peer, error = %e, "kv tcp verdict not sent");
-            break;
-        }
-        if !keep_going {
-            linger(&mut stream).await;
-            break;
-        }
-    }
-}
-
-/// Half-closes and drains briefly before a refused connection is dropped: closing a socket
-/// with unread input sends a reset, which can destroy the verdict before the peer reads it.
-async fn linger(stream: &mut TcpStream) {
-    const LINGER: Duration = Duration::from_millis(200);
-    const MAX_DRAIN_BYTES: u64 = 1 << 20;
-    if stream.shutdown().await.is_err() {
-        return;
-    }
-    let mut drain = (&mut *stream).take(MAX_DRAIN_BYTES);
-    let _ = tokio::time::timeout(LINGER, tokio::io::copy(&mut drain, &mut tokio::io::sink())).await;
+    let frames = FrameLoop {
+        ctx: &ctx,
+        early: EarlyRefusal::Discard,
+        peer: &peer,
+        peer_key: None,
+    };
+    serve_frames(&mut stream, frames, &shutdown).await;
 }
 
 /// Sends layers over TCP, with a pool of connections per endpoint.

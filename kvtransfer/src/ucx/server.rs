@@ -13,12 +13,11 @@ use super::worker::{UcxWorker, WorkerOptions};
 use super::UcxConfig;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
+use crate::receive::{serve_frames, FrameLoop};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
 use crate::stream_io;
-use crate::transport::{
-    receive_frame, EarlyRefusal, Handled, KvServer, ReceiveCtx, RefusalObserver,
-};
+use crate::transport::{EarlyRefusal, KvServer, ReceiveCtx, RefusalObserver};
 
 /// The hello's first bytes.
 pub(crate) const HELLO_MAGIC: [u8; 4] = *b"FKUX";
@@ -189,23 +188,11 @@ async fn run_connection<S: KvSink>(
             }
         },
     };
-    let mut scratch = Vec::new();
-    loop {
-        let handled = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Region(region.bytes()), &peer, None) => handled,
-        };
-        let (verdict, keep_going) = match handled {
-            Handled::Eof => break,
-            Handled::Answer(v) => (v, true),
-            Handled::Refused(v) | Handled::Fatal(v) => (v, false),
-        };
-        if let Err(e) = stream_io::write_frame(&mut stream, &verdict.encode(), &[], &peer).await {
-            tracing::debug!(%peer, error = %e, "kv ucx verdict not sent");
-            break;
-        }
-        if !keep_going {
-            break;
-        }
-    }
+    let frames = FrameLoop {
+        ctx: &ctx,
+        early: EarlyRefusal::Region(region.bytes()),
+        peer: &peer,
+        peer_key: None,
+    };
+    serve_frames(&mut stream, frames, &shutdown).await;
 }
