@@ -7,6 +7,11 @@
 //! otherwise over the network. Shared memory that cannot be dialled (two containers that share
 //! a kernel and an image's machine id but not `/dev/shm`) falls back to the network, with a
 //! warning, so a wrong guess costs speed, never the request.
+//!
+//! Shared memory as the configured backend (`--kv-transport shm`) is refused for a decode
+//! node whose reservation names another host: its socket would not be there on a real second
+//! host, and between network namespaces on one kernel it would be, unauthenticated as across
+//! hosts (issue 34).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -32,6 +37,8 @@ pub struct KvRoute<'a> {
 pub struct PickingTransport {
     network: BackendTransport,
     same_host: Option<SameHost>,
+    /// This node's host id, where known: an shm network backend reaches only it.
+    host_id: String,
 }
 
 struct SameHost {
@@ -46,6 +53,7 @@ impl From<BackendTransport> for PickingTransport {
         Self {
             network,
             same_host: None,
+            host_id: String::new(),
         }
     }
 }
@@ -61,6 +69,13 @@ impl PickingTransport {
                 warned: AtomicBool::new(false),
             });
         }
+        self
+    }
+
+    /// Names this node's host, so that an shm network backend refuses decode nodes whose
+    /// reservations name another one.
+    pub fn on_host(mut self, host_id: String) -> Self {
+        self.host_id = host_id;
         self
     }
 
@@ -102,6 +117,19 @@ impl PickingTransport {
                     }
                 }
             }
+        }
+        if self.network.backend() == KvBackend::Shm
+            && !self.host_id.is_empty()
+            && !route.host_id.is_empty()
+            && route.host_id != self.host_id
+        {
+            return Err(KvTransferError::Connect {
+                endpoint: route.kv_endpoint.to_owned(),
+                reason: format!(
+                    "the shm KV transport reaches only decode nodes on this host ({}), and this one is on host {}; use --kv-transport quic, tcp or ucx across hosts",
+                    self.host_id, route.host_id
+                ),
+            });
         }
         let conn = self.network.connect(route.kv_endpoint).await?;
         Ok((conn, self.network.backend()))
@@ -168,6 +196,42 @@ mod tests {
         assert_eq!(host_of("[::1]:7000"), "::1");
         assert_eq!(host_of("unix:/dev/shm/x.sock"), "localhost");
         assert_eq!(host_of("nohost"), "localhost");
+    }
+
+    #[tokio::test]
+    async fn an_shm_transport_refuses_a_decode_node_on_another_host() {
+        let shm = || PickingTransport::from(BackendTransport::Shm(ShmTransport::default()));
+        let route = |host| KvRoute {
+            kv_endpoint: "unix:/nonexistent/fission-kv.sock",
+            kv_shm_endpoint: "",
+            host_id: host,
+        };
+        let Err(err) = shm()
+            .on_host("m/b".into())
+            .connect_route(&route("m/c"))
+            .await
+        else {
+            panic!("an shm push to another host was dialled");
+        };
+        assert!(
+            err.to_string()
+                .contains("reaches only decode nodes on this host"),
+            "{err}"
+        );
+        // The same host (or an unknown one) is dialled: here a missing socket, not the rule.
+        for (own, theirs) in [("m/b", "m/b"), ("", "m/c"), ("m/b", "")] {
+            let Err(err) = shm()
+                .on_host(own.into())
+                .connect_route(&route(theirs))
+                .await
+            else {
+                panic!("{own} -> {theirs}: a missing socket was dialled");
+            };
+            assert!(
+                !err.to_string().contains("reaches only decode nodes"),
+                "{own} -> {theirs}: {err}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -101,7 +101,8 @@ fn build(
         ),
     )?;
     // Shared memory to decode nodes on this host, the network to the others (issue 34).
-    let mut transport = kvtransfer::PickingTransport::from(transport);
+    let mut transport =
+        kvtransfer::PickingTransport::from(transport).on_host(node_common::membership::host_id());
     if s.kv_same_host_shm {
         let mut shm = BackendConfig::sender(s.listen_ip, None).shm;
         shm.server_name = match &s.grpc {
