@@ -8,6 +8,10 @@
 //! - a sliding-window model stages each layer's window, and its push generates the references
 //!   of the colocated run;
 //! - a host cache hands layers over at once and stages nothing; a plain step stages nothing.
+//!
+//! `FISSION_TEST_DEVICE=cuda` (a `--features cuda` build on a GPU: `deploy/gpu-check.sh`) runs
+//! the device-cache tests on the GPU, through the copy stream, the pinned buffers and the
+//! pinned upload; the host-cache test stays on the CPU.
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
@@ -23,11 +27,24 @@ use engine::kv::staging::StagingStats;
 use engine::loader::ModelSource;
 use engine::model::LoadedModel;
 
+/// The device the device-cache tests run on: the CPU, or the GPU when asked.
+fn device() -> Device {
+    match std::env::var("FISSION_TEST_DEVICE").as_deref() {
+        Ok("cuda") => {
+            Device::new_cuda(0).expect("FISSION_TEST_DEVICE=cuda: a GPU and --features cuda")
+        }
+        _ => Device::Cpu,
+    }
+}
+
 fn stories(tensor: bool) -> LoadedModel {
     let m = LoadedModel::load(
         &ModelSource::Local(shared_model("stories260K")),
         Some(DType::F32),
-        &Device::Cpu,
+        &match tensor {
+            true => device(),
+            false => Device::Cpu,
+        },
     )
     .unwrap();
     match tensor {
@@ -148,6 +165,12 @@ fn a_device_cache_hands_over_each_layer_staged_one_layer_late() {
     let out = e.generate(vec![greedy(9, prompts[0].clone(), 3)]).unwrap();
     assert_eq!(out[0].output_ids, refs[0].output_ids[..3]);
     assert_eq!(e.cache().staging_stats(), before);
+    println!(
+        "push staging on {:?}: {} layers staged, {} exports served from the staging",
+        device(),
+        stats.staged,
+        stats.served
+    );
 }
 
 #[test]
@@ -180,8 +203,8 @@ fn a_sliding_window_push_is_staged_and_generates_the_colocated_ids() {
     random_model::write_model(dir.path(), &spec, &stories_tokenizer()).unwrap();
     let model = LoadedModel::load(
         &ModelSource::Local(dir.path().to_path_buf()),
-        None,
-        &Device::Cpu,
+        Some(DType::F32),
+        &device(),
     )
     .unwrap()
     .with_tensor_path();

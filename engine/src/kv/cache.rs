@@ -382,8 +382,7 @@ impl KvCache {
             self.staging.clear();
             // The bytes as one staging tensor on the device, scattered into the blocks.
             let kv = &t[layer];
-            let n = src.len() / kv.dtype().size_in_bytes();
-            let staging = Tensor::from_raw_buffer(src, kv.dtype(), &[n], kv.device())?;
+            let staging = self.staging.upload(kv, src)?;
             return device_ops::scatter_blocks(kv, &staging, &shape, &ids);
         }
         match self.layer_mut(layer) {

@@ -64,6 +64,8 @@ pub(crate) struct PushStaging {
     stats: StagingStats,
     #[cfg(feature = "cuda")]
     cuda: Option<super::staging_cuda::CopyStager>,
+    #[cfg(feature = "cuda")]
+    upload: super::staging_cuda::PinnedUpload,
 }
 
 impl std::fmt::Debug for PushStaging {
@@ -162,6 +164,17 @@ impl PushStaging {
         copy_staged(staged, &slot.ids, &slot.position, ids, block, dst);
         self.stats.served += 1;
         Ok(true)
+    }
+
+    /// Decode: a received layer's bytes (`src`, in `kv`'s dtype) as a 1-D tensor on `kv`'s
+    /// device, for the scatter into its blocks. On a GPU they go through pinned memory.
+    pub(crate) fn upload(&mut self, kv: &Tensor, src: &[u8]) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if kv.device().is_cuda() {
+            return self.upload.upload(kv, src);
+        }
+        let n = src.len() / kv.dtype().size_in_bytes();
+        Ok(Tensor::from_raw_buffer(src, kv.dtype(), &[n], kv.device())?)
     }
 
     /// Forgets every staged layer (their blocks may be written from now on).

@@ -10,14 +10,17 @@
 //! The buffer a gather writes is never the one the previous layer's export reads
 //! (`PushStaging` alternates them), and a buffer is only replaced (grown) after its last copy.
 //!
+//! The decode side uploads a received layer from pinned memory ([`PinnedUpload`]) on the
+//! model's stream, where the scatter into its blocks runs.
+//!
 //! Not yet run on a GPU: `deploy/gpu-check.sh` runs the 1P+1D cluster on the device, whose
 //! push goes through here.
 
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 use candle_core::cuda_backend::CudaDType;
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Device, Storage, Tensor};
 use half::{bf16, f16};
 use kernels::cuda::{CudaKernels, CudaKvElem, PinnedStaging};
 use kernels::{CacheShape, KernelError};
@@ -174,4 +177,73 @@ impl CopyStager {
         };
         Ok(&bytes[..len])
     }
+}
+
+/// The decode side: a received layer's bytes are copied into pinned host memory and uploaded
+/// from there on the model's stream (an asynchronous copy, where pageable memory would make
+/// the driver stage it again), then scattered into the blocks by the device op, on the same
+/// stream. The buffer is write-combined: the host only writes it, the device reads it.
+#[derive(Default)]
+pub(crate) struct PinnedUpload {
+    /// Bytes, as u32 words so any element type's bytes fit aligned.
+    host: Option<PinnedHostSlice<u32>>,
+    /// The last upload from `host`: it is not written again before this completes.
+    in_flight: Option<CudaEvent>,
+}
+
+impl PinnedUpload {
+    /// `src` (a layer payload in the cache's dtype) as a 1-D tensor on `kv`'s device.
+    pub(crate) fn upload(&mut self, kv: &Tensor, src: &[u8]) -> Result<Tensor> {
+        let Device::Cuda(device) = kv.device() else {
+            return Err(EngineError::InvalidConfig {
+                reason: "a pinned upload to a cache that is not on a CUDA device".into(),
+            });
+        };
+        let stream = device.cuda_stream();
+        if let Some(event) = self.in_flight.take() {
+            event.synchronize().map_err(cuda_err)?;
+        }
+        let words = src.len().div_ceil(4);
+        if self.host.as_ref().is_none_or(|h| h.len() < words) {
+            let grown = words.max(2 * self.host.as_ref().map_or(0, |h| h.len()));
+            // SAFETY: written below before any read, and only the written part is read.
+            self.host =
+                Some(unsafe { stream.context().alloc_pinned::<u32>(grown) }.map_err(cuda_err)?);
+        }
+        let host = self.host.as_mut().expect("allocated above");
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(host.as_mut_slice().map_err(cuda_err)?);
+        bytes[..src.len()].copy_from_slice(src);
+        let n = src.len() / kv.dtype().size_in_bytes();
+        let storage = match kv.dtype() {
+            DType::F32 => upload_typed::<f32>(&stream, bytes, n, device)?,
+            DType::BF16 => upload_typed::<bf16>(&stream, bytes, n, device)?,
+            DType::F16 => upload_typed::<f16>(&stream, bytes, n, device)?,
+            other => {
+                return Err(EngineError::UnsupportedDtype {
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        self.in_flight = Some(stream.record_event(None).map_err(cuda_err)?);
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            n,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+}
+
+/// Queues the copy of the first `n` elements of `bytes` to a new device buffer on `stream`.
+fn upload_typed<T: StagedElem>(
+    stream: &Arc<CudaStream>,
+    bytes: &[u8],
+    n: usize,
+    device: &candle_core::CudaDevice,
+) -> Result<CudaStorage> {
+    let host: &[T] = bytemuck::cast_slice(&bytes[..n * size_of::<T>()]);
+    // SAFETY: the copy below writes all n elements before anything reads them.
+    let mut dev = unsafe { stream.alloc::<T>(n) }.map_err(cuda_err)?;
+    stream.memcpy_htod(host, &mut dev).map_err(cuda_err)?;
+    Ok(CudaStorage::wrap_cuda_slice(dev, device.clone()))
 }
