@@ -4,7 +4,8 @@
 #   deploy/gpu-check.sh build   here: the CUDA binaries (PyPI's CUDA 13 toolkit,
 #                               ../shared/cuda/README.md), stripped, into .gpu-check/ (git-ignored
 #                               through .git/info/exclude), at most 64 MiB with the files the
-#                               run needs. About 15 min on 2 cores (candle's kernels: 5.5).
+#                               run needs (the binaries xz-compressed; `run` unpacks them with
+#                               python3's lzma). About 15 min on 2 cores (candle's kernels: 5.5).
 #   deploy/gpu-check.sh run     there (`run` with carry [".gpu-check"]), at most 8 min; results
 #                               under $OUT: check.log, summary.txt, the bench JSONs.
 #   deploy/gpu-check.sh cpu     here, with the CPU build in target/release: every step a CPU
@@ -15,6 +16,11 @@
 # Steps of `run` (each logged, none stops the others; summary.txt says pass/fail per step):
 #   1. the CUDA kernel tests against their CPU references (kernels/tests/cuda_kernels.rs), and
 #      the push's copies device -> pinned host -> device in GB/s (push_copies_bandwidth);
+#      then the engine's push staging on the GPU (engine/tests/push_staging.rs with
+#      FISSION_TEST_DEVICE=cuda): each finished layer gathered into pinned memory on a copy
+#      stream, handed to the push one layer late from two alternating buffers, bytes equal to
+#      a direct gather, and a windowed model's push (pinned upload + scatter on the decode
+#      side) generating the colocated ids;
 #   2. stories260K greedy parity in f32 on the GPU: `fission generate --device cuda` against
 #      transformers' reference ids, then through a 1P+1D cluster (`fission up --device cuda`)
 #      whose nodes must both log their KV cache on the device;
@@ -39,25 +45,49 @@ build() {
   export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
   local t0=$(date +%s)
   cargo build --release --features cuda -p deploy --bin fission
-  local kt
-  kt=$(cargo test --release --features cuda -p kernels --test cuda_kernels --no-run \
-        --message-format=json 2>/dev/null | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_kernels":
-        print(m["executable"])')
   cp "$CARGO_TARGET_DIR/release/fission" "$STAGE/fission"
-  cp "$kt" "$STAGE/cuda_kernels"
-  strip "$STAGE/fission" "$STAGE/cuda_kernels"
+  cp "$(test_exe kernels cuda_kernels --features cuda)" "$STAGE/cuda_kernels"
+  cp "$(test_exe engine push_staging --features cuda)" "$STAGE/push_staging"
+  strip "$STAGE/fission" "$STAGE/cuda_kernels" "$STAGE/push_staging"
   cp "$REFS" "$STAGE/reference_greedy.json"
+  # The engine tests read stories260K and its references from FISSION_SHARED_DIR.
+  mkdir -p "$STAGE/shared/models" && cp -r "$(dirname "$REFS")" "$STAGE/shared/models/"
   cp engine/benches/peers/gpu_transformers.py engine/benches/peers/prompts.py "$STAGE/"
   # `fission up` starts a local etcd, and the GPU machine has none.
   cp "$(command -v etcd)" "$STAGE/etcd" && strip "$STAGE/etcd" 2>/dev/null || true
+  # Stripped binaries still pass 64 MiB together; xz takes them to about a third.
+  for f in fission cuda_kernels push_staging etcd; do
+    if [ -f "$STAGE/$f" ]; then xz -T2 -6 "$STAGE/$f"; fi
+  done
   local size
   size=$(du -sm "$STAGE" | cut -f1)
   echo "built in $(($(date +%s) - t0)) s; $STAGE is $size MiB"
   [ "$size" -le 64 ] || { echo "$STAGE is over 64 MiB"; exit 1; }
+}
+
+# test_exe CRATE TEST [CARGO ARGS...]: builds an integration test and prints its executable.
+test_exe() {
+  local crate=$1 name=$2
+  shift 2
+  cargo test --release "$@" -p "$crate" --test "$name" --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$name"
+}
+
+# unpack: the xz-compressed binaries of the stage, decompressed in place (python3's lzma:
+# the device machine may have no xz).
+unpack() {
+  local f
+  for f in "$STAGE"/*.xz; do
+    [ -e "$f" ] || continue
+    python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$f" "${f%.xz}" && chmod +x "${f%.xz}" && rm -f "$f"
+  done
 }
 
 # parity BIN DEVICE PATH: each reference prompt's greedy ids from `fission generate`.
@@ -128,6 +158,7 @@ step() {
 
 run_gpu() {
   : "${OUT:?run on the device machine, where OUT is set}"
+  unpack
   local lib
   lib=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__file__))")/cu13/lib
   export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-} PATH=$PWD/$STAGE:$PATH
@@ -136,6 +167,10 @@ run_gpu() {
   step "kernel tests vs CPU references" "$STAGE/cuda_kernels" --test-threads=1 --nocapture
   # push_copies_bandwidth's line: the KV push device -> pinned host -> device in GB/s.
   grep -h "KV push copies" "$OUT/check.log" | tee -a "$OUT/summary.txt"
+  step "push staging on the GPU (copy stream, pinned buffers, pinned upload)" \
+    env FISSION_TEST_DEVICE=cuda FISSION_SHARED_DIR="$STAGE/shared" "$STAGE/push_staging" \
+    --test-threads=1 --nocapture
+  grep -h "push staging on" "$OUT/check.log" | tee -a "$OUT/summary.txt"
   step "stories260K f32 greedy parity on the GPU" parity "$bin" cuda tensor "$refs"
   step "stories260K f32 greedy parity 1P+1D on the GPU" cluster "$bin" cuda tensor "$refs" 18080 "$OUT/up.log"
   step "random Llama-3.2-1B model" "$bin" make-random-model --shape llama-3.2-1b --out /tmp/l1b
@@ -151,6 +186,12 @@ run_cpu() {
   mkdir -p "$OUT" && : >"$OUT/summary.txt" && : >"$OUT/check.log"
   local bin=target/release/fission
   echo "(CPU: the kernel tests need a GPU; skipped)" | tee -a "$OUT/summary.txt"
+  # The same test binary the GPU run takes, built for the CPU: the same staging order, with
+  # host copies for the pinned ones.
+  local ps
+  ps=$(test_exe engine push_staging)
+  step "push staging, device cache on the CPU" "$ps" --test-threads=1 --nocapture
+  grep -h "push staging on" "$OUT/check.log" | tee -a "$OUT/summary.txt"
   step "stories260K f32 greedy parity, tensor path on the CPU" parity "$bin" cpu tensor "$REFS"
   step "stories260K f32 greedy parity 1P+1D, tensor path on the CPU" cluster "$bin" cpu tensor "$REFS" 18080 "$OUT/up.log"
   step "random tiny model" "$bin" make-random-model --shape tiny --out "$OUT/tiny"
