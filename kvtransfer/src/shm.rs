@@ -4,11 +4,12 @@
 //! connection it creates a memory region, a file in the socket's directory that only its own
 //! user may open, and names it to the sender, which maps it too; once the sender has it
 //! mapped the file is unlinked, so the region lives only in the two mappings. Each frame then
-//! moves as: the sender copies the payload into the region and sends the usual frame header
-//! (checksum, epoch, trace context) on the socket; the receiver copies the payload out of the
-//! region, computing its CRC-32C on the way, checks it as every backend does, and answers
-//! with the verdict. Like TCP, a connection carries one frame at a time and each endpoint
-//! gets a small pool of them.
+//! moves as: the sender copies the payload into a slot of the region, computing its CRC-32C
+//! on the way, and sends the usual frame header (checksum, epoch, trace context) on the
+//! socket; the receiver checks the CRC on the slot as every backend does, hands the sink a
+//! view of the slot, and answers with the verdict and the slot for the next frame
+//! ([`region`]: one copy per byte in all). Like TCP, a connection carries one frame at a time
+//! and each endpoint gets a small pool of them.
 //!
 //! Trust ([`crate::shm_auth`]): both ends admit only a peer of their own user (`SO_PEERCRED`)
 //! before any region exists, and the region file is mode 0600. With the node's identity
@@ -17,8 +18,8 @@
 //! payloads themselves never leave the user's memory, so they are not encrypted. Without one
 //! (`--insecure`), like TCP, a reservation's binding is not checked (SECURITY.md).
 //!
-//! The payload is copied out of the region before its checksum is computed, so a peer that
-//! rewrites the region while the receiver reads it can only fail its own frame.
+//! A peer that rewrites a slot after its check can only change its own frame's payload, in the
+//! blocks its header names ([`region`] says why that is no more than it could send anyway).
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -27,6 +28,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+mod region;
 
 use bytes::Bytes;
 use identity::TlsIdentity;
@@ -40,6 +43,7 @@ use tracing::Instrument;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
+use crate::header::LayerHeader;
 use crate::registry::{PeerKey, TransferRegistry};
 use crate::shm_auth::{check_peer_user, ClientAuth, ServerAuth, Socket};
 use crate::sink::KvSink;
@@ -49,10 +53,16 @@ use crate::transport::{
     RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
+use region::{copy_in, Slots, SLOTS};
 
 /// What a shared-memory endpoint starts with: `unix:` and the socket's path.
 pub const SHM_SCHEME: &str = "unix:";
-const HELLO_MAGIC: [u8; 4] = *b"FKSM";
+/// Version 2: a region of [`SLOTS`] slots, and each verdict names the next frame's slot.
+const HELLO_MAGIC: [u8; 4] = *b"FKS2";
+/// Magic, region size (u64 LE), name length (u16 LE).
+const HELLO_LEN: usize = 14;
+/// A verdict and the slot of the next frame.
+const ANSWER_LEN: usize = ACK_LEN + 1;
 const MAX_REGION_NAME: usize = 255;
 
 #[derive(Clone, Debug)]
@@ -65,8 +75,8 @@ pub struct ShmConfig {
     pub connect_timeout_ms: u64,
     /// Server: connections served at once.
     pub max_connections: usize,
-    /// The largest payload a frame may carry is also each region's size: a region is a
-    /// sparse file, so only the pages the largest layer touched take memory.
+    /// The largest payload a frame may carry is also the size of each of a region's slots:
+    /// a region is a sparse file, so only the pages the largest layers touched take memory.
     pub limits: FrameLimits,
     /// Client with an identity: the name the receiver's certificate must carry, as QUIC's
     /// `server_name`; `localhost` when unset (and [`ShmTransport::connect_as`] names another).
@@ -251,8 +261,8 @@ async fn run_connection<S: KvSink>(
             }
         }
     };
-    let region = match offer_region(&mut stream, &config, &peer).await {
-        Ok(region) => region,
+    let slots = match offer_region(&mut stream, &config, &peer).await {
+        Ok(slots) => slots,
         Err(e) => {
             tracing::debug!(%peer, error = %e, "kv shm region not set up");
             return;
@@ -262,14 +272,17 @@ async fn run_connection<S: KvSink>(
     loop {
         let handled = tokio::select! {
             _ = shutdown.cancelled() => break,
-            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Region(&region), &peer, peer_key.as_ref()) => handled,
+            handled = receive_frame(&mut stream, &ctx, &mut scratch, EarlyRefusal::Source(&slots), &peer, peer_key.as_ref()) => handled,
         };
         let (verdict, keep_going) = match handled {
             Handled::Eof => break,
             Handled::Answer(v) => (v, true),
             Handled::Refused(v) | Handled::Fatal(v) => (v, false),
         };
-        if let Err(e) = stream_io::write_frame(&mut stream, &verdict.encode(), &[], &peer).await {
+        let mut answer = [0u8; ANSWER_LEN];
+        answer[..ACK_LEN].copy_from_slice(&verdict.encode());
+        answer[ACK_LEN] = slots.next_slot();
+        if let Err(e) = stream_io::write_frame(&mut stream, &answer, &[], &peer).await {
             tracing::debug!(%peer, error = %e, "kv shm verdict not sent");
             break;
         }
@@ -280,15 +293,23 @@ async fn run_connection<S: KvSink>(
 }
 
 /// Creates the connection's region, names it to the peer, and unlinks it once the peer has
-/// mapped it. Hello: magic, region size (u64 LE), name length (u16 LE), name.
+/// mapped it. Hello: magic, region size (u64 LE: [`SLOTS`] slots), name length (u16 LE), name.
+/// The first frame goes to slot 0.
 async fn offer_region(
     stream: &mut Socket,
     config: &ShmConfig,
     peer: &str,
-) -> Result<Mmap, KvTransferError> {
+) -> Result<Slots, KvTransferError> {
     let name = unique_name("fission-kv-region", "");
     let path = config.dir.join(&name);
-    let size = config.limits.max_payload_bytes;
+    let slot_bytes = config.limits.max_payload_bytes;
+    let size = slot_bytes
+        .checked_mul(SLOTS as u64)
+        .filter(|&s| usize::try_from(s).is_ok())
+        .ok_or_else(|| KvTransferError::Config {
+            field: "max_payload_bytes",
+            reason: format!("{SLOTS} slots of {slot_bytes} bytes do not fit in memory"),
+        })?;
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -302,9 +323,9 @@ async fn offer_region(
     let _unlink = SocketFile(path.clone());
     file.set_len(size).map_err(io(peer, "size region"))?;
     // SAFETY: the file is private to this user and unlinked below; the peer may write it
-    // while it is mapped, which is why payloads are copied out before they are checked.
+    // while it is mapped, which can change only its own frames' payloads (`region`).
     let region = unsafe { Mmap::map(&file) }.map_err(io(peer, "map region"))?;
-    let mut hello = Vec::with_capacity(14 + name.len());
+    let mut hello = Vec::with_capacity(HELLO_LEN + name.len());
     hello.extend_from_slice(&HELLO_MAGIC);
     hello.extend_from_slice(&size.to_le_bytes());
     hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
@@ -319,7 +340,7 @@ async fn offer_region(
         .read_exact(&mut ack)
         .await
         .map_err(io(peer, "region mapped"))?;
-    Ok(region)
+    Ok(Slots::new(region, slot_bytes as usize))
 }
 
 /// Sends layers through shared memory, with a pool of connections per endpoint.
@@ -415,7 +436,27 @@ impl KvTransport for ShmTransport {
 struct Link {
     stream: Socket,
     region: MmapMut,
+    slot_bytes: usize,
+    slots: usize,
+    /// Where the next frame goes, as the last verdict said.
+    slot: usize,
     _file: File,
+}
+
+impl Link {
+    /// The next frame's slot, `len` bytes of it.
+    fn slot_mut(&mut self, len: usize, endpoint: &str) -> Result<&mut [u8], KvTransferError> {
+        let (slot_bytes, off) = (self.slot_bytes, self.slot * self.slot_bytes);
+        self.region
+            .get_mut(off..)
+            .and_then(|r| r.get_mut(..len))
+            .filter(|_| len <= slot_bytes)
+            .ok_or_else(|| KvTransferError::Stream {
+                endpoint: endpoint.to_owned(),
+                what: "write region",
+                reason: format!("{len} bytes do not fit a slot of {slot_bytes}"),
+            })
+    }
 }
 
 struct Pool {
@@ -446,18 +487,23 @@ impl Pool {
                 None => Box::new(stream),
                 Some(auth) => auth.connect(stream, &self.server_name, endpoint).await?,
             };
-            let mut head = [0u8; 14];
+            let mut head = [0u8; HELLO_LEN];
             stream
                 .read_exact(&mut head)
                 .await
                 .map_err(io(endpoint, "read region"))?;
             if head[..4] != HELLO_MAGIC {
                 return Err(connect_err(format!(
-                    "not a fission shm server: {:02x?}",
+                    "not a fission shm server of this version: {:02x?}",
                     &head[..4]
                 )));
             }
             let size = u64::from_le_bytes(head[4..12].try_into().unwrap_or_default());
+            let slots = SLOTS as u64;
+            if size % slots != 0 || usize::try_from(size).is_err() {
+                return Err(connect_err(format!("a region of {size} bytes")));
+            }
+            let slot_bytes = size / slots;
             let name_len = usize::from(u16::from_le_bytes([head[12], head[13]]));
             if name_len > MAX_REGION_NAME {
                 return Err(connect_err(format!("region name of {name_len} bytes")));
@@ -489,7 +535,8 @@ impl Pool {
                 )));
             }
             // SAFETY: a shared mapping of the receiver's region; only this connection writes
-            // it, and only between verdicts, while the receiver does not read it.
+            // it, and only the slot the last verdict named, which the receiver neither reads
+            // nor lends out until the next header arrives.
             let region = unsafe { MmapMut::map_mut(&file) }.map_err(io(endpoint, "map region"))?;
             stream
                 .write_all(&[1])
@@ -502,6 +549,9 @@ impl Pool {
             Ok(Link {
                 stream,
                 region,
+                slot_bytes: slot_bytes as usize,
+                slots: slots as usize,
+                slot: 0,
                 _file: file,
             })
         };
@@ -553,46 +603,72 @@ fn link_survives(verdict: Verdict) -> bool {
     )
 }
 
+/// What a frame's header is when its payload goes into the slot.
+enum Outgoing<'a> {
+    /// Encoded by the caller's checksum ([`KvConnection::send_frame`]).
+    Framed(&'a [u8]),
+    /// Checksummed while copied into the slot ([`KvConnection::send_layer`]).
+    Layer(&'a LayerHeader),
+}
+
 impl ShmConnection {
-    /// One frame on one link: payload into the region, header on the socket, read the verdict.
+    /// One frame on one link: payload into the slot, header on the socket, read the verdict
+    /// and the next frame's slot. Returns the verdict and the header's length.
     async fn exchange(
         &self,
         link: &mut Link,
-        header: &[u8],
+        frame: &Outgoing<'_>,
         payload: &[u8],
-    ) -> Result<Verdict, KvTransferError> {
+    ) -> Result<(Verdict, usize), KvTransferError> {
         let endpoint = &*self.pool.endpoint;
-        let room = link.region.len();
-        let dst = link
-            .region
-            .get_mut(..payload.len())
-            .ok_or_else(|| KvTransferError::Stream {
-                endpoint: endpoint.to_owned(),
-                what: "write region",
-                reason: format!("{} bytes do not fit a region of {room}", payload.len()),
-            })?;
-        dst.copy_from_slice(payload);
+        let dst = link.slot_mut(payload.len(), endpoint)?;
+        let computed;
+        let header = match frame {
+            Outgoing::Framed(header) => {
+                dst.copy_from_slice(payload);
+                *header
+            }
+            Outgoing::Layer(layer) => {
+                let crc = copy_in(dst, payload);
+                computed = FrameHeader {
+                    header: (*layer).clone(),
+                    payload_len: payload.len() as u64,
+                    payload_crc32c: crc,
+                }
+                .encode(&self.limits)?;
+                &computed[..]
+            }
+        };
         stream_io::write_frame(&mut link.stream, header, &[], endpoint).await?;
-        let mut ack = [0u8; ACK_LEN];
+        let mut answer = [0u8; ANSWER_LEN];
         link.stream
-            .read_exact(&mut ack)
+            .read_exact(&mut answer)
             .await
             .map_err(io(endpoint, "read verdict"))?;
-        Verdict::decode(ack).ok_or_else(|| KvTransferError::Stream {
+        let malformed = || KvTransferError::Stream {
             endpoint: endpoint.to_owned(),
             what: "read verdict",
-            reason: format!("malformed verdict {ack:02x?}"),
-        })
+            reason: format!("malformed verdict {answer:02x?}"),
+        };
+        let mut ack = [0u8; ACK_LEN];
+        ack.copy_from_slice(&answer[..ACK_LEN]);
+        let verdict = Verdict::decode(ack).ok_or_else(malformed)?;
+        let slot = usize::from(answer[ACK_LEN]);
+        if slot >= link.slots {
+            return Err(malformed());
+        }
+        link.slot = slot;
+        Ok((verdict, header.len()))
     }
 
-    async fn send_frame_inner(
+    async fn send_inner(
         &self,
-        frame: FrameHeader,
+        frame: Outgoing<'_>,
+        layer: u32,
+        xfer_id: kv_types::TransferId,
         payload: Bytes,
     ) -> Result<TransferStat, KvTransferError> {
         let start = Instant::now();
-        let (xfer_id, layer) = (frame.header.xfer_id, frame.header.layer);
-        let header = frame.encode(&self.limits)?;
         let _permit = self
             .pool
             .permits
@@ -604,21 +680,21 @@ impl ShmConnection {
                 what: "connection pool",
                 reason: e.to_string(),
             })?;
-        let verdict = match self.pool.take_idle() {
-            Some(mut link) => match self.exchange(&mut link, &header, &payload).await {
-                Ok(v) => {
+        let (verdict, header_len) = match self.pool.take_idle() {
+            Some(mut link) => match self.exchange(&mut link, &frame, &payload).await {
+                Ok((v, len)) => {
                     if link_survives(v) {
                         self.pool.put_back(link);
                     }
-                    v
+                    (v, len)
                 }
                 // A pooled link the server has since closed: retry once on a fresh one.
                 Err(e) => {
                     tracing::debug!(error = %e, "kv shm pooled link failed, redialling");
-                    self.exchange_fresh(&header, &payload).await?
+                    self.exchange_fresh(&frame, &payload).await?
                 }
             },
-            None => self.exchange_fresh(&header, &payload).await?,
+            None => self.exchange_fresh(&frame, &payload).await?,
         };
         if verdict != Verdict::Accepted {
             return Err(KvTransferError::Rejected {
@@ -631,23 +707,34 @@ impl ShmConnection {
         Ok(TransferStat {
             layer,
             payload_bytes: payload.len() as u64,
-            frame_bytes: (header.len() + payload.len()) as u64,
+            frame_bytes: (header_len + payload.len()) as u64,
             elapsed: start.elapsed(),
         })
     }
 
     async fn exchange_fresh(
         &self,
-        header: &[u8],
+        frame: &Outgoing<'_>,
         payload: &[u8],
-    ) -> Result<Verdict, KvTransferError> {
+    ) -> Result<(Verdict, usize), KvTransferError> {
         let mut link = self.pool.dial().await?;
-        let verdict = self.exchange(&mut link, header, payload).await?;
+        let (verdict, len) = self.exchange(&mut link, frame, payload).await?;
         if link_survives(verdict) {
             self.pool.put_back(link);
         }
-        Ok(verdict)
+        Ok((verdict, len))
     }
+}
+
+fn send_span(h: &LayerHeader, payload: &Bytes, endpoint: &str) -> tracing::Span {
+    tracing::debug_span!(
+        "kv_send_layer",
+        xfer_id = h.xfer_id.0 as i64,
+        epoch = h.epoch as i64,
+        layer = i64::from(h.layer),
+        payload_bytes = payload.len() as i64,
+        endpoint = %endpoint,
+    )
 }
 
 impl KvConnection for ShmConnection {
@@ -660,15 +747,39 @@ impl KvConnection for ShmConnection {
         frame: FrameHeader,
         payload: Bytes,
     ) -> Result<TransferStat, KvTransferError> {
-        let h = &frame.header;
-        let span = tracing::debug_span!(
-            "kv_send_layer",
-            xfer_id = h.xfer_id.0 as i64,
-            epoch = h.epoch as i64,
-            layer = i64::from(h.layer),
-            payload_bytes = payload.len() as i64,
-            endpoint = %self.pool.endpoint,
-        );
-        self.send_frame_inner(frame, payload).instrument(span).await
+        let span = send_span(&frame.header, &payload, &self.pool.endpoint);
+        let (xfer_id, layer) = (frame.header.xfer_id, frame.header.layer);
+        async {
+            let header = frame.encode(&self.limits)?;
+            self.send_inner(Outgoing::Framed(&header), layer, xfer_id, payload)
+                .await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The checksum is computed while the payload is copied into the slot, not in a pass of
+    /// its own before.
+    async fn send_layer(
+        &self,
+        header: LayerHeader,
+        payload: Bytes,
+    ) -> Result<TransferStat, KvTransferError> {
+        let span = send_span(&header, &payload, &self.pool.endpoint);
+        let (xfer_id, layer) = (header.xfer_id, header.layer);
+        async {
+            // The receiver's checks, on the sender, before anything is copied; the checksum
+            // is filled in with the copy.
+            FrameHeader {
+                header: header.clone(),
+                payload_len: payload.len() as u64,
+                payload_crc32c: 0,
+            }
+            .encode(&self.limits)?;
+            self.send_inner(Outgoing::Layer(&header), layer, xfer_id, payload)
+                .await
+        }
+        .instrument(span)
+        .await
     }
 }

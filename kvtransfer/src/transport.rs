@@ -169,8 +169,17 @@ pub(crate) enum EarlyRefusal<'a> {
     Discard,
     /// On the stream: leave it unread; the caller stops the stream (QUIC).
     Abandon,
-    /// In a shared-memory region (shm): nothing to drop.
+    /// In a shared-memory region (UCX): nothing to drop.
     Region(&'a [u8]),
+    /// In a region that hands the payload out itself (shm's slots): nothing to drop.
+    Source(&'a dyn PayloadSource),
+}
+
+/// A receiver-side region that gives out a frame's payload with its CRC-32C, copied or not.
+pub(crate) trait PayloadSource: Sync {
+    /// The payload of `len` bytes and its CRC-32C; `None` when it does not fit the region.
+    fn take(&self, len: usize) -> Option<(Bytes, u32)>;
+    fn capacity(&self) -> usize;
 }
 
 /// How one frame ended on the receiving side.
@@ -238,7 +247,7 @@ where
         let Some(claim) = claim else {
             return match early {
                 EarlyRefusal::Abandon => Handled::Refused(verdict),
-                EarlyRefusal::Region(_) => Handled::Answer(verdict),
+                EarlyRefusal::Region(_) | EarlyRefusal::Source(_) => Handled::Answer(verdict),
                 EarlyRefusal::Discard => match stream_io::discard(r, frame.payload_len, peer).await
                 {
                     Ok(()) => Handled::Answer(verdict),
@@ -258,6 +267,15 @@ where
                     layer: frame.header.layer,
                     payload_bytes: frame.payload_len,
                     limit: region.len() as u64,
+                }),
+            EarlyRefusal::Source(source) => usize::try_from(frame.payload_len)
+                .ok()
+                .and_then(|len| source.take(len))
+                .ok_or_else(|| KvTransferError::PayloadTooLarge {
+                    xfer_id: frame.header.xfer_id,
+                    layer: frame.header.layer,
+                    payload_bytes: frame.payload_len,
+                    limit: source.capacity() as u64,
                 }),
             _ => stream_io::read_payload(r, &frame, peer).await,
         };
