@@ -5,24 +5,26 @@
 //! Every one of these formats is, per 32 inputs of a column (16 for Q6_K), an affine map of
 //! small unsigned integers: `w = s * (u - z) - mn`, with `u` of 4 bits (Q4_0, Q4_K), 5 (Q5_0,
 //! Q5_K) or 6 (Q6_K), a zero point `z` fixed by the format (8 for Q4_0, 16 for Q5_0, 32 for
-//! Q6_K, 0 for the
-//! k-quants with a min) and `mn` the k-quants' min. The super-block's f16 `d` times its 6-bit
-//! or 8-bit sub-scale is folded into one f16 `s` per sub-block at load (2^-11 relative, far
-//! under the 4-6 bit rounding of the weights themselves), so the kernel does one float scale
-//! per sub-block, as the Q8 GEMM does per block.
+//! Q6_K, 0 for the k-quants with a min) and `mn` the k-quants' min. Q4_0 and Q5_0 store `s` as
+//! an f16 per 32 inputs; the k-quants store it, and `mn`, as the super-block's f16 `d` (`dmin`)
+//! times a 6-bit (Q6_K: 8-bit signed) integer per sub-block, and the panels keep that form: the
+//! kernel multiplies them out in f32 per block, as ggml's decode does, so the panels stream
+//! about the file's bytes (a batch-1 step is bound by them).
 //!
-//! One 32-input block of a panel is a record, 64-byte lines one after another:
-//! - 4 lines of nibbles: line `v`, byte [`QLayout::Quads`]`(c, j)` holds input `4v + j` of
-//!   column `c` in its low nibble and input `16 + 4v + j` in its high one, so one AND or one
-//!   shift gives `vpdpbusd` a whole group of 4 inputs × 16 columns (weights unsigned, as
-//!   `vpdpbusd` wants its first operand);
-//! - the top bits of `u` past 4 (1 for Q5_K, 2 for Q6_K): `8 / bits` groups a line, group `g`
-//!   at bit `bits * (g % (8 / bits))` of line `g / (8 / bits)`, in the same byte order;
-//! - 16 f16 scales per sub-block (Q6_K has two sub-blocks of 16 inputs), then, for the
-//!   k-quants with a min, 16 f16 mins.
+//! A panel is a run of groups, each [`KQuantType::group`] blocks of 32 inputs (8, one GGUF
+//! super-block, for the k-quants; 1 for Q4_0/Q5_0), read front to back, one stream per panel:
+//! - per block, 4 lines of nibbles: line `v`, byte [`QLayout::Quads`]`(c, j)` holds input
+//!   `4v + j` of column `c` in its low nibble and input `16 + 4v + j` in its high one, so one AND
+//!   or one shift gives `vpdpbusd` a whole group of 4 inputs × 16 columns (weights unsigned, as
+//!   `vpdpbusd` wants its first operand); then the top bits of `u` past 4 (1 for Q5_K, 2 for
+//!   Q6_K): `8 / bits` groups a line, group `g` at bit `bits * (g % (8 / bits))` of line
+//!   `g / (8 / bits)`, in the same byte order;
+//! - per block, 32 bytes of scales: 16 f16 `s` (Q4_0, Q5_0); 16 u8 sub-scales then 16 u8
+//!   sub-mins (Q4_K, Q5_K); 16 i8 sub-scales for each of the two 16-input halves (Q6_K);
+//! - per group, the super-block's 16 f16 `d` (Q6_K, Q4_K, Q5_K) then 16 f16 `dmin` (Q4_K, Q5_K).
 //!
-//! That is 5 bits a weight for Q4_K (GGUF: 4.5), 6 for Q5_K (5.5), 7 for Q6_K (6.56) and 4.5
-//! for Q4_0 (as stored), 5.5 for Q5_0 (as stored): a record is read front to back, one stream per panel.
+//! That is 4.625 bits a weight for Q4_K (GGUF: 4.5), 5.625 for Q5_K (5.5), 6.5625 for Q6_K
+//! (6.5625), 4.5 for Q4_0 and 5.5 for Q5_0 (as stored).
 
 use crate::error::KernelError;
 use crate::q8::{QLayout, GROUPS, GROUP_INPUTS, Q8_BLOCK};
@@ -79,6 +81,7 @@ impl KQuantType {
     }
 
     /// Scales per 32 inputs.
+    #[cfg(test)]
     pub(crate) fn subs(self) -> usize {
         if self == KQuantType::Q6K {
             2
@@ -102,19 +105,66 @@ impl KQuantType {
         }
     }
 
-    /// Bytes of one 32-input record of a panel.
-    pub(crate) fn record_bytes(self) -> usize {
-        4 * 64 + self.hi_bits() * 64 + 32 * self.subs() + if self.has_min() { 32 } else { 0 }
+    /// Whether `s` (and `mn`) are a super-block's f16 times a small integer per sub-block.
+    pub(crate) fn has_super(self) -> bool {
+        !matches!(self, KQuantType::Q4_0 | KQuantType::Q5_0)
+    }
+
+    /// 32-input blocks a group of a panel.
+    pub(crate) fn group(self) -> usize {
+        if self.has_super() {
+            8
+        } else {
+            1
+        }
+    }
+
+    /// Bytes of one block's nibbles and top bits.
+    pub(crate) fn quant_bytes(self) -> usize {
+        4 * 64 + self.hi_bits() * 64
+    }
+
+    /// Bytes of one group: its blocks' quants, their scales, the super-block's f16s.
+    pub(crate) fn group_bytes(self) -> usize {
+        // `d`, and `dmin` with a min.
+        let sup = match (self.has_super(), self.has_min()) {
+            (false, _) => 0,
+            (true, false) => 32,
+            (true, true) => 64,
+        };
+        self.group() * (self.quant_bytes() + 32) + sup
+    }
+
+    /// Bytes of a panel of `blocks` 32-input blocks (a multiple of [`group`](Self::group)).
+    pub(crate) fn panel_bytes(self, blocks: usize) -> usize {
+        blocks / self.group() * self.group_bytes()
+    }
+
+    /// Offsets in a panel of block `b`'s quants, its scales and its group's f16s.
+    pub(crate) fn offsets(self, b: usize) -> (usize, usize, usize) {
+        let (g, i) = (self.group(), b % self.group());
+        let at = b / g * self.group_bytes();
+        (
+            at + i * self.quant_bytes(),
+            at + g * self.quant_bytes() + i * 32,
+            at + g * (self.quant_bytes() + 32),
+        )
     }
 }
 
 /// One GGUF block decoded: `u` per input, and per 32 inputs `subs` scales and a min.
 pub(crate) struct Decoded {
     pub(crate) u: [u8; 256],
-    /// Sub-block `h` (of 32 inputs, or 16 for Q6_K).
+    /// Sub-block `h` (of 32 inputs, or 16 for Q6_K): `d * sc[h]` for the k-quants.
     pub(crate) s: [f32; 16],
-    /// Per 32 inputs.
+    /// Per 32 inputs: `dmin * mq[h]`.
     pub(crate) mn: [f32; 8],
+    /// The k-quants' super-block scales, as stored (f16 values).
+    pub(crate) d: f32,
+    pub(crate) dmin: f32,
+    /// The k-quants' sub-block scales (Q6_K's as i8 bits) and mins, as stored.
+    pub(crate) sc: [u8; 16],
+    pub(crate) mq: [u8; 8],
 }
 
 fn f16(b: &[u8], at: usize) -> f32 {
@@ -140,6 +190,10 @@ pub(crate) fn decode(ty: KQuantType, b: &[u8]) -> Decoded {
         u: [0; 256],
         s: [0.0; 16],
         mn: [0.0; 8],
+        d: 0.0,
+        dmin: 0.0,
+        sc: [0; 16],
+        mq: [0; 8],
     };
     match ty {
         KQuantType::Q4_0 => {
@@ -160,6 +214,7 @@ pub(crate) fn decode(ty: KQuantType, b: &[u8]) -> Decoded {
         }
         KQuantType::Q4K | KQuantType::Q5K => {
             let (d, dmin) = (f16(b, 0), f16(b, 2));
+            (out.d, out.dmin) = (d, dmin);
             let scales = &b[4..16];
             let (qh, ql) = if ty == KQuantType::Q5K {
                 (&b[16..48], &b[48..176])
@@ -170,6 +225,7 @@ pub(crate) fn decode(ty: KQuantType, b: &[u8]) -> Decoded {
                 for half in 0..2 {
                     let sub = 2 * chunk + half;
                     let (sc, m) = scale_min_k4(sub, scales);
+                    (out.sc[sub], out.mq[sub]) = (sc, m);
                     out.s[sub] = d * f32::from(sc);
                     out.mn[sub] = dmin * f32::from(m);
                     for l in 0..32 {
@@ -186,6 +242,8 @@ pub(crate) fn decode(ty: KQuantType, b: &[u8]) -> Decoded {
         KQuantType::Q6K => {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             let d = f16(b, 208);
+            out.d = d;
+            out.sc.copy_from_slice(sc);
             for (h, s) in out.s.iter_mut().enumerate() {
                 *s = d * f32::from(sc[h] as i8);
             }
@@ -221,7 +279,7 @@ pub(crate) struct KSegment {
     pub(crate) col0: usize,
     /// Outputs.
     pub(crate) n: usize,
-    /// Panel `p`, block `b` at `(p * blocks + b) * ty.record_bytes()`.
+    /// Panel `p` at `p * ty.panel_bytes(blocks)`, its block `b` at `ty.offsets(b)` in it.
     pub(crate) data: Vec<u8>,
 }
 
@@ -304,24 +362,27 @@ impl KQuantWeight {
             .find(|s| j < s.col0 + s.n)
             .expect("column in range");
         let (ty, j) = (seg.ty, j - seg.col0);
-        let rec_bytes = ty.record_bytes();
         let (panel, c, b, r) = (j / LANES, j % LANES, i / Q8_BLOCK, i % Q8_BLOCK);
-        let rec = &seg.data[(panel * self.blocks + b) * rec_bytes..][..rec_bytes];
+        let p = &seg.data[panel * ty.panel_bytes(self.blocks)..][..ty.panel_bytes(self.blocks)];
+        let (qo, so, go) = ty.offsets(b);
         let (g, jj) = (r / GROUP_INPUTS, r % GROUP_INPUTS);
         let byte = QLayout::Quads.byte(c, jj);
-        let mut u = (rec[(g % 4) * 64 + byte] >> (4 * (g / 4))) & 0xF;
+        let mut u = (p[qo + (g % 4) * 64 + byte] >> (4 * (g / 4))) & 0xF;
         let hb = ty.hi_bits();
         if let Some(per) = 8usize.checked_div(hb) {
-            let h = rec[256 + (g / per) * 64 + byte] >> (hb * (g % per));
+            let h = p[qo + 256 + (g / per) * 64 + byte] >> (hb * (g % per));
             u |= (h & ((1 << hb) - 1)) << 4;
         }
-        let sub = if ty.subs() == 2 { g / 4 } else { 0 };
-        let at = 256 + 64 * hb;
-        let s = h16(rec, at + 32 * sub + 2 * c);
-        let mn = if ty.has_min() {
-            h16(rec, at + 32 * ty.subs() + 2 * c)
-        } else {
-            0.0
+        let (s, mn) = match ty {
+            KQuantType::Q4_0 | KQuantType::Q5_0 => (h16(p, so + 2 * c), 0.0),
+            KQuantType::Q4K | KQuantType::Q5K => (
+                h16(p, go + 2 * c) * f32::from(p[so + c]),
+                h16(p, go + 32 + 2 * c) * f32::from(p[so + 16 + c]),
+            ),
+            KQuantType::Q6K => (
+                h16(p, go + 2 * c) * f32::from(p[so + 16 * (g / 4) + c] as i8),
+                0.0,
+            ),
         };
         s * (i32::from(u) - ty.zero()) as f32 - mn
     }
@@ -334,39 +395,48 @@ fn h16(b: &[u8], at: usize) -> f32 {
 /// The panels of `rows` GGUF rows of `k` inputs (lengths checked by the caller).
 fn pack(ty: KQuantType, k: usize, rows: usize, data: &[u8]) -> Vec<u8> {
     let blocks = k / Q8_BLOCK;
-    let rec_bytes = ty.record_bytes();
+    let panel_bytes = ty.panel_bytes(blocks);
     let panels = rows.div_ceil(LANES);
-    let mut out = vec![0u8; panels * blocks * rec_bytes];
+    let mut out = vec![0u8; panels * panel_bytes];
     let row_bytes = k / ty.block_inputs() * ty.block_bytes();
     let hb = ty.hi_bits();
     let subs_per_block = ty.block_inputs() / Q8_BLOCK;
+    let put16 = |out: &mut [u8], at: usize, v: f32| {
+        out[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+    };
     for col in 0..rows {
         let (panel, c) = (col / LANES, col % LANES);
         let row = &data[col * row_bytes..(col + 1) * row_bytes];
+        let p = &mut out[panel * panel_bytes..][..panel_bytes];
         for (gb, raw) in row.chunks_exact(ty.block_bytes()).enumerate() {
             let dec = decode(ty, raw);
             for sb in 0..subs_per_block {
                 let b = gb * subs_per_block + sb;
-                let rec = &mut out[(panel * blocks + b) * rec_bytes..][..rec_bytes];
+                let (qo, so, go) = ty.offsets(b);
                 for g in 0..GROUPS {
                     for j in 0..GROUP_INPUTS {
                         let u = dec.u[sb * Q8_BLOCK + g * GROUP_INPUTS + j];
                         let byte = QLayout::Quads.byte(c, j);
-                        rec[(g % 4) * 64 + byte] |= (u & 0xF) << (4 * (g / 4));
+                        p[qo + (g % 4) * 64 + byte] |= (u & 0xF) << (4 * (g / 4));
                         if let Some(per) = 8usize.checked_div(hb) {
-                            rec[256 + (g / per) * 64 + byte] |= (u >> 4) << (hb * (g % per));
+                            p[qo + 256 + (g / per) * 64 + byte] |= (u >> 4) << (hb * (g % per));
                         }
                     }
                 }
-                let at = 256 + 64 * hb;
-                for h in 0..ty.subs() {
-                    let s = dec.s[sb * ty.subs() + h];
-                    let bits = half::f16::from_f32(s).to_bits().to_le_bytes();
-                    rec[at + 32 * h + 2 * c..][..2].copy_from_slice(&bits);
-                }
-                if ty.has_min() {
-                    let bits = half::f16::from_f32(dec.mn[sb]).to_bits().to_le_bytes();
-                    rec[at + 32 * ty.subs() + 2 * c..][..2].copy_from_slice(&bits);
+                match ty {
+                    KQuantType::Q4_0 | KQuantType::Q5_0 => put16(p, so + 2 * c, dec.s[0]),
+                    KQuantType::Q4K | KQuantType::Q5K => {
+                        p[so + c] = dec.sc[sb];
+                        p[so + 16 + c] = dec.mq[sb];
+                        // The f16s came from the file: the round trip is exact.
+                        put16(p, go + 2 * c, dec.d);
+                        put16(p, go + 32 + 2 * c, dec.dmin);
+                    }
+                    KQuantType::Q6K => {
+                        p[so + c] = dec.sc[2 * sb];
+                        p[so + 16 + c] = dec.sc[2 * sb + 1];
+                        put16(p, go + 2 * c, dec.d);
+                    }
                 }
             }
         }
@@ -440,9 +510,8 @@ mod tests {
                 {
                     let d = decode(ty, blk);
                     for l in 0..ty.block_inputs() {
-                        let sub = l / (32 / ty.subs());
-                        let s = half::f16::from_f32(d.s[sub]).to_f32();
-                        let mn = half::f16::from_f32(d.mn[l / 32]).to_f32();
+                        // ggml's decode: `d * sc` and `dmin * m` in f32, exactly.
+                        let (s, mn) = (d.s[l / (32 / ty.subs())], d.mn[l / 32]);
                         let want = s * (i32::from(d.u[l]) - ty.zero()) as f32
                             - if ty.has_min() { mn } else { 0.0 };
                         let i = gb * ty.block_inputs() + l;

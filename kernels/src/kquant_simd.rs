@@ -48,6 +48,17 @@ pub(crate) trait KDot: Copy {
     /// # Safety
     /// `p` must be valid for reading 32 bytes.
     unsafe fn load_h(self, p: *const u8) -> Self::F;
+    /// 16 u8, widened.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading 16 bytes.
+    unsafe fn load_u8(self, p: *const u8) -> Self::F;
+    /// 16 i8, widened.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading 16 bytes.
+    unsafe fn load_i8(self, p: *const u8) -> Self::F;
+    fn mul(self, a: Self::F, b: Self::F) -> Self::F;
     /// `acc + f32(dot) * (s * a_scale)`.
     fn fold(self, acc: Self::F, dot: Self::I, s: Self::F, a_scale: f32) -> Self::F;
     /// `acc - mn * x`.
@@ -119,6 +130,22 @@ impl KDot for KPortable {
         bits.map(|b| half::f16::from_bits(u16::from_le(b)).to_f32())
     }
     #[inline(always)]
+    unsafe fn load_u8(self, p: *const u8) -> Self::F {
+        // SAFETY: the caller's contract.
+        let b: [u8; LANES] = unsafe { std::ptr::read_unaligned(p.cast()) };
+        b.map(f32::from)
+    }
+    #[inline(always)]
+    unsafe fn load_i8(self, p: *const u8) -> Self::F {
+        // SAFETY: the caller's contract.
+        let b: [i8; LANES] = unsafe { std::ptr::read_unaligned(p.cast()) };
+        b.map(f32::from)
+    }
+    #[inline(always)]
+    fn mul(self, a: Self::F, b: Self::F) -> Self::F {
+        std::array::from_fn(|l| a[l] * b[l])
+    }
+    #[inline(always)]
     fn fold(self, acc: Self::F, dot: Self::I, s: Self::F, a_scale: f32) -> Self::F {
         std::array::from_fn(|l| acc[l] + dot[l] as f32 * (s[l] * a_scale))
     }
@@ -187,6 +214,18 @@ mod x86 {
             #[inline(always)]
             unsafe fn load_h(self, p: *const u8) -> __m512 {
                 unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+            }
+            #[inline(always)]
+            unsafe fn load_u8(self, p: *const u8) -> __m512 {
+                unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()))) }
+            }
+            #[inline(always)]
+            unsafe fn load_i8(self, p: *const u8) -> __m512 {
+                unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()))) }
+            }
+            #[inline(always)]
+            fn mul(self, a: __m512, b: __m512) -> __m512 {
+                unsafe { _mm512_mul_ps(a, b) }
             }
             #[inline(always)]
             fn fold(self, acc: __m512, dot: __m512i, s: __m512, a_scale: f32) -> __m512 {
@@ -362,6 +401,28 @@ mod x86 {
                     _mm256_cvtph_ps(_mm_loadu_si128(p.add(16).cast())),
                 ]
             }
+        }
+        #[inline(always)]
+        unsafe fn load_u8(self, p: *const u8) -> Self::F {
+            unsafe {
+                [
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast()))),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8).cast()))),
+                ]
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_i8(self, p: *const u8) -> Self::F {
+            unsafe {
+                [
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))),
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8).cast()))),
+                ]
+            }
+        }
+        #[inline(always)]
+        fn mul(self, a: Self::F, b: Self::F) -> Self::F {
+            unsafe { [_mm256_mul_ps(a[0], b[0]), _mm256_mul_ps(a[1], b[1])] }
         }
         #[inline(always)]
         fn fold(self, acc: Self::F, dot: Self::I, s: Self::F, a_scale: f32) -> Self::F {
