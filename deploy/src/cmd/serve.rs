@@ -184,8 +184,7 @@ mod tests {
     /// for it (config, tokenizer, chat template), not the file itself.
     #[test]
     fn the_gateway_reads_a_gguf_file_through_its_model_directory() {
-        let file = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../gguf/tests/fixtures/stories260K-f32.gguf");
+        let file = ::random_model::gguf_out::fixtures::path("stories260K-f32.gguf");
         let (dir, id) = gateway_model(file.to_str().unwrap()).unwrap();
         assert!(dir.is_dir(), "{}", dir.display());
         assert!(dir.join("config.json").is_file());
