@@ -162,20 +162,8 @@ impl KvCache {
         pool_blocks: &[usize],
         device: &Device,
     ) -> Result<Self> {
-        let dtype = match layout.dtype {
-            KvDtype::F32 => DType::F32,
-            KvDtype::Bf16 => DType::BF16,
-            KvDtype::F16 => DType::F16,
-            KvDtype::Int8 if device.is_cpu() => {
-                return Ok(Self::with_groups(layout, groups, pool_blocks))
-            }
-            KvDtype::Int8 => {
-                return Err(EngineError::InvalidConfig {
-                    reason: "an int8 KV cache has no device kernels yet: use --kv-cache-dtype \
-                             bf16 (or f16, f32) on a GPU"
-                        .into(),
-                })
-            }
+        let Some(dtype) = device_dtype(layout.dtype, device.is_cpu())? else {
+            return Ok(Self::with_groups(layout, groups, pool_blocks));
         };
         let mut cache = Self::with_groups(
             layout,
@@ -434,6 +422,26 @@ impl KvCache {
     }
 }
 
+/// The tensor dtype of a device cache of `dtype`; `None` for an int8 cache on the CPU, which
+/// stays in host vectors (the host kernels' int8 attention), and an error for int8 on any
+/// other device: the device ops and the CUDA kernels have no int8 (a scale per token row and
+/// head) yet, so a GPU node refuses it when its engine starts rather than at the first step.
+fn device_dtype(dtype: KvDtype, on_cpu: bool) -> Result<Option<DType>> {
+    Ok(Some(match dtype {
+        KvDtype::F32 => DType::F32,
+        KvDtype::Bf16 => DType::BF16,
+        KvDtype::F16 => DType::F16,
+        KvDtype::Int8 if on_cpu => return Ok(None),
+        KvDtype::Int8 => {
+            return Err(EngineError::InvalidConfig {
+                reason: "an int8 KV cache has no device kernels yet: use --kv-cache-dtype \
+                         bf16 (or f16, f32) on a GPU"
+                    .into(),
+            })
+        }
+    }))
+}
+
 /// A `[2, n / 2]` CPU tensor of zeros from lazily mapped memory ([`KvBuf::zeros`]).
 fn lazy_zeros(dtype: KvDtype, n: usize) -> Result<Tensor> {
     let shape = (2, n / 2);
@@ -546,6 +554,22 @@ mod tests {
             assert!(b.import_blocks(1, &dst, &bytes[1..]).is_err());
             assert!(b.import_blocks(2, &dst, &bytes).is_err());
         }
+    }
+
+    /// Int8 stays on the host on the CPU and is refused, naming the way out, anywhere else.
+    #[test]
+    fn an_int8_cache_is_refused_off_the_cpu() {
+        assert_eq!(device_dtype(KvDtype::Int8, true).unwrap(), None);
+        let e = device_dtype(KvDtype::Int8, false).unwrap_err().to_string();
+        assert!(
+            e.contains("int8") && e.contains("--kv-cache-dtype bf16"),
+            "{e}"
+        );
+        assert_eq!(
+            device_dtype(KvDtype::Bf16, false).unwrap(),
+            Some(DType::BF16)
+        );
+        assert_eq!(device_dtype(KvDtype::F32, true).unwrap(), Some(DType::F32));
     }
 
     fn fill<T: KvElem>(k: &mut [T], v: &mut [T]) {
