@@ -83,10 +83,15 @@ impl CopyStager {
             });
         };
         let model = device.cuda_stream();
+        // A second stream puts the context in cudarc's multi-stream mode: from now on every
+        // buffer records its reads and writes as events, which also orders the next step's
+        // writes into a layer after the gather that reads it.
         let copy = model.context().new_stream().map_err(cuda_err)?;
+        // The model's kernels, launched on the copy stream: loaded (JIT-compiled) once.
+        let kernels = crate::model::device_ops::kernels_for(&model)?.with_stream(copy)?;
         Ok(CopyStager {
             model,
-            kernels: CudaKernels::new(copy)?,
+            kernels,
             buffers: [None, None],
             lens: [0; 2],
         })

@@ -372,6 +372,9 @@ impl InplaceOp2 for ScatterBlocks {
 #[cfg(feature = "cuda")]
 #[path = "device_ops_cuda.rs"]
 mod cuda;
+/// The kernels of a candle CUDA stream (the push's copy stream shares them).
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::kernels_for;
 
 #[cfg(test)]
 #[path = "device_ops_tests.rs"]

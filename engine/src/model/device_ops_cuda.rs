@@ -18,7 +18,7 @@ use kernels::SeqAttn;
 use super::{GatherBlocks, PagedAttention, ReshapeAndCache, ScatterBlocks, SeqRows};
 
 /// The kernels loaded into each candle device's stream, once per process.
-fn kernels_for(stream: &Arc<CudaStream>) -> candle_core::Result<CudaKernels> {
+pub(crate) fn kernels_for(stream: &Arc<CudaStream>) -> candle_core::Result<CudaKernels> {
     static LOADED: OnceLock<Mutex<HashMap<usize, CudaKernels>>> = OnceLock::new();
     let key = Arc::as_ptr(stream) as usize;
     let mut map = LOADED

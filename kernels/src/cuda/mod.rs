@@ -105,6 +105,21 @@ impl CudaKernels {
         Self::new(ctx.default_stream())
     }
 
+    /// The same kernels launching on `stream`, another stream of their context (a copy
+    /// stream beside the model's): nothing is loaded or JIT-compiled again.
+    pub fn with_stream(&self, stream: Arc<CudaStream>) -> Result<Self, KernelError> {
+        if !Arc::ptr_eq(stream.context(), self.stream.context()) {
+            return Err(KernelError::Invalid(
+                "the kernels were loaded into another CUDA context than the stream's".into(),
+            ));
+        }
+        Ok(CudaKernels {
+            stream,
+            functions: self.functions.clone(),
+            num_sms: self.num_sms,
+        })
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
