@@ -22,16 +22,15 @@
 #[allow(dead_code)]
 #[path = "fault_suite/harness.rs"]
 mod harness;
+#[path = "support/in_process.rs"]
+mod in_process;
 #[path = "fault_suite/migration.rs"]
 mod migration;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use engine::engine::{Engine, EngineConfig, Request};
-use engine::ids::SeqId;
-use engine::loader::ModelSource;
-use engine::model::LoadedModel;
+use in_process::InProcess;
 use random_model::{fingerprint, write_model, ModelSpec};
 use serde_json::{json, Value};
 use testkit::cluster_builder::ClusterBuilder;
@@ -116,52 +115,26 @@ async fn completion_token_texts(
 async fn serves_the_references(name: &str) {
     let dir = tempfile::tempdir().unwrap();
     let refs = materialize(name, dir.path());
-    let model = LoadedModel::load(
-        &ModelSource::Local(dir.path().into()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let tokenizer = &model.tokenizer;
+    let mut reference = InProcess::load(dir.path(), None);
     // The text prompts and the in-process engine's ids for them, the engine first checked on
     // the references' id prompts.
     let mut text_prompts = Vec::new();
     for (i, r) in refs.iter().enumerate() {
         let n = r.output_ids.len();
-        let out = engine
-            .generate(vec![Request::greedy_fixed_length(
-                SeqId(i as u64),
-                r.input_ids.clone(),
-                n,
-            )])
-            .unwrap();
         assert_eq!(
-            out[0].output_ids, r.output_ids,
+            reference.greedy(r.input_ids.clone(), n),
+            r.output_ids,
             "{name} prompt {i}: the in-process engine is not transformers"
         );
-        let text = tokenizer.decode(&r.input_ids, true).unwrap();
-        let ids = tokenizer
-            .encode(text.as_str(), true)
-            .unwrap()
-            .get_ids()
-            .to_vec();
-        let out = engine
-            .generate(vec![Request::greedy_fixed_length(
-                SeqId(100 + i as u64),
-                ids,
-                n,
-            )])
+        let text = reference
+            .model
+            .tokenizer
+            .decode(&r.input_ids, true)
             .unwrap();
-        text_prompts.push((text, out[0].output_ids.clone()));
+        let want = reference.greedy_text(&text, n);
+        text_prompts.push((text, want));
     }
+    let tokenizer = &reference.model.tokenizer;
     let mut ids_of_text: HashMap<String, Vec<u32>> = HashMap::new();
     for id in 0..u32::try_from(tokenizer.get_vocab_size(true)).unwrap() {
         ids_of_text
@@ -199,11 +172,7 @@ async fn serves_the_references(name: &str) {
     let mut by_id = 0;
     for round in 0..2 {
         for (i, (text, want)) in text_prompts.iter().enumerate() {
-            let got: Vec<u32> = generate_ids(&client, &cluster.url, text, want.len())
-                .await
-                .into_iter()
-                .map(|id| u32::try_from(id).unwrap())
-                .collect();
+            let got = generate_ids(&client, &cluster.url, text, want.len()).await;
             assert!(
                 !got.is_empty() && want.starts_with(&got),
                 "{name} round {round} text prompt {i}: cluster {got:?}, in-process {want:?}"

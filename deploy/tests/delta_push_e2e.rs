@@ -15,8 +15,12 @@
 
 use std::time::Duration;
 
-use engine::loader::ModelSource;
-use engine::model::LoadedModel;
+// The in-process engine, for its tokenizer alone.
+#[allow(dead_code)]
+#[path = "support/in_process.rs"]
+mod in_process;
+
+use in_process::InProcess;
 use serde_json::{json, Value};
 use testkit::cluster_builder::ClusterBuilder;
 use testkit::fission::{stories_dir, Up};
@@ -122,15 +126,6 @@ impl Chat<'_> {
     }
 }
 
-fn tokenize(model: &LoadedModel, text: &str) -> Vec<u32> {
-    model
-        .tokenizer
-        .encode(text, true)
-        .unwrap()
-        .get_ids()
-        .to_vec()
-}
-
 /// Whole blocks two token sequences share from the start.
 fn common_blocks(a: &[u32], b: &[u32]) -> usize {
     a.chunks(BS)
@@ -148,12 +143,8 @@ fn config(delta: bool, blocks: usize) -> ClusterBuilder {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn later_turns_push_only_the_blocks_the_decode_node_lacks() {
-    let model = LoadedModel::load(
-        &ModelSource::Local(stories_dir()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    // Only its tokenizer: the ids the gateway's prompts become.
+    let model = InProcess::load(&stories_dir(), None);
     let users = reference_prompts();
 
     let full_cluster = config(false, 512).start();
@@ -173,7 +164,7 @@ async fn later_turns_push_only_the_blocks_the_decode_node_lacks() {
     let delta = chat.three_turns(&users).await;
 
     // Bytes of one block over every layer, from the first turn (pushed whole either way).
-    let first_len = tokenize(&model, &delta[0].sent).len();
+    let first_len = model.tokenize(&delta[0].sent).len();
     let per_block = delta[0].received / first_len.div_ceil(BS) as f64;
     assert_eq!(delta[0].received, full[0].received);
     assert_eq!(delta[0].linked, 0.0);
@@ -187,7 +178,7 @@ async fn later_turns_push_only_the_blocks_the_decode_node_lacks() {
         );
         assert_eq!(d.pushed, d.received, "turn {}", turn + 1);
         assert_eq!(f.linked, 0.0, "the full-push cluster links nothing");
-        let prompt = tokenize(&model, &d.sent);
+        let prompt = model.tokenize(&d.sent);
         let blocks = prompt.len().div_ceil(BS);
         assert_eq!(f.received, blocks as f64 * per_block, "turn {}", turn + 1);
         // The decode node holds the previous turn's prompt and every answer token but the
@@ -218,12 +209,8 @@ async fn later_turns_push_only_the_blocks_the_decode_node_lacks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicted_conversation_is_pushed_in_full() {
-    let model = LoadedModel::load(
-        &ModelSource::Local(stories_dir()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
+    // Only its tokenizer: the ids the gateway's prompts become.
+    let model = InProcess::load(&stories_dir(), None);
     let users = reference_prompts();
     // 48 blocks of 16 tokens: a few other prompts evict the first turn.
     let cluster = config(true, 48).start();
@@ -245,8 +232,8 @@ async fn an_evicted_conversation_is_pushed_in_full() {
         evicted.linked, 0.0,
         "the decode node no longer holds turn 1"
     );
-    let prompt_len = tokenize(&model, &second_prompt).len();
-    let first_len = tokenize(&model, &first.sent).len();
+    let prompt_len = model.tokenize(&second_prompt).len();
+    let first_len = model.tokenize(&first.sent).len();
     let per_block = first.received / first_len.div_ceil(BS) as f64;
     assert_eq!(evicted.received, prompt_len.div_ceil(BS) as f64 * per_block);
     chat.wait_for_empty_caches().await;

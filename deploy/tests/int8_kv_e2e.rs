@@ -8,10 +8,10 @@
 
 use std::time::Duration;
 
-use engine::engine::{Engine, EngineConfig, Request};
-use engine::ids::SeqId;
-use engine::loader::ModelSource;
-use engine::model::LoadedModel;
+#[path = "support/in_process.rs"]
+mod in_process;
+
+use in_process::InProcess;
 use kvtransfer::KvDtype;
 use testkit::cluster_builder::ClusterBuilder;
 use testkit::fission::stories_dir;
@@ -27,42 +27,14 @@ fn prompts() -> Vec<String> {
     refs.iter().cloned().chain(long).collect()
 }
 
-/// Greedy ids of `prompt` from one in-process engine with the int8 cache.
-fn colocated(model: &LoadedModel, engine: &mut Engine, id: u64, prompt: &str) -> Vec<u64> {
-    let ids = model
-        .tokenizer
-        .encode(prompt, true)
-        .expect("encodes")
-        .get_ids()
-        .to_vec();
-    let req = Request::greedy_fixed_length(SeqId(id), ids, NEW_TOKENS);
-    let out = engine.generate(vec![req]).expect("generates");
-    out[0].output_ids.iter().map(|&x| u64::from(x)).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn int8_cluster_serves_the_colocated_int8_tokens() {
-    let model = LoadedModel::load(
-        &ModelSource::Local(stories_dir()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .expect("stories260K loads");
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            kv_cache_dtype: Some(KvDtype::Int8),
-            ..Default::default()
-        },
-    )
-    .expect("engine");
-    assert_eq!(engine.cache_mut().dtype(), KvDtype::Int8);
+    let mut colocated = InProcess::load(&stories_dir(), Some(KvDtype::Int8));
+    assert_eq!(colocated.engine.cache_mut().dtype(), KvDtype::Int8);
     let prompts = prompts();
     let want: Vec<Vec<u64>> = prompts
         .iter()
-        .enumerate()
-        .map(|(i, p)| colocated(&model, &mut engine, i as u64, p))
+        .map(|p| colocated.greedy_text(p, NEW_TOKENS))
         .collect();
 
     let cluster = ClusterBuilder::new(FISSION).kv_dtype("int8").start();
@@ -70,13 +42,9 @@ async fn int8_cluster_serves_the_colocated_int8_tokens() {
     // The first prompt alone: the decode node receives its blocks in int8, scales included.
     let first = generate_ids(&client, &cluster.url, &prompts[0], NEW_TOKENS).await;
     assert!(want[0].starts_with(&first), "{first:?} vs {:?}", want[0]);
-    let layout = engine.cache_mut().layout();
+    let layout = colocated.engine.cache_mut().layout();
     assert_eq!(layout.dtype, KvDtype::Int8);
-    let tokens = model
-        .tokenizer
-        .encode(prompts[0].as_str(), true)
-        .unwrap()
-        .len();
+    let tokens = colocated.tokenize(&prompts[0]).len();
     let received = cluster.metric("decode-0", "fission_decode_kv_received_bytes_total");
     let per_block = layout.bytes_per_block_all_layers() as f64;
     assert_eq!(

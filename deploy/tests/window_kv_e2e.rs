@@ -14,16 +14,15 @@
 #[allow(dead_code)]
 #[path = "fault_suite/harness.rs"]
 mod harness;
+#[path = "support/in_process.rs"]
+mod in_process;
 #[path = "fault_suite/migration.rs"]
 mod migration;
 
 use std::time::Duration;
 
-use engine::engine::{Engine, EngineConfig, Request};
-use engine::ids::SeqId;
 use engine::kv::groups::first_pushed_block;
-use engine::loader::ModelSource;
-use engine::model::LoadedModel;
+use in_process::InProcess;
 use random_model::ModelSpec;
 use serde_json::{json, Value};
 use testkit::cluster_builder::ClusterBuilder;
@@ -63,22 +62,9 @@ fn prompts() -> Vec<String> {
 async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
     let dir = tempfile::tempdir().unwrap();
     gemma3_shaped(dir.path());
-    let model = LoadedModel::load(
-        &ModelSource::Local(dir.path().into()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut colocated = InProcess::load(dir.path(), None);
     assert_eq!(
-        engine.kv_usage().len(),
+        colocated.engine.kv_usage().len(),
         2,
         "one sliding group beside the global one"
     );
@@ -86,20 +72,15 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
     let mut want = Vec::new();
     // What the pushes of one round carry, from the layout: every block of the global layer,
     // the window's blocks of each sliding one; and what full attention would push.
-    let layout = engine.cache().layout();
+    let layout = colocated.engine.cache().layout();
     let (bs, layer_block) = (
         layout.block_size as usize,
         2 * layout.block_bytes() as usize,
     );
-    let groups = engine.cache().groups().clone();
+    let groups = colocated.engine.cache().groups().clone();
     let (mut windowed, mut full) = (0usize, 0usize);
-    for (i, p) in prompts.iter().enumerate() {
-        let ids = model
-            .tokenizer
-            .encode(p.as_str(), true)
-            .unwrap()
-            .get_ids()
-            .to_vec();
+    for p in &prompts {
+        let ids = colocated.tokenize(p);
         assert!(ids.len() > 3 * WINDOW, "{} tokens", ids.len());
         let n = ids.len().div_ceil(bs);
         let live = n - first_pushed_block(ids.len(), WINDOW, bs);
@@ -107,13 +88,11 @@ async fn a_sliding_window_model_serves_the_colocated_tokens_through_1p_1d() {
             windowed += layer_block * if groups.group_of(layer) == 0 { n } else { live };
         }
         full += 6 * n * layer_block;
-        let req = Request::greedy_fixed_length(SeqId(i as u64), ids, NEW_TOKENS);
-        let out = engine.generate(vec![req]).unwrap();
         want.push(
-            out[0]
-                .output_ids
-                .iter()
-                .map(|&x| u64::from(x))
+            colocated
+                .greedy(ids, NEW_TOKENS)
+                .into_iter()
+                .map(u64::from)
                 .collect::<Vec<_>>(),
         );
     }
@@ -189,14 +168,8 @@ async fn measure_the_push_of_a_4096_token_prompt() {
     for (name, pattern) in [("windowed", 6), ("full attention", 1)] {
         let dir = tempfile::tempdir().unwrap();
         gemma3_with(dir.path(), 512, pattern, 8192);
-        let model = LoadedModel::load(
-            &ModelSource::Local(dir.path().into()),
-            None,
-            &candle_core::Device::Cpu,
-        )
-        .unwrap();
-        let vocab = model.config().vocab_size;
-        let engine = Engine::new(model, EngineConfig::default()).unwrap();
+        let reference = InProcess::load(dir.path(), None);
+        let (vocab, engine) = (reference.model.config().vocab_size, &reference.engine);
         let layout = engine.cache().layout();
         let (bs, layer_block) = (
             layout.block_size as usize,

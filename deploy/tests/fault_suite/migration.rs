@@ -2,18 +2,15 @@
 //! `window_kv_e2e.rs`): 1 prefill and 2 decode nodes of the fault suite's [`harness`]; decode-0
 //! is SIGKILLed while it streams, and every stream the gateway migrates to decode-1 must carry
 //! an in-process engine's greedy ids, with no token twice or missing and every block back.
-//! Included with `#[path]` beside `mod harness`.
+//! Included with `#[path]` beside `mod harness` and `mod in_process`.
 
 use std::path::Path;
 use std::time::Duration;
 
-use engine::engine::{Engine, EngineConfig, Request};
-use engine::ids::SeqId;
-use engine::loader::ModelSource;
-use engine::model::LoadedModel;
 use serde_json::Value;
 
 use crate::harness;
+use crate::in_process::InProcess;
 
 pub const STREAMS: usize = 4;
 pub const STREAM_TOKENS: usize = 200;
@@ -27,40 +24,14 @@ fn stream_body(client: usize) -> Value {
 
 /// One in-process engine's greedy ids for each stream's prompt.
 fn in_process_ids(model_dir: &Path) -> Vec<Vec<u64>> {
-    let model = LoadedModel::load(
-        &ModelSource::Local(model_dir.to_path_buf()),
-        None,
-        &candle_core::Device::Cpu,
-    )
-    .expect("the model loads");
-    let mut engine = Engine::new(
-        model.clone(),
-        EngineConfig {
-            num_kv_blocks: Some(512),
-            ..Default::default()
-        },
-    )
-    .expect("an engine");
+    let mut reference = InProcess::load(model_dir, None);
     (0..STREAMS)
         .map(|i| {
             let text = stream_body(i)["inputs"]
                 .as_str()
                 .expect("a prompt")
                 .to_string();
-            let ids = model
-                .tokenizer
-                .encode(text.as_str(), true)
-                .expect("encodes")
-                .get_ids()
-                .to_vec();
-            let out = engine
-                .generate(vec![Request::greedy_fixed_length(
-                    SeqId(i as u64),
-                    ids,
-                    STREAM_TOKENS,
-                )])
-                .expect("generates");
-            out[0].output_ids.iter().map(|&x| u64::from(x)).collect()
+            reference.greedy_text(&text, STREAM_TOKENS)
         })
         .collect()
 }
