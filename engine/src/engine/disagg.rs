@@ -82,7 +82,9 @@ impl<'a> LayerDone<'a> {
     }
 }
 
-/// Called after each layer of a step in which some prompt completes.
+/// Called after each layer of a step in which some prompt completes: at once on a host cache,
+/// and once the next layer is computed and this one staged on a device cache
+/// (`engine/layer_push.rs`).
 pub type LayerHook<'a> = dyn FnMut(LayerDone<'_>) -> Result<()> + 'a;
 
 /// A request waiting for its KV to arrive.

@@ -9,7 +9,10 @@
 //! The allocator, the prefix cache and the block tables stay on the host either way. A device
 //! cache exports through a staging tensor (`device_ops::gather_blocks`, copied to host bytes)
 //! and imports the other way (`device_ops::scatter_blocks`), in the byte layout the host
-//! cache's exports have, so the push and the nodes do not know which one they hold.
+//! cache's exports have, so the push and the nodes do not know which one they hold. A
+//! prefill step stages each finished layer ahead of its export ([`crate::kv::staging`]: on
+//! a GPU, pinned memory filled on a copy stream while the next layer computes), and a GPU
+//! import uploads from pinned memory.
 //!
 //! An int8 cache (`KvDtype::Int8`) also holds one f32 scale per token slot and kv head beside
 //! each layer's K and V (see `kernels::quantize_row_int8` for why per row); its exports carry
