@@ -160,14 +160,9 @@ fn size_label(tensors: &[OutTensor]) -> String {
             .len();
         format!("{scaled:.*}{suffix}", 2usize.saturating_sub(digits))
     };
-    if expert_tensors > 0 {
-        format!(
-            "{}x{}",
-            expert_sum / expert_tensors,
-            rounded(shared + expert)
-        )
-    } else {
-        rounded(total)
+    match expert_sum.checked_div(expert_tensors) {
+        Some(experts) => format!("{experts}x{}", rounded(shared + expert)),
+        None => rounded(total),
     }
 }
 
