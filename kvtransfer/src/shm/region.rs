@@ -43,7 +43,7 @@ pub(super) fn copy_in(dst: &mut [u8], src: &[u8]) -> u32 {
     for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
         d.copy_from_slice(s);
         // The sender's own copy: the receiver may not change what is checksummed.
-        crc = crc32c::crc32c_append(crc, s);
+        crc = super::crc::crc32c_append(crc, s);
     }
     crc
 }
@@ -104,7 +104,7 @@ impl PayloadSource for Slots {
             // slot can take the next frame.
             return stream_io::copy_out(src, len);
         }
-        let crc = crc32c::crc32c(src);
+        let crc = super::crc::crc32c_append(0, src);
         self.busy[cur].store(true, Ordering::Release);
         let lease = Lease {
             map: self.map.clone(),
