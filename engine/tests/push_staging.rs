@@ -258,3 +258,89 @@ fn a_sliding_window_push_is_staged_and_generates_the_colocated_ids() {
     }
     assert_eq!(ids, colocated);
 }
+
+/// What the staging costs a prefill step: the step that completes a prompt, with every layer
+/// exported as the push does (A), against the plain step (B), alternated, medians printed.
+/// With the copy overlapped, A exceeds B by about one layer's copy plus the host copies.
+/// A measurement, not a check: `deploy/gpu-check.sh` runs it (`--ignored`) on the GPU, with
+/// a SmolLM2-135M-shaped model in bf16 and a 2048-token prompt (a tiny model on the CPU).
+#[test]
+#[ignore = "a measurement: deploy/gpu-check.sh runs it"]
+fn push_overlap_timing() {
+    let dev = device();
+    let (spec, dtype, prompt_len) = match dev.is_cuda() {
+        true => (random_model::ModelSpec::smollm2_135m(), DType::BF16, 2048),
+        false => (random_model::ModelSpec::tiny(), DType::F32, 512),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    random_model::write_model(dir.path(), &spec, &stories_tokenizer()).unwrap();
+    let model = LoadedModel::load(
+        &ModelSource::Local(dir.path().to_path_buf()),
+        Some(dtype),
+        &dev,
+    )
+    .unwrap()
+    .with_tensor_path();
+    let cfg = EngineConfig {
+        num_kv_blocks: Some(4 * prompt_len / 16 + 8),
+        block_size: 16,
+        max_prefill_chunk_tokens: prompt_len,
+        max_batch_prefill_tokens: prompt_len,
+        enable_prefix_caching: false,
+        ..Default::default()
+    };
+    let mut e = engine(&model, cfg);
+    let vocab = spec.vocab;
+    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut pushed_bytes = 0;
+    for round in 0..12 {
+        let prompt: Vec<u32> = (0..prompt_len)
+            .map(|i| ((i * 7919 + round * 104_729 + 13) % (vocab - 3) + 3) as u32)
+            .collect();
+        e.add_prefill_request(greedy(round as u64, prompt, 1))
+            .unwrap();
+        let push = round % 2 == 0;
+        let started = std::time::Instant::now();
+        let mut bytes = 0;
+        let events = match push {
+            true => e
+                .step_with_layer_hook(&mut |done: LayerDone<'_>| {
+                    let (_, ids) = done.pushed_blocks(0)?;
+                    let mut buf = vec![0u8; done.cache.export_len(ids.len())];
+                    done.cache.export_blocks(done.layer, ids, &mut buf)?;
+                    bytes += buf.len();
+                    Ok(())
+                })
+                .unwrap(),
+            false => e.step().unwrap(),
+        };
+        let elapsed = started.elapsed().as_secs_f64();
+        assert_eq!(events.len(), 1, "one step prefills the prompt");
+        // The first round of each kind warms up (kernel loads, the pinned buffers).
+        if round >= 2 {
+            times[usize::from(!push)].push(elapsed);
+        }
+        pushed_bytes = pushed_bytes.max(bytes);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let spread = |v: &Vec<f64>| v[v.len() - 1] - v[0];
+    let (a, b) = (median(&mut times[0]), median(&mut times[1]));
+    println!(
+        "push overlap on {dev:?}: {prompt_len}-token prefill, {} layers, {:.1} MB pushed: \
+         with push {:.2} ms (spread {:.2}), plain {:.2} ms (spread {:.2}), ratio {:.3}; \
+         the push adds {:.2} ms, {:.2} GB/s of pushed bytes over the whole step",
+        spec.layers,
+        pushed_bytes as f64 / 1e6,
+        a * 1e3,
+        spread(&times[0]) * 1e3,
+        b * 1e3,
+        spread(&times[1]) * 1e3,
+        a / b,
+        (a - b) * 1e3,
+        pushed_bytes as f64 / a / 1e9,
+    );
+    assert!(pushed_bytes > 0);
+}
