@@ -21,15 +21,35 @@ pub(crate) struct FrameLoop<'a, S: ?Sized> {
     pub peer_key: Option<&'a PeerKey>,
 }
 
+/// What must happen before each frame's header is read: UCX waits for the frame's payload
+/// to land in the connection's region.
+pub(crate) trait FrameGate<St> {
+    /// Whether the connection goes on; `false` ends it.
+    async fn ready(&mut self, stream: &St) -> bool;
+}
+
+/// No gate: the payload follows its header on the stream (TCP), or is in a region before
+/// the header is sent (shm).
+pub(crate) struct Open;
+
+impl<St> FrameGate<St> for Open {
+    async fn ready(&mut self, _stream: &St) -> bool {
+        true
+    }
+}
+
 /// Receives frames on `stream` and answers each with its verdict until the peer closes, a
-/// frame ends the connection (answered, then lingered on) or `shutdown` fires.
-pub(crate) async fn serve_frames<St, S>(
+/// frame ends the connection (answered, then lingered on), `gate` says stop or `shutdown`
+/// fires.
+pub(crate) async fn serve_frames<St, S, G>(
     stream: &mut St,
     frames: FrameLoop<'_, S>,
+    mut gate: G,
     shutdown: &CancellationToken,
 ) where
     St: AsyncRead + AsyncWrite + Unpin,
     S: KvSink + ?Sized,
+    G: FrameGate<St>,
 {
     let FrameLoop {
         ctx,
@@ -39,9 +59,18 @@ pub(crate) async fn serve_frames<St, S>(
     } = frames;
     let mut scratch = Vec::new();
     loop {
+        let next = async {
+            if !gate.ready(&*stream).await {
+                return None;
+            }
+            Some(receive_frame(&mut *stream, ctx, &mut scratch, early, peer, peer_key).await)
+        };
         let handled = tokio::select! {
             _ = shutdown.cancelled() => break,
-            handled = receive_frame(&mut *stream, ctx, &mut scratch, early, peer, peer_key) => handled,
+            handled = next => match handled {
+                Some(handled) => handled,
+                None => break,
+            },
         };
         let (verdict, keep_going) = match handled {
             Handled::Eof => break,

@@ -23,7 +23,7 @@ use tracing::Instrument;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
-use crate::receive::{serve_frames, FrameLoop};
+use crate::receive::{serve_frames, FrameLoop, Open};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
 use crate::stream_io;
@@ -145,7 +145,7 @@ async fn run_connection_task<S: KvSink>(
         peer: &peer,
         peer_key: None,
     };
-    serve_frames(&mut stream, frames, &shutdown).await;
+    serve_frames(&mut stream, frames, Open, &shutdown).await;
 }
 
 /// Sends layers over TCP, with a pool of connections per endpoint.

@@ -7,7 +7,8 @@
 //! sizes and field offsets to the ones `sizeof`/`offsetof` gave for that header on x86-64
 //! Linux (benchmarks/history/2026-11-29-ucx.md). Only what the backend uses is
 //! declared: contexts and workers, endpoints to a worker address, memory registration and
-//! remote keys, one-sided puts and flushes, and the worker's wake-up file descriptor.
+//! remote keys, tagged sends and receives (and their cancellation), and the worker's wake-up
+//! file descriptor.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
@@ -32,6 +33,7 @@ pub(crate) const API_MAJOR: c_uint = 1;
 pub(crate) const API_MINOR: c_uint = 13;
 
 pub(crate) const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
+pub(crate) const UCP_FEATURE_TAG: u64 = 1 << 0;
 pub(crate) const UCP_FEATURE_RMA: u64 = 1 << 1;
 pub(crate) const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
 pub(crate) const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
@@ -145,15 +147,23 @@ pub(crate) struct Ucp {
     pub worker_arm: unsafe extern "C" fn(Worker) -> Status,
     pub ep_create: unsafe extern "C" fn(Worker, *const EpParams, *mut Ep) -> Status,
     pub ep_close_nbx: unsafe extern "C" fn(Ep, *const RequestParam) -> StatusPtr,
-    pub ep_flush_nbx: unsafe extern "C" fn(Ep, *const RequestParam) -> StatusPtr,
     pub mem_map: unsafe extern "C" fn(Context, *const MemMapParams, *mut MemH) -> Status,
     pub mem_unmap: unsafe extern "C" fn(Context, MemH) -> Status,
     pub rkey_pack: unsafe extern "C" fn(Context, MemH, *mut *mut c_void, *mut usize) -> Status,
     pub rkey_buffer_release: unsafe extern "C" fn(*mut c_void),
     pub ep_rkey_unpack: unsafe extern "C" fn(Ep, *const c_void, *mut RKey) -> Status,
     pub rkey_destroy: unsafe extern "C" fn(RKey),
-    pub put_nbx:
-        unsafe extern "C" fn(Ep, *const c_void, usize, u64, RKey, *const RequestParam) -> StatusPtr,
+    pub tag_send_nbx:
+        unsafe extern "C" fn(Ep, *const c_void, usize, u64, *const RequestParam) -> StatusPtr,
+    pub tag_recv_nbx: unsafe extern "C" fn(
+        Worker,
+        *mut c_void,
+        usize,
+        u64,
+        u64,
+        *const RequestParam,
+    ) -> StatusPtr,
+    pub request_cancel: unsafe extern "C" fn(Worker, *mut c_void),
     pub request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
     pub request_free: unsafe extern "C" fn(*mut c_void),
     pub status_string: unsafe extern "C" fn(Status) -> *const c_char,
@@ -234,14 +244,15 @@ fn load() -> Result<Ucp, String> {
         worker_arm: sym!("ucp_worker_arm"),
         ep_create: sym!("ucp_ep_create"),
         ep_close_nbx: sym!("ucp_ep_close_nbx"),
-        ep_flush_nbx: sym!("ucp_ep_flush_nbx"),
         mem_map: sym!("ucp_mem_map"),
         mem_unmap: sym!("ucp_mem_unmap"),
         rkey_pack: sym!("ucp_rkey_pack"),
         rkey_buffer_release: sym!("ucp_rkey_buffer_release"),
         ep_rkey_unpack: sym!("ucp_ep_rkey_unpack"),
         rkey_destroy: sym!("ucp_rkey_destroy"),
-        put_nbx: sym!("ucp_put_nbx"),
+        tag_send_nbx: sym!("ucp_tag_send_nbx"),
+        tag_recv_nbx: sym!("ucp_tag_recv_nbx"),
+        request_cancel: sym!("ucp_request_cancel"),
         request_check_status: sym!("ucp_request_check_status"),
         request_free: sym!("ucp_request_free"),
         status_string: sym!("ucs_status_string"),

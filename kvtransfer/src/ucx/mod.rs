@@ -1,4 +1,4 @@
-//! UCX backend: each layer is one one-sided put into memory the decode node registered once,
+//! UCX backend: each layer is one tagged send into memory the decode node registered once,
 //! over whatever UCX finds (InfiniBand or RoCE verbs where the hardware is, its TCP and
 //! shared-memory transports here).
 //!
@@ -6,13 +6,23 @@
 //! each connection, once the peer is admitted (below), it leases a region of registered
 //! memory (`ucp_mem_map`, done once per region: regions are kept and reused by later
 //! connections) and sends the sender its UCX worker address, the region's address and
-//! size, and the packed remote key. The sender opens a UCP endpoint to that worker and, for
-//! each frame, puts the payload at the start of the region (`ucp_put_nbx`), flushes the
-//! endpoint (`ucp_ep_flush_nbx`: the bytes are in the receiver's memory), then sends the
-//! usual frame header on the control socket (checksum, epoch, trace context). The receiver
-//! copies the payload out of the region, computing its CRC-32C on the way, checks it as
-//! every backend does and answers with the verdict. Like TCP and shm, a connection carries
-//! one frame at a time and each endpoint gets a small pool of them.
+//! size, a tag of the connection's own and the packed remote key. For each frame the
+//! receiver posts a receive for that tag into the region (`ucp_tag_recv_nbx`); the sender
+//! sends the payload with the tag (`ucp_tag_send_nbx`, an empty message for an empty
+//! payload), then the usual frame header on the control socket (checksum, epoch, trace
+//! context). Only once the message has landed does the receiver read the header; it copies
+//! the payload out of the region, computing its CRC-32C on the way, checks it as every
+//! backend does and answers with the verdict. Like TCP and shm, a connection carries one
+//! frame at a time and each endpoint gets a small pool of them.
+//!
+//! A large payload goes by UCX's rendezvous protocol: over RDMA a zero-copy read or write
+//! into the posted region; over UCX's TCP transport, active-message fragments sent from the
+//! sender's buffer without a copy, which the receiver's worker copies into the region. The
+//! earlier one-sided `ucp_put_nbx` is not used: UCX's TCP transport has no remote key, so
+//! UCP emulated the put with active messages, with a copy more on the sending side. (With
+//! endpoints that do not ask for peer-failure handling, UCX's TCP transport offers an RMA
+//! lane and the rendezvous receives straight into the region, 3.6x faster in ucx_perftest,
+//! but UCX then treats a failed peer as fatal; see benchmarks/history/2026-11-29-ucx-speed.md.)
 //!
 //! UCX itself is loaded at run time ([`ffi`]): no build needs it, and a node without
 //! `libucx0` fails when it builds this backend. One UCP context and worker per server or
@@ -64,7 +74,8 @@ pub struct UcxConfig {
     /// Client: most connections per endpoint, so most layers in flight to one node.
     pub connections_per_endpoint: usize,
     pub connect_timeout_ms: u64,
-    /// Client: how long one put and its flush may take before the connection is dropped.
+    /// How long one layer's send may take before the connection is dropped (client), and
+    /// how long a server waits for a payload whose header has come (server).
     pub put_timeout_ms: u64,
     /// Client: the local address control connections leave from, or the system's choice.
     pub bind_ip: Option<std::net::IpAddr>,

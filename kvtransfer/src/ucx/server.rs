@@ -1,6 +1,7 @@
 //! The receiving side: a TCP control socket, and one registered region per connection.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,11 +10,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use super::peer::{peer_origin, PeerOrigin};
-use super::worker::{UcxWorker, WorkerOptions};
+use super::worker::{RegionLease, UcxWorker, WorkerOptions};
 use super::UcxConfig;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;
-use crate::receive::{serve_frames, FrameLoop};
+use crate::receive::{serve_frames, FrameGate, FrameLoop};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
 use crate::stream_io;
@@ -21,6 +22,50 @@ use crate::transport::{EarlyRefusal, KvServer, ReceiveCtx, RefusalObserver};
 
 /// The hello's first bytes.
 pub(crate) const HELLO_MAGIC: [u8; 4] = *b"FKUX";
+
+/// Each connection's tag, unique in this process, so that a message for one connection can
+/// never match another's receive.
+static NEXT_TAG: AtomicU64 = AtomicU64::new(1);
+
+/// Before each frame, waits for its payload: a tagged message into the connection's region.
+/// The sender sends one for every frame (an empty one for an empty payload) before the
+/// header, so a header without it is a peer out of step, dropped after `timeout`.
+struct RecvGate<'a> {
+    worker: &'a UcxWorker,
+    region: &'a RegionLease,
+    tag: u64,
+    timeout: Duration,
+    peer: &'a str,
+}
+
+impl FrameGate<TcpStream> for RecvGate<'_> {
+    async fn ready(&mut self, stream: &TcpStream) -> bool {
+        let recv = self.worker.recv(self.region, self.tag);
+        tokio::pin!(recv);
+        let mut byte = [0u8; 1];
+        let received = tokio::select! {
+            received = &mut recv => received,
+            // The peer closed (or a header came first): stop, or give the payload its time.
+            peeked = stream.peek(&mut byte) => match peeked {
+                Ok(n) if n > 0 => tokio::time::timeout(self.timeout, recv)
+                    .await
+                    .unwrap_or_else(|_| Err(KvTransferError::Stream {
+                        endpoint: self.peer.to_owned(),
+                        what: "ucx receive",
+                        reason: format!("a header without its payload within {} ms", self.timeout.as_millis()),
+                    })),
+                _ => return false,
+            },
+        };
+        match received {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(peer = self.peer, error = %e, "kv ucx receive failed");
+                false
+            }
+        }
+    }
+}
 
 /// Receives layers through UCX puts into its registered regions.
 pub struct UcxServer {
@@ -150,18 +195,20 @@ async fn run_connection<S: KvSink>(
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, error = %e, "kv ucx set_nodelay failed");
     }
+    let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed);
     let setup = async {
         let region = worker
             .lease_region(usize::try_from(config.limits.max_payload_bytes).unwrap_or(usize::MAX))
             .await?;
         let info = region.info();
         let address = worker.address();
-        let mut hello = Vec::with_capacity(28 + address.len() + info.rkey.len());
+        let mut hello = Vec::with_capacity(36 + address.len() + info.rkey.len());
         hello.extend_from_slice(&HELLO_MAGIC);
         hello.extend_from_slice(&(address.len() as u32).to_le_bytes());
         hello.extend_from_slice(address);
         hello.extend_from_slice(&(info.addr as u64).to_le_bytes());
         hello.extend_from_slice(&(info.len as u64).to_le_bytes());
+        hello.extend_from_slice(&tag.to_le_bytes());
         hello.extend_from_slice(&(info.rkey.len() as u32).to_le_bytes());
         hello.extend_from_slice(&info.rkey);
         stream
@@ -194,5 +241,12 @@ async fn run_connection<S: KvSink>(
         peer: &peer,
         peer_key: None,
     };
-    serve_frames(&mut stream, frames, &shutdown).await;
+    let gate = RecvGate {
+        worker,
+        region: &region,
+        tag,
+        timeout: Duration::from_millis(config.put_timeout_ms),
+        peer: &peer,
+    };
+    serve_frames(&mut stream, frames, gate, &shutdown).await;
 }

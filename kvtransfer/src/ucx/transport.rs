@@ -24,7 +24,7 @@ use crate::verdict::{Verdict, ACK_LEN};
 /// Largest worker address or packed key a hello may carry.
 const MAX_HELLO_FIELD: usize = 64 << 10;
 
-/// Sends layers with UCX puts, with a pool of connections per endpoint.
+/// Sends layers as UCX tagged sends, with a pool of connections per endpoint.
 pub struct UcxTransport {
     config: UcxConfig,
     worker: OnceCell<UcxWorker>,
@@ -110,7 +110,8 @@ impl KvTransport for UcxTransport {
 struct Link {
     stream: TcpStream,
     ep: Endpoint,
-    region_addr: u64,
+    /// The tag of the receive the server posts on this connection's region.
+    tag: u64,
     region_len: u64,
 }
 
@@ -193,13 +194,14 @@ impl Pool {
                 )));
             }
             let address = read_field(&mut stream, endpoint, "worker address").await?;
-            let mut region = [0u8; 16];
+            let mut region = [0u8; 24];
             stream
                 .read_exact(&mut region)
                 .await
                 .map_err(|e| stream_io::io_error(endpoint, "read region", e))?;
-            let region_addr = u64::from_le_bytes(region[..8].try_into().unwrap_or_default());
-            let region_len = u64::from_le_bytes(region[8..].try_into().unwrap_or_default());
+            // region[..8] is the region's address, which a tagged send does not need.
+            let region_len = u64::from_le_bytes(region[8..16].try_into().unwrap_or_default());
+            let tag = u64::from_le_bytes(region[16..].try_into().unwrap_or_default());
             let rkey = read_field(&mut stream, endpoint, "remote key").await?;
             let ep = self.worker.connect(address, rkey).await?;
             stream
@@ -209,7 +211,7 @@ impl Pool {
             Ok(Link {
                 stream,
                 ep,
-                region_addr,
+                tag,
                 region_len,
             })
         };
@@ -281,21 +283,21 @@ impl UcxConnection {
                 ),
             });
         }
-        if !payload.is_empty() {
-            tokio::time::timeout(
-                self.pool.put_timeout,
-                link.ep.put(payload.clone(), link.region_addr),
-            )
-            .await
-            .map_err(|_| KvTransferError::Stream {
-                endpoint: endpoint.to_owned(),
-                what: "ucx put",
-                reason: format!(
-                    "not flushed within put_timeout_ms {}",
-                    self.pool.put_timeout.as_millis()
-                ),
-            })??;
-        }
+        // Every frame sends its payload, an empty one too: the server waits for it before
+        // it reads the header.
+        tokio::time::timeout(
+            self.pool.put_timeout,
+            link.ep.send(payload.clone(), link.tag),
+        )
+        .await
+        .map_err(|_| KvTransferError::Stream {
+            endpoint: endpoint.to_owned(),
+            what: "ucx send",
+            reason: format!(
+                "not sent within put_timeout_ms {}",
+                self.pool.put_timeout.as_millis()
+            ),
+        })??;
         stream_io::write_frame(&mut link.stream, header, &[], endpoint).await?;
         let mut ack = [0u8; ACK_LEN];
         link.stream

@@ -4,12 +4,13 @@
 //! the context, which also progresses the worker. Async callers send it commands and await
 //! the answers. While operations are in flight the thread progresses the worker; when idle it
 //! arms the worker and sleeps in `poll` on the worker's event descriptor and its own wake-up
-//! descriptor, so an idle node burns no CPU and a receiver still progresses the puts that
-//! UCX's TCP transport emulates with active messages.
+//! descriptor, so an idle node burns no CPU and a receiver still progresses the rendezvous
+//! of the messages it waits for.
 //!
 //! The thread owns the registered regions: a region stays mapped and registered until the
-//! worker itself goes, whatever happens to the connection that leased it, so a late put from
-//! a peer can never land in freed memory.
+//! worker itself goes, whatever happens to the connection that leased it, so a late message
+//! from a peer can never land in freed memory; a receive still posted when its connection
+//! goes is cancelled before the region is leased again (commands run in order).
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -63,13 +64,25 @@ enum Cmd {
         rkey: Vec<u8>,
         reply: oneshot::Sender<Result<u64, KvTransferError>>,
     },
-    /// Puts `payload` at `remote_addr` and flushes the endpoint: answered once the bytes are
-    /// in the peer's memory.
-    Put {
+    /// Sends `payload` with `tag` (eager or rendezvous, UCX's choice): answered once the
+    /// send is complete.
+    Send {
         ep: u64,
         payload: Bytes,
-        remote_addr: u64,
+        tag: u64,
         reply: oneshot::Sender<Result<(), KvTransferError>>,
+    },
+    /// Posts a receive of at most `len` bytes at `addr` (a registered region) for `tag`:
+    /// answered once a message has landed there.
+    Recv {
+        addr: usize,
+        len: usize,
+        tag: u64,
+        reply: oneshot::Sender<Result<(), KvTransferError>>,
+    },
+    /// Cancels the receive posted for `tag`, if any is still pending.
+    CancelRecv {
+        tag: u64,
     },
     Close {
         ep: u64,
@@ -207,7 +220,8 @@ impl UcxWorker {
         })
     }
 
-    /// An endpoint to the worker at `address`, able to put into the region `rkey` packs.
+    /// An endpoint to the worker at `address`; `rkey` is the peer region's packed key (unpacked,
+    /// so a bad one fails here).
     pub(crate) async fn connect(
         &self,
         address: Vec<u8>,
@@ -224,6 +238,32 @@ impl UcxWorker {
             key,
             worker: self.clone(),
         })
+    }
+}
+
+impl UcxWorker {
+    /// Waits for the message tagged `tag` to land in `region`; a dropped wait cancels the
+    /// receive before the region can be leased again.
+    pub(crate) async fn recv(&self, region: &RegionLease, tag: u64) -> Result<(), KvTransferError> {
+        struct Cancel<'a>(&'a UcxWorker, u64, bool);
+        impl Drop for Cancel<'_> {
+            fn drop(&mut self) {
+                if !self.2 {
+                    let _ = self.0.send(Cmd::CancelRecv { tag: self.1 });
+                }
+            }
+        }
+        let mut guard = Cancel(self, tag, false);
+        let result = self
+            .ask(|reply| Cmd::Recv {
+                addr: region.info.addr,
+                len: region.info.len,
+                tag,
+                reply,
+            })
+            .await;
+        guard.2 = true;
+        result
     }
 }
 
@@ -265,17 +305,13 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
-    /// Writes `payload` at `remote_addr` in the peer's region; returns once it is there.
-    pub(crate) async fn put(
-        &self,
-        payload: Bytes,
-        remote_addr: u64,
-    ) -> Result<(), KvTransferError> {
+    /// Sends `payload` tagged `tag` to the peer's posted receive; returns once sent.
+    pub(crate) async fn send(&self, payload: Bytes, tag: u64) -> Result<(), KvTransferError> {
         self.worker
-            .ask(|reply| Cmd::Put {
+            .ask(|reply| Cmd::Send {
                 ep: self.key,
                 payload,
-                remote_addr,
+                tag,
                 reply,
             })
             .await
@@ -301,7 +337,9 @@ struct Ep {
 
 struct InFlight {
     request: *mut c_void,
-    /// Kept alive until the flush says the put is done with it.
+    /// The tag of a posted receive, which a cancel names; `None` for sends and flushes.
+    recv_tag: Option<u64>,
+    /// A send's payload, kept alive until the send is done with it.
     _payload: Bytes,
     reply: oneshot::Sender<Result<(), KvTransferError>>,
 }
@@ -317,7 +355,9 @@ struct Progress {
     next_ep: u64,
     in_flight: Vec<InFlight>,
     closing: Vec<*mut c_void>,
-    /// Whether endpoints ask for peer-failure handling (not every transport has it).
+    /// Whether endpoints ask for peer-failure handling (not every transport has it). Without
+    /// it UCX's TCP transport would offer its RMA lane for rendezvous, but UCX 1.13 treats a
+    /// failed peer as fatal there (benchmarks/history/2026-11-29-ucx-speed.md).
     peer_err_mode: bool,
 }
 
@@ -365,7 +405,7 @@ impl Progress {
         }
         let params = ffi::Params {
             field_mask: ffi::UCP_PARAM_FIELD_FEATURES,
-            features: ffi::UCP_FEATURE_RMA | ffi::UCP_FEATURE_WAKEUP,
+            features: ffi::UCP_FEATURE_RMA | ffi::UCP_FEATURE_TAG | ffi::UCP_FEATURE_WAKEUP,
             ..Default::default()
         };
         let mut context: ffi::Context = std::ptr::null_mut();
@@ -489,14 +529,87 @@ impl Progress {
             } => {
                 let _ = reply.send(self.connect(&address, &rkey));
             }
-            Cmd::Put {
+            Cmd::Send {
                 ep,
                 payload,
-                remote_addr,
+                tag,
                 reply,
-            } => self.put(ep, payload, remote_addr, reply),
+            } => self.tag_send(ep, payload, tag, reply),
+            Cmd::Recv {
+                addr,
+                len,
+                tag,
+                reply,
+            } => self.tag_recv(addr, len, tag, reply),
+            Cmd::CancelRecv { tag } => {
+                if let Some(f) = self.in_flight.iter().find(|f| f.recv_tag == Some(tag)) {
+                    // SAFETY: a live receive request; it completes (cancelled) and is reaped.
+                    unsafe { (self.ucp.request_cancel)(self.worker, f.request) };
+                }
+            }
             Cmd::Close { ep } => self.close(ep),
         }
+    }
+
+    /// Answers `reply` now, or once the request `p` completes.
+    fn track(
+        &mut self,
+        what: &'static str,
+        p: ffi::StatusPtr,
+        recv_tag: Option<u64>,
+        payload: Bytes,
+        reply: oneshot::Sender<Result<(), KvTransferError>>,
+    ) {
+        match pending(p) {
+            Pending::Done => {
+                let _ = reply.send(Ok(()));
+            }
+            Pending::Failed(status) => {
+                let _ = reply.send(Err(ucx_error(what, self.ucp.describe(status))));
+            }
+            Pending::Request(request) => self.in_flight.push(InFlight {
+                request,
+                recv_tag,
+                _payload: payload,
+                reply,
+            }),
+        }
+    }
+
+    fn tag_send(
+        &mut self,
+        key: u64,
+        payload: Bytes,
+        tag: u64,
+        reply: oneshot::Sender<Result<(), KvTransferError>>,
+    ) {
+        let Some(ep) = self.eps.get(&key) else {
+            let _ = reply.send(Err(ucx_error("send", "endpoint closed")));
+            return;
+        };
+        let param = ffi::RequestParam::default();
+        // SAFETY: a live endpoint; the payload stays alive in `in_flight` until the send
+        // completes.
+        let p = unsafe {
+            (self.ucp.tag_send_nbx)(ep.ep, payload.as_ptr().cast(), payload.len(), tag, &param)
+        };
+        self.track("ucp_tag_send_nbx", p, None, payload, reply);
+    }
+
+    fn tag_recv(
+        &mut self,
+        addr: usize,
+        len: usize,
+        tag: u64,
+        reply: oneshot::Sender<Result<(), KvTransferError>>,
+    ) {
+        let param = ffi::RequestParam::default();
+        // SAFETY: `addr..addr + len` is a region this thread mapped and keeps until the
+        // worker ends; a receive still pending when its connection goes is cancelled.
+        let p = unsafe {
+            (self.ucp.tag_recv_nbx)(self.worker, addr as *mut c_void, len, tag, u64::MAX, &param)
+        };
+        self.track("ucp_tag_recv_nbx", p, Some(tag), Bytes::new(), reply);
     }
 
     fn region(&mut self, len: usize) -> Result<RegionInfo, KvTransferError> {
@@ -559,7 +672,7 @@ impl Progress {
     }
 
     fn connect(&mut self, address: &[u8], rkey: &[u8]) -> Result<u64, KvTransferError> {
-        // Peer-failure handling makes a dead peer fail the put instead of hanging it; the
+        // Peer-failure handling makes a dead peer fail the send instead of hanging it; the
         // shared-memory transports lack it, so without it UCX may still pick them.
         let ep = if self.peer_err_mode {
             match self.create_ep(address, true) {
@@ -590,61 +703,7 @@ impl Progress {
         Ok(key)
     }
 
-    fn put(
-        &mut self,
-        key: u64,
-        payload: Bytes,
-        remote_addr: u64,
-        reply: oneshot::Sender<Result<(), KvTransferError>>,
-    ) {
-        let Some(ep) = self.eps.get(&key) else {
-            let _ = reply.send(Err(ucx_error("put", "endpoint closed")));
-            return;
-        };
-        let param = ffi::RequestParam::default();
-        // SAFETY: a live endpoint and key; the payload stays alive in `in_flight` until the
-        // flush that follows completes, which implies the put did.
-        let put = unsafe {
-            (self.ucp.put_nbx)(
-                ep.ep,
-                payload.as_ptr().cast(),
-                payload.len(),
-                remote_addr,
-                ep.rkey,
-                &param,
-            )
-        };
-        match pending(put) {
-            Pending::Failed(status) => {
-                let _ = reply.send(Err(ucx_error("ucp_put_nbx", self.ucp.describe(status))));
-                return;
-            }
-            // Completion is observed through the flush; the request itself is not needed.
-            // SAFETY: a request UCX returned; freeing it lets it finish on its own.
-            Pending::Request(r) => unsafe { (self.ucp.request_free)(r) },
-            Pending::Done => {}
-        }
-        // SAFETY: a live endpoint.
-        let flush = unsafe { (self.ucp.ep_flush_nbx)(ep.ep, &param) };
-        match pending(flush) {
-            Pending::Done => {
-                let _ = reply.send(Ok(()));
-            }
-            Pending::Failed(status) => {
-                let _ = reply.send(Err(ucx_error(
-                    "ucp_ep_flush_nbx",
-                    self.ucp.describe(status),
-                )));
-            }
-            Pending::Request(request) => self.in_flight.push(InFlight {
-                request,
-                _payload: payload,
-                reply,
-            }),
-        }
-    }
-
-    /// Answers the flushes that finished and frees finished close requests.
+    /// Answers the sends and receives that finished and frees finished close requests.
     fn reap(&mut self) {
         let ucp = self.ucp;
         let mut i = 0;
@@ -661,7 +720,7 @@ impl Progress {
             let _ = done.reply.send(if status == ffi::UCS_OK {
                 Ok(())
             } else {
-                Err(ucx_error("put", ucp.describe(status)))
+                Err(ucx_error("ucx request", ucp.describe(status)))
             });
         }
         self.closing.retain(|&r| {
