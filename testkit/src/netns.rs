@@ -223,3 +223,49 @@ impl Drop for Lab {
         }
     }
 }
+
+/// A lab of `names`, or `None` after a `SKIPPED` line where namespaces cannot be made here;
+/// panics instead where the tools are required (`FISSION_REQUIRE_TEST_TOOLS=1`).
+pub fn lab_or_skip(names: &[&str]) -> Option<Lab> {
+    match Lab::new(names) {
+        Ok(lab) => Some(lab),
+        Err(why) if !crate::phoenix::tools_required() => {
+            eprintln!(
+                "SKIPPED: network namespaces cannot be made here ({why}); run as root with iproute2"
+            );
+            None
+        }
+        Err(why) => panic!("network namespaces are required (FISSION_REQUIRE_TEST_TOOLS=1): {why}"),
+    }
+}
+
+/// Starts `cmd` with its stderr in the file `log` (its stdin and stdout closed); killed on drop.
+pub fn spawn_logged(mut cmd: Command, log: &std::path::Path) -> crate::fission::KillOnDrop {
+    let stderr = std::fs::File::create(log).unwrap_or_else(|e| panic!("{}: {e}", log.display()));
+    crate::fission::KillOnDrop(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|e| panic!("{cmd:?}: {e}")),
+    )
+}
+
+impl Lab {
+    /// etcd on `host`, listening on its address, with its data and log under `dir`: the
+    /// process and its client URL.
+    pub fn start_etcd(
+        &self,
+        host: &str,
+        dir: &std::path::Path,
+    ) -> (crate::fission::KillOnDrop, String) {
+        let url = format!("http://{}:2379", self.host(host).ip);
+        let mut etcd = self.command(host, "etcd");
+        etcd.arg("--data-dir")
+            .arg(dir.join("etcd"))
+            .args(["--listen-client-urls", &url])
+            .args(["--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", "http://127.0.0.1:2380"]);
+        (spawn_logged(etcd, &dir.join("etcd.log")), url)
+    }
+}
