@@ -1,13 +1,14 @@
-//! QUIC settings side by side against raw TCP and shm, in one run (their transfers
-//! interleaved): the A/B behind `benchmarks/history/2026-11-29-quic-shm.md`.
+//! QUIC settings side by side against raw TCP, in one run (their transfers interleaved): the
+//! A/B behind `benchmarks/history/2026-11-29-quic-speed.md`.
 //!
-//!     cargo run --release -p kv-bench --example quic_ab -- [TOKENS,..] [REPEATS] [MTU,..]
+//!     cargo run --release -p kv-bench --example quic_ab -- [TOKENS,..] [REPEATS] [CONNS,..]
+//!         [MTU,..] [SOCKET_BUFFER_MIB,..]
 //!
-//! Each MTU is a `loopback_mtu` row (0: quinn's 1452-byte path MTU, as before issue 34; at
-//! most `MAX_GSO_MTU`), each with Cubic and with BBR (`loopback_bbr`).
+//! One QUIC row per connection count (`connections_per_endpoint`), `loopback_mtu` (0:
+//! quinn's 1452-byte path MTU) and UDP socket buffer size. `QUIC_AB_SHM=1` adds the shm row.
 
 use kv_bench::{run_bench, BenchBackend, BenchConfig};
-use kvtransfer::QuicConfig;
+use kvtransfer::{QuicConfig, LOOPBACK_MTU};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -19,21 +20,26 @@ fn main() -> anyhow::Result<()> {
     };
     let tokens = list(args.next(), "1024,4096");
     let repeats = list(args.next(), "7").first().copied().unwrap_or(7) as usize;
-    let mtus = list(args.next(), "0,4096,6500");
-    let mut backends = vec![BenchBackend::RawTcp, BenchBackend::Shm { connections: 8 }];
-    for mtu in mtus {
-        for bbr in [false, true] {
-            if mtu == 0 && bbr {
-                continue;
+    let conns = list(args.next(), "1,2");
+    let mtus = list(args.next(), &LOOPBACK_MTU.to_string());
+    let buffers_mib = list(args.next(), "4");
+    let mut backends = vec![BenchBackend::RawTcp];
+    if std::env::var_os("QUIC_AB_SHM").is_some() {
+        backends.push(BenchBackend::Shm { connections: 8 });
+    }
+    for &mib in &buffers_mib {
+        for &mtu in &mtus {
+            for &n in &conns {
+                backends.push(BenchBackend::Quic {
+                    label: format!("loopback_mtu {mtu}, {n} conns, {mib} MiB socket buffers"),
+                    config: QuicConfig {
+                        loopback_mtu: mtu as u16,
+                        connections_per_endpoint: n as usize,
+                        socket_buffer_bytes: (mib as usize) << 20,
+                        ..QuicConfig::default()
+                    },
+                });
             }
-            backends.push(BenchBackend::Quic {
-                label: format!("loopback_mtu {mtu}{}", if bbr { ", bbr" } else { "" }),
-                config: QuicConfig {
-                    loopback_mtu: mtu as u16,
-                    loopback_bbr: bbr,
-                    ..QuicConfig::default()
-                },
-            });
         }
     }
     let cfg = BenchConfig {

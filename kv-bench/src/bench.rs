@@ -18,7 +18,7 @@ use kvtransfer::{
     KvTransferError, KvTransport, LayerHeader, QuicConfig, QuicConnection, QuicServer,
     QuicTransport, ShmConfig, ShmConnection, ShmServer, ShmTransport, TcpConfig, TcpConnection,
     TcpServer, TcpTransport, TransferRegistry, UcxConfig, UcxConnection, UcxServer, UcxTransport,
-    LOOPBACK_MTU,
+    LOOPBACK_MTU, MAX_GSO_MTU,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -110,6 +110,15 @@ impl Default for BenchConfig {
                     label: "tuned windows, 1452-byte packets".to_owned(),
                     config: QuicConfig {
                         loopback_mtu: 0,
+                        ..QuicConfig::default()
+                    },
+                },
+                // The A/B of this session: 6,500-byte loopback datagrams as before, and
+                // `LOOPBACK_MTU` (16,000) as the nodes now send.
+                BenchBackend::Quic {
+                    label: format!("tuned windows, {}-byte loopback packets", MAX_GSO_MTU),
+                    config: QuicConfig {
+                        loopback_mtu: MAX_GSO_MTU,
                         ..QuicConfig::default()
                     },
                 },
@@ -615,7 +624,7 @@ async fn run_raw_quic_server_task(endpoint: quinn::Endpoint) {
 
 fn lost_packets(runner: &Runner) -> u64 {
     match runner {
-        Runner::Quic(conn, _) => conn.stats().path.lost_packets,
+        Runner::Quic(conn, _) => conn.lost_packets(),
         Runner::RawQuic(conn, _) => conn.stats().path.lost_packets,
         _ => 0,
     }
@@ -676,7 +685,7 @@ mod tests {
         });
         let report = run_bench(cfg).await.unwrap();
         // The default backends (shared memory and UCX among them) and the QUIC row added above.
-        assert_eq!(report.rows.len(), 8);
+        assert_eq!(report.rows.len(), 9);
         let table = report.to_string();
         assert!(table.contains("raw tcp (baseline)"), "{table}");
         assert!(table.contains("shm, 8 conns"), "{table}");

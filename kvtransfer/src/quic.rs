@@ -11,12 +11,12 @@
 //! Connections are cached per endpoint in [`QuicTransport`] and reused across transfers.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
-use quinn::{IdleTimeout, MtuDiscoveryConfig, VarInt, WriteError};
+use quinn::{VarInt, WriteError};
 use rustls::pki_types::CertificateDer;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -34,218 +34,12 @@ use crate::transport::{
 use crate::verdict::{Verdict, ACK_LEN};
 use identity::{PeerRole, TlsIdentity};
 
-/// Flow-control windows. The receive windows are what this side advertises to its peer; the
-/// send window caps how much unacknowledged data this side buffers per connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QuicWindows {
-    pub stream_receive_window_bytes: u64,
-    pub receive_window_bytes: u64,
-    pub send_window_bytes: u64,
-}
+mod config;
+mod socket;
 
-impl QuicWindows {
-    /// quinn 0.11's defaults, sized for 100 Mbit/s at 100 ms: 1.25 MB per stream, no
-    /// connection limit, 10 MB send buffer.
-    pub const QUINN_DEFAULT: QuicWindows = QuicWindows {
-        stream_receive_window_bytes: 1_250_000,
-        receive_window_bytes: (1 << 62) - 1,
-        send_window_bytes: 10_000_000,
-    };
+use config::new_loopback_endpoint;
 
-    /// Sized for multi-megabyte layers on fast links, with memory bounded per peer: 8 MiB per
-    /// stream (a 4K-token SmolLM2 layer, 6 MiB, in one window; 8 GB/s per stream at 1 ms
-    /// RTT), 64 MiB per connection both ways (64 GB/s at 1 ms, 6.4 GB/s at 10 ms). quinn's
-    /// default connection window is unbounded, so a receiver could buffer up to
-    /// `max_concurrent_streams` stream windows per peer.
-    pub const TUNED: QuicWindows = QuicWindows {
-        stream_receive_window_bytes: 8 << 20,
-        receive_window_bytes: 64 << 20,
-        send_window_bytes: 64 << 20,
-    };
-}
-
-#[derive(Clone, Debug)]
-pub struct QuicConfig {
-    pub windows: QuicWindows,
-    /// Streams a peer may have open at once, so layers of concurrent transfers in flight.
-    pub max_concurrent_streams: u32,
-    pub idle_timeout_ms: u64,
-    pub keep_alive_interval_ms: u64,
-    /// Largest UDP payload path-MTU discovery probes for. quinn's default (1452) suits a
-    /// 1500-byte Ethernet MTU; 8952 suits 9000-byte jumbo frames.
-    pub mtu_upper_bound: u16,
-    /// UDP payload size used from the first packet, before path-MTU discovery; at least
-    /// 1200. Where the path MTU is known (a jumbo-frame fabric), set it and skip the probing.
-    pub initial_mtu: u16,
-    /// UDP payload size to a peer on a loopback address (two nodes on one host, the bench),
-    /// from the first packet and without discovery: loopback's MTU is 64 KiB and nothing on
-    /// it drops a large datagram, and most of QUIC's cost is per packet, so fewer, larger
-    /// packets move more bytes per CPU second. At most [`MAX_GSO_MTU`]; 0 uses
-    /// `initial_mtu` and discovery as for any peer. Other peers always keep discovery.
-    pub loopback_mtu: u16,
-    /// BBR instead of Cubic to a peer on a loopback address (with `loopback_mtu`). Off: on
-    /// loopback it lost more datagrams and was slower in 5 of 6 A/B rows
-    /// (`benchmarks/history/2026-11-29-quic-shm.md`).
-    pub loopback_bbr: bool,
-    /// Round-robin between streams of equal priority. Off (the default), streams go out in
-    /// the order they were written: early layers finish first, packets carry fewer stream
-    /// frames, and on loopback a whole transfer finished 5-20% sooner.
-    pub send_fairness: bool,
-    /// `SO_RCVBUF` and `SO_SNDBUF` of the UDP socket; 0 leaves the OS default. Linux caps it
-    /// at `net.core.rmem_max`/`wmem_max`. The default (212,992 bytes on Linux) overflows when
-    /// dozens of streams burst at once, and every drop halves the congestion window.
-    pub socket_buffer_bytes: usize,
-    /// Server: connections served at once; further handshakes wait.
-    pub max_connections: usize,
-    /// Client: the name checked against the server's certificate instead of the endpoint's
-    /// host.
-    pub server_name: Option<String>,
-    /// Client: local address of the sending endpoint.
-    pub client_bind_addr: SocketAddr,
-    pub limits: FrameLimits,
-}
-
-impl Default for QuicConfig {
-    fn default() -> Self {
-        Self {
-            windows: QuicWindows::TUNED,
-            max_concurrent_streams: 256,
-            idle_timeout_ms: 30_000,
-            keep_alive_interval_ms: 10_000,
-            mtu_upper_bound: 1452,
-            initial_mtu: 1200,
-            loopback_mtu: LOOPBACK_MTU,
-            loopback_bbr: false,
-            send_fairness: false,
-            socket_buffer_bytes: 4 << 20,
-            max_connections: 1024,
-            server_name: None,
-            client_bind_addr: SocketAddr::from(([0, 0, 0, 0], 0)),
-            limits: FrameLimits::default(),
-        }
-    }
-}
-
-impl QuicConfig {
-    pub fn transport_config(&self) -> Result<quinn::TransportConfig, KvTransferError> {
-        let varint = |field: &'static str, v: u64| {
-            VarInt::from_u64(v).map_err(|_| KvTransferError::Config {
-                field,
-                reason: format!("{v} exceeds 2^62 - 1"),
-            })
-        };
-        let w = &self.windows;
-        let mut t = quinn::TransportConfig::default();
-        t.stream_receive_window(varint(
-            "stream_receive_window_bytes",
-            w.stream_receive_window_bytes,
-        )?)
-        .receive_window(varint("receive_window_bytes", w.receive_window_bytes)?)
-        .send_window(w.send_window_bytes)
-        .max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
-        .max_concurrent_uni_streams(VarInt::from_u32(0))
-        .keep_alive_interval(Some(Duration::from_millis(self.keep_alive_interval_ms)))
-        .max_idle_timeout(Some(
-            IdleTimeout::try_from(Duration::from_millis(self.idle_timeout_ms)).map_err(|_| {
-                KvTransferError::Config {
-                    field: "idle_timeout_ms",
-                    reason: format!("{} is too large", self.idle_timeout_ms),
-                }
-            })?,
-        ));
-        let mut mtu = MtuDiscoveryConfig::default();
-        mtu.upper_bound(self.mtu_upper_bound.max(self.initial_mtu));
-        t.mtu_discovery_config(Some(mtu))
-            .initial_mtu(self.initial_mtu.max(1200))
-            .send_fairness(self.send_fairness);
-        Ok(t)
-    }
-
-    /// [`QuicConfig::transport_config`] for a peer on a loopback address: `loopback_mtu`
-    /// from the first packet, as the floor and the ceiling.
-    fn loopback_transport_config(&self) -> Result<Option<quinn::TransportConfig>, KvTransferError> {
-        if self.loopback_mtu == 0 {
-            return Ok(None);
-        }
-        // quinn batches up to 10 datagrams in one GSO send, and the kernel refuses a send over
-        // 64 KiB with EMSGSIZE, which quinn-udp drops silently as it would an MTU probe: every
-        // such batch would be lost. Datagrams of at most a tenth of that keep GSO. (Larger
-        // ones with GSO off stalled the handshake on this kernel: not used.)
-        let mtu = self.loopback_mtu.clamp(1200, MAX_GSO_MTU);
-        let mut t = self.transport_config()?;
-        let mut discovery = MtuDiscoveryConfig::default();
-        discovery.upper_bound(mtu);
-        t.initial_mtu(mtu)
-            .min_mtu(mtu)
-            .mtu_discovery_config(Some(discovery));
-        if self.loopback_bbr {
-            t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
-        }
-        Ok(Some(t))
-    }
-
-    fn endpoint_config(&self) -> Result<quinn::EndpointConfig, KvTransferError> {
-        let mut c = quinn::EndpointConfig::default();
-        c.max_udp_payload_size(
-            self.mtu_upper_bound
-                .max(self.initial_mtu)
-                .max(self.loopback_mtu)
-                .max(1472),
-        )
-        .map_err(|e| KvTransferError::Config {
-            field: "mtu_upper_bound",
-            reason: e.to_string(),
-        })?;
-        Ok(c)
-    }
-}
-
-/// [`QuicConfig::loopback_mtu`]'s default, measured on loopback in
-/// `benchmarks/history/2026-11-29-quic-shm.md`.
-pub const LOOPBACK_MTU: u16 = MAX_GSO_MTU;
-/// The largest datagram of which quinn's GSO batches (10, `MAX_TRANSMIT_SEGMENTS`) fit one
-/// UDP send (65,507 bytes over IPv4).
-pub const MAX_GSO_MTU: u16 = 6_500;
-
-/// A quinn endpoint bound as the KV transport binds its own (socket buffers, MTU); public for
-/// baselines that time quinn alone on the same sockets (`kv-bench`'s raw QUIC row).
-pub fn new_endpoint(
-    addr: SocketAddr,
-    config: &QuicConfig,
-    server: Option<quinn::ServerConfig>,
-) -> Result<quinn::Endpoint, KvTransferError> {
-    let bind = |source| KvTransferError::Bind {
-        addr: addr.to_string(),
-        source,
-    };
-    let socket = std::net::UdpSocket::bind(addr).map_err(bind)?;
-    if config.socket_buffer_bytes > 0 {
-        let sock_err = |source| KvTransferError::Bind {
-            addr: format!("{addr} (socket buffers)"),
-            source,
-        };
-        let state = quinn::udp::UdpSocketState::new((&socket).into()).map_err(sock_err)?;
-        state
-            .set_recv_buffer_size((&socket).into(), config.socket_buffer_bytes)
-            .map_err(sock_err)?;
-        state
-            .set_send_buffer_size((&socket).into(), config.socket_buffer_bytes)
-            .map_err(sock_err)?;
-        tracing::debug!(
-            %addr,
-            recv_buffer_bytes = state.recv_buffer_size((&socket).into()).unwrap_or(0),
-            send_buffer_bytes = state.send_buffer_size((&socket).into()).unwrap_or(0),
-            "kv quic socket buffers"
-        );
-    }
-    quinn::Endpoint::new(
-        config.endpoint_config()?,
-        server,
-        socket,
-        Arc::new(quinn::TokioRuntime),
-    )
-    .map_err(bind)
-}
+pub use config::{new_endpoint, QuicConfig, QuicWindows, LOOPBACK_MTU, MAX_GSO_MTU};
 
 /// ALPN protocol id of the KV transfer protocol, version 1: a peer that speaks anything else
 /// fails the handshake.
@@ -441,7 +235,8 @@ pub struct QuicTransport {
     /// Boxed: a transport sits in enums beside the TCP one.
     fallback: Box<Fallback>,
     config: QuicConfig,
-    connections: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<quinn::Connection>>>>>,
+    /// Per endpoint, its [`QuicConfig::connections_per_endpoint`] connections.
+    connections: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Vec<quinn::Connection>>>>>,
 }
 
 impl QuicTransport {
@@ -468,6 +263,9 @@ impl QuicTransport {
 
     /// The endpoint whose socket can reach `peer`.
     fn endpoint_for(&self, peer: SocketAddr) -> Result<quinn::Endpoint, KvTransferError> {
+        if peer.ip().is_loopback() && self.fallback.loopback.is_some() {
+            return self.loopback_endpoint(peer);
+        }
         let bind = self.config.client_bind_addr;
         let source = source_for(bind.ip(), peer.ip());
         if source == bind.ip() {
@@ -484,6 +282,27 @@ impl QuicTransport {
         tracing::info!(%bind, %peer, %source, "kv quic: the bind address cannot reach this peer; sending from the unspecified address");
         let mut endpoint = new_endpoint(SocketAddr::new(source, 0), &self.config, None)?;
         endpoint.set_default_client_config(self.fallback.client.clone());
+        fallback.insert(source, endpoint.clone());
+        Ok(endpoint)
+    }
+
+    /// An endpoint of its own for peers on a loopback address, bound there: its GSO batches
+    /// are sized for [`QuicConfig::loopback_mtu`], the other endpoints' for the path MTU
+    /// (a batch of 16,000-byte datagrams holds 4, one of 1,452-byte ones 10).
+    fn loopback_endpoint(&self, peer: SocketAddr) -> Result<quinn::Endpoint, KvTransferError> {
+        let source = match peer {
+            SocketAddr::V4(_) => IpAddr::from(Ipv4Addr::LOCALHOST),
+            SocketAddr::V6(_) => IpAddr::from(Ipv6Addr::LOCALHOST),
+        };
+        let mut fallback = self
+            .fallback
+            .endpoints
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(endpoint) = fallback.get(&source) {
+            return Ok(endpoint.clone());
+        }
+        let endpoint = new_loopback_endpoint(SocketAddr::new(source, 0), &self.config)?;
         fallback.insert(source, endpoint.clone());
         Ok(endpoint)
     }
@@ -524,13 +343,33 @@ impl KvTransport for QuicTransport {
             .entry(endpoint.to_owned())
             .or_default()
             .clone();
-        // One dial per endpoint at a time; the others wait and reuse its connection.
+        // One dial per endpoint at a time; the others wait and reuse its connections. A
+        // closed one is redialled alone.
         let mut cached = slot.lock().await;
-        if let Some(conn) = cached.as_ref().filter(|c| c.close_reason().is_none()) {
-            return Ok(QuicConnection::new(conn.clone(), endpoint, &self.config));
+        let want = self.config.connections_per_endpoint.max(1);
+        cached.retain(|c| c.close_reason().is_none());
+        if cached.len() < want {
+            let (addr, host) = resolve(endpoint).await?;
+            while cached.len() < want {
+                cached.push(self.dial(endpoint, addr, &host).await?);
+            }
         }
-        let (addr, host) = resolve(endpoint).await?;
-        let server_name = self.config.server_name.as_deref().unwrap_or(&host);
+        Ok(QuicConnection::new(
+            cached.iter().take(want).cloned().collect(),
+            endpoint,
+            &self.config,
+        ))
+    }
+}
+
+impl QuicTransport {
+    async fn dial(
+        &self,
+        endpoint: &str,
+        addr: SocketAddr,
+        host: &str,
+    ) -> Result<quinn::Connection, KvTransferError> {
+        let server_name = self.config.server_name.as_deref().unwrap_or(host);
         let local = self.endpoint_for(addr)?;
         let connecting = match self.fallback.loopback.as_ref() {
             Some(loopback) if addr.ip().is_loopback() => {
@@ -549,15 +388,15 @@ impl KvTransport for QuicTransport {
                 source,
             })?;
         tracing::debug!(endpoint, %addr, "kv quic connection established");
-        *cached = Some(conn.clone());
-        Ok(QuicConnection::new(conn, endpoint, &self.config))
+        Ok(conn)
     }
 }
 
-/// One QUIC connection to a decode node.
+/// The QUIC connections to one decode node ([`QuicConfig::connections_per_endpoint`]).
 #[derive(Clone)]
 pub struct QuicConnection {
-    conn: quinn::Connection,
+    /// Never empty.
+    conns: Arc<[quinn::Connection]>,
     endpoint: Arc<str>,
     limits: FrameLimits,
 }
@@ -571,23 +410,34 @@ impl std::fmt::Debug for QuicConnection {
 }
 
 impl QuicConnection {
-    fn new(conn: quinn::Connection, endpoint: &str, config: &QuicConfig) -> Self {
+    fn new(conns: Vec<quinn::Connection>, endpoint: &str, config: &QuicConfig) -> Self {
+        debug_assert!(!conns.is_empty());
         Self {
-            conn,
+            conns: conns.into(),
             endpoint: endpoint.into(),
             limits: config.limits,
         }
     }
 
-    /// Identifies the underlying QUIC connection: equal ids mean a cached connection was
-    /// reused.
+    /// Identifies the first underlying QUIC connection: equal ids mean cached connections
+    /// were reused.
     pub fn connection_id(&self) -> usize {
-        self.conn.stable_id()
+        self.conns[0].stable_id()
     }
 
-    /// quinn's counters for this connection (RTT, congestion window, lost packets).
+    /// How many QUIC connections this one spreads layers over.
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// quinn's counters for the first connection (RTT, congestion window, path MTU).
     pub fn stats(&self) -> quinn::ConnectionStats {
-        self.conn.stats()
+        self.conns[0].stats()
+    }
+
+    /// Packets lost on every connection together.
+    pub fn lost_packets(&self) -> u64 {
+        self.conns.iter().map(|c| c.stats().path.lost_packets).sum()
     }
 
     fn stream_err(&self, what: &'static str, e: impl std::fmt::Display) -> KvTransferError {
@@ -614,9 +464,11 @@ impl QuicConnection {
             endpoint: self.endpoint.to_string(),
             verdict,
         };
+        // Layer i on connection i % n: consecutive layers, written at once, go out through
+        // different connection drivers.
+        let conn = &self.conns[layer as usize % self.conns.len()];
         let (mut send, mut recv) =
-            self.conn
-                .open_bi()
+            conn.open_bi()
                 .await
                 .map_err(|source| KvTransferError::Connection {
                     endpoint: self.endpoint.to_string(),
