@@ -544,19 +544,30 @@ mod tests {
 
     #[tokio::test]
     async fn refused_frames_reach_the_observer() {
+        refusals_over(1).await;
+    }
+
+    /// Layers spread over two connections: each its own handshake, and every layer's verdict
+    /// comes back on the connection it went out on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn layers_spread_over_two_connections() {
+        refusals_over(2).await;
+    }
+
+    async fn refusals_over(connections: usize) {
+        let config = QuicConfig {
+            connections_per_endpoint: connections,
+            ..QuicConfig::default()
+        };
         let ca = generate_dev_ca().unwrap();
         let server_tls =
             TlsIdentity::dev(&ca, &ca.issue(PeerRole::Decode, "decode-0").unwrap()).unwrap();
         let client_tls =
             TlsIdentity::dev(&ca, &ca.issue(PeerRole::Prefill, "prefill-0").unwrap()).unwrap();
         let refusals = RefusalLog::default();
-        let server = QuicServer::bind(
-            ([127, 0, 0, 1], 0).into(),
-            &server_tls,
-            QuicConfig::default(),
-        )
-        .unwrap()
-        .on_refusal(refusals.observer());
+        let server = QuicServer::bind(([127, 0, 0, 1], 0).into(), &server_tls, config.clone())
+            .unwrap()
+            .on_refusal(refusals.observer());
         let endpoint = server.local_addr().unwrap().to_string();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(server.serve(
@@ -583,11 +594,39 @@ mod tests {
             block_ids: Arc::from(vec![3u32]),
             traceparent: None,
         };
-        let transport = QuicTransport::new(&client_tls, QuicConfig::default()).unwrap();
+        let transport = QuicTransport::new(&client_tls, config).unwrap();
         let conn = transport.connect(&endpoint).await.unwrap();
+        assert_eq!(conn.connection_count(), connections);
+        let ids: std::collections::HashSet<usize> =
+            conn.conns.iter().map(|c| c.stable_id()).collect();
+        assert_eq!(ids.len(), connections, "distinct connections");
+        // A reconnect reuses the cached connections.
+        let again = transport.connect(&endpoint).await.unwrap();
+        assert_eq!(again.connection_id(), conn.connection_id());
+        assert_eq!(again.connection_count(), connections);
         let payload = Bytes::from(vec![1u8; 2 * layout.block_bytes() as usize]);
-        let err = conn.send_layer(header, payload).await.unwrap_err();
-        refusals.assert_only_unknown_transfer(&err);
+        for layer in 0..2 {
+            let header = LayerHeader {
+                layer,
+                ..header.clone()
+            };
+            let err = conn.send_layer(header, payload.clone()).await.unwrap_err();
+            if layer == 0 {
+                refusals.assert_only_unknown_transfer(&err);
+            } else {
+                assert!(
+                    matches!(
+                        err,
+                        KvTransferError::Rejected {
+                            verdict: Verdict::UnknownTransfer,
+                            layer: 1,
+                            ..
+                        }
+                    ),
+                    "{err}"
+                );
+            }
+        }
         shutdown.cancel();
         task.await.unwrap().unwrap();
     }
