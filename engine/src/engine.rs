@@ -510,11 +510,13 @@ impl Engine {
         }
         let (fb, row_uses) = self.forward_batch(&plan);
         let completing = self.completing_prompts(&plan);
+        // Staged layers (a step that failed mid-way keeps them) are stale once this step writes.
+        self.cache.clear_staged();
         let logits = if completing.is_empty() || !observer.takes_layers() {
             self.model.model.forward(&fb, &mut self.cache)?
         } else {
             // A device cache's layers are staged and handed over one layer late (layer_push).
-            let mut push = layer_push::LayerPipeline::new(&completing, &mut self.cache);
+            let mut push = layer_push::LayerPipeline::new(&completing, &self.cache);
             let logits = self.model.model.forward_with_layer_hook(
                 &fb,
                 &mut self.cache,

@@ -173,6 +173,27 @@ fn a_device_cache_hands_over_each_layer_staged_one_layer_late() {
     );
 }
 
+/// A push that fails mid-step leaves layers staged; the next step, whatever it computes,
+/// drops them before it writes the cache, so no later export can read stale bytes.
+#[test]
+fn a_failed_push_leaves_no_staging_past_the_next_step() {
+    let model = stories(true);
+    let mut e = engine(&model, config());
+    let prompt = references()[0].input_ids.clone();
+    e.add_prefill_request(greedy(0, prompt.clone(), 1)).unwrap();
+    let failed = e.step_with_layer_hook(&mut |done: LayerDone<'_>| match done.layer {
+        0 => Ok(()),
+        _ => Err(engine::error::EngineError::InvalidConfig {
+            reason: "the push failed".into(),
+        }),
+    });
+    assert!(failed.is_err());
+    assert_eq!(e.cache().staged_layers().len(), 2);
+    e.add_prefill_request(greedy(1, prompt, 1)).unwrap();
+    let _ = e.step();
+    assert!(e.cache().staged_layers().is_empty());
+}
+
 #[test]
 fn a_host_cache_hands_over_each_layer_at_once_and_stages_nothing() {
     let model = stories(false);

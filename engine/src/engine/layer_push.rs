@@ -31,9 +31,8 @@ pub(super) struct LayerPipeline<'c> {
 }
 
 impl<'c> LayerPipeline<'c> {
-    /// Starts a step's hand-over; staging an earlier (failed) step left is dropped.
-    pub(super) fn new(completing: &'c Completing, cache: &mut KvCache) -> Self {
-        cache.clear_staged();
+    /// Starts a step's hand-over (the engine has dropped any earlier step's staging).
+    pub(super) fn new(completing: &'c Completing, cache: &KvCache) -> Self {
         LayerPipeline {
             completing,
             staged: cache.is_on_device(),
