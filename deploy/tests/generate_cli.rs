@@ -94,3 +94,61 @@ fn random_model_generation_loads_and_decodes_every_id() {
     let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(got["output_ids"].as_array().expect("ids").len(), 8);
 }
+
+/// `make-random-model --format gguf` writes a file `fission generate` serves: the F32 file gives
+/// the safetensors model's greedy ids (the same weights through llama.cpp's layout), and the
+/// Q8_0 file loads and generates.
+#[test]
+fn random_model_as_gguf_serves_the_same_ids() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let make = |out: PathBuf, extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_fission"))
+            .args([
+                "make-random-model",
+                "--shape",
+                "tiny",
+                "--seed",
+                "7",
+                "--out",
+            ])
+            .arg(out)
+            .args(extra)
+            .output()
+            .expect("fission runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let generate = |model: &PathBuf| -> Vec<serde_json::Value> {
+        let out = Command::new(env!("CARGO_BIN_EXE_fission"))
+            .args(["generate", "--model"])
+            .arg(model)
+            .args(["--prompt", "Once upon a time", "--max-new-tokens", "12"])
+            .args(["--ignore-eos", "--json"])
+            .output()
+            .expect("fission runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        got["output_ids"].as_array().expect("ids").clone()
+    };
+    let st = dir.path().join("st");
+    let f32 = dir.path().join("tiny-f32.gguf");
+    let q8 = dir.path().join("tiny-q8_0.gguf");
+    make(st.clone(), &[]);
+    make(f32.clone(), &["--format", "gguf"]);
+    make(q8.clone(), &["--format", "gguf", "--gguf-type", "q8_0"]);
+    let want = generate(&st);
+    assert_eq!(want.len(), 12);
+    assert_eq!(
+        generate(&f32),
+        want,
+        "F32 GGUF against the safetensors model"
+    );
+    assert_eq!(generate(&q8).len(), 12);
+}
