@@ -1,14 +1,18 @@
 //! The push from device memory through a real cluster (issue 35): `fission up` with 1 prefill
 //! and 1 decode node, both on `--device cpu --path tensor`, so each node's KV cache is a device
 //! tensor a layer (the log says so) and the push runs the device path end to end: the prefill
-//! node gathers each finished layer's blocks into a staging tensor and sends its bytes, the
-//! decode node scatters them into its blocks. Every stories260K reference comes back with
+//! node's engine stages each finished layer's blocks (two alternating buffers; pinned memory
+//! on a copy stream on a GPU) and hands the layer to the push once the next one is computed,
+//! the push sends the staged bytes, and the decode node uploads them and scatters them into
+//! its blocks. Every stories260K reference comes back with
 //! transformers' ids, twice (the second round from the prefill node's prefix cache), every
 //! transfer completes with the checksums the prefill node computed, and every KV gauge
 //! returns to 0.
 //!
 //! That the staged bytes are bit for bit the host cache's export is
-//! `engine/tests/device_cache.rs`; this test is the same code under the nodes.
+//! `engine/tests/device_cache.rs`, and that the staging hands layers over one late and serves
+//! the direct gather's bytes is `engine/tests/push_staging.rs`; this test is the same code
+//! under the nodes.
 
 // A test crate: helpers outside `#[test]` functions may unwrap too.
 #![allow(clippy::unwrap_used)]
