@@ -211,13 +211,15 @@ fn shm_across_hosts_is_refused() {
     assert_eq!(c.ready_nodes(), 1, "{}", c.log("gateway"));
     // Whichever node joined first serves alone, or nothing does: either way no layer
     // crosses in shared memory.
-    let _ = runtime().block_on(
+    let url = format!("{}/generate", c.url);
+    let _ = runtime().block_on(async {
         reqwest::Client::new()
-            .post(format!("{}/generate", c.url))
+            .post(url)
             .timeout(Duration::from_secs(60))
             .json(&serde_json::json!({"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}))
-            .send(),
-    );
+            .send()
+            .await
+    });
     assert_eq!(c.pushes("shm"), 0.0, "pushed through shm across hosts");
     c.assert_kv_released();
 }
