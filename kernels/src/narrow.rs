@@ -219,9 +219,8 @@ pub(crate) fn attend_narrow<T: KvElem, S: Simd>(
 pub(crate) struct Ahead {
     starts: [usize; STEP_KEYS],
     keys: usize,
-    /// Elements per row (the tile's kv heads) and per cache line.
+    /// Elements per row (the tile's kv heads).
     width: usize,
-    line: usize,
     /// The next row to ask for, of `2 * keys` (K rows, then V rows).
     next: usize,
 }
@@ -232,7 +231,6 @@ impl Ahead {
         starts: [0; STEP_KEYS],
         keys: 0,
         width: 0,
-        line: 1,
         next: 0,
     };
 
@@ -248,7 +246,6 @@ impl Ahead {
             starts: chunk_starts(inp, tile, c0, n),
             keys: n,
             width: inp.layout.head_dim * tile.kv_heads,
-            line: inp.k_cache.line_elems(),
             next: 0,
         }
     }
@@ -269,9 +266,7 @@ impl Ahead {
             } else {
                 (inp.v_cache, self.starts[r - self.keys])
             };
-            for at in (0..self.width).step_by(self.line) {
-                prefetch_l2(cache.addr(st + at));
-            }
+            prefetch_row(cache, st, self.width);
         }
         self.next = end;
     }
@@ -286,13 +281,21 @@ fn prefetch_rows<T: KvElem>(
     n: usize,
 ) {
     let width = inp.layout.head_dim * tile.kv_heads;
-    let line = inp.k_cache.line_elems();
     for cache in [inp.k_cache, inp.v_cache] {
         for &st in starts.iter().take(n) {
-            for at in (0..width).step_by(line) {
-                prefetch_l2(cache.addr(st + at));
-            }
+            prefetch_row(cache, st, width);
         }
+    }
+}
+
+/// Asks for every cache line of the `width` elements at `st`: the dtype match once per row, the
+/// loop in bytes by a constant line.
+#[inline(always)]
+fn prefetch_row<T: KvElem>(cache: KvRows<'_, T>, st: usize, width: usize) {
+    let (base, size) = cache.bytes();
+    let row = base.wrapping_add(st * size);
+    for at in (0..width * size).step_by(64) {
+        prefetch_l2(row.wrapping_add(at));
     }
 }
 
