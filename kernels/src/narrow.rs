@@ -328,9 +328,13 @@ fn cache_rows<'c, T: KvElem>(
     // Loops rather than `array::from_fn`, whose closures do not inline into the kernels.
     let mut rows: [&[f32]; STEP_KEYS] = [&[]; STEP_KEYS];
     if let Some(cache) = cache.as_f32() {
-        for (row, &st) in rows.iter_mut().zip(starts) {
+        // The `n` rows only, the rest copies of the first (their starts are the first's): each
+        // slice costs a bounds check, and a decode step on a short context has few keys.
+        for (row, &st) in rows.iter_mut().zip(starts).take(n) {
             *row = &cache[st..st + width];
         }
+        let first = rows[0];
+        rows[n..].fill(first);
         return rows;
     }
     if stage.len() < n * width {
