@@ -3,7 +3,7 @@
 //!
 //! Servers require a client certificate that chains to the CA; clients check that the server's
 //! certificate chains to the CA and names the host they dialled. Only TLS 1.3 with ring's
-//! cipher suites is offered.
+//! cipher suites is offered, AES-128-GCM first.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -130,8 +130,15 @@ impl TlsIdentity {
         &self.pem.key
     }
 
+    /// ring's suites with AES-128-GCM first. ring lists AES-256-GCM first, and a server picks
+    /// by its own order; 128-bit keys are TLS 1.3's mandatory suite and take 10 AES rounds
+    /// instead of 14, which the KV push over QUIC feels (AES-GCM is about a fifth of its CPU).
     fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-        Arc::new(rustls::crypto::ring::default_provider())
+        let mut provider = rustls::crypto::ring::default_provider();
+        provider
+            .cipher_suites
+            .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+        Arc::new(provider)
     }
 
     /// TLS 1.3 server config that requires a client certificate from the cluster CA and
@@ -208,6 +215,45 @@ mod tests {
         let id = TlsIdentity::dev(&ca, &cert).unwrap();
         id.rustls_server_config(&[b"x"]).unwrap();
         id.rustls_client_config(&[b"x"]).unwrap();
+    }
+
+    #[test]
+    fn a_handshake_between_two_identities_picks_aes_128_gcm() {
+        let ca = generate_dev_ca().unwrap();
+        let server =
+            TlsIdentity::dev(&ca, &ca.issue(PeerRole::Decode, "decode-0").unwrap()).unwrap();
+        let client =
+            TlsIdentity::dev(&ca, &ca.issue(PeerRole::Prefill, "prefill-0").unwrap()).unwrap();
+        let server_config = Arc::new(server.rustls_server_config(&[b"kv"]).unwrap());
+        let client_config = Arc::new(client.rustls_client_config(&[b"kv"]).unwrap());
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut c = rustls::ClientConnection::new(client_config, name).unwrap();
+        let mut s = rustls::ServerConnection::new(server_config).unwrap();
+        // Hand the records across in memory until both sides are through the handshake.
+        for _ in 0..10 {
+            let mut buf = Vec::new();
+            while c.wants_write() {
+                c.write_tls(&mut buf).unwrap();
+            }
+            s.read_tls(&mut buf.as_slice()).unwrap();
+            s.process_new_packets().unwrap();
+            let mut buf = Vec::new();
+            while s.wants_write() {
+                s.write_tls(&mut buf).unwrap();
+            }
+            c.read_tls(&mut buf.as_slice()).unwrap();
+            c.process_new_packets().unwrap();
+            if !c.is_handshaking() && !s.is_handshaking() {
+                break;
+            }
+        }
+        assert!(!c.is_handshaking() && !s.is_handshaking());
+        for suite in [c.negotiated_cipher_suite(), s.negotiated_cipher_suite()] {
+            assert_eq!(
+                suite.map(|s| s.suite()),
+                Some(rustls::CipherSuite::TLS13_AES_128_GCM_SHA256)
+            );
+        }
     }
 
     #[test]
