@@ -320,6 +320,11 @@ impl Scheduler {
     /// Admits waiting sequences in order until one does not fit (with
     /// [`Scheduler::set_reserve_output`], at its longest beside the running ones).
     fn admit_waiting(&mut self, batch: &mut Batch, budget: &mut Budget) {
+        // Nothing to admit (every decode step of a full batch): skip the commitment, whose
+        // set of every running block was most of a small model's scheduling cost.
+        if self.waiting.is_empty() {
+            return;
+        }
         let mut committed = self.running_commitment();
         let mut index = 0;
         while index < self.waiting.len() {
