@@ -27,7 +27,6 @@ use crate::error::{EngineError, Result};
 use crate::ids::BlockId;
 use crate::kv::groups::KvGroups;
 use crate::kv::staging::{BlockBytes, PushStaging, StagingStats};
-use crate::model::cpu_slice::with_slice;
 use crate::model::device_ops;
 
 /// One layer's K or V storage, in the cache dtype.
@@ -339,7 +338,7 @@ impl KvCache {
             }
             // Gathered on the device into one staging tensor, then copied to `dst`.
             let staging = device_ops::gather_blocks(&t[layer], &shape, &ids)?;
-            return copy_to_bytes(&staging.to_device(&Device::Cpu)?, dst);
+            return super::staging::copy_to_bytes(&staging.to_device(&Device::Cpu)?, dst);
         }
         match self.layer_mut(layer) {
             LayerKvMut::F32(k, v) => gather::<f32>(&shape, k, v, &ids, dst),
@@ -453,23 +452,6 @@ fn lazy_zeros(dtype: KvDtype, n: usize) -> Result<Tensor> {
         KvDtype::F16 => Tensor::from_vec(zeroed_u16_vec::<f16>(n), shape, &Device::Cpu)?,
         _ => Tensor::from_vec(vec![0f32; n], shape, &Device::Cpu)?,
     })
-}
-
-/// Copies a contiguous CPU tensor's elements into `dst` as native-endian bytes.
-pub(super) fn copy_to_bytes(t: &Tensor, dst: &mut [u8]) -> Result<()> {
-    fn copy<T: candle_core::WithDType + bytemuck::Pod>(t: &Tensor, dst: &mut [u8]) -> Result<()> {
-        with_slice::<T, _>(t, |s| {
-            dst.copy_from_slice(bytemuck::cast_slice(s));
-        })
-    }
-    match t.dtype() {
-        DType::F32 => copy::<f32>(t, dst),
-        DType::BF16 => copy::<bf16>(t, dst),
-        DType::F16 => copy::<f16>(t, dst),
-        other => Err(EngineError::UnsupportedDtype {
-            dtype: format!("{other:?}"),
-        }),
-    }
 }
 
 fn raw_ids(ids: &[BlockId]) -> Vec<u32> {

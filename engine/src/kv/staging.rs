@@ -25,10 +25,12 @@
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use half::{bf16, f16};
 use kernels::CacheShape;
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
+use crate::model::cpu_slice::with_slice;
 
 /// How the exports of a device cache were served, since it was made.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -102,7 +104,7 @@ impl PushStaging {
                 let staged = super::super::model::device_ops::gather_blocks(kv, shape, ids)?;
                 slot.bytes
                     .resize(staged.elem_count() * staged.dtype().size_in_bytes(), 0);
-                super::cache::copy_to_bytes(&staged, &mut slot.bytes)?;
+                copy_to_bytes(&staged, &mut slot.bytes)?;
                 #[cfg(feature = "cuda")]
                 {
                     slot.pinned = false;
@@ -221,6 +223,23 @@ fn copy_staged(
             out[base_out + j * s..base_out + (j + 1) * s]
                 .copy_from_slice(&src[base_src + p * s..base_src + (p + 1) * s]);
         }
+    }
+}
+
+/// Copies a contiguous CPU tensor's elements into `dst` as native-endian bytes.
+pub(super) fn copy_to_bytes(t: &Tensor, dst: &mut [u8]) -> Result<()> {
+    fn copy<T: candle_core::WithDType + bytemuck::Pod>(t: &Tensor, dst: &mut [u8]) -> Result<()> {
+        with_slice::<T, _>(t, |s| {
+            dst.copy_from_slice(bytemuck::cast_slice(s));
+        })
+    }
+    match t.dtype() {
+        DType::F32 => copy::<f32>(t, dst),
+        DType::BF16 => copy::<bf16>(t, dst),
+        DType::F16 => copy::<f16>(t, dst),
+        other => Err(EngineError::UnsupportedDtype {
+            dtype: format!("{other:?}"),
+        }),
     }
 }
 

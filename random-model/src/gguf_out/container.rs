@@ -3,8 +3,7 @@
 //! crate's writer's ([`gguf::test_bytes::GgufBuilder`]).
 
 use gguf::test_bytes::{GgufBuilder, F16_TYPE, F32_TYPE, Q8_0_TYPE};
-
-use super::quant::{f16_bytes, q8_0_bytes};
+use half::f16;
 
 /// A metadata value, in the types llama.cpp's tools write for these models.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,4 +66,27 @@ pub(crate) fn to_bytes(kv: &[(String, Value)], tensors: &[OutTensor]) -> Vec<u8>
     // The last tensor is padded too.
     out.resize(out.len().div_ceil(32) * 32, 0);
     out
+}
+
+/// Q8_0 blocks of 32 values: `d = amax / 127` in f32, stored as f16, and each value
+/// `round(x * (1 / d))` (half away from zero), as ggml's `quantize_row_q8_0_ref` and gguf-py's
+/// `Q8_0.quantize_blocks` compute it.
+pub(crate) fn q8_0_bytes(values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() / 32 * 34);
+    for block in values.chunks(32) {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        out.extend(block.iter().map(|x| (x * id).round() as i8 as u8));
+    }
+    out
+}
+
+/// IEEE half, round to nearest even (numpy's `astype(np.float16)`, ggml's FP32_TO_FP16).
+pub(crate) fn f16_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+        .collect()
 }
