@@ -14,6 +14,17 @@ fn stories_dir() -> PathBuf {
     root.join("models/stories260K")
 }
 
+/// Runs `cmd` and checks it exits 0, showing its stderr when it does not.
+fn succeeds(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().expect("fission runs");
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 #[test]
 fn generate_json_matches_reference_greedy() {
     let dir = stories_dir();
@@ -22,17 +33,12 @@ fn generate_json_matches_reference_greedy() {
     )
     .expect("reference parses");
     for r in refs["references"].as_array().expect("references") {
-        let out = Command::new(env!("CARGO_BIN_EXE_fission"))
-            .args(["generate", "--model"])
-            .arg(&dir)
-            .args(["--prompt", r["prompt"].as_str().expect("prompt")])
-            .args(["--max-new-tokens", "32", "--ignore-eos", "--json"])
-            .output()
-            .expect("fission runs");
-        assert!(
-            out.status.success(),
-            "stderr: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeds(
+            Command::new(env!("CARGO_BIN_EXE_fission"))
+                .args(["generate", "--model"])
+                .arg(&dir)
+                .args(["--prompt", r["prompt"].as_str().expect("prompt")])
+                .args(["--max-new-tokens", "32", "--ignore-eos", "--json"]),
         );
         let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
         assert_eq!(got["input_ids"], r["input_ids"]);
@@ -61,35 +67,25 @@ fn missing_model_is_a_clear_error() {
 #[test]
 fn random_model_generation_loads_and_decodes_every_id() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let out = Command::new(env!("CARGO_BIN_EXE_fission"))
-        .args(["make-random-model", "--shape", "tiny", "--out"])
-        .arg(dir.path())
-        .arg("--tokenizer-from")
-        .arg(stories_dir())
-        .output()
-        .expect("fission runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeds(
+        Command::new(env!("CARGO_BIN_EXE_fission"))
+            .args(["make-random-model", "--shape", "tiny", "--out"])
+            .arg(dir.path())
+            .arg("--tokenizer-from")
+            .arg(stories_dir()),
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_fission"))
-        .args(["generate", "--model"])
-        .arg(dir.path())
-        .args([
-            "--prompt",
-            "hello",
-            "--max-new-tokens",
-            "8",
-            "--ignore-eos",
-            "--json",
-        ])
-        .output()
-        .expect("fission runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        Command::new(env!("CARGO_BIN_EXE_fission"))
+            .args(["generate", "--model"])
+            .arg(dir.path())
+            .args([
+                "--prompt",
+                "hello",
+                "--max-new-tokens",
+                "8",
+                "--ignore-eos",
+                "--json",
+            ]),
     );
     let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(got["output_ids"].as_array().expect("ids").len(), 8);
@@ -102,37 +98,27 @@ fn random_model_generation_loads_and_decodes_every_id() {
 fn random_model_as_gguf_serves_the_same_ids() {
     let dir = tempfile::tempdir().expect("tempdir");
     let make = |out: PathBuf, extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_fission"))
-            .args([
-                "make-random-model",
-                "--shape",
-                "tiny",
-                "--seed",
-                "7",
-                "--out",
-            ])
-            .arg(out)
-            .args(extra)
-            .output()
-            .expect("fission runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        succeeds(
+            Command::new(env!("CARGO_BIN_EXE_fission"))
+                .args([
+                    "make-random-model",
+                    "--shape",
+                    "tiny",
+                    "--seed",
+                    "7",
+                    "--out",
+                ])
+                .arg(out)
+                .args(extra),
         );
     };
     let generate = |model: &PathBuf| -> Vec<serde_json::Value> {
-        let out = Command::new(env!("CARGO_BIN_EXE_fission"))
-            .args(["generate", "--model"])
-            .arg(model)
-            .args(["--prompt", "Once upon a time", "--max-new-tokens", "12"])
-            .args(["--ignore-eos", "--json"])
-            .output()
-            .expect("fission runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeds(
+            Command::new(env!("CARGO_BIN_EXE_fission"))
+                .args(["generate", "--model"])
+                .arg(model)
+                .args(["--prompt", "Once upon a time", "--max-new-tokens", "12"])
+                .args(["--ignore-eos", "--json"]),
         );
         let got: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
         got["output_ids"].as_array().expect("ids").clone()
