@@ -19,54 +19,30 @@
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
-use testkit::fission::{stories_dir, Up, UpConfig};
-use testkit::wait_until_async;
+use testkit::cluster_builder::ClusterBuilder;
+use testkit::references::{generate_ids, references};
 
 const FISSION: &str = env!("CARGO_BIN_EXE_fission");
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_1p_1d_cluster_on_the_device_path_serves_the_references() {
-    let refs: Value = serde_json::from_str(
-        &std::fs::read_to_string(stories_dir().join("reference_greedy.json")).unwrap(),
-    )
-    .unwrap();
-    let refs = refs["references"].as_array().unwrap().clone();
+    let refs = references();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("up.log");
-    let mut config = UpConfig::new(FISSION, 1, 1);
-    config.args = vec!["--device=cpu".into(), "--path=tensor".into()];
-    config.node_args.push("--dtype=f32".into());
-    config.log = Some(log.clone());
-    let cluster = Up::start(&config);
+    let cluster = ClusterBuilder::new(FISSION)
+        .arg("--device=cpu")
+        .arg("--path=tensor")
+        .node_arg("--dtype=f32")
+        // Plain text, for the log lines read below.
+        .env("NO_COLOR", "1")
+        .log(&log)
+        .start();
     let client = reqwest::Client::new();
     let mut served = 0;
     for round in 0..2 {
         for (i, r) in refs.iter().enumerate() {
-            let want: Vec<u64> = r["output_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect();
-            let resp: Value = client
-                .post(format!("{}/generate", cluster.url))
-                .json(&json!({
-                    "inputs": r["prompt"],
-                    "parameters": {"max_new_tokens": want.len(), "details": true},
-                }))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let got: Vec<u64> = resp["details"]["tokens"]
-                .as_array()
-                .unwrap_or_else(|| panic!("details in {resp}"))
-                .iter()
-                .map(|t| t["id"].as_u64().unwrap())
-                .collect();
+            let want = &r.output_ids;
+            let got = generate_ids(&client, &cluster.url, &r.prompt, want.len()).await;
             // The gateway stops at end of text, where the reference runs on.
             assert!(
                 !got.is_empty() && want.starts_with(&got),
@@ -81,20 +57,9 @@ async fn a_1p_1d_cluster_on_the_device_path_serves_the_references() {
         completed >= refs.len() as f64,
         "{completed} transfers completed with matching checksums for {served} requests"
     );
-    wait_until_async("every KV block given back", Duration::from_secs(5), || {
-        let held = [
-            ("decode-0", "fission_decode_kv_blocks_used"),
-            ("decode-0", "fission_decode_kv_blocks_reserved"),
-            ("prefill-0", "fission_prefill_kv_blocks_used"),
-        ]
-        .iter()
-        .map(|(node, name)| cluster.metric(node, name))
-        .sum::<f64>();
-        async move { held == 0.0 }
-    })
-    .await;
+    cluster.wait_kv_released(Duration::from_secs(5)).await;
     drop(cluster);
-    let log = strip_ansi(&std::fs::read_to_string(&log).unwrap());
+    let log = std::fs::read_to_string(&log).unwrap();
     let allocated: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("kv cache allocated"))
@@ -103,22 +68,4 @@ async fn a_1p_1d_cluster_on_the_device_path_serves_the_references() {
     for line in allocated {
         assert!(line.contains("kv_on_device=true"), "{line}");
     }
-}
-
-/// `text` without its terminal colour sequences (`ESC [ ... m`).
-fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }

@@ -13,6 +13,7 @@ pub mod fission;
 pub mod kv_gauges;
 pub mod metrics;
 pub mod netns;
+pub mod netns_cluster;
 pub mod phoenix;
 pub mod promtool;
 pub mod python;
