@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::netns_cluster::NetnsClusterBuilder;
+use testkit::netns_cluster::Processes::Gateway;
 use testkit::streams::{self, Record};
 use testkit::wait_until;
 
@@ -45,9 +46,9 @@ fn requests_arriving_at_a_decode_node_with_a_cut_link_move_within_the_stall_dead
     let Some(c) = NetnsClusterBuilder::new(fission())
         .nodes(0, 2)
         // Every other request goes to decode-0 first.
-        .gateway_arg("--routing=round-robin")
-        .gateway_arg(format!("--max-stall-ms={}", STALL.as_millis()))
-        .gateway_env("RUST_LOG", "info")
+        .arg(Gateway, "--routing=round-robin")
+        .arg(Gateway, format!("--max-stall-ms={}", STALL.as_millis()))
+        .env(Gateway, "RUST_LOG", "info")
         .start_or_skip()
     else {
         return;

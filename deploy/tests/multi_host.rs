@@ -15,6 +15,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use testkit::netns_cluster::Processes::{DecodeNodes, Gateway};
 use testkit::netns_cluster::{NetnsCluster, NetnsClusterBuilder, Tls};
 use testkit::references::{generate_ids, references};
 use testkit::streams::{self, Record};
@@ -31,10 +32,10 @@ fn start(tls: Tls) -> Option<NetnsCluster> {
         .nodes(2, 2)
         .tls(tls)
         // Slow enough steps for a link to go down mid-stream.
-        .decode_env("FISSION_DEBUG_STEP_DELAY_MS", "15")
+        .env(DecodeNodes, "FISSION_DEBUG_STEP_DELAY_MS", "15")
         // Spread the requests so that every host serves some.
-        .gateway_arg("--routing=round-robin")
-        .gateway_arg(format!("--max-stall-ms={}", STALL.as_millis()))
+        .arg(Gateway, "--routing=round-robin")
+        .arg(Gateway, format!("--max-stall-ms={}", STALL.as_millis()))
         .start_or_skip()
 }
 

@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use testkit::fission::stories_dir;
-use testkit::netns_cluster::{NetnsCluster, NetnsClusterBuilder, Tls};
+use testkit::netns_cluster::{NetnsCluster, NetnsClusterBuilder, Processes, Tls};
 use testkit::references::{generate_ids, references};
 use testkit::wait_until;
 
@@ -31,7 +31,7 @@ fn start(kv: &str, ready: usize) -> Option<NetnsCluster> {
         .transport(kv)
         .tls(Tls::Insecure)
         // UCX over its TCP transport, the network between hosts here.
-        .node_env("UCX_TLS", "tcp")
+        .env(Processes::Nodes, "UCX_TLS", "tcp")
         .ready(ready)
         .start_or_skip()
 }

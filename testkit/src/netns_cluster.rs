@@ -48,6 +48,15 @@ pub enum Tls {
     Insecure,
 }
 
+/// Which processes a flag or an environment variable is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Processes {
+    /// Every node, prefill and decode.
+    Nodes,
+    DecodeNodes,
+    Gateway,
+}
+
 /// Builds a cluster across hosts: 1 prefill and 1 decode node serving stories260K, KV over
 /// QUIC, a certificate per host, until an option says otherwise. Nodes are `prefill-0`,
 /// `prefill-1`, ..., `decode-0`, ..., each the name of its host and its `--node-id`.
@@ -58,11 +67,8 @@ pub struct NetnsClusterBuilder {
     decode: usize,
     kv_transport: String,
     tls: Tls,
-    node_args: Vec<String>,
-    node_env: Vec<(String, String)>,
-    decode_env: Vec<(String, String)>,
-    gateway_args: Vec<String>,
-    gateway_env: Vec<(String, String)>,
+    args: Vec<(Processes, String)>,
+    env: Vec<(Processes, String, String)>,
     ready: Option<usize>,
 }
 
@@ -76,11 +82,8 @@ impl NetnsClusterBuilder {
             decode: 1,
             kv_transport: "quic".into(),
             tls: Tls::PerHost,
-            node_args: Vec::new(),
-            node_env: Vec::new(),
-            decode_env: Vec::new(),
-            gateway_args: Vec::new(),
-            gateway_env: Vec::new(),
+            args: Vec::new(),
+            env: Vec::new(),
             ready: None,
         }
     }
@@ -103,34 +106,30 @@ impl NetnsClusterBuilder {
         self
     }
 
-    /// A flag for every node.
-    pub fn node_arg(mut self, arg: impl Into<String>) -> Self {
-        self.node_args.push(arg.into());
+    /// A flag for `to`, after the ones the builder sets.
+    pub fn arg(mut self, to: Processes, arg: impl Into<String>) -> Self {
+        self.args.push((to, arg.into()));
         self
     }
 
-    /// An environment variable for every node.
-    pub fn node_env(mut self, key: &str, value: &str) -> Self {
-        self.node_env.push((key.into(), value.into()));
+    /// An environment variable for `to`.
+    pub fn env(mut self, to: Processes, key: &str, value: &str) -> Self {
+        self.env.push((to, key.into(), value.into()));
         self
     }
 
-    /// An environment variable for the decode nodes only.
-    pub fn decode_env(mut self, key: &str, value: &str) -> Self {
-        self.decode_env.push((key.into(), value.into()));
-        self
+    fn args_for(&self, to: Processes) -> impl Iterator<Item = &str> {
+        self.args
+            .iter()
+            .filter(move |(p, _)| *p == to)
+            .map(|(_, a)| a.as_str())
     }
 
-    /// A flag of the gateway's.
-    pub fn gateway_arg(mut self, arg: impl Into<String>) -> Self {
-        self.gateway_args.push(arg.into());
-        self
-    }
-
-    /// An environment variable for the gateway.
-    pub fn gateway_env(mut self, key: &str, value: &str) -> Self {
-        self.gateway_env.push((key.into(), value.into()));
-        self
+    fn env_for(&self, to: Processes) -> impl Iterator<Item = (&str, &str)> {
+        self.env
+            .iter()
+            .filter(move |(p, _, _)| *p == to)
+            .map(|(_, k, v)| (k.as_str(), v.as_str()))
     }
 
     /// How many nodes the gateway must list as ready before [`Self::start_or_skip`] returns
@@ -178,15 +177,16 @@ impl NetnsClusterBuilder {
                 .arg(format!("--metrics-addr={ip}:{METRICS_PORT}"))
                 .arg(format!("--advertise-host={ip}"))
                 .args(tls.flags(node))
-                .args(&self.node_args)
+                .args(self.args_for(Processes::Nodes))
                 // Namespaces share the kernel, /dev/shm and the machine id: each stands for a
                 // host of its own only by the id it advertises, so that no two nodes pick
                 // shared memory between them.
                 .env("FISSION_HOST_ID", node)
-                .envs(self.node_env.iter().map(|(k, v)| (k, v)));
+                .envs(self.env_for(Processes::Nodes));
             if role == "decode" {
                 cmd.arg(format!("--kv-addr={ip}:{KV_PORT}"))
-                    .envs(self.decode_env.iter().map(|(k, v)| (k, v)));
+                    .args(self.args_for(Processes::DecodeNodes))
+                    .envs(self.env_for(Processes::DecodeNodes));
             }
             procs.push(spawn_logged(cmd, &dir.log(node)));
         }
@@ -198,8 +198,8 @@ impl NetnsClusterBuilder {
             .arg(format!("--addr={gw_ip}:{HTTP_PORT}"))
             .args(["--etcd", &etcd_url, "--cluster", CLUSTER])
             .args(tls.flags("gateway"))
-            .args(&self.gateway_args)
-            .envs(self.gateway_env.iter().map(|(k, v)| (k, v)))
+            .args(self.args_for(Processes::Gateway))
+            .envs(self.env_for(Processes::Gateway))
             // A key in the test runner's environment would lock the test out.
             .env_remove("FISSION_API_KEY");
         procs.push(spawn_logged(gateway, &dir.log("gateway")));
