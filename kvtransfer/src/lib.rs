@@ -116,6 +116,7 @@
 
 mod accept;
 mod backend;
+mod crc;
 mod error;
 pub mod frame;
 mod header;
@@ -128,6 +129,7 @@ mod registry;
 mod shm;
 mod shm_auth;
 mod sink;
+mod slots;
 mod stream_io;
 mod tcp;
 mod transport;

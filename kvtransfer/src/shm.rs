@@ -29,7 +29,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-mod crc;
 mod region;
 
 use bytes::Bytes;
@@ -48,13 +47,14 @@ use crate::header::LayerHeader;
 use crate::registry::{PeerKey, TransferRegistry};
 use crate::shm_auth::{check_peer_user, ClientAuth, ServerAuth, Socket};
 use crate::sink::KvSink;
+use crate::slots::{Slots, SLOTS};
 use crate::stream_io;
 use crate::transport::{
     receive_frame, EarlyRefusal, Handled, KvConnection, KvServer, KvTransport, ReceiveCtx,
     RefusalObserver, TransferStat,
 };
 use crate::verdict::{Verdict, ACK_LEN};
-use region::{copy_in, Slots, SLOTS};
+use region::copy_in;
 
 /// What a shared-memory endpoint starts with: `unix:` and the socket's path.
 pub const SHM_SCHEME: &str = "unix:";
@@ -341,7 +341,7 @@ async fn offer_region(
         .read_exact(&mut ack)
         .await
         .map_err(io(peer, "region mapped"))?;
-    Ok(Slots::new(region, slot_bytes as usize))
+    Ok(Slots::new(Arc::new(region), slot_bytes as usize))
 }
 
 /// Sends layers through shared memory, with a pool of connections per endpoint.

@@ -169,9 +169,8 @@ pub(crate) enum EarlyRefusal<'a> {
     Discard,
     /// On the stream: leave it unread; the caller stops the stream (QUIC).
     Abandon,
-    /// In a shared-memory region (UCX): nothing to drop.
-    Region(&'a [u8]),
-    /// In a region that hands the payload out itself (shm's slots): nothing to drop.
+    /// In a region that hands the payload out itself (the slots of shm and UCX): nothing to
+    /// drop.
     Source(&'a dyn PayloadSource),
 }
 
@@ -247,7 +246,7 @@ where
         let Some(claim) = claim else {
             return match early {
                 EarlyRefusal::Abandon => Handled::Refused(verdict),
-                EarlyRefusal::Region(_) | EarlyRefusal::Source(_) => Handled::Answer(verdict),
+                EarlyRefusal::Source(_) => Handled::Answer(verdict),
                 EarlyRefusal::Discard => match stream_io::discard(r, frame.payload_len, peer).await
                 {
                     Ok(()) => Handled::Answer(verdict),
@@ -259,15 +258,6 @@ where
             };
         };
         let read = match early {
-            EarlyRefusal::Region(region) => usize::try_from(frame.payload_len)
-                .ok()
-                .and_then(|len| stream_io::copy_out(region, len))
-                .ok_or_else(|| KvTransferError::PayloadTooLarge {
-                    xfer_id: frame.header.xfer_id,
-                    layer: frame.header.layer,
-                    payload_bytes: frame.payload_len,
-                    limit: region.len() as u64,
-                }),
             EarlyRefusal::Source(source) => usize::try_from(frame.payload_len)
                 .ok()
                 .and_then(|len| source.take(len))

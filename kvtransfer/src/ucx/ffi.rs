@@ -42,11 +42,9 @@ pub(crate) const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
 pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
 pub(crate) const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
 pub(crate) const UCP_ERR_HANDLING_MODE_NONE: c_int = 0;
-pub(crate) const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub(crate) const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub(crate) const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
 pub(crate) const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
-pub(crate) const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 
 /// `ucp_params_t` (80 bytes).
 #[repr(C)]

@@ -5,24 +5,26 @@
 //! The decode node listens on a TCP control socket (`host:port`, advertised like TCP's). For
 //! each connection, once the peer is admitted (below), it leases a region of registered
 //! memory (`ucp_mem_map`, done once per region: regions are kept and reused by later
-//! connections) and sends the sender its UCX worker address, the region's address and
-//! size, a tag of the connection's own and the packed remote key. For each frame the
-//! receiver posts a receive for that tag into the region (`ucp_tag_recv_nbx`); the sender
-//! sends the payload with the tag (`ucp_tag_send_nbx`, an empty message for an empty
-//! payload), then the usual frame header on the control socket (checksum, epoch, trace
-//! context). Only once the message has landed does the receiver read the header; it copies
-//! the payload out of the region, computing its CRC-32C on the way, checks it as every
-//! backend does and answers with the verdict. Like TCP and shm, a connection carries one
-//! frame at a time and each endpoint gets a small pool of them.
+//! connections), cut into two slots ([`crate::slots`]), and sends the sender its UCX worker
+//! address, the largest payload (a slot), a tag of the connection's own and the packed remote
+//! key. For each frame the receiver posts a receive for that tag into the slot the sink does
+//! not hold (`ucp_tag_recv_nbx`); the sender sends the payload with the tag
+//! (`ucp_tag_send_nbx`, an empty message for an empty payload), then the usual frame header
+//! on the control socket (checksum, epoch, trace context). Only once the message has landed
+//! does the receiver read the header; it checks the payload's CRC-32C on the slot, as every
+//! backend checks it, hands the sink the slot itself and answers with the verdict. Like TCP
+//! and shm, a connection carries one frame at a time and each endpoint gets a small pool of
+//! them.
 //!
-//! A large payload goes by UCX's rendezvous protocol: over RDMA a zero-copy read or write
-//! into the posted region; over UCX's TCP transport, active-message fragments sent from the
-//! sender's buffer without a copy, which the receiver's worker copies into the region. The
-//! earlier one-sided `ucp_put_nbx` is not used: UCX's TCP transport has no remote key, so
-//! UCP emulated the put with active messages, with a copy more on the sending side. (With
-//! endpoints that do not ask for peer-failure handling, UCX's TCP transport offers an RMA
-//! lane and the rendezvous receives straight into the region, 3.6x faster in ucx_perftest,
-//! but UCX then treats a failed peer as fatal; see benchmarks/history/2026-11-29-ucx-speed.md.)
+//! A large payload goes by UCX's rendezvous protocol, straight into the posted slot: over
+//! RDMA a zero-copy read or write, over UCX's TCP transport its own put, which the receiving
+//! worker `recv`s into the slot. That needs endpoints without UCX's peer-failure mode, whose
+//! TCP transport has no such lane (rendezvous fragments then arrive as active messages and
+//! are copied, 3.6x slower in `ucx_perftest`); an error handler and indirect request ids
+//! still fail what was in flight to a peer that dies ([`worker`], and
+//! `tests/ucx_peer_death.rs`, which SIGKILLs either side mid-transfer). The one-sided
+//! `ucp_put_nbx` is not used: with no remote key on UCX's TCP transport, UCP emulated it with
+//! active messages (benchmarks/history/2026-11-29-ucx-speed.md).
 //!
 //! UCX itself is loaded at run time ([`ffi`]): no build needs it, and a node without
 //! `libucx0` fails when it builds this backend. One UCP context and worker per server or
@@ -39,15 +41,19 @@
 //!   [`UcxConfig::remote_peers`] says so, and nodes run UCX only under `--insecure`.
 //!
 //! As with TCP and shm, a reservation's binding to the gateway's chosen prefill node is not
-//! checked (there is no certificate): run it where the nodes' network is trusted. The epoch
-//! rule and the checksums hold as on every backend, since a payload reaches the cache only
-//! through the checked frame; a stale or hostile write into a region can only fail the
-//! frame that region carries.
+//! checked (there is no certificate): run it where the nodes' network is trusted. UCX's TCP
+//! transport goes further: its put writes wherever the peer's request names, with no key to
+//! check (`ucx_info -d`: "remote key: 0 bytes"), so any process that reaches the worker's
+//! TCP port can write the receiver's memory. That is why UCX across hosts needs
+//! `--insecure`, and why peers on one host use the shm backend. The epoch rule and the
+//! checksums hold as on every backend, since a payload reaches the cache only through a
+//! checked frame; what an admitted peer could still change after the check is its own
+//! frame's blocks ([`crate::slots`]).
 //!
 //! # GPUDirect
 //!
-//! Here the registered memory is host memory and the receiver copies each layer out into
-//! its cache. With CUDA, `ucp_mem_map` takes device memory (UCX's `cuda` and `gdr_copy`
+//! Here the registered memory is host memory and the sink copies each layer from its slot
+//! into its cache. With CUDA, `ucp_mem_map` takes device memory (UCX's `cuda` and `gdr_copy`
 //! transports, `nvidia-peermem` or dma-buf for the NIC): registering the decode node's
 //! device K/V cache once at start-up and carrying, per reservation, the device address of
 //! each block run instead of one region would let the NIC write straight into the blocks,
@@ -84,8 +90,9 @@ pub struct UcxConfig {
     /// Server: whether peers outside this host are admitted. Such a peer cannot be
     /// authenticated; nodes run UCX only under `--insecure`, which is what allows it.
     pub remote_peers: bool,
-    /// UCX transports (`UCX_TLS`, e.g. `tcp`, `sm`, `rc`); UCX's own choice, or the
-    /// environment's `UCX_TLS`, when unset.
+    /// UCX transports (`UCX_TLS`, e.g. `tcp`, `sm`, `rc`); when unset, the environment's
+    /// `UCX_TLS`, else every transport but shared memory (`^sm`: peers on one host use the
+    /// shm backend).
     pub transports: Option<String>,
     /// The largest payload a frame may carry is also each region's size: a region is
     /// anonymous memory, so only the pages the largest layer touched take memory. Over

@@ -17,6 +17,7 @@ use crate::error::KvTransferError;
 use crate::receive::{serve_frames, FrameGate, FrameLoop};
 use crate::registry::TransferRegistry;
 use crate::sink::KvSink;
+use crate::slots::{Slots, SLOTS};
 use crate::stream_io;
 use crate::transport::{EarlyRefusal, KvServer, ReceiveCtx, RefusalObserver};
 
@@ -33,6 +34,8 @@ static NEXT_TAG: AtomicU64 = AtomicU64::new(1);
 struct RecvGate<'a> {
     worker: &'a UcxWorker,
     region: &'a RegionLease,
+    slots: &'a Slots,
+    slot_bytes: usize,
     tag: u64,
     timeout: Duration,
     peer: &'a str,
@@ -40,7 +43,14 @@ struct RecvGate<'a> {
 
 impl FrameGate<TcpStream> for RecvGate<'_> {
     async fn ready(&mut self, stream: &TcpStream) -> bool {
-        let recv = self.worker.recv(self.region, self.tag);
+        // The slot the sink does not hold: the payload lands there and is read in place.
+        let slot = usize::from(self.slots.next_slot());
+        let recv = self.worker.recv(
+            self.region,
+            slot * self.slot_bytes,
+            self.slot_bytes,
+            self.tag,
+        );
         tokio::pin!(recv);
         let mut byte = [0u8; 1];
         let received = tokio::select! {
@@ -196,10 +206,16 @@ async fn run_connection<S: KvSink>(
         tracing::debug!(%peer, error = %e, "kv ucx set_nodelay failed");
     }
     let tag = NEXT_TAG.fetch_add(1, Ordering::Relaxed);
+    let slot_bytes = usize::try_from(config.limits.max_payload_bytes).unwrap_or(usize::MAX);
     let setup = async {
-        let region = worker
-            .lease_region(usize::try_from(config.limits.max_payload_bytes).unwrap_or(usize::MAX))
-            .await?;
+        let region_bytes =
+            slot_bytes
+                .checked_mul(SLOTS)
+                .ok_or_else(|| KvTransferError::Config {
+                    field: "max_payload_bytes",
+                    reason: format!("{SLOTS} slots of {slot_bytes} bytes do not fit in memory"),
+                })?;
+        let region = worker.lease_region(region_bytes).await?;
         let info = region.info();
         let address = worker.address();
         let mut hello = Vec::with_capacity(36 + address.len() + info.rkey.len());
@@ -207,7 +223,8 @@ async fn run_connection<S: KvSink>(
         hello.extend_from_slice(&(address.len() as u32).to_le_bytes());
         hello.extend_from_slice(address);
         hello.extend_from_slice(&(info.addr as u64).to_le_bytes());
-        hello.extend_from_slice(&(info.len as u64).to_le_bytes());
+        // The largest payload: one slot.
+        hello.extend_from_slice(&(slot_bytes as u64).to_le_bytes());
         hello.extend_from_slice(&tag.to_le_bytes());
         hello.extend_from_slice(&(info.rkey.len() as u32).to_le_bytes());
         hello.extend_from_slice(&info.rkey);
@@ -235,15 +252,21 @@ async fn run_connection<S: KvSink>(
             }
         },
     };
+    let region = Arc::new(region);
+    // The slots and every payload the sink holds keep the lease, so the region goes back to
+    // the worker only once nothing reads it.
+    let slots = Slots::new(region.clone(), slot_bytes);
     let frames = FrameLoop {
         ctx: &ctx,
-        early: EarlyRefusal::Region(region.bytes()),
+        early: EarlyRefusal::Source(&slots),
         peer: &peer,
         peer_key: None,
     };
     let gate = RecvGate {
         worker,
         region: &region,
+        slots: &slots,
+        slot_bytes,
         tag,
         timeout: Duration::from_millis(config.put_timeout_ms),
         peer: &peer,

@@ -9,8 +9,9 @@
 //!
 //! The thread owns the registered regions: a region stays mapped and registered until the
 //! worker itself goes, whatever happens to the connection that leased it, so a late message
-//! from a peer can never land in freed memory; a receive still posted when its connection
-//! goes is cancelled before the region is leased again (commands run in order).
+//! from a peer can never land in freed memory. A receive still posted when its connection
+//! goes is cancelled, and its region goes back to the free list only once UCX has finished
+//! with every receive posted in it (a cancel cannot stop a rendezvous already under way).
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
@@ -43,13 +44,17 @@ pub(crate) struct WorkerOptions {
 }
 
 /// UCX settings this backend changes from UCX's defaults, unless the environment sets them
-/// (`UCX_` and the first name): TCP segments of 512 KiB instead of 8 KiB move a layer in far
-/// fewer active messages (2.4 against 0.6 GB/s for a 64 MiB put on loopback,
-/// benchmarks/history/2026-11-29-ucx.md). A context takes a transport's setting by its name
-/// without the transport's prefix.
-const TUNING: [(&str, &str, &str); 2] = [
-    ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512k"),
-    ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512k"),
+/// (`UCX_` and the first name); the last field says whether only for TCP. A context takes a
+/// transport's setting by its name without the transport's prefix.
+/// - TCP segments of 512 KiB instead of 8 KiB move a layer in far fewer active messages (2.4
+///   against 0.6 GB/s for a 64 MiB put on loopback, benchmarks/history/2026-11-29-ucx.md).
+/// - Indirect request ids make UCX track each endpoint's requests, so that a failed peer
+///   fails the sends and receives in flight to it; by default only peer-failure mode does,
+///   which endpoints here do without ([`Progress::create_ep`]).
+const TUNING: [(&str, &str, &str, bool); 3] = [
+    ("TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "512k", true),
+    ("TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512k", true),
+    ("PROTO_INDIRECT_ID", "PROTO_INDIRECT_ID", "on", false),
 ];
 
 enum Cmd {
@@ -84,6 +89,10 @@ enum Cmd {
     CancelRecv {
         tag: u64,
     },
+    /// A region no connection holds any more: free once no receive is posted in it.
+    Release {
+        info: RegionInfo,
+    },
     Close {
         ep: u64,
     },
@@ -97,12 +106,14 @@ pub(crate) struct RegionInfo {
     pub rkey: Arc<[u8]>,
 }
 
+/// Regions the thread registered and no connection holds nor receive writes.
+type FreeRegions = Arc<Mutex<Vec<RegionInfo>>>;
+
 struct Shared {
     tx: Mutex<mpsc::Sender<Cmd>>,
     wake: Arc<OwnedFd>,
     address: Arc<[u8]>,
-    /// Regions the thread registered and no connection holds.
-    free_regions: Mutex<Vec<RegionInfo>>,
+    free_regions: FreeRegions,
 }
 
 impl Drop for Shared {
@@ -145,9 +156,11 @@ impl UcxWorker {
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let thread_wake = wake.clone();
+        let free_regions = FreeRegions::default();
+        let thread_free = free_regions.clone();
         std::thread::Builder::new()
             .name("fission-ucx".to_owned())
-            .spawn(move || match Progress::init(ucp, &options) {
+            .spawn(move || match Progress::init(ucp, &options, thread_free) {
                 Ok((mut progress, address)) => {
                     let _ = ready_tx.send(Ok(address));
                     progress.run(&rx, &thread_wake);
@@ -165,7 +178,7 @@ impl UcxWorker {
                 tx: Mutex::new(tx),
                 wake,
                 address: address.into(),
-                free_regions: Mutex::new(Vec::new()),
+                free_regions,
             }),
         })
     }
@@ -242,9 +255,22 @@ impl UcxWorker {
 }
 
 impl UcxWorker {
-    /// Waits for the message tagged `tag` to land in `region`; a dropped wait cancels the
-    /// receive before the region can be leased again.
-    pub(crate) async fn recv(&self, region: &RegionLease, tag: u64) -> Result<(), KvTransferError> {
+    /// Waits for the message tagged `tag` to land in `region`'s `len` bytes from `offset`; a
+    /// dropped wait cancels the receive, and the region is not leased again while UCX may
+    /// still write it.
+    pub(crate) async fn recv(
+        &self,
+        region: &RegionLease,
+        offset: usize,
+        len: usize,
+        tag: u64,
+    ) -> Result<(), KvTransferError> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > region.info.len)
+        {
+            return Err(ucx_error("ucx receive", "outside the connection's region"));
+        }
         struct Cancel<'a>(&'a UcxWorker, u64, bool);
         impl Drop for Cancel<'_> {
             fn drop(&mut self) {
@@ -256,8 +282,8 @@ impl UcxWorker {
         let mut guard = Cancel(self, tag, false);
         let result = self
             .ask(|reply| Cmd::Recv {
-                addr: region.info.addr,
-                len: region.info.len,
+                addr: region.info.addr + offset,
+                len,
                 tag,
                 reply,
             })
@@ -277,10 +303,12 @@ impl RegionLease {
     pub(crate) fn info(&self) -> &RegionInfo {
         &self.info
     }
+}
 
-    /// The region's bytes. A peer may write them at any time, which is why the receiver
-    /// copies a payload out before it checks the checksum.
-    pub(crate) fn bytes(&self) -> &[u8] {
+/// The region's bytes. UCX writes them only through the receives the connection posts
+/// ([`crate::slots`] says what a peer could still change).
+impl AsRef<[u8]> for RegionLease {
+    fn as_ref(&self) -> &[u8] {
         // SAFETY: the worker thread keeps this mapping alive until the worker ends, and the
         // lease holds the worker.
         unsafe { std::slice::from_raw_parts(self.info.addr as *const u8, self.info.len) }
@@ -289,12 +317,11 @@ impl RegionLease {
 
 impl Drop for RegionLease {
     fn drop(&mut self) {
-        self.worker
-            .shared
-            .free_regions
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(self.info.clone());
+        // The thread frees it once no receive is posted in it; if the thread has ended, the
+        // region is gone with it.
+        let _ = self.worker.send(Cmd::Release {
+            info: self.info.clone(),
+        });
     }
 }
 
@@ -337,8 +364,9 @@ struct Ep {
 
 struct InFlight {
     request: *mut c_void,
-    /// The tag of a posted receive, which a cancel names; `None` for sends and flushes.
-    recv_tag: Option<u64>,
+    /// The tag and address of a posted receive, which a cancel names and which keeps its
+    /// region from the free list; `None` for sends.
+    recv: Option<(u64, usize)>,
     /// A send's payload, kept alive until the send is done with it.
     _payload: Bytes,
     reply: oneshot::Sender<Result<(), KvTransferError>>,
@@ -355,16 +383,16 @@ struct Progress {
     next_ep: u64,
     in_flight: Vec<InFlight>,
     closing: Vec<*mut c_void>,
-    /// Whether endpoints ask for peer-failure handling (not every transport has it). Without
-    /// it UCX's TCP transport would offer its RMA lane for rendezvous, but UCX 1.13 treats a
-    /// failed peer as fatal there (benchmarks/history/2026-11-29-ucx-speed.md).
-    peer_err_mode: bool,
+    /// Regions whose leases ended, kept from the free list until no receive is posted in them.
+    releasing: Vec<RegionInfo>,
+    free_regions: FreeRegions,
 }
 
 impl Progress {
     fn init(
         ucp: &'static Ucp,
         options: &WorkerOptions,
+        free_regions: FreeRegions,
     ) -> Result<(Self, Vec<u8>), KvTransferError> {
         let fail = |what: &'static str, status: ffi::Status| ucx_error(what, ucp.describe(status));
         let mut config: ffi::Config = std::ptr::null_mut();
@@ -378,15 +406,23 @@ impl Progress {
             .transports
             .clone()
             .or_else(|| std::env::var("UCX_TLS").ok());
-        let tcp = tls.is_none_or(|t| t.contains("tcp") || t.contains("all"));
+        let tcp = tls
+            .as_deref()
+            .is_none_or(|t| t.contains("tcp") || t.contains("all") || t.starts_with("^"));
         let mut settings: Vec<(String, String)> = TUNING
             .iter()
-            .filter(|_| tcp)
-            .filter(|(env, _, _)| std::env::var_os(format!("UCX_{env}")).is_none())
-            .map(|(_, n, v)| ((*n).to_owned(), (*v).to_owned()))
+            .filter(|(_, _, _, tcp_only)| tcp || !tcp_only)
+            .filter(|(env, _, _, _)| std::env::var_os(format!("UCX_{env}")).is_none())
+            .map(|(_, n, v, _)| ((*n).to_owned(), (*v).to_owned()))
             .collect();
-        if let Some(tls) = &options.transports {
-            settings.push(("TLS".to_owned(), tls.clone()));
+        match (&options.transports, &tls) {
+            (Some(chosen), _) => settings.push(("TLS".to_owned(), chosen.clone())),
+            // UCX would pick its shared-memory transports for a peer on this host: they
+            // cannot tell a dead peer (a receive would wait for its timeout) and ran slower
+            // than TCP here (benchmarks/history/2026-11-29-ucx.md), and this host's peers
+            // are the shm backend's anyway.
+            (None, None) => settings.push(("TLS".to_owned(), "^sm".to_owned())),
+            (None, Some(_)) => {}
         }
         for (name, value) in settings {
             let (Ok(n), Ok(v)) = (CString::new(name.clone()), CString::new(value.clone())) else {
@@ -447,7 +483,8 @@ impl Progress {
             next_ep: 0,
             in_flight: Vec::new(),
             closing: Vec::new(),
-            peer_err_mode: true,
+            releasing: Vec::new(),
+            free_regions,
         };
         // From here `progress`'s Drop cleans up on any failure.
         // SAFETY: a live worker.
@@ -542,12 +579,17 @@ impl Progress {
                 reply,
             } => self.tag_recv(addr, len, tag, reply),
             Cmd::CancelRecv { tag } => {
-                if let Some(f) = self.in_flight.iter().find(|f| f.recv_tag == Some(tag)) {
+                if let Some(f) = self
+                    .in_flight
+                    .iter()
+                    .find(|f| f.recv.is_some_and(|(t, _)| t == tag))
+                {
                     // SAFETY: a live receive request; it completes (cancelled) and is reaped.
                     unsafe { (self.ucp.request_cancel)(self.worker, f.request) };
                 }
             }
             Cmd::Close { ep } => self.close(ep),
+            Cmd::Release { info } => self.releasing.push(info),
         }
     }
 
@@ -556,7 +598,7 @@ impl Progress {
         &mut self,
         what: &'static str,
         p: ffi::StatusPtr,
-        recv_tag: Option<u64>,
+        recv: Option<(u64, usize)>,
         payload: Bytes,
         reply: oneshot::Sender<Result<(), KvTransferError>>,
     ) {
@@ -569,7 +611,7 @@ impl Progress {
             }
             Pending::Request(request) => self.in_flight.push(InFlight {
                 request,
-                recv_tag,
+                recv,
                 _payload: payload,
                 reply,
             }),
@@ -609,7 +651,13 @@ impl Progress {
         let p = unsafe {
             (self.ucp.tag_recv_nbx)(self.worker, addr as *mut c_void, len, tag, u64::MAX, &param)
         };
-        self.track("ucp_tag_recv_nbx", p, Some(tag), Bytes::new(), reply);
+        self.track(
+            "ucp_tag_recv_nbx",
+            p,
+            Some((tag, addr)),
+            Bytes::new(),
+            reply,
+        );
     }
 
     fn region(&mut self, len: usize) -> Result<RegionInfo, KvTransferError> {
@@ -648,19 +696,24 @@ impl Progress {
         Ok(info)
     }
 
-    fn create_ep(&self, address: &[u8], peer_mode: bool) -> Result<ffi::Ep, ffi::Status> {
+    /// An endpoint without UCX's peer-failure mode, but with an error handler. The mode would
+    /// take away the TCP transport's RMA lane, so a rendezvous would arrive as active messages
+    /// copied by this thread (3.6x slower in `ucx_perftest`); without it the TCP transport
+    /// receives a rendezvous straight into the posted region. A failed peer is still handled:
+    /// with a handler installed UCX 1.13 fails the endpoint and its requests and calls the
+    /// handler (`ucp_ep_set_failed`), where with no handler it would leave the error unhandled.
+    /// A peer that stops without closing its socket is the control socket's and the timeouts'
+    /// to catch, as UCX's keep-alive runs only in peer-failure mode.
+    fn create_ep(&self, address: &[u8]) -> Result<ffi::Ep, ffi::Status> {
         let mut params = ffi::EpParams {
             field_mask: ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER,
             address: address.as_ptr().cast(),
             err_mode: ffi::UCP_ERR_HANDLING_MODE_NONE,
             ..Default::default()
         };
-        if peer_mode {
-            params.field_mask |= ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
-            params.err_mode = ffi::UCP_ERR_HANDLING_MODE_PEER;
-            params.err_handler.cb = Some(on_peer_error);
-        }
+        params.err_handler.cb = Some(on_peer_error);
         let mut ep: ffi::Ep = std::ptr::null_mut();
         // SAFETY: a live worker; UCX copies what it needs from the address during the call.
         let status = unsafe { (self.ucp.ep_create)(self.worker, &params, &mut ep) };
@@ -672,24 +725,9 @@ impl Progress {
     }
 
     fn connect(&mut self, address: &[u8], rkey: &[u8]) -> Result<u64, KvTransferError> {
-        // Peer-failure handling makes a dead peer fail the send instead of hanging it; the
-        // shared-memory transports lack it, so without it UCX may still pick them.
-        let ep = if self.peer_err_mode {
-            match self.create_ep(address, true) {
-                Ok(ep) => Ok(ep),
-                Err(status) => {
-                    tracing::debug!(
-                        error = self.ucp.describe(status),
-                        "kv ucx endpoint without peer-failure handling"
-                    );
-                    self.peer_err_mode = false;
-                    self.create_ep(address, false)
-                }
-            }
-        } else {
-            self.create_ep(address, false)
-        }
-        .map_err(|status| ucx_error("ucp_ep_create", self.ucp.describe(status)))?;
+        let ep = self
+            .create_ep(address)
+            .map_err(|status| ucx_error("ucp_ep_create", self.ucp.describe(status)))?;
         let mut handle: ffi::RKey = std::ptr::null_mut();
         // SAFETY: a live endpoint and the peer's packed key bytes.
         let status = unsafe { (self.ucp.ep_rkey_unpack)(ep, rkey.as_ptr().cast(), &mut handle) };
@@ -703,7 +741,8 @@ impl Progress {
         Ok(key)
     }
 
-    /// Answers the sends and receives that finished and frees finished close requests.
+    /// Answers the sends and receives that finished, frees finished close requests, and
+    /// frees the released regions no receive is posted in any more.
     fn reap(&mut self) {
         let ucp = self.ucp;
         let mut i = 0;
@@ -723,6 +762,21 @@ impl Progress {
                 Err(ucx_error("ucx request", ucp.describe(status)))
             });
         }
+        let in_flight = &self.in_flight;
+        let free_regions = &self.free_regions;
+        self.releasing.retain(|region| {
+            let range = region.addr..region.addr + region.len;
+            let written = in_flight
+                .iter()
+                .any(|f| f.recv.is_some_and(|(_, at)| range.contains(&at)));
+            if !written {
+                free_regions
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(region.clone());
+            }
+            written
+        });
         self.closing.retain(|&r| {
             // SAFETY: as above.
             let status = unsafe { (ucp.request_check_status)(r) };
@@ -746,10 +800,13 @@ impl Progress {
     fn close_ep(&mut self, ep: ffi::Ep) {
         let param = ffi::RequestParam {
             op_attr_mask: ffi::UCP_OP_ATTR_FIELD_FLAGS,
-            flags: ffi::UCP_EP_CLOSE_FLAG_FORCE,
+            // Not forced: ucp.h allows a forced close only with peer-failure handling, and
+            // in UCX 1.13 it purges queued wire-up messages into an assertion. A failed
+            // endpoint's close completes with the failure.
+            flags: 0,
             ..Default::default()
         };
-        // SAFETY: a live endpoint, closed once; forced, so a dead peer does not hold it.
+        // SAFETY: a live endpoint, closed once.
         if let Pending::Request(r) = pending(unsafe { (self.ucp.ep_close_nbx)(ep, &param) }) {
             self.closing.push(r);
         }
