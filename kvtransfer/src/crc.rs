@@ -12,7 +12,8 @@
 //! then go through the `crc32` instruction instead of a Barrett reduction, which needs no
 //! further constants.
 
-/// CRC-32C of `data` appended to `crc` (as [`crc32c::crc32c_append`]).
+/// CRC-32C of `data` appended to `crc` (as [`crc32c::crc32c_append`]): every payload checksum
+/// of the crate, sender and receiver, goes through it.
 pub(crate) fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     #[cfg(target_arch = "x86_64")]
     {

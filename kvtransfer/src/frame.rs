@@ -81,7 +81,7 @@ impl FrameHeader {
         Self {
             header,
             payload_len: payload.len() as u64,
-            payload_crc32c: crc32c::crc32c(payload),
+            payload_crc32c: crate::crc::crc32c_append(0, payload),
         }
     }
 
@@ -237,7 +237,7 @@ impl FrameHeader {
                 given: payload.len() as u64,
             });
         }
-        self.check_crc32c(crc32c::crc32c(payload))
+        self.check_crc32c(crate::crc::crc32c_append(0, payload))
     }
 
     /// Compares a CRC-32C computed over the payload with the header's.

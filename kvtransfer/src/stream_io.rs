@@ -69,7 +69,7 @@ pub(crate) async fn read_payload<R: AsyncRead + Unpin>(
                 given: start as u64,
             });
         }
-        crc = crc32c::crc32c_append(crc, &buf[start..]);
+        crc = crate::crc::crc32c_append(crc, &buf[start..]);
     }
     Ok((buf.freeze(), crc))
 }
@@ -153,7 +153,7 @@ pub(crate) fn copy_out(region: &[u8], len: usize) -> Option<(Bytes, u32)> {
     for piece in src.chunks(PIECE) {
         let start = buf.len();
         buf.extend_from_slice(piece);
-        crc = crc32c::crc32c_append(crc, &buf[start..]);
+        crc = crate::crc::crc32c_append(crc, &buf[start..]);
     }
     Some((buf.freeze(), crc))
 }

@@ -40,7 +40,7 @@ impl LayerClaim {
         frame: &FrameHeader,
         payload: Bytes,
     ) -> Result<Outcome, KvTransferError> {
-        let crc = crc32c::crc32c(&payload);
+        let crc = crate::crc::crc32c_append(0, &payload);
         self.complete_with_crc32c(sink, frame, payload, crc)
     }
 
