@@ -37,7 +37,7 @@
 //!   the node has an identity; the payloads, in the user's own memory, are not encrypted).
 //! - [`PickingTransport`]: shared memory for a decode node on the sender's host, the network
 //!   backend otherwise, from what the reservation names ([`KvRoute`]).
-//! - [`UcxServer`] / [`UcxTransport`]: each payload as a UCX one-sided put into memory the
+//! - [`UcxServer`] / [`UcxTransport`]: each payload as a UCX tagged send into memory the
 //!   receiver registered once (verbs where there is RDMA hardware, TCP or shared memory
 //!   here), the frame header on a TCP control socket (no TLS; see the module).
 //! - [`BackendServer`] / [`BackendTransport`]: any of them, chosen by a [`KvBackend`], so

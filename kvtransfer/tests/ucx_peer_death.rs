@@ -144,6 +144,7 @@ struct Receiver {
     endpoint: String,
     shutdown: CancellationToken,
     task: tokio::task::JoinHandle<Result<(), KvTransferError>>,
+    free_regions: Box<dyn Fn() -> usize + Send + Sync>,
 }
 
 async fn receiver() -> Receiver {
@@ -151,6 +152,7 @@ async fn receiver() -> Receiver {
         .await
         .unwrap();
     let endpoint = server.local_addr().unwrap().to_string();
+    let free_regions = Box::new(server.free_regions());
     let registry = TransferRegistry::default();
     let sink = Arc::new(MemorySink::new(LAYOUT.num_layers, BLOCKS as usize, LAYOUT));
     let shutdown = CancellationToken::new();
@@ -161,6 +163,7 @@ async fn receiver() -> Receiver {
         endpoint,
         shutdown,
         task,
+        free_regions,
     }
 }
 
@@ -257,6 +260,13 @@ fn a_receiver_survives_its_sender_killed_mid_transfer() {
             "{} frames crossed before the kill",
             r.registry.stats().frames_rejected
         );
+        // Each of the dead sender's connections held a region with a receive posted in it:
+        // every one comes back once UCX has failed or finished that receive.
+        testkit::wait_until_async("the dead sender's regions freed", FAIL_WITHIN, || {
+            let free = (r.free_regions)();
+            async move { free == SENDERS }
+        })
+        .await;
         // A new sender, over the connections the dead one left behind, lands exactly.
         transfer_lands_exactly(&UcxTransport::new(config()), &r).await;
         r.shutdown.cancel();
@@ -304,8 +314,26 @@ fn main() {
         Ok("sender") => return child_sender(),
         _ => {}
     }
-    // Like libtest: the first free argument filters the tests by name.
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    // Like libtest: the first free argument filters the tests by name; libtest's options
+    // that take a value are skipped with it.
+    let mut filter = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if [
+            "--test-threads",
+            "--skip",
+            "--format",
+            "--color",
+            "--logfile",
+            "-Z",
+        ]
+        .contains(&arg.as_str())
+        {
+            args.next();
+        } else if !arg.starts_with('-') && filter.is_none() {
+            filter = Some(arg);
+        }
+    }
     let tests: [(&str, fn()); 2] = [
         (
             "a_sender_survives_its_receiver_killed_mid_transfer",

@@ -113,6 +113,16 @@ impl UcxServer {
     }
 }
 
+impl UcxServer {
+    /// A count of the server's registered regions that are free to lease, to read while it
+    /// serves: once every connection has ended and UCX has finished with every receive, all
+    /// of them are (a region leaked to a dead peer would not be).
+    pub fn free_regions(&self) -> impl Fn() -> usize + Send + Sync + 'static {
+        let worker = self.worker.clone();
+        move || worker.free_regions()
+    }
+}
+
 impl KvServer for UcxServer {
     fn local_addr(&self) -> Result<SocketAddr, KvTransferError> {
         self.listener

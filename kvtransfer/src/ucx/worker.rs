@@ -183,6 +183,16 @@ impl UcxWorker {
         })
     }
 
+    /// How many registered regions are free to lease: no connection holds them and no
+    /// receive is posted in them.
+    pub(crate) fn free_regions(&self) -> usize {
+        self.shared
+            .free_regions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
     /// This worker's address, which a peer needs to open an endpoint to it.
     pub(crate) fn address(&self) -> &[u8] {
         &self.shared.address
