@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod harness;
+mod ucx;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
