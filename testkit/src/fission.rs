@@ -330,10 +330,7 @@ impl Up {
 
     /// Whether the gateway lists `node_id` as ready.
     pub fn is_ready(&self, node_id: &str) -> bool {
-        self.info()["backend"]["nodes"].as_array().is_some_and(|a| {
-            a.iter()
-                .any(|n| n["node_id"] == node_id && n["ready"] == true)
-        })
+        ready_node_ids(&self.info()).iter().any(|n| n == node_id)
     }
 }
 
@@ -365,6 +362,19 @@ fn credential_flags(command: &str) -> Vec<String> {
 }
 
 /// `fission nodes list --json --etcd ETCD`: every registered node (empty when it fails).
+/// The node ids a gateway's `/info` lists as ready.
+pub fn ready_node_ids(info: &Value) -> Vec<String> {
+    info["backend"]["nodes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|n| n["ready"] == true)
+                .filter_map(|n| n["node_id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 pub fn nodes_json(fission: &Path, etcd: &str) -> Vec<Value> {
     let Ok(out) = Command::new(fission)
         .args(["nodes", "list", "--json", "--etcd", etcd])

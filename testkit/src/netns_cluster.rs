@@ -374,14 +374,7 @@ impl NetnsCluster {
     pub fn ready_nodes(&self) -> Vec<String> {
         http_get(&format!("{}/info", self.url))
             .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-            .and_then(|v| {
-                v["backend"]["nodes"].as_array().map(|a| {
-                    a.iter()
-                        .filter(|n| n["ready"] == true)
-                        .filter_map(|n| n["node_id"].as_str().map(str::to_string))
-                        .collect()
-                })
-            })
+            .map(|v| crate::fission::ready_node_ids(&v))
             .unwrap_or_default()
     }
 

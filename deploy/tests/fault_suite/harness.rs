@@ -175,15 +175,17 @@ impl Cluster {
     }
 
     pub fn ready_nodes(&self) -> Vec<String> {
-        self.info()["backend"]["nodes"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter(|n| n["ready"] == true)
-                    .filter_map(|n| n["node_id"].as_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default()
+        testkit::fission::ready_node_ids(&self.info())
+    }
+
+    /// Whether `id`'s process still runs.
+    pub fn alive(&mut self, id: &str) -> bool {
+        let (_, n) = self
+            .nodes
+            .iter_mut()
+            .find(|(n, _)| n == id)
+            .unwrap_or_else(|| panic!("no node {id}"));
+        n.child.try_wait().expect("try_wait").is_none()
     }
 
     pub fn gateway_metric(&self, name: &str) -> f64 {

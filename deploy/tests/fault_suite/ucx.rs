@@ -75,16 +75,7 @@ fn a_decode_node_killed_mid_push_over_ucx_costs_no_request_and_no_prefill_node()
     let pushed_before = pushes_over_ucx(&c);
     // Alive until now: UCX's own faults show here (a crash inside its TCP put receive, with
     // rendezvous over two devices, was one).
-    let decode0 = &mut c
-        .nodes
-        .iter_mut()
-        .find(|(id, _)| id == "decode-0")
-        .unwrap()
-        .1;
-    assert!(
-        decode0.child.try_wait().unwrap().is_none(),
-        "decode-0 died before the kill"
-    );
+    assert!(c.alive("decode-0"), "decode-0 died before the kill");
     c.node("decode-0").signal(libc::SIGKILL);
     let fault = Instant::now();
     let records = load.join().unwrap();
@@ -92,16 +83,7 @@ fn a_decode_node_killed_mid_push_over_ucx_costs_no_request_and_no_prefill_node()
     assert_all_ok(&records, "across decode-0's death");
     assert_ended_within(&records, fault, FAULT_BOUND * 3);
     // The prefill node lived through its peer's death, and went on pushing over UCX.
-    let prefill = &mut c
-        .nodes
-        .iter_mut()
-        .find(|(id, _)| id == "prefill-0")
-        .unwrap()
-        .1;
-    assert!(
-        prefill.child.try_wait().unwrap().is_none(),
-        "prefill-0 died with its UCX peer"
-    );
+    assert!(c.alive("prefill-0"), "prefill-0 died with its UCX peer");
     assert!(c.ready_nodes().iter().any(|n| n == "prefill-0"));
     assert!(
         pushes_over_ucx(&c) > pushed_before,
