@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod harness;
-mod ucx;
+mod mid_push;
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
