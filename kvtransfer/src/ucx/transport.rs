@@ -284,26 +284,45 @@ impl UcxConnection {
             });
         }
         // Every frame sends its payload, an empty one too: the server waits for it before
-        // it reads the header.
-        tokio::time::timeout(
-            self.pool.put_timeout,
-            link.ep.send(payload.clone(), link.tag),
-        )
-        .await
-        .map_err(|_| KvTransferError::Stream {
-            endpoint: endpoint.to_owned(),
-            what: "ucx send",
-            reason: format!(
-                "not sent within put_timeout_ms {}",
-                self.pool.put_timeout.as_millis()
-            ),
-        })??;
-        stream_io::write_frame(&mut link.stream, header, &[], endpoint).await?;
-        let mut ack = [0u8; ACK_LEN];
-        link.stream
-            .read_exact(&mut ack)
-            .await
-            .map_err(|e| stream_io::io_error(endpoint, "read verdict", e))?;
+        // it reads the header. The header follows at once, while UCX still moves the payload
+        // (the server reads it only once the payload has landed), and the verdict is awaited
+        // beside the send, so a failed send ends the exchange at once.
+        let sent = link.ep.send(payload.clone(), link.tag)?.wait();
+        let put_timeout = self.pool.put_timeout;
+        let sent = async move {
+            tokio::time::timeout(put_timeout, sent)
+                .await
+                .map_err(|_| KvTransferError::Stream {
+                    endpoint: endpoint.to_owned(),
+                    what: "ucx send",
+                    reason: format!("not sent within put_timeout_ms {}", put_timeout.as_millis()),
+                })?
+        };
+        tokio::pin!(sent);
+        let answered = async {
+            stream_io::write_frame(&mut link.stream, header, &[], endpoint).await?;
+            let mut ack = [0u8; ACK_LEN];
+            link.stream
+                .read_exact(&mut ack)
+                .await
+                .map_err(|e| stream_io::io_error(endpoint, "read verdict", e))?;
+            Ok::<_, KvTransferError>(ack)
+        };
+        tokio::pin!(answered);
+        let mut sent_ok = false;
+        let ack = loop {
+            tokio::select! {
+                result = &mut sent, if !sent_ok => {
+                    result?;
+                    sent_ok = true;
+                }
+                answered = &mut answered => break answered?,
+            }
+        };
+        // A verdict means the payload landed; the send's own completion follows.
+        if !sent_ok {
+            sent.await?;
+        }
         Verdict::decode(ack).ok_or_else(|| KvTransferError::Stream {
             endpoint: endpoint.to_owned(),
             what: "read verdict",

@@ -219,11 +219,17 @@ impl UcxWorker {
         &self,
         cmd: impl FnOnce(oneshot::Sender<Result<T, KvTransferError>>) -> Cmd,
     ) -> Result<T, KvTransferError> {
+        self.post(cmd)?.wait().await
+    }
+
+    /// Hands the thread `cmd` now; its answer is the returned one's to wait for.
+    fn post<T>(
+        &self,
+        cmd: impl FnOnce(oneshot::Sender<Result<T, KvTransferError>>) -> Cmd,
+    ) -> Result<Answer<T>, KvTransferError> {
         let (reply, answer) = oneshot::channel();
         self.send(cmd(reply))?;
-        answer
-            .await
-            .map_err(|_| ucx_error("command", "the worker thread has ended"))?
+        Ok(Answer(answer))
     }
 
     /// A registered region of at least `len` bytes, taken from the free ones or registered
@@ -309,6 +315,17 @@ impl UcxWorker {
     }
 }
 
+/// The thread's answer to a command handed to it.
+pub(crate) struct Answer<T>(oneshot::Receiver<Result<T, KvTransferError>>);
+
+impl<T> Answer<T> {
+    pub(crate) async fn wait(self) -> Result<T, KvTransferError> {
+        self.0
+            .await
+            .map_err(|_| ucx_error("command", "the worker thread has ended"))?
+    }
+}
+
 /// A region leased to one connection; back to the worker's free list on drop.
 pub(crate) struct RegionLease {
     info: RegionInfo,
@@ -348,16 +365,15 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
-    /// Sends `payload` tagged `tag` to the peer's posted receive; returns once sent.
-    pub(crate) async fn send(&self, payload: Bytes, tag: u64) -> Result<(), KvTransferError> {
-        self.worker
-            .ask(|reply| Cmd::Send {
-                ep: self.key,
-                payload,
-                tag,
-                reply,
-            })
-            .await
+    /// Starts sending `payload` tagged `tag` to the peer's posted receive, now; the answer
+    /// comes once it is sent (the worker holds the payload until then).
+    pub(crate) fn send(&self, payload: Bytes, tag: u64) -> Result<Answer<()>, KvTransferError> {
+        self.worker.post(|reply| Cmd::Send {
+            ep: self.key,
+            payload,
+            tag,
+            reply,
+        })
     }
 }
 
