@@ -1,6 +1,6 @@
 //! The KV transports that carry no TLS, across hosts (issue 34): a 1P+1D cluster on two
 //! network namespaces (`testkit::netns`, each a host with its own address) pushes its KV as
-//! UCX puts over UCX's TCP transport and serves the reference ids, every push counted under
+//! UCX sends over UCX's TCP transport and serves the reference ids, every push counted under
 //! `transport="ucx"` and none through shared memory, with every KV gauge back to 0; asking
 //! for shared memory between the two hosts is refused by the gateway, which admits only one
 //! of the two nodes and says why (the prefill node would refuse too: `PickingTransport`'s

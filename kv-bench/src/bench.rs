@@ -38,7 +38,7 @@ pub enum BenchBackend {
     Shm {
         connections: usize,
     },
-    /// UCX puts, on the UCX transports named (`UCX_TLS`), or UCX's choice.
+    /// UCX sends into registered memory, on the UCX transports named (`UCX_TLS`), or every one but shared memory.
     Ucx {
         transports: Option<String>,
         connections: usize,

@@ -14,7 +14,7 @@ pub enum KvBackend {
     Tcp,
     /// Shared memory, for two nodes on one host. No TLS; the peer must run as the same user.
     Shm,
-    /// UCX one-sided puts into registered memory (RDMA verbs, or UCX's TCP and shared-memory
+    /// UCX sends into registered memory (RDMA verbs, or UCX's TCP and shared-memory
     /// transports). No TLS; a peer on the same host must run as the same user.
     Ucx,
 }

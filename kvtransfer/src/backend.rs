@@ -73,7 +73,7 @@ impl BackendServer {
                 Self::Quic(QuicServer::bind(addr, identity, config.quic)?)
             }
             KvBackend::Tcp => Self::Tcp(TcpServer::bind(addr, config.tcp).await?),
-            // Its control socket on `addr`; the data moves as UCX puts.
+            // Its control socket on `addr`; the data moves as UCX sends into registered memory.
             KvBackend::Ucx => Self::Ucx(UcxServer::bind(addr, config.ucx).await?),
             // A Unix socket of its own in `config.shm.dir`; `addr` is the network's. With an
             // identity the socket runs mutual TLS.

@@ -12,7 +12,7 @@ use crate::error::NodeError;
 pub struct KvArgs {
     /// The KV data plane: quic (mutual TLS, the default), tcp (plain, for networks that
     /// block UDP; needs --insecure), shm (shared memory, nodes on one host; needs
-    /// --insecure) or ucx (UCX puts into registered memory: RDMA verbs, or UCX's TCP and
+    /// --insecure) or ucx (UCX sends into registered memory: RDMA verbs, or UCX's TCP and
     /// shared-memory transports, UCX_TLS; needs --insecure and libucx0).
     #[arg(
         long,
@@ -65,7 +65,7 @@ impl KvArgs {
                 Ok(None)
             }
             KvBackend::Ucx if tls.insecure => {
-                tracing::warn!("--kv-transport ucx: KV blocks move as UCX puts without TLS; a peer on this host must run as this node's user, one on another host is not authenticated; a reservation is not bound to the chosen prefill node's certificate");
+                tracing::warn!("--kv-transport ucx: KV blocks move as UCX sends without TLS; a peer on this host must run as this node's user, one on another host is not authenticated; a reservation is not bound to the chosen prefill node's certificate");
                 Ok(None)
             }
             KvBackend::Ucx => Err(NodeError::Config(

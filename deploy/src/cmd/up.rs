@@ -40,7 +40,7 @@ pub struct UpArgs {
     /// The gateway's HTTP port.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// kv transport: quic, tcp, shm (shared memory, one host) or ucx (UCX puts, libucx0).
+    /// kv transport: quic, tcp, shm (shared memory, one host) or ucx (UCX sends into registered memory, libucx0).
     #[arg(long, default_value = "quic")]
     pub kv_transport: String,
     /// Prompts shorter than this are prefilled on the decode node.

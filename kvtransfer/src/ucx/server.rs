@@ -77,7 +77,7 @@ impl FrameGate<TcpStream> for RecvGate<'_> {
     }
 }
 
-/// Receives layers through UCX puts into its registered regions.
+/// Receives layers through UCX tagged sends into its registered regions.
 pub struct UcxServer {
     listener: TcpListener,
     worker: UcxWorker,
