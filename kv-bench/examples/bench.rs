@@ -39,6 +39,10 @@ fn main() -> Result<()> {
                     }
                 }
             }
+            "--ucx-conns" => cfg.backends.push(BenchBackend::Ucx {
+                transports: Some("tcp".to_owned()),
+                connections: value()?.parse()?,
+            }),
             "--ucx-sm" => cfg.backends.push(BenchBackend::Ucx {
                 transports: Some("sm".to_owned()),
                 connections: 8,

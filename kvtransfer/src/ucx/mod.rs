@@ -21,14 +21,14 @@
 //! worker `recv`s into the slot. That needs endpoints without UCX's peer-failure mode, whose
 //! TCP transport has no such lane (rendezvous fragments then arrive as active messages and
 //! are copied, 3.6x slower in `ucx_perftest`); an error handler and indirect request ids
-//! still fail what was in flight to a peer that dies ([`worker`], and
+//! still fail what was in flight to a peer that dies ([`progress`], and
 //! `tests/ucx_peer_death.rs`, which SIGKILLs either side mid-transfer). The one-sided
 //! `ucp_put_nbx` is not used: with no remote key on UCX's TCP transport, UCP emulated it with
 //! active messages (benchmarks/history/2026-11-29-ucx-speed.md).
 //!
 //! UCX itself is loaded at run time ([`ffi`]): no build needs it, and a node without
 //! `libucx0` fails when it builds this backend. One UCP context and worker per server or
-//! transport run on a thread of their own ([`worker`]).
+//! transport run on a thread of their own ([`worker`] is the handle, [`progress`] the thread).
 //!
 //! # Trust
 //!
@@ -66,6 +66,7 @@
 
 pub(crate) mod ffi;
 mod peer;
+mod progress;
 mod server;
 mod transport;
 mod worker;
