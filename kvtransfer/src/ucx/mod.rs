@@ -64,6 +64,7 @@
 //! registration, or UCX's `ucp_mem_unmap` of it), since the payload no longer passes
 //! through a checked copy. See the crate's "What GPUDirect RDMA would change".
 
+mod command;
 pub(crate) mod ffi;
 mod peer;
 mod progress;

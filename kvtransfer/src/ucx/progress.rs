@@ -13,8 +13,8 @@ use bytes::Bytes;
 use memmap2::MmapMut;
 use tokio::sync::oneshot;
 
+use super::command::{ucx_error, Cmd, FreeRegions, RegionInfo, WorkerOptions};
 use super::ffi::{self, pending, Pending, Ucp};
-use super::worker::{ucx_error, Cmd, FreeRegions, RegionInfo, WorkerOptions};
 use crate::error::KvTransferError;
 
 /// UCX settings this backend changes from UCX's defaults, unless the environment sets them

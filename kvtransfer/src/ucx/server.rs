@@ -9,8 +9,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
+use super::command::WorkerOptions;
 use super::peer::{peer_origin, PeerOrigin};
-use super::worker::{RegionLease, UcxWorker, WorkerOptions};
+use super::worker::{RegionLease, UcxWorker};
 use super::UcxConfig;
 use crate::accept::{accept_loop, Accepted};
 use crate::error::KvTransferError;

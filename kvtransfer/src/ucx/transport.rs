@@ -12,8 +12,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{OnceCell, Semaphore};
 use tracing::Instrument;
 
+use super::command::WorkerOptions;
 use super::server::HELLO_MAGIC;
-use super::worker::{Endpoint, UcxWorker, WorkerOptions};
+use super::worker::{Endpoint, UcxWorker};
 use super::UcxConfig;
 use crate::error::KvTransferError;
 use crate::frame::{FrameHeader, FrameLimits};
