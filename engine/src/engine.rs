@@ -23,6 +23,7 @@ mod cache_events;
 mod config;
 mod constrain;
 mod disagg;
+mod heap;
 mod layer_push;
 mod observer;
 mod prompt_logprobs;
@@ -167,6 +168,8 @@ impl Engine {
     }
 
     fn build(model: LoadedModel, cfg: EngineConfig, per_window: bool) -> Result<Self> {
+        // A step's buffers stay in the heap for the next step instead of faulting in again.
+        heap::keep_freed_heap();
         let mc = model.config().clone();
         let dtype = match cfg.kv_cache_dtype {
             Some(d) => d,
