@@ -271,18 +271,30 @@ impl QuicTransport {
         if source == bind.ip() {
             return Ok(self.endpoint.clone());
         }
-        let mut fallback = self
+        self.cached_endpoint(source, || {
+            tracing::info!(%bind, %peer, %source, "kv quic: the bind address cannot reach this peer; sending from the unspecified address");
+            let mut endpoint = new_endpoint(SocketAddr::new(source, 0), &self.config, None)?;
+            endpoint.set_default_client_config(self.fallback.client.clone());
+            Ok(endpoint)
+        })
+    }
+
+    /// The endpoint sending from `source`, made by `make` the first time.
+    fn cached_endpoint(
+        &self,
+        source: IpAddr,
+        make: impl FnOnce() -> Result<quinn::Endpoint, KvTransferError>,
+    ) -> Result<quinn::Endpoint, KvTransferError> {
+        let mut endpoints = self
             .fallback
             .endpoints
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(endpoint) = fallback.get(&source) {
+        if let Some(endpoint) = endpoints.get(&source) {
             return Ok(endpoint.clone());
         }
-        tracing::info!(%bind, %peer, %source, "kv quic: the bind address cannot reach this peer; sending from the unspecified address");
-        let mut endpoint = new_endpoint(SocketAddr::new(source, 0), &self.config, None)?;
-        endpoint.set_default_client_config(self.fallback.client.clone());
-        fallback.insert(source, endpoint.clone());
+        let endpoint = make()?;
+        endpoints.insert(source, endpoint.clone());
         Ok(endpoint)
     }
 
@@ -294,17 +306,9 @@ impl QuicTransport {
             SocketAddr::V4(_) => IpAddr::from(Ipv4Addr::LOCALHOST),
             SocketAddr::V6(_) => IpAddr::from(Ipv6Addr::LOCALHOST),
         };
-        let mut fallback = self
-            .fallback
-            .endpoints
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(endpoint) = fallback.get(&source) {
-            return Ok(endpoint.clone());
-        }
-        let endpoint = new_loopback_endpoint(SocketAddr::new(source, 0), &self.config)?;
-        fallback.insert(source, endpoint.clone());
-        Ok(endpoint)
+        self.cached_endpoint(source, || {
+            new_loopback_endpoint(SocketAddr::new(source, 0), &self.config)
+        })
     }
 
     /// Closes every cached connection.
