@@ -96,9 +96,10 @@ pub struct UcxConfig {
     /// `UCX_TLS`, else every transport but shared memory (`^sm`: peers on one host use the
     /// shm backend).
     pub transports: Option<String>,
-    /// The largest payload a frame may carry is also each region's size: a region is
-    /// anonymous memory, so only the pages the largest layer touched take memory. Over
-    /// verbs the registration pins it, so lower this to the largest layer there.
+    /// The largest payload a frame may carry is also each slot's size, and a connection's
+    /// region holds two slots: a region is anonymous memory, so only the pages the largest
+    /// layers touched take memory. Over verbs the registration pins it, so lower this to the
+    /// largest layer there.
     pub limits: FrameLimits,
 }
 
